@@ -1,0 +1,83 @@
+"""The offline Python API, in the shape vLLM users know.
+
+from ft import LLM, SamplingParams
+with LLM(model="path/to/checkpoint", tp_size=2, device="cpu", dtype="float32") as llm:
+    outs = llm.generate(["some text", [1, 2, 3]], SamplingParams(max_tokens=16, temperature=0.0))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from ft.config import EngineConfig
+from ft.engine.engine import LLMEngine
+from ft.sampling_params import RequestOutput, SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+def load_tokenizer(path: str | None):
+    """The checkpoint's tokenizer, or None when the directory has no tokenizer files."""
+    if path is None or not any(
+        os.path.exists(os.path.join(path, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **options) -> None:
+        self.config = EngineConfig(model=model, **options)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+        self.engine = LLMEngine(self.config)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer files: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        order = [self.engine.add_request(self.encode(p), sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        results = [final[r] for r in order]
+        if self.tokenizer is not None:
+            for out in results:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return results
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,152 @@
+"""LLMEngine: requests in, outputs out, one ``step()`` at a time.
+
+It owns the scheduler (pure Python) and an executor (the ranks); ``step()`` schedules a batch,
+runs it, and folds the sampled tokens back into the requests. The offline ``LLM`` and the
+server's engine process both drive this loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from ft.config import EngineConfig
+from ft.engine.executor import make_executor
+from ft.models.config import ModelConfig, load_model_config
+from ft.sampling_params import RequestOutput, SamplingParams
+from ft.scheduler.kv_pool import BlockAllocator
+from ft.scheduler.request import Request
+from ft.scheduler.scheduler import Scheduler
+from ft.scheduler.state_pool import SlotAllocator
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    block_size: int
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_hit_tokens: int
+
+    @property
+    def kv_tokens_used(self) -> int:
+        return (self.kv_blocks_total - self.kv_blocks_free) * self.block_size
+
+    @property
+    def kv_tokens_free(self) -> int:
+        return self.kv_blocks_free * self.block_size
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, model_config: ModelConfig | None = None) -> None:
+        self.cfg = cfg
+        self.model_config = model_config or load_model_config(cfg.model_path)
+        self.executor = make_executor(cfg, self.model_config)
+        plan = self.executor.plan
+        self.plan = plan
+        max_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        self.scheduler = Scheduler(
+            BlockAllocator(plan.num_blocks, cfg.block_size),
+            SlotAllocator(plan.num_slots),
+            cfg.max_running_requests,
+            cfg.max_num_batched_tokens,
+            max_len,
+        )
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        self._ids = itertools.count()
+        self.prompt_tokens = self.generation_tokens = 0
+
+    # ---- requests
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.scheduler.add(Request(rid, [int(t) for t in prompt_token_ids], params))
+        return rid
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        return self._output(req) if req is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the outputs of the requests it advanced."""
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return []
+        results = self.executor.execute(sched.seqs)
+        outputs = []
+        for seq, res in zip(sched.seqs, results):
+            req = self.scheduler.requests.get(seq.request_id)
+            if req is None:  # aborted while the batch ran
+                continue
+            req.num_computed_tokens += len(seq.token_ids)
+            if seq.start < req.prompt_len:
+                self.prompt_tokens += min(req.prompt_len, seq.start + len(seq.token_ids)) - seq.start
+            if res.prompt_logprobs is not None:
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs.append(None)  # position 0 has no prediction
+                first = seq.start + 1
+                for j, lp in enumerate(res.prompt_logprobs):
+                    if first + j == len(req.prompt_logprobs):
+                        req.prompt_logprobs.append(lp)
+            if res.sample is not None:
+                self._append(req, res.sample)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _append(self, req: Request, sample) -> None:
+        p = req.params
+        if p.max_tokens == 0:
+            self.scheduler.finish(req, "length")
+            return
+        req.output_token_ids.append(sample.token_id)
+        self.generation_tokens += 1
+        if sample.logprobs is not None:
+            req.logprobs.append(sample.logprobs)
+        n = len(req.output_token_ids)
+        stop = sample.token_id in p.stop_token_ids or (not p.ignore_eos and sample.token_id in self.eos_ids)
+        if stop and n >= p.min_tokens:
+            self.scheduler.finish(req, "stop")
+        elif n >= p.max_tokens or req.num_tokens >= self.scheduler.max_model_len:
+            self.scheduler.finish(req, "length")
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            len(s.running),
+            len(s.waiting),
+            s.blocks.num_blocks,
+            s.blocks.num_free,
+            s.blocks.block_size,
+            self.prompt_tokens,
+            self.generation_tokens,
+            0,
+        )
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None

@@ -1,0 +1,156 @@
+"""Executors run the model runners of all ranks.
+
+- ``InProcessExecutor``: tp_size 1, the runner lives in the caller's process.
+- ``MultiprocExecutor``: one child process per rank (rank 0 included), joined by
+  torch.distributed (NCCL on CUDA, gloo on CPU). The caller sends each step to every rank over
+  its pipe and reads rank 0's result. It waits on the result *and* on every child's sentinel, so
+  a rank that dies is noticed at once: the others are killed and the caller gets ``WorkerError``
+  instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from ft.config import EngineConfig
+from ft.distributed import TPInfo, init_process_group, local_threads_for
+from ft.models.config import ModelConfig
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel rank died or raised; the engine cannot continue."""
+
+
+class InProcessExecutor:
+    def __init__(self, cfg: EngineConfig, mc: ModelConfig) -> None:
+        from ft.engine.model_runner import ModelRunner
+
+        self.runner = ModelRunner(cfg, mc, TPInfo(0, 1))
+        self.plan = self.runner.plan
+
+    def execute(self, seqs):
+        return self.runner.execute(seqs)
+
+    def shutdown(self) -> None:
+        self.runner = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, cfg: EngineConfig, mc: ModelConfig, init_method: str, conn: Connection) -> None:
+    try:
+        from ft.engine.model_runner import ModelRunner
+
+        torch.set_num_threads(local_threads_for(cfg.tp_size))
+        device = cfg.resolved_device
+        if device.type == "cuda":
+            device = torch.device("cuda", rank)
+        tp = init_process_group(rank, cfg.tp_size, init_method, device, cfg.dist_timeout_s)
+        runner = ModelRunner(cfg, mc, tp)
+        conn.send(("ready", runner.plan))
+        while True:
+            cmd, payload = conn.recv()
+            if cmd == "shutdown":
+                break
+            result = runner.execute(payload)
+            if rank == 0:
+                conn.send(("ok", result))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except BaseException as e:  # report, then die: the caller turns this into WorkerError
+        try:
+            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except Exception:
+            pass
+        os._exit(1)
+    finally:
+        conn.close()
+
+
+class MultiprocExecutor:
+    def __init__(self, cfg: EngineConfig, mc: ModelConfig) -> None:
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(cfg.tp_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, cfg, mc, init_method, child),
+                daemon=True,
+                name=f"ft-rank{rank}",
+            )
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        plans = [self._recv(i, "ready") for i in range(cfg.tp_size)]
+        self.plan = plans[0]
+
+    def _recv(self, rank: int, expect: str):
+        conn = self.conns[rank]
+        while True:
+            ready = wait([conn] + [p.sentinel for p in self.procs])
+            if conn in ready:
+                try:
+                    kind, payload = conn.recv()
+                except EOFError:
+                    self._fail(f"rank {rank} closed its pipe")
+                if kind == "error":
+                    self._fail(payload)
+                if kind != expect:
+                    self._fail(f"rank {rank} sent {kind!r}, expected {expect!r}")
+                return payload
+            for i, p in enumerate(self.procs):
+                if p.sentinel in ready and not p.is_alive():
+                    # a dying rank may have left its traceback in the pipe
+                    detail = ""
+                    if self.conns[i].poll():
+                        try:
+                            kind, detail = self.conns[i].recv()
+                        except EOFError:
+                            pass
+                    self._fail(f"tensor-parallel rank {i} died (exit code {p.exitcode}) {detail}".strip())
+
+    def _fail(self, why: str):
+        self.shutdown(graceful=False)
+        raise WorkerError(why)
+
+    def execute(self, seqs):
+        for conn in self.conns:
+            try:
+                conn.send(("execute", seqs))
+            except (BrokenPipeError, OSError):
+                self._recv(0, "ok")  # surfaces which rank died
+        return self._recv(0, "ok")
+
+    def shutdown(self, graceful: bool = True) -> None:
+        for conn in self.conns:
+            try:
+                if graceful:
+                    conn.send(("shutdown", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=5 if graceful else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+
+
+def make_executor(cfg: EngineConfig, mc: ModelConfig):
+    return InProcessExecutor(cfg, mc) if cfg.tp_size == 1 else MultiprocExecutor(cfg, mc)

@@ -1,0 +1,180 @@
+"""ModelRunner: one per rank. Builds and loads the model, owns the KV and state pools, and runs
+one scheduled batch: tensors in, sampled tokens (on the first rank) out.
+
+This is the only place that turns scheduler output into tensors on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ft.attention import get_attention_backend
+from ft.config import EngineConfig
+from ft.distributed import TPInfo, tp_context
+from ft.forward_context import ForwardBatch, ForwardContext, forward_context
+from ft.gdn import get_gdn_backend
+from ft.layers.sampler import Sampler, SampleResult, top_logprobs
+from ft.models.config import ModelConfig
+from ft.models.dummy import init_dummy_weights
+from ft.models.loader import load_weights
+from ft.models.registry import model_class
+from ft.sampling_params import Logprobs
+from ft.scheduler.scheduler import ScheduledSeq
+
+
+@dataclass
+class SeqResult:
+    request_id: str
+    sample: SampleResult | None
+    prompt_logprobs: list[Logprobs] | None
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    num_blocks: int
+    num_slots: int
+    weight_bytes: int
+    kv_bytes: int
+    state_bytes: int
+
+
+def build_model(
+    mc: ModelConfig, tp: TPInfo, device: torch.device | str, dtype: torch.dtype
+) -> torch.nn.Module:
+    """The model for this rank, parameters allocated (uninitialised) on ``device``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with tp_context(tp), torch.device(device):
+            return model_class(mc)(mc)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
+        self.cfg, self.mc, self.tp = cfg, mc, tp
+        self.device = cfg.resolved_device
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", tp.rank)
+        self.dtype = cfg.torch_dtype(mc.dtype)
+        self.model = build_model(mc, tp, self.device, self.dtype).eval()
+        if cfg.load_format == "dummy":
+            init_dummy_weights(self.model, cfg.seed)
+        else:
+            load_weights(self.model, cfg.model, progress=cfg.progress and tp.is_first)
+        self.attention = get_attention_backend(cfg.attention_backend, self.device.type)
+        self.gdn = get_gdn_backend(cfg.gdn_backend, self.device.type)
+        self.sampler = Sampler(self.device, cfg.seed)
+        self.plan = self._allocate_pools()
+
+    # ---- pools
+    def _pool_tokens(self) -> int:
+        if self.cfg.num_tokens is not None:
+            return self.cfg.num_tokens
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.cfg.memory_ratio) * total
+            per_token = max(1, self._kv_bytes_per_token())
+            return max(self.cfg.block_size, int(budget * 0.9) // per_token)
+        return 64 * 1024
+
+    def _kv_bytes_per_token(self) -> int:
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        return sum(2 * h * d * size for h, d in (m.cache_shape() for m in self._attention_layers()))
+
+    def _attention_layers(self):
+        return [m for m in self.model.modules() if hasattr(m, "cache_shape")]
+
+    def _gdn_layers(self):
+        return [m for m in self.model.modules() if hasattr(m, "state_shapes")]
+
+    def _allocate_pools(self) -> PoolPlan:
+        bs = self.cfg.block_size
+        num_blocks = max(1, self._pool_tokens() // bs)
+        slots = self.cfg.max_running_requests + 1  # the last slot is scratch for padded rows
+        kv_bytes = state_bytes = 0
+        for m in self._attention_layers():
+            h, d = m.cache_shape()
+            m.kv_cache = torch.zeros(2, num_blocks, bs, h, d, dtype=self.dtype, device=self.device)
+            kv_bytes += m.kv_cache.numel() * m.kv_cache.element_size()
+        for m in self._gdn_layers():
+            conv, ssm = m.state_shapes()
+            m.conv_state = torch.zeros(slots, *conv, dtype=self.dtype, device=self.device)
+            m.ssm_state = torch.zeros(slots, *ssm, dtype=torch.float32, device=self.device)
+            state_bytes += m.conv_state.numel() * m.conv_state.element_size() + m.ssm_state.numel() * 4
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return PoolPlan(num_blocks, slots - 1, weights, kv_bytes, state_bytes)
+
+    # ---- one step
+    def _batch(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch]:
+        bs = self.cfg.block_size
+        ids, pos, slots, qlens, ctx = [], [], [], [], []
+        for s in seqs:
+            n = len(s.token_ids)
+            ids += s.token_ids
+            pos += range(s.start, s.start + n)
+            slots += [s.block_ids[p // bs] * bs + p % bs for p in range(s.start, s.start + n)]
+            qlens.append(n)
+            ctx.append(s.start)
+        width = max(len(s.block_ids) for s in seqs)
+        table = [s.block_ids + [-1] * (width - len(s.block_ids)) for s in seqs]
+        cu = [0]
+        for q in qlens:
+            cu.append(cu[-1] + q)
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        batch = ForwardBatch(
+            positions=t(pos, torch.int64),
+            cu_seqlens=t(cu, torch.int32),
+            context_lens=t(ctx, torch.int32),
+            seq_lens=t([c + q for c, q in zip(ctx, qlens)], torch.int32),
+            block_tables=t(table, torch.int32),
+            slot_mapping=t(slots, torch.int64),
+            state_slots=t([s.state_slot for s in seqs], torch.int64),
+            block_size=bs,
+            query_lens_cpu=qlens,
+            context_lens_cpu=ctx,
+        )
+        return t(ids, torch.int64), batch
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult] | None:
+        """Run one batch; the first rank returns one result per sequence, the others None."""
+        ids, batch = self._batch(seqs)
+        with forward_context(ForwardContext(batch, self.attention, self.gdn)):
+            hidden = self.model(ids, batch.positions)
+        # rows whose logits we need: every row of a chunk asking for prompt log-probs, else the last
+        rows, ends = [], []
+        for i, s in enumerate(seqs):
+            end = int(batch.cu_seqlens[i + 1]) - 1
+            first = end - len(s.token_ids) + 1 if s.prompt_targets else end
+            rows.append(range(first, end + 1))
+            ends.append(end)
+        flat = [r for rs in rows for r in rs]
+        logits = self.model.compute_logits(hidden[flat])  # [R, V]
+        if not self.tp.is_first:
+            return None
+        where = {r: j for j, r in enumerate(flat)}
+        sampling = [i for i, s in enumerate(seqs) if s.sample]
+        samples = self.sampler(
+            logits[[where[ends[i]] for i in sampling]],
+            [seqs[i].params for i in sampling],
+            [seqs[i].output_index for i in sampling],
+        )
+        by_seq = dict(zip(sampling, samples))
+        out = []
+        for i, s in enumerate(seqs):
+            plp = None
+            if s.prompt_targets:
+                sel = [where[r] for r in rows[i]][: len(s.prompt_targets)]
+                lp = torch.log_softmax(logits[sel], dim=-1)
+                plp = top_logprobs(
+                    lp, s.params.prompt_logprobs, torch.tensor(s.prompt_targets, device=lp.device)
+                )
+            out.append(SeqResult(s.request_id, by_seq.get(i), plp))
+        return out

@@ -1,0 +1,21 @@
+"""Gated DeltaNet backends: the causal depthwise conv and the gated delta rule over a varlen batch.
+
+A backend has
+- ``conv(x, weight, conv_state, batch) -> silu(causal_conv1d(x))`` with x [T, C], weight [C, Kc],
+  reading and updating ``conv_state[slot]`` ([slots, C, Kc-1], the last Kc-1 inputs);
+- ``delta_rule(q, k, v, g, beta, ssm_state, batch) -> o`` with q, k [T, Hk, dk], v [T, Hv, dv],
+  g, beta [T, Hv]; it l2-normalises q and k, scales q by dk^-0.5, reads and updates
+  ``ssm_state[slot]`` ([slots, Hv, dk, dv], fp32). Sequences with no context start from zeros.
+"""
+
+from __future__ import annotations
+
+
+def get_gdn_backend(name: str, device_type: str):
+    if name == "auto":
+        name = "torch"
+    if name == "torch":
+        from ft.gdn.torch_ref import TorchGDN
+
+        return TorchGDN()
+    raise ValueError(f"unknown GDN backend {name!r} (known: torch)")

@@ -1,0 +1,90 @@
+"""The Gated DeltaNet mixer, after the input projection has produced its parts.
+
+    qkv   = silu(causal_conv1d([q · k · v]))
+    beta  = sigmoid(b);  g = -exp(A_log) · softplus(a + dt_bias)
+    o     = gated_delta_rule(q, k, v, g, beta)              # per value head, fp32 state
+    out   = out_proj(rmsnorm(o) · silu(z))
+
+Models differ only in how one projection packs q, k, v, z, b, a (Qwen3-Next groups them per key
+head; qwen4_exp stores six contiguous parts), so they subclass this and define ``project``.
+Conv channels, A_log and dt_bias follow their heads across ranks; the GDN norm is replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ft.distributed import get_tp_info
+from ft.forward_context import get_forward_context
+from ft.layers.linear import RowParallelLinear, parts_param, split_part
+from ft.layers.norm import GatedRMSNorm
+from ft.utils import div_even
+
+
+class DepthwiseConv(nn.Module):
+    """Holds ``weight [C_local, 1, Kc]`` whose channels are the [q | k | v] parts, each split by rank."""
+
+    def __init__(self, parts, kernel_size: int) -> None:
+        super().__init__()
+        self.weight = parts_param(parts, 1, kernel_size)
+
+
+class GatedDeltaNetMixer(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        tp = get_tp_info()
+        self.hk = div_even(num_k_heads, tp.size, "linear_num_key_heads over tp ranks")
+        self.hv = div_even(num_v_heads, tp.size, "linear_num_value_heads over tp ranks")
+        self.dk, self.dv, self.kc = head_k_dim, head_v_dim, conv_kernel
+        key, value = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv1d = DepthwiseConv(
+            [split_part(n, tp, "GDN conv channels") for n in (key, key, value)], conv_kernel
+        )
+        heads = [split_part(num_v_heads, tp, "GDN value heads")]
+        self.A_log = parts_param(heads, dtype=torch.float32)
+        self.dt_bias = parts_param(heads, dtype=torch.float32)
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = RowParallelLinear(value, hidden_size)
+        self.conv_state: torch.Tensor | None = None  # [slots, C_local, Kc-1], bound by the runner
+        self.ssm_state: torch.Tensor | None = None  # [slots, Hv_local, dk, dv] fp32
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        conv_channels = 2 * self.hk * self.dk + self.hv * self.dv
+        return (conv_channels, self.kc - 1), (self.hv, self.dk, self.dv)
+
+    def project(self, x: torch.Tensor):
+        """x [T, H] -> q, k [T, Hk, dk]; v, z [T, Hv, dv]; b, a [T, Hv] (local heads)."""
+        raise NotImplementedError
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v, z, b, a = self.project(x)
+        ctx = get_forward_context()
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        mixed = ctx.gdn.conv(mixed, self.conv1d.weight[:, 0], self.conv_state, ctx.batch)
+        key = self.hk * self.dk
+        q, k, v = mixed.split([key, key, self.hv * self.dv], dim=-1)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o = ctx.gdn.delta_rule(
+            q.view(t, self.hk, self.dk),
+            k.view(t, self.hk, self.dk),
+            v.reshape(t, self.hv, self.dv),
+            g,
+            beta,
+            self.ssm_state,
+            ctx.batch,
+        )
+        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(t, -1)
+        return self.out_proj(o)

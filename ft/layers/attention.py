@@ -1,0 +1,65 @@
+"""Full attention with per-head q/k RMSNorm (Qwen3), optionally output-gated (Qwen3-Next).
+
+    [q | gate], k, v = qkv_proj(x);  q, k = rope(q_norm(q), k_norm(k))
+    out = o_proj(attention(q, k, v) * sigmoid(gate))        # gate only when output_gate
+
+With ``output_gate`` each query head's rows are [q_h, gate_h] in the projection, and the head
+split keeps them together. The kernel comes from the forward context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ft.forward_context import get_forward_context
+from ft.layers.linear import QKVParallelLinear, RowParallelLinear
+from ft.layers.norm import RMSNorm
+from ft.layers.rotary import RotaryEmbedding
+
+
+class QKNormAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary_dim: int,
+        rope_theta: float,
+        eps: float,
+        zero_centered_norm: bool,
+        output_gate: bool,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.head_dim, self.output_gate = head_dim, output_gate
+        q_rows = 2 * head_dim if output_gate else head_dim
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, q_rows, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm)
+        self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm)
+        self.rotary = RotaryEmbedding(head_dim, rotary_dim, rope_theta)
+        self.scale = head_dim**-0.5
+        self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, d], bound by the runner
+
+    def cache_shape(self) -> tuple[int, int]:
+        return self.num_kv_heads, self.head_dim
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        if self.output_gate:
+            q, gate = q.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, d))
+        k = self.k_norm(k.view(t, self.num_kv_heads, d))
+        q, k = self.rotary(positions, q, k)
+        ctx = get_forward_context()
+        out = ctx.attention.forward(
+            q, k, v.view(t, self.num_kv_heads, d), self.kv_cache, ctx.batch, self.scale
+        )
+        out = out.reshape(t, self.num_heads * d)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)

@@ -1,0 +1,37 @@
+"""RMSNorm in fp32, plain (``x * w``) or zero-centred (``x * (1 + w)``, Qwen3-Next), and the
+gated variant of the GDN output (``norm(o) * w * silu(z)``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ft.layers.loading import new_param
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
+        super().__init__()
+        self.eps, self.zero_centered = eps, zero_centered
+        self.weight = new_param(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float()
+        return (rms(x, self.eps) * (1.0 + w if self.zero_centered else w)).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = new_param(dim)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = rms(x, self.eps).to(x.dtype) * self.weight
+        return (y.float() * F.silu(z.float())).to(x.dtype)

@@ -1,0 +1,1 @@
+"""Model definitions, their configs and the checkpoint loader."""

@@ -1,0 +1,225 @@
+"""ModelConfig: the one frozen, typed view of a checkpoint's config.json that layers are built from.
+
+Known model types are parsed through transformers' config classes (so their defaults and the
+older top-level ``rope_theta`` / ``partial_rotary_factor`` fields both resolve); the result is
+flattened into plain numbers here. Layers never see the Hugging Face config object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+LAYER_TYPES = ("full_attention", "linear_attention")
+MLP_TYPES = ("moe", "dense")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    mlp_types: tuple[str, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # attention
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float = 1.0
+    attention_bias: bool = False
+    attn_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate (Qwen3-Next)
+    zero_centered_norm: bool = False  # RMSNorm scales by (1 + w) (Qwen3-Next)
+    # gated delta net
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    # experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    intermediate_size: int = 0  # dense MLP layers
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "bfloat16"
+    quantization: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"config field {name}: {why}")
+
+        if len(self.layer_types) != self.num_layers:
+            raise bad("layer_types", f"{len(self.layer_types)} entries for {self.num_layers} layers")
+        for i, t in enumerate(self.layer_types):
+            if t not in LAYER_TYPES:
+                raise bad("layer_types", f"layer {i} has unknown type {t!r} (known: {LAYER_TYPES})")
+        if len(self.mlp_types) != self.num_layers or any(t not in MLP_TYPES for t in self.mlp_types):
+            raise bad("mlp_types", f"{self.mlp_types}")
+        if self.num_heads % self.num_kv_heads:
+            raise bad("num_key_value_heads", f"{self.num_kv_heads} does not divide {self.num_heads} heads")
+        if self.rotary_dim % 2:
+            raise bad("partial_rotary_factor", f"rotary dim {self.rotary_dim} must be even")
+        if "linear_attention" in self.layer_types:
+            hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
+            if hk <= 0 or hv % hk:
+                raise bad("linear_num_value_heads", f"Hv={hv} must be a multiple of Hk={hk}")
+        if "moe" in self.mlp_types:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise bad("num_experts_per_tok", f"{self.num_experts_per_tok} of {self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                raise bad("moe_intermediate_size", "must be positive")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    def summary(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "quantization"}
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, float]:
+    """(theta, partial factor) from either the ``rope_parameters`` form or the older top-level one."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"config field rope_type: {rope_type!r} is not supported (only 'default')")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    return float(theta), float(factor)
+
+
+def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _mlp_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
+    if raw.get("num_experts", 0) <= 0:
+        return ("dense",) * n
+    step = raw.get("decoder_sparse_step", 1) or 1
+    dense = set(raw.get("mlp_only_layers") or [])
+    return tuple("moe" if i not in dense and (i + 1) % step == 0 else "dense" for i in range(n))
+
+
+def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    """Flatten a (transformers-normalised) config dict into a ModelConfig."""
+    model_type = raw.get("model_type")
+    if model_type not in PARSERS:
+        raise ValueError(
+            f"config field model_type: {model_type!r} is not supported (known: {sorted(PARSERS)})"
+        )
+    return PARSERS[model_type](raw)
+
+
+def _common(raw: dict[str, Any]) -> dict[str, Any]:
+    n = raw["num_hidden_layers"]
+    theta, factor = _rope(raw)
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    quant = raw.get("quantization_config") or {}
+    return dict(
+        model_type=raw["model_type"],
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        num_layers=n,
+        mlp_types=_mlp_types(raw, n),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=raw.get("max_position_embeddings", 32768),
+        num_heads=raw["num_attention_heads"],
+        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        head_dim=head_dim,
+        rope_theta=theta,
+        partial_rotary_factor=factor,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        num_experts=raw.get("num_experts", 0),
+        num_experts_per_tok=raw.get("num_experts_per_tok", 0),
+        moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        intermediate_size=raw.get("intermediate_size", 0),
+        eos_token_ids=_eos(raw),
+        dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16").replace("torch.", ""),
+        quantization=dict(quant),
+    )
+
+
+def _qwen3_moe(raw: dict[str, Any]) -> ModelConfig:
+    n = raw["num_hidden_layers"]
+    return ModelConfig(layer_types=("full_attention",) * n, **_common(raw))
+
+
+def _qwen3_next(raw: dict[str, Any]) -> ModelConfig:
+    return ModelConfig(
+        layer_types=tuple(raw["layer_types"]),
+        attn_output_gate=True,
+        zero_centered_norm=True,
+        linear_num_key_heads=raw["linear_num_key_heads"],
+        linear_num_value_heads=raw["linear_num_value_heads"],
+        linear_key_head_dim=raw["linear_key_head_dim"],
+        linear_value_head_dim=raw["linear_value_head_dim"],
+        linear_conv_kernel_dim=raw["linear_conv_kernel_dim"],
+        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0),
+        **_common(raw),
+    )
+
+
+PARSERS = {"qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next}
+
+
+def load_raw_config(path: str) -> dict[str, Any]:
+    """config.json of a checkpoint directory (or a config file), normalised by transformers if known."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(file) as f:
+        raw = json.load(f)
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return raw
+    if raw.get("model_type") in CONFIG_MAPPING:
+        hf = AutoConfig.for_model(**raw)
+        merged = hf.to_dict()
+        for alias, target in getattr(
+            hf, "attribute_map", {}
+        ).items():  # e.g. num_experts -> num_local_experts
+            merged[alias] = merged.get(target)
+        merged.setdefault("quantization_config", raw.get("quantization_config"))
+        return merged
+    return raw
+
+
+def load_model_config(path: str) -> ModelConfig:
+    return config_from_dict(load_raw_config(path))

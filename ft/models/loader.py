@@ -1,0 +1,109 @@
+"""Strict safetensors loading: every checkpoint tensor maps to a parameter part, every parameter
+part to a checkpoint tensor, and each rank reads only its slice.
+
+The check runs on the file headers before any tensor data is read, so a wrong checkpoint fails
+in seconds with the name of the first offending tensor and its file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from ft.models.checkpoint import CheckpointError, CheckpointTensor
+
+
+@dataclass(frozen=True)
+class Target:
+    param_name: str
+    param: nn.Parameter
+    shard_id: object
+    fused_into: str | None = None  # the parameter a part belongs to, for error messages
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory, from its index when there is one."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, n) for n in names]
+        for file in files:
+            if not os.path.exists(file):
+                raise CheckpointError(f"{index} lists {os.path.basename(file)}, which does not exist")
+        return files
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors files in {path}")
+    return files
+
+
+def expected_tensors(model: nn.Module) -> dict[str, Target]:
+    """Checkpoint tensor name -> the parameter (and part of it) that loads it."""
+    packed = getattr(model, "packed_modules", {})
+    out: dict[str, Target] = {}
+    for pname, param in model.named_parameters():
+        prefix, _, leaf = pname.rpartition(".")
+        if hasattr(param, "checkpoint_parts"):
+            for rel, shard in param.checkpoint_parts:
+                out[f"{prefix}.{rel}"] = Target(pname, param, shard, pname)
+            continue
+        parent, _, module = prefix.rpartition(".")
+        if module in packed:
+            for i, part in enumerate(packed[module]):
+                out[f"{parent}.{part}.{leaf}".lstrip(".")] = Target(pname, param, i, pname)
+        else:
+            out[pname] = Target(pname, param, None)
+    return out
+
+
+def read_headers(files: list[str]) -> dict[str, str]:
+    """Tensor name -> file, from the headers alone."""
+    where: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if name in where:
+                    raise CheckpointError(f"tensor {name!r} appears in both {where[name]} and {file}")
+                where[name] = file
+    return where
+
+
+def check_names(model: nn.Module, where: dict[str, str], path: str) -> dict[str, Target]:
+    expected = expected_tensors(model)
+    ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_tensors", ())]
+    for name, file in where.items():
+        if name not in expected and not any(p.search(name) for p in ignored):
+            raise CheckpointError(f"unexpected tensor {name!r} in {file}: the model has no parameter for it")
+    for name, target in expected.items():
+        if name not in where:
+            part = f" (a part of fused parameter {target.fused_into})" if target.fused_into else ""
+            raise CheckpointError(f"missing tensor {name!r}{part}: not found in any file of {path}")
+    return expected
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, path: str, progress: bool = True) -> int:
+    """Load ``model`` from the checkpoint directory ``path``; returns the number of tensors read."""
+    files = checkpoint_files(path)
+    where = read_headers(files)
+    expected = check_names(model, where, path)
+    todo = [n for n in where if n in expected]
+    bar = tqdm(total=len(todo), desc="loading weights", unit="tensor", disable=not progress)
+    for file in files:
+        with safe_open(file, "pt") as handle:
+            for name in (n for n in todo if where[n] == file):
+                target = expected[name]
+                target.param.weight_loader(
+                    target.param, CheckpointTensor(name, file, handle), target.shard_id
+                )
+                bar.update()
+    bar.close()
+    return len(todo)

@@ -1,0 +1,64 @@
+"""The MoE sublayer: routed experts plus an optional sigmoid-gated shared expert, one reduce.
+
+    y = sum_k p_k · expert_k(x) + sigmoid(shared_expert_gate · x) · shared_expert(x)
+
+Both terms are this rank's partial sums over its intermediate shard, so they are added before a
+single all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ft.distributed import all_reduce, get_tp_info
+from ft.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from ft.moe.banks import BF16ExpertBank
+from ft.moe.router import TopKRouter
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: gate_up column-parallel, down row-parallel."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.partial(self._act(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._act(x))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        shared_intermediate_size: int = 0,
+    ) -> None:
+        super().__init__()
+        self.tp = get_tp_info()
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
+        self.experts = BF16ExpertBank(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = (
+            GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        )
+        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1) if shared_intermediate_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        y = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
+        return all_reduce(y, self.tp)

@@ -1,0 +1,1 @@
+"""Quantised weight formats: packing, quantisation and dequantisation references (no kernels)."""
