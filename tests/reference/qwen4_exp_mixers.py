@@ -23,6 +23,24 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return sum(weight[:, 0, i] * padded[i : i + T] for i in range(Kc))
 
 
+def gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
+    """`S_t = e^g S + beta k (v - e^g S^T k)^T`, `o_t = S_t^T q_t`, per head from `S = 0`.
+
+    q, k `[T, Hv, dk]` (already one per value head), v `[T, Hv, dv]`, g, beta `[T, Hv]`.
+    """
+    T, Hv, dk = k.shape
+    S = torch.zeros(Hv, dk, v.shape[-1], dtype=torch.float64)
+    o = torch.empty_like(v)
+    for t in range(T):
+        for j in range(Hv):
+            decayed = torch.exp(g[t, j]) * S[j]  # [dk, dv]
+            S[j] = decayed + beta[t, j] * torch.outer(k[t, j], v[t, j] - decayed.T @ k[t, j])
+            o[t, j] = S[j].T @ q[t, j]
+    return o
+
+
 def gdn_mixer(weights: Weights, prefix: str, cfg: dict, x: torch.Tensor) -> torch.Tensor:
     """Gated DeltaNet on the normed layer input `x [T, H]`."""
     T = x.shape[0]
@@ -41,14 +59,8 @@ def gdn_mixer(weights: Weights, prefix: str, cfg: dict, x: torch.Tensor) -> torc
     g = -torch.exp(A_log) * F.softplus(a + dt_bias)  # [T, Hv]
 
     group = Hv // Hk  # value head j reads key head j // group
-    S = torch.zeros(Hv, dk, dv, dtype=torch.float64)
-    o = torch.empty(T, Hv, dv, dtype=torch.float64)
-    for t in range(T):
-        for j in range(Hv):
-            kt, qt = k[t, j // group], q[t, j // group]  # [dk]
-            decayed = torch.exp(g[t, j]) * S[j]  # [dk, dv]
-            S[j] = decayed + beta[t, j] * torch.outer(kt, v[t, j] - decayed.T @ kt)
-            o[t, j] = S[j].T @ qt
+    q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)  # [T, Hv, dk]
+    o = gated_delta_rule(q, k, v, g, beta)  # [T, Hv, dv]
 
     normed = rmsnorm(o, get(weights, f"{prefix}.norm.weight"), cfg["rms_norm_eps"])  # per head
     gated = normed * F.silu(z.reshape(T, Hv, dv))

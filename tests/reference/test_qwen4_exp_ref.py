@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from .qwen4_exp_ckpt import qwen4_exp_tensor_shapes, tiny_qwen4_exp_config, write_qwen4_exp_checkpoint
 from .qwen4_exp_mixers import (
     causal_depthwise_conv,
+    gated_delta_rule,
     gdn_mixer,
     qsa_key_mask,
     qsa_mixer,
@@ -216,6 +217,24 @@ def test_checkpoint_layout_and_every_tensor_is_read(tmp_path):
     names = set(write_qwen4_exp_checkpoint(tmp_path / "bare", bare))
     assert not {n for n in names if ".hc_" in n or "ple" in n or n == "lm_head.weight"}
     assert reference_logits(*load_checkpoint(tmp_path / "bare"), PROMPT[:5]).shape == (5, 128)
+
+
+def test_gated_delta_rule_recalls_replaces_and_decays():
+    e = torch.eye(4, dtype=torch.float64)  # orthonormal keys, dk = 4
+    a, b, c = (torch.tensor(r, dtype=torch.float64) for r in ([1.0, 2, 3], [-4.0, 5, 6], [7.0, 8, -9]))
+    keys = torch.stack([e[0], e[1], e[0], e[2]])[:, None]  # [T, 1, dk]
+    values = torch.stack([a, b, c, a])[:, None]  # [T, 1, dv = 3]
+    queries = torch.stack([e[0], e[0], e[1], e[0]])[:, None]
+    g = torch.tensor([[0.0], [-0.5], [0.0], [-0.25]], dtype=torch.float64)
+    o = gated_delta_rule(queries, keys, values, g, torch.ones(4, 1, dtype=torch.float64))[:, 0]
+    torch.testing.assert_close(o[0], a)  # recall what was just written
+    torch.testing.assert_close(o[1], torch.exp(torch.tensor(-0.5)).double() * a)  # decayed
+    torch.testing.assert_close(o[2], b)  # written after that decay
+    torch.testing.assert_close(o[3], torch.exp(torch.tensor(-0.25)).double() * c)  # c replaced a
+    half = gated_delta_rule(queries, keys, values, torch.zeros(4, 1), torch.full((4, 1), 0.5))[:, 0]
+    torch.testing.assert_close(half[0], 0.5 * a)  # beta interpolates towards the new value
+    torch.testing.assert_close(half[2], 0.5 * b)
+    torch.testing.assert_close(half[3], 0.25 * a + 0.5 * c)
 
 
 def test_causal_conv_and_rope_conventions():
