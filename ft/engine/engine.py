@@ -68,7 +68,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.scheduler.add(Request(rid, [int(t) for t in prompt_token_ids], params))
+        req = Request(rid, [int(t) for t in prompt_token_ids], params)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs.append(None)  # position 0 has no prediction
+        self.scheduler.add(req)
         return rid
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -94,8 +97,6 @@ class LLMEngine:
             if seq.start < req.prompt_len:
                 self.prompt_tokens += min(req.prompt_len, seq.start + len(seq.token_ids)) - seq.start
             if res.prompt_logprobs is not None:
-                if not req.prompt_logprobs:
-                    req.prompt_logprobs.append(None)  # position 0 has no prediction
                 first = seq.start + 1
                 for j, lp in enumerate(res.prompt_logprobs):
                     if first + j == len(req.prompt_logprobs):

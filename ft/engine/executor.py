@@ -105,8 +105,8 @@ class MultiprocExecutor:
             if conn in ready:
                 try:
                     kind, payload = conn.recv()
-                except EOFError:
-                    self._fail(f"rank {rank} closed its pipe")
+                except (EOFError, OSError):
+                    continue  # the rank is gone: its sentinel says how
                 if kind == "error":
                     self._fail(payload)
                 if kind != expect:
@@ -116,11 +116,11 @@ class MultiprocExecutor:
                 if p.sentinel in ready and not p.is_alive():
                     # a dying rank may have left its traceback in the pipe
                     detail = ""
-                    if self.conns[i].poll():
-                        try:
+                    try:
+                        if self.conns[i].poll():
                             kind, detail = self.conns[i].recv()
-                        except EOFError:
-                            pass
+                    except (EOFError, OSError):
+                        pass
                     self._fail(f"tensor-parallel rank {i} died (exit code {p.exitcode}) {detail}".strip())
 
     def _fail(self, why: str):

@@ -210,7 +210,10 @@ def load_raw_config(path: str) -> dict[str, Any]:
     except ImportError:  # pragma: no cover - transformers is a dependency
         return raw
     if raw.get("model_type") in CONFIG_MAPPING:
-        hf = AutoConfig.for_model(**raw)
+        try:
+            hf = AutoConfig.for_model(**raw)
+        except Exception as e:  # transformers' own validation: keep its message, our error type
+            raise ValueError(f"{file}: {e}") from e
         merged = hf.to_dict()
         for alias, target in getattr(
             hf, "attribute_map", {}

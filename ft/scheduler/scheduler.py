@@ -61,6 +61,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
+        self.num_preemptions = 0
 
     # ---- requests in and out
     def add(self, req: Request) -> None:
@@ -163,6 +164,7 @@ class Scheduler:
         self._release(req)
         req.status, req.num_computed_tokens = Status.WAITING, 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:

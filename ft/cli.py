@@ -1,0 +1,106 @@
+"""The ``ft`` command: generate | info | serve | bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--config", dest="config_file", help="a config.json (with --load-format dummy)")
+    p.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--memory-ratio", type=float, default=0.90)
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--chunked-prefill-size", dest="max_num_batched_tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=1800.0)
+
+
+ENGINE_KEYS = ("model", "tp_size", "device", "dtype", "load_format", "config_file", "num_tokens", "memory_ratio",
+               "max_running_requests", "max_num_batched_tokens", "max_model_len", "block_size", "seed",
+               "dist_timeout_s")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ft import LLM, SamplingParams
+
+    with LLM(**engine_options(args)) as llm:
+        prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+        out = llm.generate([prompt], params)[0]
+        print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from ft.models.config import load_model_config
+    from ft.models.info import format_info
+
+    sizes = [int(s) for s in str(args.tp_size).split(",")]
+    print(format_info(load_model_config(args.model or args.config_file), sizes))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ft", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="print the continuation of a prompt")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="config, parameter counts and per-rank bytes, reading no weights")
+    i.add_argument("--model", help="checkpoint directory (or a config.json)")
+    i.add_argument("--config", dest="config_file")
+    i.add_argument("--tp-size", default="1", help="one size or a list, e.g. 1,2,4,8")
+    i.set_defaults(func=cmd_info)
+
+    for register in _extra_commands():
+        register(sub)
+    return parser
+
+
+def _extra_commands():
+    """Subcommands that live beside their subsystems (server, benchmarks)."""
+    found = []
+    for module in ("ft.server.cli", "ft.bench.cli"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError as e:
+            if e.name and e.name.startswith("ft."):
+                continue
+            raise
+        found.append(mod.register)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "info" and not (args.model or args.config_file):
+        print("ft info: give --model DIR or --config FILE", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Gated DeltaNet on the GPU: flash-linear-attention's kernels behind the ``TorchGDN`` contract.
+
+- ``conv``: our Triton causal conv1d (``triton_conv``), history read from and written to the
+  ``conv_state`` slot pool in place;
+- ``delta_rule``: fla's ``chunk_gated_delta_rule`` (varlen through ``cu_seqlens``) when any
+  sequence brings more than one token, ``fused_recurrent_gated_delta_rule`` for pure decode.
+  Initial states are gathered from ``ssm_state[state_slots]`` (zeros where ``context_lens == 0``),
+  final states scattered back; q and k are l2-normalised inside fla and q is scaled by dk^-0.5.
+
+fla keeps the state as ``[N, Hv, dk, dv]`` fp32, the same layout as our pool, so no transposes.
+It is not a training path (no backward) and supports only what fla supports (dk, dv <= 256).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ft.forward_context import ForwardBatch
+from ft.gdn.triton_conv import causal_conv1d_silu
+
+
+def _is_decode(t: int, batch: ForwardBatch) -> bool:
+    """One token per sequence, told from shapes alone so the decode path stays graph-capturable."""
+    return t == batch.cu_seqlens.shape[0] - 1
+
+
+class FlaGDN:
+    name = "fla"
+
+    def __init__(self) -> None:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+        self._chunk = chunk_gated_delta_rule
+        self._recurrent = fused_recurrent_gated_delta_rule
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch):
+        max_q = 1 if _is_decode(x.shape[0], batch) else max(batch.query_lens_cpu)
+        return causal_conv1d_silu(x, weight, conv_state, batch, max_q)
+
+    def delta_rule(self, q, k, v, g, beta, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, hk, dk = q.shape
+        hv, dv = v.shape[1:]
+        assert k.shape == q.shape and v.shape[0] == t, f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        assert hv % hk == 0, f"value heads {hv} must be a multiple of key heads {hk}"
+        assert g.shape == beta.shape == (t, hv), f"g/beta must be [T, {hv}], got {tuple(g.shape)}"
+        assert ssm_state.shape[1:] == (hv, dk, dv) and ssm_state.dtype == torch.float32, (
+            f"ssm_state must be fp32 [slots, {hv}, {dk}, {dv}], got {ssm_state.dtype} {tuple(ssm_state.shape)}"
+        )
+        slots = batch.state_slots
+        fresh = (batch.context_lens == 0)[:, None, None, None]
+        init = ssm_state.index_select(0, slots).masked_fill_(fresh, 0.0)  # [B, Hv, dk, dv]
+        common = dict(
+            scale=dk**-0.5, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+        if _is_decode(t, batch):  # B sequences of one token: [B, 1, H, d]
+            o, final = self._recurrent(
+                q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None].float(), **common
+            )
+            o = o[:, 0]
+        else:  # one flat varlen sequence: [1, T, H, d]
+            cu_cpu = torch.tensor([0, *batch.query_lens_cpu], dtype=torch.int64).cumsum(0)
+            o, final = self._chunk(
+                q[None], k[None], v[None], g[None].float(), beta[None].float(),
+                cu_seqlens=batch.cu_seqlens.long(), cu_seqlens_cpu=cu_cpu, **common,
+            )
+            o = o[0]
+        ssm_state.index_copy_(0, slots, final)
+        return o.to(v.dtype)

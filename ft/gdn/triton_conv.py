@@ -1,0 +1,98 @@
+"""Causal depthwise conv1d + SiLU over a varlen batch, with per-sequence history in a slot pool.
+
+Two launches: the first computes ``silu(conv(x))`` reading the last Kc-1 inputs of each sequence
+from ``conv_state[slot]`` (zeros when the sequence has no context); the second, ordered after it
+on the stream, overwrites ``conv_state[slot]`` with the new last Kc-1 inputs. Splitting them keeps
+the in-place update race-free without a per-sequence serial loop. Same contract as
+``TorchGDN.conv``; it is not a general conv (no bias, no strides, no dilation).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.forward_context import ForwardBatch
+
+
+@triton.jit
+def _conv_out_kernel(x, w, conv_state, cu_seqlens, context_lens, state_slots, out, C,
+                     s_xt, s_ot, s_wc, s_ss, s_sc,
+                     KC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    tb = tl.program_id(0)
+    b = tl.program_id(1)
+    cb = tl.program_id(2)
+    bos = tl.load(cu_seqlens + b).to(tl.int64)
+    qlen = tl.load(cu_seqlens + b + 1).to(tl.int64) - bos
+    if tb * BLOCK_T >= qlen:
+        return
+    has_hist = tl.load(context_lens + b) > 0
+    slot = tl.load(state_slots + b).to(tl.int64)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    live = (t < qlen)[:, None] & (c < C)[None, :]  # [BT, BC]
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for j in tl.static_range(KC):
+        p = t - (KC - 1) + j  # input position relative to the chunk; < 0 reads the history
+        wj = tl.load(w + c * s_wc + j, mask=c < C, other=0.0).to(tl.float32)
+        xin = tl.load(x + (bos + p)[:, None] * s_xt + c[None, :], mask=live & (p >= 0)[:, None], other=0.0)
+        hmask = live & (p < 0)[:, None] & has_hist
+        hin = tl.load(conv_state + slot * s_ss + c[None, :] * s_sc + (KC - 1 + p)[:, None], mask=hmask,
+                      other=0.0)
+        acc += (xin.to(tl.float32) + hin.to(x.dtype.element_ty).to(tl.float32)) * wj[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(out + (bos + t)[:, None] * s_ot + c[None, :], y.to(out.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _conv_state_kernel(x, conv_state, cu_seqlens, context_lens, state_slots, C, s_xt, s_ss, s_sc,
+                       KC: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0)
+    cb = tl.program_id(1)
+    bos = tl.load(cu_seqlens + b).to(tl.int64)
+    qlen = tl.load(cu_seqlens + b + 1).to(tl.int64) - bos
+    has_hist = tl.load(context_lens + b) > 0
+    slot = tl.load(state_slots + b).to(tl.int64)
+    m = tl.arange(0, KP)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    live = (c < C)[:, None] & (m < KC - 1)[None, :]  # [BC, KP]
+    idx = qlen + m  # position in [history (Kc-1) | chunk (qlen)] of the new state's column m
+    from_x = (idx >= KC - 1)[None, :]
+    xin = tl.load(x + (bos + idx - (KC - 1))[None, :] * s_xt + c[:, None], mask=live & from_x, other=0.0)
+    base = conv_state + slot * s_ss + c[:, None] * s_sc
+    hin = tl.load(base + idx[None, :], mask=live & ~from_x & has_hist, other=0.0)
+    # each program owns its (slot, channel block): all loads above happen before this store
+    tl.store(base + m[None, :], tl.where(from_x, xin.to(hin.dtype), hin), mask=live)
+
+
+def causal_conv1d_silu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    batch: ForwardBatch,
+    max_query_len: int,
+) -> torch.Tensor:
+    """x [T, C], weight [C, Kc], conv_state [slots, C, Kc-1] (updated in place) -> [T, C]."""
+    t, c = x.shape
+    kc = weight.shape[-1]
+    assert x.is_cuda and weight.shape == (c, kc), f"weight {tuple(weight.shape)} does not fit x [T, {c}]"
+    assert conv_state.shape[1:] == (c, kc - 1), f"conv_state {tuple(conv_state.shape)} is not [S, {c}, {kc - 1}]"
+    assert conv_state.stride(-1) == 1, "conv_state must be contiguous in its last dimension"
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    out = torch.empty((t, c), dtype=x.dtype, device=x.device)
+    bsz = batch.cu_seqlens.shape[0] - 1
+    args = (batch.cu_seqlens, batch.context_lens, batch.state_slots)
+    block_t = 2 if max_query_len == 1 else 32
+    block_c = 256 if max_query_len == 1 else 128
+    grid = (triton.cdiv(max_query_len, block_t), bsz, triton.cdiv(c, block_c))
+    _conv_out_kernel[grid](
+        x, weight, conv_state, *args, out, c, x.stride(0), out.stride(0), weight.stride(0),
+        conv_state.stride(0), conv_state.stride(1), KC=kc, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+    )
+    _conv_state_kernel[(bsz, triton.cdiv(c, 128))](
+        x, conv_state, *args, c, x.stride(0), conv_state.stride(0), conv_state.stride(1),
+        KC=kc, KP=triton.next_power_of_2(max(kc - 1, 1)), BLOCK_C=128, num_warps=4,
+    )
+    return out

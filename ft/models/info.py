@@ -1,0 +1,71 @@
+"""What a model costs, without reading a weight: the model is built on the meta device for a
+simulated rank, and its parameters are counted by kind (dense / experts / embeddings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ft.config import DTYPES
+from ft.distributed import TPInfo
+from ft.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class RankFootprint:
+    tp_size: int
+    rank: int
+    params: dict[str, int]  # kind -> parameters on this rank
+    bytes: dict[str, int]  # kind -> bytes on this rank
+    shapes: dict[str, tuple[int, ...]]  # parameter name -> local shape (first layers of each type)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+def param_kind(name: str) -> str:
+    if ".experts." in name:
+        return "experts"
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return "embeddings"
+    return "dense"
+
+
+def footprint(mc: ModelConfig, tp_size: int, rank: int = 0, dtype: torch.dtype | None = None) -> RankFootprint:
+    from ft.engine.model_runner import build_model
+
+    dtype = dtype or DTYPES.get(mc.dtype, torch.bfloat16)
+    model = build_model(mc, TPInfo(rank, tp_size), "meta", dtype)
+    params: dict[str, int] = {}
+    nbytes: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    show = {f"model.layers.{i}." for i in (mc.attention_layers[:1] + mc.linear_layers[:1])}
+    for name, p in model.named_parameters():
+        kind = param_kind(name)
+        params[kind] = params.get(kind, 0) + p.numel()
+        nbytes[kind] = nbytes.get(kind, 0) + p.numel() * p.element_size()
+        if not name.startswith("model.layers.") or any(name.startswith(s) for s in show):
+            shapes[name] = tuple(p.shape)
+    return RankFootprint(tp_size, rank, params, nbytes, shapes)
+
+
+def format_info(mc: ModelConfig, tp_sizes: list[int]) -> str:
+    gib = 1024**3
+    full = footprint(mc, 1)
+    lines = [f"model_type: {mc.model_type}"]
+    lines += [f"  {k}: {v}" for k, v in mc.summary().items() if k != "model_type"]
+    lines.append("parameters (whole model):")
+    for kind in ("dense", "experts", "embeddings"):
+        lines.append(f"  {kind:<11} {full.params.get(kind, 0):>16,}")
+    lines.append(f"  {'total':<11} {sum(full.params.values()):>16,}")
+    for tp in tp_sizes:
+        ranks = [footprint(mc, tp, r) for r in range(tp)]
+        lines.append(f"tp_size {tp}: weight bytes per rank")
+        for fp in ranks:
+            parts = "  ".join(f"{k} {fp.bytes.get(k, 0) / gib:8.3f} GiB" for k in ("dense", "experts", "embeddings"))
+            lines.append(f"  rank {fp.rank}: {parts}  total {fp.total_bytes / gib:8.3f} GiB ({fp.total_bytes:,} B)")
+        lines.append(f"tp_size {tp}: local shapes on rank 0")
+        lines += [f"  {n:<58} {list(s)}" for n, s in ranks[0].shapes.items()]
+    return "\n".join(lines)

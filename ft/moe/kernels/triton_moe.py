@@ -1,0 +1,174 @@
+"""Fused MoE for bf16/fp16 expert banks in Triton: sort, two grouped GEMMs, sum over top-k.
+
+Same contract as ``torch_ref.fused_moe_ref(x, w13, w2, weights, ids) -> [T, H]``:
+
+    pairs  = (token, k) flattened, sorted by expert, each expert's run padded to BLOCK_M rows
+    act    = silu(x @ w13[e, :I].T) * (x @ w13[e, I:].T)        # [T*k, I], SwiGLU fused in GEMM 1
+    y      = weights[t, k] * (act @ w2[e].T)                    # [T*k, H], routing weight in GEMM 2
+    out    = sum_k y                                            # [T, H]
+
+The sort and padding are plain torch ops with shapes fixed by (T, k, E), no host sync, so a
+decode step can be captured in a CUDA graph. Configs come from a small table by tokens per call
+(``CONFIGS``), seeded from vLLM's H200 tunings for E=512/N=512 and E=128/N=768. Not here:
+quantised weights (NVFP4 has its own kernel), expert parallelism, bias terms.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _grouped_gemm_kernel(a, b, c, topk_w, sorted_ids, block_expert, num_padded, EM, N, K, num_pairs,
+                         s_am, s_be, s_bn, s_cm,
+                         TOPK: tl.constexpr, A_PER_TOKEN: tl.constexpr, SWIGLU: tl.constexpr,
+                         MUL_W: tl.constexpr, EVEN_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    # c[rows] = f(a[rows] @ b[e].T) for one BLOCK_M run of (token, k) pairs that share expert e
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(EM, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    if pid_m * BLOCK_M >= tl.load(num_padded):
+        return
+    e = tl.load(block_expert + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # flat pair ids [BM]
+    rmask = rows < num_pairs
+    a_rows = (rows // TOPK) if A_PER_TOKEN else rows
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    kk = tl.arange(0, BLOCK_K)
+    a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
+    b_ptr = b + e * s_be + n[None, :].to(tl.int64) * s_bn + kk[:, None]  # [BK, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWIGLU:
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            at = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
+            bt = tl.load(b_ptr, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = kk < K - k0
+            at = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            bt = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(at, bt, acc)
+        if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
+            if EVEN_K:
+                ut = tl.load(b_ptr + N * s_bn, mask=nmask[None, :], other=0.0)
+            else:
+                ut = tl.load(b_ptr + N * s_bn, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc_up = tl.dot(at, ut, acc_up)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_W:
+        acc = acc * tl.load(topk_w + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    c_ptr = c + rows[:, None].to(tl.int64) * s_cm + n[None, :]
+    tl.store(c_ptr, acc.to(c.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+# (max tokens per call) -> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for GEMM 1
+# (fused gate+up: BLOCK_N columns of each) and GEMM 2 (down). First row whose bound >= T wins.
+CONFIGS: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {
+    "default": [
+        (1, (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4)),
+        (16, (16, 64, 128, 1, 4, 3), (16, 128, 64, 1, 4, 3)),
+        (64, (16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 8, 3)),
+        (512, (32, 64, 128, 8, 4, 3), (32, 128, 64, 8, 4, 3)),
+        (2048, (64, 64, 64, 8, 4, 3), (64, 128, 64, 8, 4, 3)),
+        (1 << 62, (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)),
+    ],
+    # Qwen3-30B-A3B: E=128, I=768 (more tokens per expert at the same T)
+    "E128": [
+        (1, (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4)),
+        (16, (16, 64, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3)),
+        (64, (16, 128, 128, 1, 8, 2), (16, 128, 128, 1, 8, 2)),
+        (256, (32, 128, 64, 8, 4, 3), (32, 128, 64, 8, 4, 3)),
+        (1 << 62, (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)),
+    ],
+}
+
+
+def pick_config(num_tokens: int, num_experts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    table = CONFIGS["E128"] if num_experts <= 128 else CONFIGS["default"]
+    for bound, up, down in table:
+        if num_tokens <= bound:
+            return up, down
+    raise AssertionError("the last CONFIGS row must cover every T")
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the T*k (token, slot) pairs by expert and pad each expert's run to a multiple of block_m.
+
+    Returns sorted_ids [EM] (flat pair ids, T*k marks padding), block_expert [EM/block_m] and
+    num_padded [1] (rows in use). EM bounds the padded length from shapes alone: at most
+    min(E, T*k) experts are hit, each wasting at most block_m - 1 rows.
+    """
+    flat = ids.reshape(-1).long()  # [N]
+    n = flat.numel()
+    em = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)  # [E] end row of each expert's run
+    order = torch.sort(flat, stable=True).indices  # pair ids grouped by expert
+    expert = flat[order]
+    rank = torch.arange(n, device=ids.device) - (counts.cumsum(0) - counts)[expert]
+    sorted_ids = torch.full((em,), n, dtype=torch.int64, device=ids.device)
+    sorted_ids.scatter_(0, (ends - padded)[expert] + rank, order)
+    starts = torch.arange(0, em, block_m, device=ids.device)
+    block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, block_expert, ends[-1:]
+
+
+def _launch(a, b, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, mul_w, cfg):
+    sorted_ids, block_expert, num_padded = align
+    bm, bn, bk, group_m, warps, stages = cfg
+    em = sorted_ids.shape[0]
+    grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
+    _grouped_gemm_kernel[grid](
+        a, b, c, topk_w, sorted_ids, block_expert, num_padded, em, n, k, num_pairs,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        TOPK=topk, A_PER_TOKEN=a_per_token, SWIGLU=swiglu, MUL_W=mul_w, EVEN_K=k % bk == 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages,
+    )
+
+
+def fused_moe_triton(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H]."""
+    t, h = x.shape
+    e, two_i, h13 = w13.shape
+    inter = two_i // 2
+    topk = ids.shape[1]
+    assert x.is_cuda and w13.device == x.device, "fused_moe_triton needs CUDA tensors on one device"
+    assert h13 == h and two_i % 2 == 0, f"w13 {tuple(w13.shape)} does not fit x [T, {h}]"
+    assert w2.shape == (e, h, inter), f"w2 {tuple(w2.shape)} is not [{e}, {h}, {inter}]"
+    assert weights.shape == ids.shape == (t, topk), f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
+    assert x.dtype == w13.dtype == w2.dtype and x.dtype in (torch.bfloat16, torch.float16), (
+        f"x/w13/w2 must share a bf16/fp16 dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}"
+    )
+    assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be row-major in their last dim"
+    if t == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    up_cfg, down_cfg = pick_config(t, e)
+    topk_w = weights.reshape(-1).float().contiguous()  # [T*k]
+    pairs = t * topk
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    align = align_by_expert(ids, e, up_cfg[0])
+    _launch(x, w13, act, topk_w, align, pairs, inter, h, topk, True, True, False, up_cfg)
+    if down_cfg[0] != up_cfg[0]:
+        align = align_by_expert(ids, e, down_cfg[0])
+    y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [T*k, H], weighted
+    _launch(act, w2, y, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg)
+    return y.view(t, topk, h).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,60 @@
+"""ModelConfig parsing: both rope forms, derived layer kinds, and errors that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ft.models.config import load_model_config
+
+NEXT = dict(model_type="qwen3_next", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+def parse(tmp_path, raw):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return load_model_config(str(tmp_path))
+
+
+def test_old_top_level_rope_fields(tmp_path):
+    mc = parse(tmp_path, NEXT | dict(rope_theta=5e6, partial_rotary_factor=0.5))
+    assert (mc.rope_theta, mc.partial_rotary_factor, mc.rotary_dim) == (5e6, 0.5, 8)
+
+
+def test_rope_parameters_form(tmp_path):
+    raw = NEXT | dict(rope_parameters={"rope_type": "default", "rope_theta": 123.0, "partial_rotary_factor": 0.25})
+    mc = parse(tmp_path, raw)
+    assert (mc.rope_theta, mc.rotary_dim) == (123.0, 4)
+
+
+def test_layer_kinds(tmp_path):
+    mc = parse(tmp_path, NEXT | dict(mlp_only_layers=[0], intermediate_size=64))
+    assert mc.layer_types == ("linear_attention", "full_attention")
+    assert mc.mlp_types == ("dense", "moe")
+    assert mc.attention_layers == [1] and mc.linear_layers == [0]
+
+
+def test_qwen3_moe_expert_alias(tmp_path):
+    raw = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+               decoder_sparse_step=2)
+    mc = parse(tmp_path, raw)
+    assert mc.num_experts == 4 and mc.mlp_types == ("dense", "moe")
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (dict(linear_num_value_heads=3), "linear_num_value_heads"),
+        (dict(layer_types=["linear_attention", "sliding"]), "layer_types"),
+        (dict(layer_types=["linear_attention"]), "layer_types"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+        (dict(model_type="llama9"), "model_type"),
+    ],
+)
+def test_bad_fields_are_named(tmp_path, change, field):
+    with pytest.raises(ValueError, match=field):
+        parse(tmp_path, NEXT | change)

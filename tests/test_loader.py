@@ -1,0 +1,96 @@
+"""The strict loader: sharded checkpoints load; missing, unexpected, mis-shaped and half-fused
+tensors are refused with an error naming the tensor and the file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ft import LLM, SamplingParams
+from ft.distributed import TPInfo
+from ft.engine.model_runner import build_model
+from ft.models.checkpoint import CheckpointError
+from ft.models.config import load_model_config
+from ft.models.loader import load_weights
+from tests.checkpoints import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe")
+    write_checkpoint(path, "qwen3_moe", seed=1)
+    return path
+
+
+def edited(tmp_path, ckpt, edit) -> str:
+    """A copy of the checkpoint with its tensors passed through ``edit``."""
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    with open(os.path.join(ckpt, "config.json")) as src, open(os.path.join(tmp_path, "config.json"), "w") as dst:
+        dst.write(src.read())
+    return str(tmp_path)
+
+
+def load(path):
+    mc = load_model_config(path)
+    load_weights(build_model(mc, TPInfo(0, 1), "cpu", torch.float32), path, progress=False)
+
+
+def test_missing_tensor_is_named(tmp_path, ckpt):
+    path = edited(tmp_path, ckpt, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm\.weight'"):
+        load(path)
+
+
+def test_half_fused_tensor_is_named(tmp_path, ckpt):
+    path = edited(tmp_path, ckpt, lambda t: t.pop("model.layers.0.self_attn.v_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"v_proj\.weight'.*part of fused parameter .*qkv_proj"):
+        load(path)
+
+
+def test_unexpected_tensor_is_named(tmp_path, ckpt):
+    def add(t):
+        t["model.layers.0.mlp.experts.99.up_proj.weight"] = torch.zeros(16, 48)
+
+    path = edited(tmp_path, ckpt, add)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.99.*model\.safetensors"):
+        load(path)
+
+
+@pytest.mark.parametrize("name", ["model.layers.2.mlp.experts.3.down_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+                                  "model.norm.weight"])
+def test_misshaped_tensor_is_named(tmp_path, ckpt, name):
+    def shrink(t):
+        t[name] = t[name][..., :-1].contiguous()
+
+    path = edited(tmp_path, ckpt, shrink)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' in .*model\.safetensors: shape"):
+        load(path)
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    hf = write_checkpoint(tmp_path / "one", "qwen3_next", seed=5)
+    hf.save_pretrained(str(tmp_path / "many"), max_shard_size="20KB")
+    index = json.load(open(tmp_path / "many" / "model.safetensors.index.json"))
+    assert len(set(index["weight_map"].values())) > 2
+    params = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    outs = []
+    for sub in ("one", "many"):
+        with LLM(model=str(tmp_path / sub), device="cpu", dtype="float32", progress=False) as llm:
+            outs.append(llm.generate([[3, 1, 4, 1, 5, 9, 2, 6]], params)[0])
+    assert outs[0].token_ids == outs[1].token_ids
+    assert outs[0].prompt_logprobs == outs[1].prompt_logprobs
+
+
+def test_index_naming_a_missing_file(tmp_path):
+    hf = write_checkpoint(tmp_path / "one", "qwen3_moe")
+    hf.save_pretrained(str(tmp_path / "many"), max_shard_size="20KB")
+    victim = sorted(p for p in os.listdir(tmp_path / "many") if p.endswith(".safetensors"))[-1]
+    os.remove(tmp_path / "many" / victim)
+    with pytest.raises(CheckpointError, match=victim):
+        load(str(tmp_path / "many"))

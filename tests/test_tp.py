@@ -1,0 +1,54 @@
+"""Tensor parallelism on CPU (gloo): TP=2 and TP=4 equal TP=1, and a dead rank fails fast."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ft import LLM, SamplingParams
+from ft.engine.executor import WorkerError
+from tests.checkpoints import write_checkpoint
+
+PROMPTS = [[5, 17, 3, 88, 41, 9, 2, 60, 33], [30, 1, 64, 19, 7]]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=2, logprobs=2, ignore_eos=True)
+
+
+def run(path, tp: int):
+    with LLM(model=str(path), tp_size=tp, device="cpu", dtype="float32", progress=False) as llm:
+        return llm.generate(PROMPTS, PARAMS)
+
+
+def assert_close(a, b, tol=1e-5):
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        for da, db in zip(x.prompt_logprobs[1:] + x.logprobs, y.prompt_logprobs[1:] + y.logprobs):
+            assert da.keys() == db.keys()
+            for k in da:
+                assert abs(da[k] - db[k]) < tol
+
+
+@pytest.mark.parametrize(
+    "model_type,tp,overrides",
+    [
+        # 4 kv heads split over 2; GDN key heads 2 -> 1 per rank
+        ("qwen3_next", 2, dict(num_key_value_heads=4)),
+        # 2 kv heads replicated over 4 ranks, GDN 4 key heads / 8 value heads split by 4, odd vocab
+        ("qwen3_next", 4, dict(linear_num_key_heads=4, linear_num_value_heads=8, vocab_size=94)),
+        ("qwen3_moe", 2, dict(num_key_value_heads=1)),  # one kv head replicated on both ranks
+    ],
+)
+def test_tp_equals_tp1(tmp_path, model_type, tp, overrides):
+    write_checkpoint(tmp_path, model_type, seed=tp, **overrides)
+    assert_close(run(tmp_path, tp), run(tmp_path, 1))
+
+
+def test_dead_rank_raises_quickly(tmp_path):
+    write_checkpoint(tmp_path, "qwen3_moe")
+    with LLM(model=str(tmp_path), tp_size=2, device="cpu", dtype="float32", progress=False) as llm:
+        victim = llm.engine.executor.procs[1]
+        start = time.monotonic()
+        victim.kill()
+        with pytest.raises(WorkerError, match="rank 1"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
+        assert time.monotonic() - start < 10
