@@ -30,6 +30,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # the chunked-prefill size
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
+    prefix_snapshot_slots: int | None = (
+        None  # GDN state snapshots for the prefix cache (default: max_running)
+    )
     attention_backend: str = "auto"
     gdn_backend: str = "auto"
     seed: int = 0

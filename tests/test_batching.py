@@ -8,8 +8,12 @@ import pytest
 from ft import LLM, SamplingParams
 from tests.checkpoints import write_checkpoint
 
-PROMPTS = [[5, 17, 3, 88, 41, 9, 2, 60, 33, 71, 12, 50, 7, 8, 9, 10, 11, 12, 40], [30, 1, 64, 19],
-           [2, 90, 45, 45, 45, 3, 11], [77]]
+PROMPTS = [
+    [5, 17, 3, 88, 41, 9, 2, 60, 33, 71, 12, 50, 7, 8, 9, 10, 11, 12, 40],
+    [30, 1, 64, 19],
+    [2, 90, 45, 45, 45, 3, 11],
+    [77],
+]
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, prompt_logprobs=2, ignore_eos=True)
 
 
@@ -45,15 +49,18 @@ def test_batched_equals_alone(ckpt, alone):
 
 @pytest.mark.parametrize("chunk", [3, 8])
 def test_chunked_prefill_equals_one_shot(ckpt, alone, chunk):
+    # fp32 matmuls of other shapes sum in another order: agreement to a few 1e-6 relative
     for got, want in zip(generate(ckpt, PROMPTS, max_num_batched_tokens=chunk), alone):
-        assert_same(got, want)
+        assert_same(got, want, tol=5e-5)
 
 
 def test_small_pool_preempts_and_recomputes(ckpt, alone):
     # 12 blocks of 4 tokens: enough for the longest request (29 tokens) but not for all at once
-    with LLM(model=str(ckpt), device="cpu", dtype="float32", progress=False, block_size=4, num_tokens=48) as llm:
+    with LLM(
+        model=str(ckpt), device="cpu", dtype="float32", progress=False, block_size=4, num_tokens=48
+    ) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
-        assert llm.engine.scheduler.blocks.num_free == 12
+        assert llm.engine.stats().kv_blocks_free == 12  # free or cached-and-evictable
         assert llm.engine.scheduler.num_preemptions > 0
     for got, want in zip(outs, alone):
         assert_same(got, want)
@@ -65,7 +72,9 @@ def test_state_slots_limit_running(ckpt, alone):
 
 
 def test_request_that_cannot_fit_is_refused(ckpt):
-    with LLM(model=str(ckpt), device="cpu", dtype="float32", progress=False, block_size=4, num_tokens=16) as llm:
+    with LLM(
+        model=str(ckpt), device="cpu", dtype="float32", progress=False, block_size=4, num_tokens=16
+    ) as llm:
         with pytest.raises(ValueError, match="KV cache"):
             llm.generate([list(range(1, 20))], SamplingParams(max_tokens=4))
         with pytest.raises(ValueError, match="empty"):

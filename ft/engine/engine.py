@@ -15,6 +15,7 @@ from ft.engine.executor import make_executor
 from ft.models.config import ModelConfig, load_model_config
 from ft.sampling_params import RequestOutput, SamplingParams
 from ft.scheduler.kv_pool import BlockAllocator
+from ft.scheduler.radix_cache import RadixCache
 from ft.scheduler.request import Request
 from ft.scheduler.scheduler import Scheduler
 from ft.scheduler.state_pool import SlotAllocator
@@ -48,12 +49,15 @@ class LLMEngine:
         plan = self.executor.plan
         self.plan = plan
         max_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        cache = RadixCache(cfg.block_size, plan.num_snapshots) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(
             BlockAllocator(plan.num_blocks, cfg.block_size),
             SlotAllocator(plan.num_slots),
             cfg.max_running_requests,
             cfg.max_num_batched_tokens,
             max_len,
+            cache=cache,
+            hybrid=plan.has_gdn,
         )
         self.eos_ids = set(self.model_config.eos_token_ids)
         self._ids = itertools.count()
@@ -92,8 +96,11 @@ class LLMEngine:
         for seq, res in zip(sched.seqs, results):
             req = self.scheduler.requests.get(seq.request_id)
             if req is None:  # aborted while the batch ran
+                if seq.snapshot_to is not None:
+                    self.scheduler.cache.give_back_snapshot(seq.snapshot_to)
                 continue
             req.num_computed_tokens += len(seq.token_ids)
+            self.scheduler.cache_computed(req, seq)
             if seq.start < req.prompt_len:
                 self.prompt_tokens += min(req.prompt_len, seq.start + len(seq.token_ids)) - seq.start
             if res.prompt_logprobs is not None:
@@ -136,15 +143,16 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        free = s.blocks.num_free + (s.cache.num_evictable if s.cache is not None else 0)
         return EngineStats(
             len(s.running),
             len(s.waiting),
             s.blocks.num_blocks,
-            s.blocks.num_free,
+            free,
             s.blocks.block_size,
             self.prompt_tokens,
             self.generation_tokens,
-            0,
+            s.prefix_hit_tokens,
         )
 
     def shutdown(self) -> None:

@@ -38,6 +38,8 @@ class PoolPlan:
     weight_bytes: int
     kv_bytes: int
     state_bytes: int
+    num_snapshots: int = 0  # GDN state snapshots for the prefix cache
+    has_gdn: bool = False
 
 
 def build_model(
@@ -95,18 +97,33 @@ class ModelRunner:
         bs = self.cfg.block_size
         num_blocks = max(1, self._pool_tokens() // bs)
         slots = self.cfg.max_running_requests + 1  # the last slot is scratch for padded rows
+        gdn = self._gdn_layers()
+        snaps = 0
+        if gdn and self.cfg.enable_prefix_cache:
+            snaps = self.cfg.prefix_snapshot_slots or self.cfg.max_running_requests
         kv_bytes = state_bytes = 0
         for m in self._attention_layers():
             h, d = m.cache_shape()
             m.kv_cache = torch.zeros(2, num_blocks, bs, h, d, dtype=self.dtype, device=self.device)
             kv_bytes += m.kv_cache.numel() * m.kv_cache.element_size()
-        for m in self._gdn_layers():
+        for m in gdn:
             conv, ssm = m.state_shapes()
-            m.conv_state = torch.zeros(slots, *conv, dtype=self.dtype, device=self.device)
-            m.ssm_state = torch.zeros(slots, *ssm, dtype=torch.float32, device=self.device)
+            m.conv_state = torch.zeros(slots + snaps, *conv, dtype=self.dtype, device=self.device)
+            m.ssm_state = torch.zeros(slots + snaps, *ssm, dtype=torch.float32, device=self.device)
             state_bytes += m.conv_state.numel() * m.conv_state.element_size() + m.ssm_state.numel() * 4
+        self.snapshot_base = slots  # snapshot k lives in state row slots + k
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return PoolPlan(num_blocks, slots - 1, weights, kv_bytes, state_bytes)
+        return PoolPlan(num_blocks, slots - 1, weights, kv_bytes, state_bytes, snaps, bool(gdn))
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy GDN state rows src -> dst in every GDN layer (snapshot restore and save)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for m in self._gdn_layers():
+            m.conv_state[dst] = m.conv_state[src]
+            m.ssm_state[dst] = m.ssm_state[src]
 
     # ---- one step
     def _batch(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch]:
@@ -146,8 +163,11 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult] | None:
         """Run one batch; the first rank returns one result per sequence, the others None."""
         ids, batch = self._batch(seqs)
+        base = self.snapshot_base
+        self._copy_states([(base + s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
         with forward_context(ForwardContext(batch, self.attention, self.gdn)):
             hidden = self.model(ids, batch.positions)
+        self._copy_states([(s.state_slot, base + s.snapshot_to) for s in seqs if s.snapshot_to is not None])
         # rows whose logits we need: every row of a chunk asking for prompt log-probs, else the last
         rows, ends = [], []
         for i, s in enumerate(seqs):

@@ -30,6 +30,9 @@ class Request:
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    cache_nodes: list = field(default_factory=list)  # prefix-cache nodes held, one per leading block
+    cache_stopped: bool = False  # a later block of this prefix is cached under another request's block
+    restore_snapshot: int | None = None  # GDN state snapshot to start from after a prefix hit
 
     @property
     def prompt_len(self) -> int:

@@ -1,5 +1,5 @@
 """Continuous batching with chunked prefill, admission against KV blocks and state slots, and
-preemption by recompute.
+preemption by recompute, and prefix caching (``radix_cache``).
 
 Each ``schedule()`` builds one batch within ``max_num_batched_tokens``: running requests first
 (a decode token, or the next chunk of a prompt still being prefilled), then waiting requests in
@@ -7,6 +7,11 @@ arrival order while blocks, slots and the token budget allow. When a running req
 block and none is free, the most recently admitted request is preempted: its blocks and slot are
 freed and it goes back to the front of the queue, to be recomputed from its tokens. Nothing is
 dropped: a request that could never fit is refused when it is added.
+
+With a prefix cache, a newly admitted request starts after the longest cached prefix of its
+tokens (whole blocks, leaving at least one token to compute; on hybrid models only up to a block
+that has a GDN state snapshot). On hybrid models prefill chunks end on block boundaries, and the
+last block boundary of each prompt always ends a chunk, so the state there can be snapshotted.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 
 from ft.sampling_params import SamplingParams
 from ft.scheduler.kv_pool import BlockAllocator
+from ft.scheduler.radix_cache import RadixCache
 from ft.scheduler.request import Request, Status
 from ft.scheduler.state_pool import SlotAllocator
 
@@ -33,6 +39,8 @@ class ScheduledSeq:
     params: SamplingParams
     output_index: int  # how many tokens the request has generated so far (seeds sampling)
     prompt_targets: list[int] | None  # prompt tokens whose log-probs this chunk's logits give
+    restore_from: int | None = None  # copy this GDN snapshot into the state slot before running
+    snapshot_to: int | None = None  # copy the state slot into this snapshot after running
 
 
 @dataclass
@@ -53,8 +61,10 @@ class Scheduler:
         max_running: int,
         max_batched_tokens: int,
         max_model_len: int,
+        cache: RadixCache | None = None,
+        hybrid: bool = False,
     ) -> None:
-        self.blocks, self.slots = blocks, slots
+        self.blocks, self.slots, self.cache, self.hybrid = blocks, slots, cache, hybrid
         self.max_running = min(max_running, slots.num_slots)
         self.max_batched_tokens, self.max_model_len = max_batched_tokens, max_model_len
         self.waiting: deque[Request] = deque()
@@ -62,6 +72,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
 
     # ---- requests in and out
     def add(self, req: Request) -> None:
@@ -110,7 +121,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             if self._grow(req, req.num_computed_tokens + n):
                 seqs.append(self._scheduled(req, n))
                 budget -= n
@@ -121,9 +132,15 @@ class Scheduler:
             preempted.append(victim.request_id)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.slots.num_free == 0 or not self._grow(req, req.num_computed_tokens + n):
+            if self.slots.num_free == 0:
                 break
+            self._hit(req)
+            n = self._chunk(req, budget)
+            if not self._grow(req, req.num_computed_tokens + n):
+                self._release(req)
+                req.num_computed_tokens = req.num_cached_tokens = 0
+                break
+            self.prefix_hit_tokens += req.num_cached_tokens
             self.waiting.popleft()
             req.state_slot = self.slots.allocate()
             req.status = Status.RUNNING
@@ -132,10 +149,39 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(seqs, preempted)
 
+    def _hit(self, req: Request) -> None:
+        """Start ``req`` after the longest usable cached prefix of its tokens."""
+        if self.cache is None or req.params.prompt_logprobs is not None:
+            return
+        nodes = self.cache.match(req.all_token_ids)[: (req.num_tokens - 1) // self.blocks.block_size]
+        while self.hybrid and nodes and nodes[-1].snapshot is None:
+            nodes.pop()
+        if not nodes:
+            return
+        self.cache.acquire(nodes)
+        req.cache_nodes, req.block_ids = list(nodes), [n.block for n in nodes]
+        req.num_computed_tokens = req.num_cached_tokens = len(nodes) * self.blocks.block_size
+        req.restore_snapshot = nodes[-1].snapshot if self.hybrid else None
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens of ``req`` to compute now; on cached hybrid models chunk ends are block-aligned."""
+        start = req.num_computed_tokens
+        end = start + min(req.num_tokens - start, budget)
+        if self.cache is not None and self.hybrid and end - start > 1:
+            bs = self.blocks.block_size
+            last_boundary = (req.num_tokens - 1) // bs * bs
+            if start < last_boundary < end:
+                end = last_boundary
+            elif end < req.num_tokens and end // bs * bs > start:
+                end = end // bs * bs
+        return end - start
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.blocks.blocks_for(num_tokens) - len(req.block_ids)
         if need <= 0:
             return True
+        if not self.blocks.can_allocate(need) and self.cache is not None:
+            self.blocks.free(self.cache.evict(need - self.blocks.num_free))
         if not self.blocks.can_allocate(need):
             return False
         req.block_ids.extend(self.blocks.allocate(need))
@@ -147,6 +193,10 @@ class Scheduler:
         targets = None
         if req.wants_prompt_logprobs:
             targets = req.prompt_token_ids[start + 1 : min(start + n + 1, req.prompt_len)]
+        snapshot = None
+        if self.hybrid and self.cache is not None and n > 1 and (start + n) % self.blocks.block_size == 0:
+            snapshot = self.cache.take_snapshot_slot()
+        restore, req.restore_snapshot = req.restore_snapshot, None
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=tokens,
@@ -157,6 +207,8 @@ class Scheduler:
             params=req.params,
             output_index=len(req.output_token_ids),
             prompt_targets=targets,
+            restore_from=restore,
+            snapshot_to=snapshot,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -167,9 +219,34 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def cache_computed(self, req: Request, seq: ScheduledSeq) -> None:
+        """After a step: enter the request's newly full blocks (and a state snapshot) into the cache."""
+        if self.cache is None:
+            return
+        bs = self.blocks.block_size
+        tokens = req.all_token_ids
+        parent = req.cache_nodes[-1] if req.cache_nodes else self.cache.root
+        for i in range(len(req.cache_nodes), 0 if req.cache_stopped else req.num_computed_tokens // bs):
+            node = self.cache.insert(parent, tuple(tokens[i * bs : (i + 1) * bs]), req.block_ids[i])
+            if node is None:
+                req.cache_stopped = True
+                break
+            req.cache_nodes.append(node)
+            parent = node
+        if seq.snapshot_to is not None:
+            depth = (seq.start + len(seq.token_ids)) // bs
+            node = req.cache_nodes[depth - 1] if len(req.cache_nodes) >= depth else None
+            if node is not None and node.snapshot is None:
+                node.snapshot = seq.snapshot_to
+            else:
+                self.cache.give_back_snapshot(seq.snapshot_to)
+
     def _release(self, req: Request) -> None:
-        self.blocks.free(req.block_ids)
-        req.block_ids = []
+        held = {n.block for n in req.cache_nodes}
+        if self.cache is not None:
+            self.cache.release(req.cache_nodes)
+        self.blocks.free([b for b in req.block_ids if b not in held])
+        req.block_ids, req.cache_nodes, req.cache_stopped, req.restore_snapshot = [], [], False, None
         if req.state_slot is not None:
             self.slots.free(req.state_slot)
             req.state_slot = None

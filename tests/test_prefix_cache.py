@@ -1,0 +1,81 @@
+"""Prefix cache: a hit gives the same tokens and log-probs as a miss (hybrid GDN model included),
+hits are counted, and cached blocks are evicted, never lost, when the pool runs short."""
+
+from __future__ import annotations
+
+import pytest
+
+from ft import LLM, SamplingParams
+from ft.scheduler.radix_cache import RadixCache
+from tests.checkpoints import write_checkpoint
+
+SHARED = [7, 3, 91, 15, 22, 8, 64, 30, 11, 2, 45, 45, 19, 5, 70, 33, 61, 4]  # 18 tokens: 4 blocks of 4 + 2
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+
+
+def run(path, prompts, **options):
+    with LLM(model=str(path), device="cpu", dtype="float32", progress=False, block_size=4, **options) as llm:
+        outs = [llm.generate([p], PARAMS)[0] for p in prompts]  # one after another: later ones can hit
+        return outs, llm.engine.stats()
+
+
+def assert_same(a, b, tol=5e-5):
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < tol for k in x)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_moe"])
+def test_hit_equals_miss(tmp_path, model_type):
+    write_checkpoint(tmp_path, model_type, seed=4)
+    prompts = [SHARED, SHARED, SHARED + [9, 9, 1], SHARED[:9] + [50, 51]]
+    cold, cold_stats = run(tmp_path, prompts, enable_prefix_cache=False)
+    warm, stats = run(tmp_path, prompts)
+    for a, b in zip(warm, cold):
+        assert_same(a, b)
+    assert cold_stats.prefix_hit_tokens == 0
+    # the repeat hits the 16 aligned tokens; the extension hits them too
+    assert warm[1].num_cached_tokens == 16 and warm[2].num_cached_tokens == 16
+    if model_type == "qwen3_moe":
+        assert warm[3].num_cached_tokens == 8  # attention-only: any cached block boundary
+    assert stats.prefix_hit_tokens == sum(o.num_cached_tokens for o in warm) >= 32
+
+
+def test_generated_tokens_are_cached_for_the_next_turn(tmp_path):
+    write_checkpoint(tmp_path, "qwen3_moe", seed=6)
+    first, _ = run(tmp_path, [SHARED])
+    turn2 = SHARED + first[0].token_ids + [12, 13]
+    cold, _ = run(tmp_path, [turn2], enable_prefix_cache=False)
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False, block_size=4) as llm:
+        llm.generate([SHARED], PARAMS)
+        warm = llm.generate([turn2], PARAMS)[0]
+    assert warm.num_cached_tokens == 24  # 18 prompt + 7 computed generated tokens, in whole blocks
+    assert_same(warm, cold[0])
+
+
+def test_small_pool_evicts_cached_blocks(tmp_path):
+    write_checkpoint(tmp_path, "qwen3_next", seed=8)
+    prompts = [SHARED, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], SHARED, [40] * 20]
+    cold, _ = run(tmp_path, prompts, enable_prefix_cache=False)
+    warm, stats = run(tmp_path, prompts, num_tokens=32, prefix_snapshot_slots=1)
+    for a, b in zip(warm, cold):
+        assert_same(a, b)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+def test_radix_cache_lru_eviction_keeps_held_blocks():
+    cache = RadixCache(block_size=2, num_snapshots=1)
+    a = cache.insert(cache.root, (1, 2), block=10)
+    b = cache.insert(a, (3, 4), block=11)
+    c = cache.insert(cache.root, (5, 6), block=12)
+    assert cache.insert(cache.root, (1, 2), block=13) is None  # already cached under block 10
+    cache.release([a, b, c])
+    assert [n.block for n in cache.match([1, 2, 3, 4, 9])] == [10, 11]
+    cache.acquire([c])
+    assert cache.evict(5) == [11, 10]  # leaves first, least recent first; c is held
+    assert cache.match([1, 2]) == [] and cache.num_evictable == 0
+    slot = cache.take_snapshot_slot()
+    c.snapshot = slot
+    assert cache.take_snapshot_slot() is None  # the only snapshot belongs to a held node
+    cache.release([c])
+    assert cache.take_snapshot_slot() == slot and c.snapshot is None
