@@ -23,9 +23,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=1800.0)
 
 
-ENGINE_KEYS = ("model", "tp_size", "device", "dtype", "load_format", "config_file", "num_tokens", "memory_ratio",
-               "max_running_requests", "max_num_batched_tokens", "max_model_len", "block_size", "seed",
-               "dist_timeout_s")
+ENGINE_KEYS = (
+    "model",
+    "tp_size",
+    "device",
+    "dtype",
+    "load_format",
+    "config_file",
+    "num_tokens",
+    "memory_ratio",
+    "max_running_requests",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "block_size",
+    "seed",
+    "dist_timeout_s",
+)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -37,8 +50,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     with LLM(**engine_options(args)) as llm:
         prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.sampling_seed,
+            ignore_eos=args.ignore_eos,
+        )
         out = llm.generate([prompt], params)[0]
         print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
     return 0

@@ -8,10 +8,24 @@ import pytest
 
 from ft.models.config import load_model_config
 
-NEXT = dict(model_type="qwen3_next", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+NEXT = dict(
+    model_type="qwen3_next",
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+)
 
 
 def parse(tmp_path, raw):
@@ -25,7 +39,9 @@ def test_old_top_level_rope_fields(tmp_path):
 
 
 def test_rope_parameters_form(tmp_path):
-    raw = NEXT | dict(rope_parameters={"rope_type": "default", "rope_theta": 123.0, "partial_rotary_factor": 0.25})
+    raw = NEXT | dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 123.0, "partial_rotary_factor": 0.25}
+    )
     mc = parse(tmp_path, raw)
     assert (mc.rope_theta, mc.rotary_dim) == (123.0, 4)
 
@@ -38,9 +54,19 @@ def test_layer_kinds(tmp_path):
 
 
 def test_qwen3_moe_expert_alias(tmp_path):
-    raw = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-               num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-               decoder_sparse_step=2)
+    raw = dict(
+        model_type="qwen3_moe",
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        decoder_sparse_step=2,
+    )
     mc = parse(tmp_path, raw)
     assert mc.num_experts == 4 and mc.mlp_types == ("dense", "moe")
 

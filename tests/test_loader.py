@@ -31,7 +31,10 @@ def edited(tmp_path, ckpt, edit) -> str:
     tensors = load_file(os.path.join(ckpt, "model.safetensors"))
     edit(tensors)
     save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
-    with open(os.path.join(ckpt, "config.json")) as src, open(os.path.join(tmp_path, "config.json"), "w") as dst:
+    with (
+        open(os.path.join(ckpt, "config.json")) as src,
+        open(os.path.join(tmp_path, "config.json"), "w") as dst,
+    ):
         dst.write(src.read())
     return str(tmp_path)
 
@@ -43,7 +46,9 @@ def load(path):
 
 def test_missing_tensor_is_named(tmp_path, ckpt):
     path = edited(tmp_path, ckpt, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm\.weight'"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm\.weight'"
+    ):
         load(path)
 
 
@@ -58,12 +63,20 @@ def test_unexpected_tensor_is_named(tmp_path, ckpt):
         t["model.layers.0.mlp.experts.99.up_proj.weight"] = torch.zeros(16, 48)
 
     path = edited(tmp_path, ckpt, add)
-    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.99.*model\.safetensors"):
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.99.*model\.safetensors"
+    ):
         load(path)
 
 
-@pytest.mark.parametrize("name", ["model.layers.2.mlp.experts.3.down_proj.weight", "model.layers.0.self_attn.q_proj.weight",
-                                  "model.norm.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.2.mlp.experts.3.down_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.norm.weight",
+    ],
+)
 def test_misshaped_tensor_is_named(tmp_path, ckpt, name):
     def shrink(t):
         t[name] = t[name][..., :-1].contiguous()

@@ -54,8 +54,17 @@ def test_logprobs_are_raw_and_include_the_chosen_token():
     assert all(math.isclose(v, float(raw[k]), abs_tol=1e-6) for k, v in res.logprobs.items())
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=float("nan")),
-                                 dict(top_k=-2), dict(max_tokens=-1), dict(temperature=float("inf"))])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(top_p=float("nan")),
+        dict(top_k=-2),
+        dict(max_tokens=-1),
+        dict(temperature=float("inf")),
+    ],
+)
 def test_bad_params_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
@@ -69,6 +78,8 @@ def test_engine_seed_reproducible_and_stop_tokens(tmp_path):
         assert a.token_ids == b.token_ids
         stop = a.token_ids[4]
         first = a.token_ids.index(stop)
-        c = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=12, temperature=1.0, seed=11, stop_token_ids=[stop]))[0]
+        c = llm.generate(
+            [[1, 2, 3]], SamplingParams(max_tokens=12, temperature=1.0, seed=11, stop_token_ids=[stop])
+        )[0]
         assert c.token_ids == a.token_ids[: first + 1] and c.finish_reason == "stop"
         assert a.finish_reason == "length" and len(a.token_ids) == 12

@@ -6,16 +6,36 @@ A backend has
 - ``delta_rule(q, k, v, g, beta, ssm_state, batch) -> o`` with q, k [T, Hk, dk], v [T, Hv, dv],
   g, beta [T, Hv]; it l2-normalises q and k, scales q by dk^-0.5, reads and updates
   ``ssm_state[slot]`` ([slots, Hv, dk, dv], fp32). Sequences with no context start from zeros.
+
+"auto" picks flash-linear-attention (``fla``) on CUDA when it imports, the torch reference otherwise.
 """
 
 from __future__ import annotations
 
 
+def _fla():
+    from ft.gdn.fla_backend import FlaGDN
+
+    return FlaGDN()
+
+
+def _torch():
+    from ft.gdn.torch_ref import TorchGDN
+
+    return TorchGDN()
+
+
+BACKENDS = {"fla": _fla, "torch": _torch}
+
+
 def get_gdn_backend(name: str, device_type: str):
     if name == "auto":
-        name = "torch"
-    if name == "torch":
-        from ft.gdn.torch_ref import TorchGDN
-
-        return TorchGDN()
-    raise ValueError(f"unknown GDN backend {name!r} (known: torch)")
+        if device_type == "cuda":
+            try:
+                return _fla()
+            except ImportError:
+                pass
+        return _torch()
+    if name not in BACKENDS:
+        raise ValueError(f"unknown GDN backend {name!r} (known: auto, {', '.join(BACKENDS)})")
+    return BACKENDS[name]()

@@ -33,7 +33,9 @@ def param_kind(name: str) -> str:
     return "dense"
 
 
-def footprint(mc: ModelConfig, tp_size: int, rank: int = 0, dtype: torch.dtype | None = None) -> RankFootprint:
+def footprint(
+    mc: ModelConfig, tp_size: int, rank: int = 0, dtype: torch.dtype | None = None
+) -> RankFootprint:
     from ft.engine.model_runner import build_model
 
     dtype = dtype or DTYPES.get(mc.dtype, torch.bfloat16)
@@ -64,8 +66,12 @@ def format_info(mc: ModelConfig, tp_sizes: list[int]) -> str:
         ranks = [footprint(mc, tp, r) for r in range(tp)]
         lines.append(f"tp_size {tp}: weight bytes per rank")
         for fp in ranks:
-            parts = "  ".join(f"{k} {fp.bytes.get(k, 0) / gib:8.3f} GiB" for k in ("dense", "experts", "embeddings"))
-            lines.append(f"  rank {fp.rank}: {parts}  total {fp.total_bytes / gib:8.3f} GiB ({fp.total_bytes:,} B)")
+            parts = "  ".join(
+                f"{k} {fp.bytes.get(k, 0) / gib:8.3f} GiB" for k in ("dense", "experts", "embeddings")
+            )
+            lines.append(
+                f"  rank {fp.rank}: {parts}  total {fp.total_bytes / gib:8.3f} GiB ({fp.total_bytes:,} B)"
+            )
         lines.append(f"tp_size {tp}: local shapes on rank 0")
         lines += [f"  {n:<58} {list(s)}" for n, s in ranks[0].shapes.items()]
     return "\n".join(lines)
