@@ -89,7 +89,7 @@ def test_misshaped_tensor_is_named(tmp_path, ckpt, name):
 def test_sharded_checkpoint_with_index(tmp_path):
     hf = write_checkpoint(tmp_path / "one", "qwen3_next", seed=5)
     hf.save_pretrained(str(tmp_path / "many"), max_shard_size="20KB")
-    index = json.load(open(tmp_path / "many" / "model.safetensors.index.json"))
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
     params = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
     outs = []
