@@ -29,6 +29,9 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [B, max_blocks] int32, -1 past the end
     slot_mapping: torch.Tensor  # [T] int64, KV slot of each new token, -1 for padding
     state_slots: torch.Tensor  # [B] int64, GDN state slot of each sequence
+    prev_token_ids: (
+        torch.Tensor
+    )  # [B, W] int64, the W tokens before each sequence's first new token; -1 before 0
     block_size: int
     # host copies for the reference kernels and for planning; never read inside CUDA graphs
     query_lens_cpu: list[int]

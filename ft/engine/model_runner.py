@@ -6,6 +6,7 @@ This is the only place that turns scheduler output into tensors on the device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from ft.models.dummy import init_dummy_weights
 from ft.models.loader import load_weights
 from ft.models.registry import model_class
 from ft.sampling_params import Logprobs
-from ft.scheduler.scheduler import ScheduledSeq
+from ft.scheduler.scheduler import HISTORY, ScheduledSeq
 
 
 @dataclass
@@ -85,7 +86,13 @@ class ModelRunner:
 
     def _kv_bytes_per_token(self) -> int:
         size = torch.tensor([], dtype=self.dtype).element_size()
-        return sum(2 * h * d * size for h, d in (m.cache_shape() for m in self._attention_layers()))
+        total = 0
+        for m in self._attention_layers():
+            h, d = m.cache_shape()
+            total += 2 * h * d * size
+            for shape in getattr(m, "extra_paged_caches", dict)().values():
+                total += math.prod(shape) * size
+        return total
 
     def _attention_layers(self):
         return [m for m in self.model.modules() if hasattr(m, "cache_shape")]
@@ -106,6 +113,10 @@ class ModelRunner:
             h, d = m.cache_shape()
             m.kv_cache = torch.zeros(2, num_blocks, bs, h, d, dtype=self.dtype, device=self.device)
             kv_bytes += m.kv_cache.numel() * m.kv_cache.element_size()
+            # per-token caches beside k/v (e.g. an indexer's keys), paged like them: [blocks, bs, *shape]
+            for name, shape in getattr(m, "extra_paged_caches", dict)().items():
+                setattr(m, name, torch.zeros(num_blocks, bs, *shape, dtype=self.dtype, device=self.device))
+                kv_bytes += getattr(m, name).numel() * getattr(m, name).element_size()
         for m in gdn:
             conv, ssm = m.state_shapes()
             m.conv_state = torch.zeros(slots + snaps, *conv, dtype=self.dtype, device=self.device)
@@ -153,6 +164,7 @@ class ModelRunner:
             block_tables=t(table, torch.int32),
             slot_mapping=t(slots, torch.int64),
             state_slots=t([s.state_slot for s in seqs], torch.int64),
+            prev_token_ids=t([[-1] * (HISTORY - len(s.history)) + s.history for s in seqs], torch.int64),
             block_size=bs,
             query_lens_cpu=qlens,
             context_lens_cpu=ctx,

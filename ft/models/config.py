@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ft.quant.declaration import QuantDeclaration, parse_declaration
+
 LAYER_TYPES = ("full_attention", "linear_attention")
 MLP_TYPES = ("moe", "dense")
 
@@ -51,7 +53,8 @@ class ModelConfig:
     intermediate_size: int = 0  # dense MLP layers
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
-    quantization: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    expert_format: str = "bf16"  # how routed experts are stored: bf16 | nvfp4
+    quantization: QuantDeclaration = field(default_factory=QuantDeclaration, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -147,7 +150,7 @@ def _common(raw: dict[str, Any]) -> dict[str, Any]:
     n = raw["num_hidden_layers"]
     theta, factor = _rope(raw)
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    quant = raw.get("quantization_config") or {}
+    quant = parse_declaration(raw.get("quantization_config"), raw.get("hf_quant_config"))
     return dict(
         model_type=raw["model_type"],
         vocab_size=raw["vocab_size"],
@@ -170,7 +173,8 @@ def _common(raw: dict[str, Any]) -> dict[str, Any]:
         intermediate_size=raw.get("intermediate_size", 0),
         eos_token_ids=_eos(raw),
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16").replace("torch.", ""),
-        quantization=dict(quant),
+        expert_format=quant.format_of("model.layers.0.mlp.experts.0.gate_proj"),
+        quantization=quant,
     )
 
 
@@ -204,6 +208,10 @@ def load_raw_config(path: str) -> dict[str, Any]:
         raise FileNotFoundError(f"no config.json at {path}")
     with open(file) as f:
         raw = json.load(f)
+    modelopt = os.path.join(os.path.dirname(file), "hf_quant_config.json")
+    if os.path.exists(modelopt):
+        with open(modelopt) as f:
+            raw["hf_quant_config"] = json.load(f)
     try:
         from transformers import AutoConfig
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -220,6 +228,7 @@ def load_raw_config(path: str) -> dict[str, Any]:
         ).items():  # e.g. num_experts -> num_local_experts
             merged[alias] = merged.get(target)
         merged.setdefault("quantization_config", raw.get("quantization_config"))
+        merged["hf_quant_config"] = raw.get("hf_quant_config")
         return merged
     return raw
 

@@ -17,13 +17,16 @@ last block boundary of each prompt always ends a chunk, so the state there can b
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ft.sampling_params import SamplingParams
 from ft.scheduler.kv_pool import BlockAllocator
 from ft.scheduler.radix_cache import RadixCache
 from ft.scheduler.request import Request, Status
 from ft.scheduler.state_pool import SlotAllocator
+
+
+HISTORY = 8  # tokens before a chunk that every rank sees (n-gram embeddings need the last few)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class ScheduledSeq:
     params: SamplingParams
     output_index: int  # how many tokens the request has generated so far (seeds sampling)
     prompt_targets: list[int] | None  # prompt tokens whose log-probs this chunk's logits give
+    history: list[int] = field(default_factory=list)  # up to HISTORY tokens before ``start``
     restore_from: int | None = None  # copy this GDN snapshot into the state slot before running
     snapshot_to: int | None = None  # copy the state slot into this snapshot after running
 
@@ -207,6 +211,7 @@ class Scheduler:
             params=req.params,
             output_index=len(req.output_token_ids),
             prompt_targets=targets,
+            history=req.all_token_ids[max(0, start - HISTORY) : start],
             restore_from=restore,
             snapshot_to=snapshot,
         )
