@@ -25,7 +25,6 @@ from ft.scheduler.radix_cache import RadixCache
 from ft.scheduler.request import Request, Status
 from ft.scheduler.state_pool import SlotAllocator
 
-
 HISTORY = 8  # tokens before a chunk that every rank sees (n-gram embeddings need the last few)
 
 
