@@ -33,6 +33,8 @@ class EngineConfig:
     prefix_snapshot_slots: int | None = (
         None  # GDN state snapshots for the prefix cache (default: max_running)
     )
+    cuda_graph_max_bs: int = 64
+    disable_cuda_graph: bool = False
     attention_backend: str = "auto"
     gdn_backend: str = "auto"
     seed: int = 0

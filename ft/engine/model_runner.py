@@ -72,6 +72,13 @@ class ModelRunner:
         self.gdn = get_gdn_backend(cfg.gdn_backend, self.device.type)
         self.sampler = Sampler(self.device, cfg.seed)
         self.plan = self._allocate_pools()
+        self.graphs = None
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph:
+            from ft.engine.cuda_graph import CudaGraphRunner
+
+            max_len = cfg.max_model_len or mc.max_position_embeddings
+            max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+            self.graphs = CudaGraphRunner(self, max_bs, -(-max_len // cfg.block_size))
 
     # ---- pools
     def _pool_tokens(self) -> int:
@@ -123,6 +130,7 @@ class ModelRunner:
             m.ssm_state = torch.zeros(slots + snaps, *ssm, dtype=torch.float32, device=self.device)
             state_bytes += m.conv_state.numel() * m.conv_state.element_size() + m.ssm_state.numel() * 4
         self.snapshot_base = slots  # snapshot k lives in state row slots + k
+        self.scratch_slot = slots - 1  # padded rows of a captured batch write here
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return PoolPlan(num_blocks, slots - 1, weights, kv_bytes, state_bytes, snaps, bool(gdn))
 
@@ -171,30 +179,34 @@ class ModelRunner:
         )
         return t(ids, torch.int64), batch
 
+    def _forward(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[range]]:
+        """Logits for the rows that need them, and for each sequence its rows' indices in them."""
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            return self.graphs.run(seqs), [range(i, i + 1) for i in range(len(seqs))]
+        ids, batch = self._batch(seqs)
+        with forward_context(ForwardContext(batch, self.attention, self.gdn)):
+            hidden = self.model(ids, batch.positions)
+        # rows whose logits we need: every row of a chunk asking for prompt log-probs, else the last
+        rows, flat, end = [], [], -1
+        for s in seqs:
+            end += len(s.token_ids)
+            first = end - len(s.token_ids) + 1 if s.prompt_targets else end
+            rows.append(range(len(flat), len(flat) + end - first + 1))
+            flat.extend(range(first, end + 1))
+        return self.model.compute_logits(hidden[flat]), rows
+
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult] | None:
         """Run one batch; the first rank returns one result per sequence, the others None."""
-        ids, batch = self._batch(seqs)
         base = self.snapshot_base
         self._copy_states([(base + s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
-        with forward_context(ForwardContext(batch, self.attention, self.gdn)):
-            hidden = self.model(ids, batch.positions)
+        logits, rows = self._forward(seqs)  # [R, V]
         self._copy_states([(s.state_slot, base + s.snapshot_to) for s in seqs if s.snapshot_to is not None])
-        # rows whose logits we need: every row of a chunk asking for prompt log-probs, else the last
-        rows, ends = [], []
-        for i, s in enumerate(seqs):
-            end = int(batch.cu_seqlens[i + 1]) - 1
-            first = end - len(s.token_ids) + 1 if s.prompt_targets else end
-            rows.append(range(first, end + 1))
-            ends.append(end)
-        flat = [r for rs in rows for r in rs]
-        logits = self.model.compute_logits(hidden[flat])  # [R, V]
         if not self.tp.is_first:
             return None
-        where = {r: j for j, r in enumerate(flat)}
         sampling = [i for i, s in enumerate(seqs) if s.sample]
         samples = self.sampler(
-            logits[[where[ends[i]] for i in sampling]],
+            logits[[rows[i][-1] for i in sampling]],
             [seqs[i].params for i in sampling],
             [seqs[i].output_index for i in sampling],
         )
@@ -203,10 +215,8 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             plp = None
             if s.prompt_targets:
-                sel = [where[r] for r in rows[i]][: len(s.prompt_targets)]
-                lp = torch.log_softmax(logits[sel], dim=-1)
-                plp = top_logprobs(
-                    lp, s.params.prompt_logprobs, torch.tensor(s.prompt_targets, device=lp.device)
-                )
+                lp = torch.log_softmax(logits[list(rows[i])[: len(s.prompt_targets)]], dim=-1)
+                targets = torch.tensor(s.prompt_targets, device=lp.device)
+                plp = top_logprobs(lp, s.params.prompt_logprobs, targets)
             out.append(SeqResult(s.request_id, by_seq.get(i), plp))
         return out

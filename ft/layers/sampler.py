@@ -69,13 +69,18 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
     ) -> list[SampleResult]:
         """logits [B, V] fp32, one row per sampling sequence."""
-        tokens = torch.tensor(
-            [
-                sample_row(logits[i], p, k, self.generator)
-                for i, (p, k) in enumerate(zip(params, output_index))
-            ],
-            device=logits.device,
-        )
+        if not params:
+            return []
+        if all(p.greedy for p in params):  # one device-to-host copy for the common case
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.tensor(
+                [
+                    sample_row(logits[i], p, k, self.generator)
+                    for i, (p, k) in enumerate(zip(params, output_index))
+                ],
+                device=logits.device,
+            )
         want = [p.logprobs for p in params]
         out = [SampleResult(int(t), None) for t in tokens.tolist()]
         if any(n is not None for n in want):
