@@ -73,12 +73,17 @@ class ModelRunner:
         self.sampler = Sampler(self.device, cfg.seed)
         self.plan = self._allocate_pools()
         self.graphs = None
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph:
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and self._graph_safe():
             from ft.engine.cuda_graph import CudaGraphRunner
 
             max_len = cfg.max_model_len or mc.max_position_embeddings
             max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
             self.graphs = CudaGraphRunner(self, max_bs, -(-max_len // cfg.block_size))
+
+    def _graph_safe(self) -> bool:
+        """Every kernel of a decode step can be captured (no host synchronisation inside)."""
+        kernels = [self.attention, self.gdn] + [m for m in self.model.modules() if hasattr(m, "num_experts")]
+        return all(getattr(k, "graph_safe", False) for k in kernels)
 
     # ---- pools
     def _pool_tokens(self) -> int:

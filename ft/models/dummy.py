@@ -1,21 +1,28 @@
 """Generated weights (``--load-format dummy``): random values of a sensible scale for every
-parameter, so any config can be run and benchmarked without a checkpoint on disk."""
+parameter, drawn on the parameter's own device, so any config can be run and benchmarked
+without a checkpoint on disk (an 80B model initialises in seconds on a GPU)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    zero_centred = getattr(getattr(model, "config", None), "zero_centered_norm", False)
+    generators: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
-        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if p.dtype not in FLOATS:
             continue
-        fan_in = p.shape[-1] if p.dim() >= 2 else 1
-        std = 0.02 if p.dim() < 2 else fan_in**-0.5
-        cpu = torch.randn(p.shape, generator=gen, dtype=torch.float32) * std
+        gen = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
         if name.endswith("A_log"):
-            cpu = torch.empty(p.shape).uniform_(0, 2.7, generator=gen)
-        p.copy_(cpu)
+            p.uniform_(0.0, 2.7, generator=gen)
+        elif name.endswith("norm.weight"):
+            # GDN's gated norm is plain; the model's others follow its convention
+            p.fill_(0.0 if zero_centred and "linear_attn.norm" not in name else 1.0)
+        else:
+            fan_in = p.shape[-1] if p.dim() >= 2 else 1
+            p.normal_(0.0, 0.02 if p.dim() < 2 else fan_in**-0.5, generator=gen)

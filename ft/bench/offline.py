@@ -1,0 +1,155 @@
+"""``ft bench offline``: throughput and latency of the engine on one machine, against the roofline.
+
+Prompts are random token ids. For each batch size N, N prompts of ``input_len`` tokens generate
+``output_len`` tokens each: aggregate tok/s is all output tokens over the wall time (prefill
+included); decode tok/s is N over the mean time of a pure decode step, compared with the decode
+roofline (``ft.bench.roofline``). Also: single-stream decode (output_len / (time − TTFT)), TTFT
+at ``input_len`` (median of 5), and prefill tok/s of one long prompt per ``--prefill-lens``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ft.bench.roofline import decode_step_bytes, measure_bandwidth
+from ft.config import EngineConfig
+from ft.engine.engine import LLMEngine
+from ft.sampling_params import SamplingParams
+
+
+@dataclass
+class Row:
+    batch: int
+    aggregate_tok_s: float
+    decode_tok_s: float
+    roofline_tok_s: float
+    step_gb: float
+    wall_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.decode_tok_s / self.roofline_tok_s if self.roofline_tok_s else 0.0
+
+
+@dataclass
+class Report:
+    model: str
+    device: str
+    hbm_gb_s: float
+    rows: list[Row] = field(default_factory=list)
+    single_stream_tok_s: float = 0.0
+    ttft_ms: float = 0.0
+    prefill: dict[int, float] = field(default_factory=dict)
+    hf: dict[str, float] = field(default_factory=dict)
+
+
+def _sync(engine: LLMEngine) -> None:
+    if (
+        engine.executor is not None
+        and torch.cuda.is_available()
+        and engine.cfg.resolved_device.type == "cuda"
+    ):
+        torch.cuda.synchronize()
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
+    """Run prompts to completion; returns wall time, first-token time and pure-decode step times."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    start = time.perf_counter()
+    first, decode_steps = None, []
+    while engine.has_unfinished_requests():
+        decode_only = not engine.scheduler.waiting and all(
+            r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running
+        )
+        t0 = time.perf_counter()
+        outs = engine.step()
+        _sync(engine)
+        t1 = time.perf_counter()
+        if decode_only and len(engine.scheduler.running) + sum(o.finished for o in outs) == len(prompts):
+            decode_steps.append(t1 - t0)
+        if first is None and any(o.token_ids for o in outs):
+            first = t1 - start
+    return {"wall": time.perf_counter() - start, "first": first or 0.0, "decode_steps": decode_steps}
+
+
+def bench(
+    cfg: EngineConfig,
+    batch_sizes: list[int],
+    input_len: int,
+    output_len: int,
+    prefill_lens: list[int],
+    seed: int = 0,
+) -> Report:
+    rng = random.Random(seed)
+    engine = LLMEngine(cfg)
+    vocab = engine.model_config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    from ft.distributed import TPInfo
+    from ft.engine.model_runner import build_model
+
+    dtype = cfg.torch_dtype(engine.model_config.dtype)
+    meta = build_model(engine.model_config, TPInfo(0, cfg.tp_size), "meta", dtype)
+    act_bytes = torch.tensor([], dtype=dtype).element_size()
+    device = cfg.resolved_device
+    report = Report(
+        cfg.model_path,
+        torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        measure_bandwidth(device) / 1e9,
+    )
+    run_batch(engine, [prompt(min(input_len, 32))], 4)  # warm-up: autotuning, allocator
+    single = run_batch(engine, [prompt(input_len)], output_len + 1)
+    report.single_stream_tok_s = output_len / (single["wall"] - single["first"])
+    report.ttft_ms = 1e3 * statistics.median(
+        run_batch(engine, [prompt(input_len)], 1)["wall"] for _ in range(5)
+    )
+    for n in batch_sizes:
+        res = run_batch(engine, [prompt(input_len) for _ in range(n)], output_len)
+        step = statistics.mean(res["decode_steps"]) if res["decode_steps"] else float("nan")
+        sb = decode_step_bytes(meta, engine.model_config, n, input_len + output_len // 2, act_bytes)
+        step_gb = sb.total / 1e9
+        roof_tok_s = n / (sb.total / (report.hbm_gb_s * 1e9))
+        report.rows.append(Row(n, n * output_len / res["wall"], n / step, roof_tok_s, step_gb, res["wall"]))
+    for length in prefill_lens:
+        res = run_batch(engine, [prompt(length)], 1)
+        report.prefill[length] = length / res["wall"]
+    engine.shutdown()
+    return report
+
+
+def format_report(r: Report) -> str:
+    lines = [
+        f"model {r.model} on {r.device}; measured memory bandwidth {r.hbm_gb_s:,.0f} GB/s",
+        f"single-stream decode: {r.single_stream_tok_s:,.1f} tok/s   TTFT: {r.ttft_ms:,.1f} ms",
+    ]
+    for length, rate in r.prefill.items():
+        lines.append(f"prefill {length} tokens: {rate:,.0f} tok/s")
+    lines.append(
+        f"{'batch':>6} {'aggregate tok/s':>16} {'decode tok/s':>13} {'roofline tok/s':>15} "
+        f"{'achieved/roof':>14} {'GB/step':>8}"
+    )
+    for row in r.rows:
+        lines.append(
+            f"{row.batch:>6} {row.aggregate_tok_s:>16,.1f} {row.decode_tok_s:>13,.1f} "
+            f"{row.roofline_tok_s:>15,.1f} {row.ratio:>13.0%} {row.step_gb:>8.2f}"
+        )
+    for k, v in r.hf.items():
+        lines.append(f"transformers {k}: {v:,.1f}")
+    return "\n".join(lines)
+
+
+def to_json(r: Report) -> str:
+    d = asdict(r)
+    for row, src in zip(d["rows"], r.rows):
+        row["ratio"] = src.ratio
+    return json.dumps(d, indent=2)
