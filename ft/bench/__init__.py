@@ -1,0 +1,1 @@
+"""Benchmarks (``ft bench``)."""
