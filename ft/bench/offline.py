@@ -87,6 +87,7 @@ def bench(
     output_len: int,
     prefill_lens: list[int],
     seed: int = 0,
+    compare_hf: bool = False,
 ) -> Report:
     rng = random.Random(seed)
     engine = LLMEngine(cfg)
@@ -124,7 +125,39 @@ def bench(
         res = run_batch(engine, [prompt(length)], 1)
         report.prefill[length] = length / res["wall"]
     engine.shutdown()
+    if compare_hf:
+        report.hf = bench_hf(cfg, input_len, output_len)
     return report
+
+
+def bench_hf(cfg: EngineConfig, input_len: int, output_len: int) -> dict[str, float]:
+    """transformers' ``generate`` on the same config and device (random weights), batch 1."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ft.models.config import load_raw_config
+
+    raw = {k: v for k, v in load_raw_config(cfg.model_path).items() if v is not None}
+    hf_config = AutoConfig.for_model(**raw)
+    device = cfg.resolved_device
+    dtype = cfg.torch_dtype(str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    ids = torch.randint(hf_config.vocab_size, (1, input_len), device=device)
+
+    def timed(n: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    timed(2)  # warm-up
+    ttft = statistics.median(timed(1) for _ in range(3))
+    total = timed(output_len + 1)
+    return {"single_stream_tok_s": output_len / (total - ttft), "ttft_ms": 1e3 * ttft}
 
 
 def format_report(r: Report) -> str:
@@ -153,3 +186,36 @@ def to_json(r: Report) -> str:
     for row, src in zip(d["rows"], r.rows):
         row["ratio"] = src.ratio
     return json.dumps(d, indent=2)
+
+
+def add_offline_parser(bench_sub) -> None:
+    """``ft bench offline``: registered by ``ft.bench.cli``."""
+    from ft.cli import add_engine_args
+
+    p = bench_sub.add_parser("offline", help="throughput, latency and roofline ratio on this machine")
+    add_engine_args(p)
+    p.add_argument("--batch-sizes", default="1,8,16,64")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--prefill-lens", default="8192,32768")
+    p.add_argument("--compare-hf", action="store_true", help="add a row for transformers' generate")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=cmd_offline)
+
+
+def cmd_offline(args) -> int:
+    from ft.cli import engine_options
+
+    sizes = [int(s) for s in args.batch_sizes.split(",") if s]
+    prefill = [int(s) for s in args.prefill_lens.split(",") if s]
+    options = engine_options(args) | {"max_running_requests": max(sizes + [args.max_running_requests])}
+    longest = max(prefill + [args.input_len + args.output_len + 1])
+    options["max_model_len"] = options.get("max_model_len") or longest
+    report = bench(
+        EngineConfig(**options), sizes, args.input_len, args.output_len, prefill, compare_hf=args.compare_hf
+    )
+    print(format_report(report))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(to_json(report))
+    return 0
