@@ -26,6 +26,7 @@ def _is_decode(t: int, batch: ForwardBatch) -> bool:
 
 class FlaGDN:
     name = "fla"
+    graph_safe = True  # the decode path (one token per sequence) never syncs with the host
 
     def __init__(self) -> None:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -40,11 +41,11 @@ class FlaGDN:
     def delta_rule(self, q, k, v, g, beta, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, hk, dk = q.shape
         hv, dv = v.shape[1:]
-        assert k.shape == q.shape and v.shape[0] == t, f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        assert k.shape == q.shape and v.shape[0] == t, f"q {q.shape}, k {k.shape}, v {v.shape} disagree"
         assert hv % hk == 0, f"value heads {hv} must be a multiple of key heads {hk}"
         assert g.shape == beta.shape == (t, hv), f"g/beta must be [T, {hv}], got {tuple(g.shape)}"
         assert ssm_state.shape[1:] == (hv, dk, dv) and ssm_state.dtype == torch.float32, (
-            f"ssm_state must be fp32 [slots, {hv}, {dk}, {dv}], got {ssm_state.dtype} {tuple(ssm_state.shape)}"
+            f"ssm_state must be fp32 [slots, {hv}, {dk}, {dv}], got {ssm_state.dtype} {ssm_state.shape}"
         )
         slots = batch.state_slots
         fresh = (batch.context_lens == 0)[:, None, None, None]
@@ -52,17 +53,19 @@ class FlaGDN:
         common = dict(
             scale=dk**-0.5, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True
         )
+        # keywords only: fused_recurrent's fifth positional parameter is gk, not beta
         if _is_decode(t, batch):  # B sequences of one token: [B, 1, H, d]
             o, final = self._recurrent(
-                q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None].float(), **common
-            )
+                q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None].float(), beta=beta[:, None].float(),
+                **common,
+            )  # fmt: skip
             o = o[:, 0]
         else:  # one flat varlen sequence: [1, T, H, d]
             cu_cpu = torch.tensor([0, *batch.query_lens_cpu], dtype=torch.int64).cumsum(0)
             o, final = self._chunk(
-                q[None], k[None], v[None], g[None].float(), beta[None].float(),
+                q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None].float(),
                 cu_seqlens=batch.cu_seqlens.long(), cu_seqlens_cpu=cu_cpu, **common,
-            )
+            )  # fmt: skip
             o = o[0]
         ssm_state.index_copy_(0, slots, final)
         return o.to(v.dtype)

@@ -17,9 +17,24 @@ from ft.forward_context import ForwardBatch
 
 
 @triton.jit
-def _conv_out_kernel(x, w, conv_state, cu_seqlens, context_lens, state_slots, out, C,
-                     s_xt, s_ot, s_wc, s_ss, s_sc,
-                     KC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_out_kernel(
+    x,
+    w,
+    conv_state,
+    cu_seqlens,
+    context_lens,
+    state_slots,
+    out,
+    C,
+    s_xt,
+    s_ot,
+    s_wc,
+    s_ss,
+    s_sc,
+    KC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     tb = tl.program_id(0)
     b = tl.program_id(1)
     cb = tl.program_id(2)
@@ -38,16 +53,29 @@ def _conv_out_kernel(x, w, conv_state, cu_seqlens, context_lens, state_slots, ou
         wj = tl.load(w + c * s_wc + j, mask=c < C, other=0.0).to(tl.float32)
         xin = tl.load(x + (bos + p)[:, None] * s_xt + c[None, :], mask=live & (p >= 0)[:, None], other=0.0)
         hmask = live & (p < 0)[:, None] & has_hist
-        hin = tl.load(conv_state + slot * s_ss + c[None, :] * s_sc + (KC - 1 + p)[:, None], mask=hmask,
-                      other=0.0)
+        hin = tl.load(
+            conv_state + slot * s_ss + c[None, :] * s_sc + (KC - 1 + p)[:, None], mask=hmask, other=0.0
+        )
         acc += (xin.to(tl.float32) + hin.to(x.dtype.element_ty).to(tl.float32)) * wj[None, :]
     y = acc * tl.sigmoid(acc)
     tl.store(out + (bos + t)[:, None] * s_ot + c[None, :], y.to(out.dtype.element_ty), mask=live)
 
 
 @triton.jit
-def _conv_state_kernel(x, conv_state, cu_seqlens, context_lens, state_slots, C, s_xt, s_ss, s_sc,
-                       KC: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_state_kernel(
+    x,
+    conv_state,
+    cu_seqlens,
+    context_lens,
+    state_slots,
+    C,
+    s_xt,
+    s_ss,
+    s_sc,
+    KC: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     b = tl.program_id(0)
     cb = tl.program_id(1)
     bos = tl.load(cu_seqlens + b).to(tl.int64)
@@ -77,7 +105,7 @@ def causal_conv1d_silu(
     t, c = x.shape
     kc = weight.shape[-1]
     assert x.is_cuda and weight.shape == (c, kc), f"weight {tuple(weight.shape)} does not fit x [T, {c}]"
-    assert conv_state.shape[1:] == (c, kc - 1), f"conv_state {tuple(conv_state.shape)} is not [S, {c}, {kc - 1}]"
+    assert conv_state.shape[1:] == (c, kc - 1), f"conv_state {conv_state.shape} is not [S, {c}, {kc - 1}]"
     assert conv_state.stride(-1) == 1, "conv_state must be contiguous in its last dimension"
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -88,11 +116,33 @@ def causal_conv1d_silu(
     block_c = 256 if max_query_len == 1 else 128
     grid = (triton.cdiv(max_query_len, block_t), bsz, triton.cdiv(c, block_c))
     _conv_out_kernel[grid](
-        x, weight, conv_state, *args, out, c, x.stride(0), out.stride(0), weight.stride(0),
-        conv_state.stride(0), conv_state.stride(1), KC=kc, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+        x,
+        weight,
+        conv_state,
+        *args,
+        out,
+        c,
+        x.stride(0),
+        out.stride(0),
+        weight.stride(0),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        KC=kc,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        num_warps=4,
     )
     _conv_state_kernel[(bsz, triton.cdiv(c, 128))](
-        x, conv_state, *args, c, x.stride(0), conv_state.stride(0), conv_state.stride(1),
-        KC=kc, KP=triton.next_power_of_2(max(kc - 1, 1)), BLOCK_C=128, num_warps=4,
+        x,
+        conv_state,
+        *args,
+        c,
+        x.stride(0),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        KC=kc,
+        KP=triton.next_power_of_2(max(kc - 1, 1)),
+        BLOCK_C=128,
+        num_warps=4,
     )
     return out

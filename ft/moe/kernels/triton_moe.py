@@ -7,10 +7,11 @@ Same contract as ``torch_ref.fused_moe_ref(x, w13, w2, weights, ids) -> [T, H]``
     y      = weights[t, k] * (act @ w2[e].T)                    # [T*k, H], routing weight in GEMM 2
     out    = sum_k y                                            # [T, H]
 
-The sort and padding are plain torch ops with shapes fixed by (T, k, E), no host sync, so a
-decode step can be captured in a CUDA graph. Configs come from a small table by tokens per call
-(``CONFIGS``), seeded from vLLM's H200 tunings for E=512/N=512 and E=128/N=768. Not here:
-quantised weights (NVFP4 has its own kernel), expert parallelism, bias terms.
+The sort and padding (one Triton program for decode sizes, torch ops above) have shapes fixed
+by (T, k, E) and no host sync, so a decode step can be captured in a CUDA graph. Configs come
+from a small table by tokens per call (``CONFIGS``), seeded from vLLM's H200 tunings for
+E=512/N=512 and E=128/N=768. Not here: quantised weights (NVFP4 has its own kernel), expert
+parallelism, bias terms.
 """
 
 from __future__ import annotations
@@ -21,12 +22,32 @@ import triton.language as tl
 
 
 @triton.jit
-def _grouped_gemm_kernel(a, b, c, topk_w, sorted_ids, block_expert, num_padded, EM, N, K, num_pairs,
-                         s_am, s_be, s_bn, s_cm,
-                         TOPK: tl.constexpr, A_PER_TOKEN: tl.constexpr, SWIGLU: tl.constexpr,
-                         MUL_W: tl.constexpr, EVEN_K: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+def _grouped_gemm_kernel(
+    a,
+    b,
+    c,
+    topk_w,
+    sorted_ids,
+    block_expert,
+    num_padded,
+    EM,
+    N,
+    K,
+    num_pairs,
+    s_am,
+    s_be,
+    s_bn,
+    s_cm,
+    TOPK: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    MUL_W: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     # c[rows] = f(a[rows] @ b[e].T) for one BLOCK_M run of (token, k) pairs that share expert e
     pid = tl.program_id(0)
     num_m = tl.cdiv(EM, BLOCK_M)
@@ -105,16 +126,61 @@ def pick_config(num_tokens: int, num_experts: int) -> tuple[tuple[int, ...], tup
     raise AssertionError("the last CONFIGS row must cover every T")
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+@triton.jit
+def _align_kernel(
+    ids, sorted_ids, block_expert, num_padded, N, EM,
+    E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    # one program does the whole sort for small T*k (decode): one launch instead of a dozen
+    ex = tl.arange(0, E_P)
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_P], tl.int32)
+    for i0 in range(0, N, CHUNK):
+        e = tl.load(ids + i0 + c, mask=i0 + c < N, other=E_P).to(tl.int32)  # E_P matches no expert
+        counts += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), 0)
+    padded = tl.cdiv(counts, BM) * BM
+    ends = tl.cumsum(padded, 0)  # [E_P] end row of each expert's run
+    tl.store(num_padded, tl.sum(padded, 0).to(tl.int64))
+    for b0 in range(0, EM // BM, CHUNK):
+        blk = b0 + c
+        owner = tl.sum((ends[None, :] <= (blk * BM)[:, None]).to(tl.int32), 1)  # searchsorted right
+        tl.store(block_expert + blk, tl.minimum(owner, E - 1).to(tl.int64), mask=blk < EM // BM)
+    f = tl.arange(0, FILL)
+    for r0 in range(0, EM, FILL):
+        tl.store(sorted_ids + r0 + f, tl.zeros([FILL], tl.int64) + N, mask=r0 + f < EM)
+    tl.debug_barrier()  # the padding fill above must land before the pair ids below
+    next_row = ends - padded  # [E_P] next free row of each expert
+    for i0 in range(0, N, CHUNK):
+        i = i0 + c
+        e = tl.load(ids + i, mask=i < N, other=E_P).to(tl.int32)
+        hit = (e[:, None] == ex[None, :]).to(tl.int32)  # [CHUNK, E_P]
+        earlier = tl.cumsum(hit, 0) - hit  # same-expert pairs before this one in the chunk
+        dest = tl.sum(hit * (earlier + next_row[None, :]), 1)
+        tl.store(sorted_ids + dest, i.to(tl.int64), mask=i < N)
+        next_row += tl.sum(hit, 0)
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, small: int = 1024):
     """Sort the T*k (token, slot) pairs by expert and pad each expert's run to a multiple of block_m.
 
     Returns sorted_ids [EM] (flat pair ids, T*k marks padding), block_expert [EM/block_m] and
     num_padded [1] (rows in use). EM bounds the padded length from shapes alone: at most
-    min(E, T*k) experts are hit, each wasting at most block_m - 1 rows.
+    min(E, T*k) experts are hit, each wasting at most block_m - 1 rows. Up to ``small`` pairs one
+    Triton program does it all; above, sorting with torch ops costs little next to the GEMMs.
     """
-    flat = ids.reshape(-1).long()  # [N]
+    flat = ids.reshape(-1)  # [N]
     n = flat.numel()
     em = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    if n <= small:
+        sorted_ids = torch.empty(em, dtype=torch.int64, device=ids.device)
+        block_expert = torch.empty(em // block_m, dtype=torch.int64, device=ids.device)
+        num_padded = torch.empty(1, dtype=torch.int64, device=ids.device)
+        _align_kernel[(1,)](
+            flat.contiguous(), sorted_ids, block_expert, num_padded, n, em, E=num_experts,
+            E_P=triton.next_power_of_2(num_experts), BM=block_m, CHUNK=32, FILL=1024, num_warps=8,
+        )  # fmt: skip
+        return sorted_ids, block_expert, num_padded
+    flat = flat.long()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -135,10 +201,32 @@ def _launch(a, b, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, 
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
     _grouped_gemm_kernel[grid](
-        a, b, c, topk_w, sorted_ids, block_expert, num_padded, em, n, k, num_pairs,
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        TOPK=topk, A_PER_TOKEN=a_per_token, SWIGLU=swiglu, MUL_W=mul_w, EVEN_K=k % bk == 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages,
+        a,
+        b,
+        c,
+        topk_w,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        em,
+        n,
+        k,
+        num_pairs,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        TOPK=topk,
+        A_PER_TOKEN=a_per_token,
+        SWIGLU=swiglu,
+        MUL_W=mul_w,
+        EVEN_K=k % bk == 0,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=group_m,
+        num_warps=warps,
+        num_stages=stages,
     )
 
 
@@ -171,4 +259,4 @@ def fused_moe_triton(
         align = align_by_expert(ids, e, down_cfg[0])
     y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [T*k, H], weighted
     _launch(act, w2, y, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg)
-    return y.view(t, topk, h).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return y.view(t, topk, h).sum(dim=1)  # accumulates in fp32, rounds once
