@@ -12,7 +12,7 @@ from ft.cli import main
 from ft.models.config import load_model_config
 from ft.models.info import footprint
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 NEXT = os.path.join(CONFIGS, "qwen3_next_80b_a3b.json")
 MOE = os.path.join(CONFIGS, "qwen3_30b_a3b.json")
 GIB = 1024**3
