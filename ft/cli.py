@@ -21,6 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=1800.0)
+    p.add_argument(
+        "--quantize-experts", choices=["nvfp4"], default=None, help="quantise bf16 routed experts at load"
+    )
 
 
 ENGINE_KEYS = (
@@ -38,6 +41,7 @@ ENGINE_KEYS = (
     "block_size",
     "seed",
     "dist_timeout_s",
+    "quantize_experts",
 )
 
 
@@ -64,11 +68,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from ft.models.config import load_model_config
     from ft.models.info import format_info
 
     sizes = [int(s) for s in str(args.tp_size).split(",")]
-    print(format_info(load_model_config(args.model or args.config_file), sizes))
+    mc = load_model_config(args.model or args.config_file)
+    if args.quantize_experts:
+        mc = replace(mc, expert_format=args.quantize_experts)
+    print(format_info(mc, sizes))
     return 0
 
 
@@ -92,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", help="checkpoint directory (or a config.json)")
     i.add_argument("--config", dest="config_file")
     i.add_argument("--tp-size", default="1", help="one size or a list, e.g. 1,2,4,8")
+    i.add_argument("--quantize-experts", choices=["nvfp4"], default=None, help="size experts as if quantised")
     i.set_defaults(func=cmd_info)
 
     for register in _extra_commands():

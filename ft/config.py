@@ -37,6 +37,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     attention_backend: str = "auto"
     gdn_backend: str = "auto"
+    quantize_experts: str | None = None  # "nvfp4": quantise bf16 routed experts while loading
     seed: int = 0
     dist_timeout_s: float = 1800.0
     progress: bool = True
@@ -56,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device: {self.device!r} (known: auto, cpu, cuda)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype: {self.dtype!r} (known: auto, {', '.join(DTYPES)})")
+        if self.quantize_experts not in (None, "nvfp4"):
+            raise ValueError(f"EngineConfig.quantize_experts: {self.quantize_experts!r} (known: None, nvfp4)")
         checks = [
             ("tp_size", self.tp_size >= 1),
             ("block_size", self.block_size >= 1),

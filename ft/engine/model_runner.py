@@ -7,7 +7,7 @@ This is the only place that turns scheduler output into tensors on the device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,6 +63,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", tp.rank)
         self.dtype = cfg.torch_dtype(mc.dtype)
+        if cfg.quantize_experts:  # the bank quantises whatever the checkpoint stores in bf16
+            mc = self.mc = replace(mc, expert_format=cfg.quantize_experts)
         self.model = build_model(mc, tp, self.device, self.dtype).eval()
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)

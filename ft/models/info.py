@@ -1,5 +1,7 @@
 """What a model costs, without reading a weight: the model is built on the meta device for a
-simulated rank, and its parameters are counted by kind (dense / experts / embeddings)."""
+simulated rank, and its parameters are counted by kind (dense / experts / embeddings). Expert
+banks are sized in their storage format (NVFP4 packed: ~9/32 of bf16, scales included), and each
+tp size also shows what one rank's experts would take in bf16 and in NVFP4."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ft.config import DTYPES
-from ft.distributed import TPInfo
+from ft.distributed import TPInfo, tp_context
 from ft.models.config import ModelConfig
 
 
@@ -46,11 +48,36 @@ def footprint(
     show = {f"model.layers.{i}." for i in (mc.attention_layers[:1] + mc.linear_layers[:1])}
     for name, p in model.named_parameters():
         kind = param_kind(name)
-        params[kind] = params.get(kind, 0) + p.numel()
+        params[kind] = params.get(kind, 0) + getattr(p, "logical_numel", p.numel())  # packed: unpacked count
         nbytes[kind] = nbytes.get(kind, 0) + p.numel() * p.element_size()
         if not name.startswith("model.layers.") or any(name.startswith(s) for s in show):
             shapes[name] = tuple(p.shape)
     return RankFootprint(tp_size, rank, params, nbytes, shapes)
+
+
+def expert_bytes(mc: ModelConfig, tp_size: int, fmt: str) -> int:
+    """One rank's routed-expert bytes over all MoE layers if stored as ``fmt`` (one bank on meta)."""
+    from ft.moe.block import BANKS
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # a bf16 bank's dtype
+    try:
+        with tp_context(TPInfo(0, tp_size)), torch.device("meta"):
+            bank = BANKS[fmt](mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, fmt)
+    finally:
+        torch.set_default_dtype(previous)
+    return bank.weight_bytes() * mc.mlp_types.count("moe")
+
+
+def _expert_formats_line(mc: ModelConfig, tp_size: int) -> str:
+    gib = 1024**3
+    sizes = []
+    for fmt in ("bf16", "nvfp4"):
+        try:
+            sizes.append(f"{fmt} {expert_bytes(mc, tp_size, fmt) / gib:8.3f} GiB")
+        except ValueError as e:  # e.g. I/P not a multiple of NVFP4's 16-wide blocks
+            sizes.append(f"{fmt} n/a ({e})")
+    return f"  experts per rank: {', '.join(sizes)}; stored as {mc.expert_format}"
 
 
 def format_info(mc: ModelConfig, tp_sizes: list[int]) -> str:
@@ -72,6 +99,8 @@ def format_info(mc: ModelConfig, tp_sizes: list[int]) -> str:
             lines.append(
                 f"  rank {fp.rank}: {parts}  total {fp.total_bytes / gib:8.3f} GiB ({fp.total_bytes:,} B)"
             )
+        if "moe" in mc.mlp_types:
+            lines.append(_expert_formats_line(mc, tp))
         lines.append(f"tp_size {tp}: local shapes on rank 0")
         lines += [f"  {n:<58} {list(s)}" for n, s in ranks[0].shapes.items()]
     return "\n".join(lines)

@@ -38,6 +38,8 @@ def mlp(cfg: ModelConfig, index: int) -> nn.Module:
         cfg.moe_intermediate_size,
         cfg.norm_topk_prob,
         cfg.shared_expert_intermediate_size,
+        expert_format=cfg.expert_format,
+        checkpoint_format=cfg.quantization.format_of(f"model.layers.{index}.mlp.experts.0.gate_proj"),
     )
 
 

@@ -1,8 +1,16 @@
 """Expert banks: the routed experts of one MoE layer, this rank's slice of the intermediate axis.
 
-A bf16 bank stores ``w13 [E, 2·I/P, H]`` (gate rows then up rows) and ``w2 [E, H, I/P]``. It loads
-the Hugging Face hub layout, ``experts.{e}.gate_proj/up_proj/down_proj.weight``, reading only
-this rank's rows of gate/up and columns of down.
+Every bank stacks gate and up rows as ``w13`` (gate rows then up rows) and down as ``w2``, and
+splits them over tensor-parallel ranks along the intermediate axis I: rank r holds gate/up rows
+and down columns ``[r·I/P, (r+1)·I/P)``. Formats:
+
+- bf16 (here): ``w13 [E, 2·I/P, H]``, ``w2 [E, H, I/P]``.
+- nvfp4 (``ft.moe.nvfp4_bank``): packed E2M1 codes, 16-wide fp8 scales and per-row fp32 globals.
+
+Banks load the Hugging Face hub layout, ``experts.{e}.gate_proj/up_proj/down_proj.*``, reading
+only this rank's rows of gate/up and columns of down, and run the kernel the selection table
+picks once, at construction, for their format, device, activation dtype and TP size. Where the
+weights live (GPU, pinned host) is not decided here.
 """
 
 from __future__ import annotations
@@ -13,14 +21,27 @@ from torch import nn
 from ft.distributed import get_tp_info
 from ft.layers.loading import load_slice, new_param
 from ft.models.checkpoint import CheckpointTensor
-from ft.moe.kernels.torch_ref import fused_moe_ref
+from ft.moe.kernels.select import kernel_spec, select_moe_kernel
 from ft.utils import div_even
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-class BF16ExpertBank(nn.Module):
-    format = "bf16"
+def weight_parts(num_experts: int, suffix: str = "weight") -> tuple[list, list]:
+    """``checkpoint_parts`` of w13 and w2: (name under the bank, (expert, projection))."""
+    w13 = [(f"{e}.{p}.{suffix}", (e, i)) for e in range(num_experts) for i, p in enumerate(PROJECTIONS[:2])]
+    w2 = [(f"{e}.down_proj.{suffix}", (e, 2)) for e in range(num_experts)]
+    return w13, w2
+
+
+class ExpertBank(nn.Module):
+    """What every bank shares: sizes, this rank's intermediate range, the selected kernel.
+
+    A subclass allocates ``w13``/``w2`` (and whatever else its format needs), then calls
+    ``select_kernel``; ``kernel_weights`` hands the kernel its two operands.
+    """
+
+    format: str
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -31,41 +52,65 @@ class BF16ExpertBank(nn.Module):
             intermediate_size,
         )
         self.local_inter = div_even(intermediate_size, self.tp.size, "moe_intermediate_size over tp ranks")
+        self.inter_start = self.tp.rank * self.local_inter  # first intermediate index on this rank
+
+    def select_kernel(self) -> None:
+        # the parameters exist by now, so their device is the one the model is built on
+        self.kernel_name, self.kernel = select_moe_kernel(
+            self.format, self.w13.device, self.tp.size, dtype=torch.get_default_dtype()
+        )
+
+    @property
+    def graph_safe(self) -> bool:
+        return kernel_spec(self.kernel_name).graph_safe
+
+    def rows(self, param: torch.Tensor, e: int, proj: int) -> torch.Tensor:
+        """Expert ``e``'s gate (0) or up (1) rows of a w13-shaped tensor, or all of w2 (2)."""
+        if proj == 2:
+            return param.data[e]
+        return param.data[e].narrow(0, proj * self.local_inter, self.local_inter)
+
+    def kernel_weights(self) -> tuple:
+        return self.w13, self.w2
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the routed experts for x [T, H]."""
+        return self.kernel(x, *self.kernel_weights(), weights, ids)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+class BF16ExpertBank(ExpertBank):
+    format = "bf16"
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, checkpoint_format: str = "bf16"
+    ) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size)
+        if checkpoint_format != "bf16":
+            raise ValueError(
+                f"the checkpoint stores these experts as {checkpoint_format}; a bf16 expert bank "
+                "cannot load them (the model's expert_format must match)"
+            )
         self.w13 = new_param(num_experts, 2 * self.local_inter, hidden_size, loader=self._load)
         self.w2 = new_param(num_experts, hidden_size, self.local_inter, loader=self._load)
-        self.w13.checkpoint_parts = [
-            (f"{e}.{p}.weight", (e, i)) for e in range(num_experts) for i, p in enumerate(PROJECTIONS[:2])
-        ]
-        self.w2.checkpoint_parts = [(f"{e}.down_proj.weight", (e, 2)) for e in range(num_experts)]
+        self.w13.checkpoint_parts, self.w2.checkpoint_parts = weight_parts(num_experts)
+        self.select_kernel()
 
     def _load(self, param: torch.Tensor, ckpt: CheckpointTensor, shard_id: tuple[int, int]) -> None:
         e, proj = shard_id
         inter, hidden, local = self.intermediate_size, self.hidden_size, self.local_inter
-        start = self.tp.rank * local
         if proj == 2:
-            load_slice(
-                param[e],
-                ckpt,
-                global_shape=(hidden, inter),
-                dim=1,
-                src_start=start,
-                dst_start=0,
-                length=local,
-            )
+            shape, dim = (hidden, inter), 1
         else:
-            load_slice(
-                param[e],
-                ckpt,
-                global_shape=(inter, hidden),
-                dim=0,
-                src_start=start,
-                dst_start=proj * local,
-                length=local,
-            )
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum of the routed experts for x [T, H]."""
-        return fused_moe_ref(x, self.w13, self.w2, weights, ids)
-
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in (self.w13, self.w2))
+            shape, dim = (inter, hidden), 0
+        load_slice(
+            self.rows(param, e, proj),
+            ckpt,
+            global_shape=shape,
+            dim=dim,
+            src_start=self.inter_start,
+            dst_start=0,
+            length=local,
+        )

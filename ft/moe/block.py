@@ -3,7 +3,9 @@
     y = sum_k p_k · expert_k(x) + sigmoid(shared_expert_gate · x) · shared_expert(x)
 
 Both terms are this rank's partial sums over its intermediate shard, so they are added before a
-single all-reduce.
+single all-reduce. The routed experts live in a bank of the model's ``expert_format`` (one format
+for every layer); ``checkpoint_format`` says what the checkpoint stores for this layer's
+experts, so an NVFP4 bank quantises bf16 experts while loading and a bf16 bank refuses NVFP4 ones.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from torch import nn
 from ft.distributed import all_reduce, get_tp_info
 from ft.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from ft.moe.banks import BF16ExpertBank
+from ft.moe.nvfp4_bank import NVFP4ExpertBank
 from ft.moe.router import TopKRouter
+
+BANKS = {"bf16": BF16ExpertBank, "nvfp4": NVFP4ExpertBank}
 
 
 class GatedMLP(nn.Module):
@@ -46,11 +51,15 @@ class SparseMoeBlock(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         shared_intermediate_size: int = 0,
+        expert_format: str = "bf16",
+        checkpoint_format: str = "bf16",
     ) -> None:
         super().__init__()
         self.tp = get_tp_info()
         self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
-        self.experts = BF16ExpertBank(num_experts, hidden_size, intermediate_size)
+        if expert_format not in BANKS:
+            raise ValueError(f"expert format {expert_format!r} is not supported (known: {sorted(BANKS)})")
+        self.experts = BANKS[expert_format](num_experts, hidden_size, intermediate_size, checkpoint_format)
         self.shared_expert = (
             GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         )

@@ -90,11 +90,19 @@ def _div_or_zero(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, num / torch.where(ok, den, 1.0), 0.0)
 
 
-def quantize(w: torch.Tensor) -> NVFP4Tensor:
+def global_scale_of(w: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's per-tensor global scale, ``amax / (6 * 448)`` in fp32 (a 0-d tensor)."""
+    return w.float().abs().amax() / (E2M1_MAX * E4M3_MAX)
+
+
+def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None) -> NVFP4Tensor:
     """Quantise ``w`` ``[out, in]`` to NVFP4 the way ModelOpt does, with one global scale.
 
     Expert banks quantise each projection on its own and stack the results; the global is
-    per tensor, so stacking first would change the numbers.
+    per tensor, so stacking first would change the numbers. ``global_scale`` (from
+    `global_scale_of` on the whole tensor) lets a tensor-parallel rank quantise only its slice
+    of a projection and get exactly the bytes that slicing the whole quantised tensor would
+    give, as long as the slice keeps whole 16-wide blocks.
     """
     if w.dim() != 2:
         raise ValueError(f"NVFP4 quantize expects a 2-d [out, in] weight, got shape {tuple(w.shape)}")
@@ -105,8 +113,9 @@ def quantize(w: torch.Tensor) -> NVFP4Tensor:
     if not bool(torch.isfinite(w).all()):
         raise ValueError("NVFP4 quantize got a weight with NaN or inf")
 
-    amax = w.abs().amax()
-    global_scale = amax / (E2M1_MAX * E4M3_MAX)  # fp32 []
+    if global_scale is None:
+        global_scale = global_scale_of(w)  # fp32 []
+    global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(())
     blocks = w.view(out_features, in_features // BLOCK, BLOCK)  # [out, in/16, 16]
     block_amax = blocks.abs().amax(dim=-1)  # [out, in/16]
 

@@ -1,0 +1,242 @@
+"""Fused MoE for NVFP4 expert banks in Triton, W4A16: codes and scales are decoded in registers,
+the products run as bf16 MMAs with fp32 accumulation (Hopper has no FP4 tensor cores).
+
+Same contract and structure as ``triton_moe.fused_moe_triton`` (whose token->expert sort and
+padding, ``align_by_expert``, and tile table, ``pick_config``, it reuses):
+
+    act = silu(g_gate · (x @ W_gate.T)) * (g_up · (x @ W_up.T))   # [T*k, I], SwiGLU fused
+    y   = weights[t, k] · g_down · (act @ W_down.T)               # [T*k, H]
+    out = sum_k y                                                 # [T, H]
+
+where ``W = e2m1(code) · scale`` is decoded tile by tile and the per-row fp32 globals ``g`` are
+applied to the accumulator, after the dot. The decoding uses integer ops only, no fp8 or fp4
+units: an E2M1 code's bits placed into an fp16 exponent/mantissa give ``value · 2^-14`` and an
+E4M3 byte's give ``scale · 2^-8``; their fp32 product ``value · scale · 2^-22`` has at most six
+significant bits, so it is exact in bf16, and the ``2^22`` is folded into the global. Not here:
+fp16 activations (the folded magnitudes underflow fp16), W4A4, expert parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.moe.kernels.triton_moe import align_by_expert, pick_config
+from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
+
+UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
+
+
+@triton.jit
+def _decode(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # packed uint8 [BN, BK/2] (element 2i in the low nibble), scale uint8 [BN, BK/16] (e4m3 bits)
+    # -> bf16 [BN, BK] holding e2m1 · scale · 2^-22, exactly
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K])
+    value = ((codes & 7).to(tl.int16) << 9) | ((codes & 8).to(tl.int16) << 12)
+    value = value.to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 · 2^-14
+    s = ((scale & 0x7F).to(tl.int16) << 7) | ((scale & 0x80).to(tl.int16) << 8)
+    s = s.to(tl.float16, bitcast=True).to(tl.float32)  # e4m3 · 2^-8
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // 16, 16]), [BLOCK_N, BLOCK_K])
+    return (value * s).to(tl.bfloat16)
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    a,
+    b,
+    b_scale,
+    b_global,
+    c,
+    topk_w,
+    sorted_ids,
+    block_expert,
+    num_padded,
+    EM,
+    N,
+    K,
+    num_pairs,
+    s_am,
+    s_be,
+    s_bn,
+    s_se,
+    s_sn,
+    s_ge,
+    s_cm,
+    unfold,
+    TOPK: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    MUL_W: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # c[rows] = f(g[e] · (a[rows] @ W[e].T)) for one BLOCK_M run of (token, k) pairs sharing expert e
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(EM, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    if pid_m * BLOCK_M >= tl.load(num_padded):
+        return
+    e = tl.load(block_expert + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # flat pair ids [BM]
+    rmask = rows < num_pairs
+    a_rows = (rows // TOPK) if A_PER_TOKEN else rows
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    kk = tl.arange(0, BLOCK_K)
+    kb = tl.arange(0, BLOCK_K // 2)
+    ks = tl.arange(0, BLOCK_K // 16)
+    a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
+    b_ptr = b + e * s_be + n[:, None].to(tl.int64) * s_bn + kb[None, :]  # [BN, BK/2] packed codes
+    s_ptr = b_scale + e * s_se + n[:, None].to(tl.int64) * s_sn + ks[None, :]  # [BN, BK/16]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWIGLU:
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            at = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
+            w = _decode(
+                tl.load(b_ptr, mask=nmask[:, None], other=0),
+                tl.load(s_ptr, mask=nmask[:, None], other=0),
+                BLOCK_N,
+                BLOCK_K,
+            )
+        else:  # K is a multiple of 16, so whole bytes and whole scale blocks are in or out
+            left = K - k0
+            at = tl.load(a_ptr, mask=rmask[:, None] & (kk[None, :] < left), other=0.0)
+            bmask = nmask[:, None] & (kb[None, :] < left // 2)
+            smask = nmask[:, None] & (ks[None, :] < left // 16)
+            w = _decode(
+                tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
+            )
+        acc = tl.dot(at, tl.trans(w), acc)
+        if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
+            if EVEN_K:
+                u = _decode(
+                    tl.load(b_ptr + N * s_bn, mask=nmask[:, None], other=0),
+                    tl.load(s_ptr + N * s_sn, mask=nmask[:, None], other=0),
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+            else:
+                u = _decode(
+                    tl.load(b_ptr + N * s_bn, mask=bmask, other=0),
+                    tl.load(s_ptr + N * s_sn, mask=smask, other=0),
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+            acc_up = tl.dot(at, tl.trans(u), acc_up)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K // 2
+        s_ptr += BLOCK_K // 16
+    g_ptr = b_global + e * s_ge + n
+    acc = acc * (tl.load(g_ptr, mask=nmask, other=0.0) * unfold)[None, :]
+    if SWIGLU:
+        acc_up = acc_up * (tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold)[None, :]
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_W:
+        acc = acc * tl.load(topk_w + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    c_ptr = c + rows[:, None].to(tl.int64) * s_cm + n[None, :]
+    tl.store(c_ptr, acc.to(c.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+def _launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, mul_w, cfg):
+    sorted_ids, block_expert, num_padded = align
+    bm, bn, bk, group_m, warps, stages = cfg
+    em = sorted_ids.shape[0]
+    grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
+    scale = w.weight_scale.view(torch.uint8)  # decoded from its bits in the kernel
+    _w4a16_gemm_kernel[grid](
+        a,
+        w.weight,
+        scale,
+        w.weight_scale_2,
+        c,
+        topk_w,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        em,
+        n,
+        k,
+        num_pairs,
+        a.stride(0),
+        w.weight.stride(0),
+        w.weight.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        w.weight_scale_2.stride(0),
+        c.stride(0),
+        UNFOLD,
+        TOPK=topk,
+        A_PER_TOKEN=a_per_token,
+        SWIGLU=swiglu,
+        MUL_W=mul_w,
+        EVEN_K=k % bk == 0,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=group_m,
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def _check(w: NVFP4Tensor, e: int, n: int, k: int, what: str) -> None:
+    assert w.weight.shape == (e, n, k // 2) and w.weight.dtype == torch.uint8, (
+        f"{what} codes {tuple(w.weight.shape)} {w.weight.dtype} are not uint8 [{e}, {n}, {k // 2}]"
+    )
+    assert w.weight_scale.shape == (e, n, k // BLOCK) and w.weight_scale.dtype == torch.float8_e4m3fn, (
+        f"{what} scales {tuple(w.weight_scale.shape)} {w.weight_scale.dtype} are not "
+        f"float8_e4m3fn [{e}, {n}, {k // BLOCK}]"
+    )
+    g = w.weight_scale_2
+    assert g.shape == (e, n) and g.dtype == torch.float32, (
+        f"{what} globals {tuple(g.shape)} {g.dtype} are not fp32 [{e}, {n}] (one per row)"
+    )
+    assert w.weight.stride(-1) == 1 and w.weight_scale.stride(-1) == 1 and g.stride(-1) == 1, (
+        f"{what} codes, scales and globals must be contiguous in their last dim"
+    )
+
+
+def fused_moe_w4a16(
+    x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H] bf16; w13 codes [E, 2I, H/2], scales [E, 2I, H/16], globals [E, 2I] (gate rows then
+    up rows); w2 codes [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H]."""
+    t, h = x.shape
+    e, two_i = w13.weight.shape[:2]
+    inter = two_i // 2
+    topk = ids.shape[1]
+    assert x.is_cuda and w13.weight.device == x.device == w2.weight.device, (
+        "fused_moe_w4a16 needs CUDA tensors on one device"
+    )
+    assert x.dtype == torch.bfloat16, f"x must be bf16 (W4A16), got {x.dtype}"
+    assert h % BLOCK == 0 and inter % BLOCK == 0 and two_i % 2 == 0, (
+        f"H={h} and I={inter} must be multiples of {BLOCK}"
+    )
+    _check(w13, e, two_i, h, "w13")
+    _check(w2, e, h, inter, "w2")
+    assert weights.shape == ids.shape == (t, topk), f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
+    if t == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    up_cfg, down_cfg = pick_config(t, e)
+    topk_w = weights.reshape(-1).float().contiguous()  # [T*k]
+    pairs = t * topk
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    align = align_by_expert(ids, e, up_cfg[0])
+    _launch(x, w13, act, topk_w, align, pairs, inter, h, topk, True, True, False, up_cfg)
+    if down_cfg[0] != up_cfg[0]:
+        align = align_by_expert(ids, e, down_cfg[0])
+    y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [T*k, H], weighted
+    _launch(act, w2, y, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg)
+    return y.view(t, topk, h).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,115 @@
+"""The Triton W4A16 fused MoE equals the NVFP4 torch reference on the GPU (marker ``gpu``):
+Qwen3-Next's shape (512 experts, H=2048, I=512, top-10) at decode and 4k-token prefill sizes,
+tensor-parallel shards (including an I whose K tail is not a whole tile), ModelOpt-quantised
+weights with gate and up globals apart, and the bank's kernel choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.quant import nvfp4
+from ft.quant.nvfp4 import NVFP4Tensor
+
+pytestmark = pytest.mark.gpu
+
+
+def random_bank(e: int, n: int, k: int, gen: torch.Generator) -> NVFP4Tensor:
+    """Random codes, fp8 scales and per-row globals, scaled so that rows have norm ~1."""
+    codes = torch.randint(0, 256, (e, n, k // 2), generator=gen, device="cuda", dtype=torch.uint8)
+    scales = (torch.rand(e, n, k // 16, generator=gen, device="cuda") * 447 + 1).to(torch.float8_e4m3fn)
+    # |e2m1| has rms ~2.9, the scales ~260: globals near k^-0.5 / 760, varying per row
+    globals_ = (torch.rand(e, n, generator=gen, device="cuda") + 0.5) * k**-0.5 / 760
+    return NVFP4Tensor(codes, scales, globals_)
+
+
+def routing(t: int, e: int, topk: int, gen: torch.Generator):
+    logits = torch.randn(t, e, generator=gen, device="cuda")
+    weights, ids = torch.softmax(logits, -1).topk(topk, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).norm() / ref.float().norm())
+
+
+def check(t: int, e: int, inter: int, h: int, topk: int, seed: int = 0, w13=None, w2=None) -> None:
+    pytest.importorskip("triton")
+    from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
+    from ft.moe.kernels.triton_w4a16 import fused_moe_w4a16
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = w13 if w13 is not None else random_bank(e, 2 * inter, h, gen)
+    w2 = w2 if w2 is not None else random_bank(e, h, inter, gen)
+    x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = routing(t, e, topk, gen)
+    got = fused_moe_w4a16(x, w13, w2, weights, ids)
+    ref = fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids)
+    assert got.shape == (t, h) and got.dtype == torch.bfloat16
+    err = rel_err(got, ref)
+    assert err < 2e-2, f"T={t} E={e} I={inter} H={h}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("t", [1, 4, 16, 64, 4096])
+def test_qwen3_next_shape(t):
+    check(t, 512, 512, 2048, 10)
+
+
+@pytest.mark.parametrize("inter,t", [(256, 3), (128, 300), (64, 17), (48, 33)])
+def test_tp_shards_and_k_tails(inter, t):
+    check(t, 512, inter, 2048, 10, seed=inter)
+
+
+@pytest.mark.parametrize("t", [1, 40])
+def test_modelopt_quantised_experts(t):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    e, inter, h = 8, 128, 256
+    w13, w2 = [], []
+    for _ in range(e):
+        gate = nvfp4.quantize(torch.randn(inter, h, generator=gen, device="cuda") * 0.02)
+        up = nvfp4.quantize(torch.randn(inter, h, generator=gen, device="cuda") * 0.3)
+        down = nvfp4.quantize(torch.randn(h, inter, generator=gen, device="cuda") * 0.05)
+        globals_ = torch.cat([gate.weight_scale_2.expand(inter), up.weight_scale_2.expand(inter)])
+        w13.append(
+            (torch.cat([gate.weight, up.weight]), torch.cat([gate.weight_scale, up.weight_scale]), globals_)
+        )
+        w2.append((down.weight, down.weight_scale, down.weight_scale_2.expand(h)))
+    stack = [NVFP4Tensor(*(torch.stack(parts) for parts in zip(*w))) for w in (w13, w2)]
+    check(t, e, inter, h, 2, seed=t, w13=stack[0], w2=stack[1])
+
+
+def test_bank_selects_triton_for_bf16_and_the_reference_for_fp32():
+    pytest.importorskip("triton")
+    from ft.distributed import TPInfo, tp_context
+    from ft.moe.nvfp4_bank import NVFP4ExpertBank
+
+    previous = torch.get_default_dtype()
+    try:
+        for dtype, name in ((torch.bfloat16, "triton-w4a16"), (torch.float32, "torch-nvfp4")):
+            torch.set_default_dtype(dtype)
+            with tp_context(TPInfo(0, 2)), torch.device("cuda"):
+                assert NVFP4ExpertBank(4, 64, 64).kernel_name == name
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
+    pytest.importorskip("triton")
+    from ft import LLM, SamplingParams
+    from tests.nvfp4.modelopt_ckpt import write_nvfp4_checkpoint
+
+    write_nvfp4_checkpoint(tmp_path, "qwen3_moe", seed=2, moe_intermediate_size=64)
+    prompts = [[5, 17, 3, 88, 41, 9, 2, 60, 33, 71, 12, 50, 7], [30, 1, 64, 19]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    outs = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        with LLM(model=str(tmp_path / "nvfp4"), device=device, dtype=dtype, progress=False) as llm:
+            outs[device] = llm.generate(prompts, params)
+            if device == "cuda":
+                assert (
+                    llm.engine.executor.runner.model.model.layers[0].mlp.experts.kernel_name == "triton-w4a16"
+                )
+    for got, want in zip(outs["cuda"], outs["cpu"]):
+        for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            tok = next(t for t in w if t in g)  # the prompt token is in both
+            assert abs(g[tok] - w[tok]) < 0.1 + 0.02 * abs(w[tok])

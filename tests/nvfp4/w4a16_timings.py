@@ -1,0 +1,56 @@
+"""Timing of the Triton W4A16 MoE next to the bf16 Triton MoE (not a test):
+``python tests/nvfp4/w4a16_timings.py``.
+
+Qwen3-Next's shape (E=512, I=512, H=2048, top-10) at T = 1, 64 (decode; eager and CUDA graph)
+and 4096 (prefill). The floor is the larger of the hit experts' bytes over HBM (4.22 TB/s) and
+the FLOPs at 783 TFLOP/s, from DESIGN.md; NVFP4 bytes count codes and scales.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from ft.moe.kernels.triton_moe import fused_moe_triton  # noqa: E402
+from ft.moe.kernels.triton_w4a16 import fused_moe_w4a16  # noqa: E402
+from tests.gpu.kernel_timings import FLOPS, HBM, bench  # noqa: E402
+from tests.nvfp4.test_w4a16_gpu import random_bank  # noqa: E402
+
+
+def main() -> None:
+    e, inter, h, k = 512, 512, 2048, 10
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q13, q2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+    b13 = (torch.randn(e, 2 * inter, h, device="cuda") * h**-0.5).to(torch.bfloat16)
+    b2 = (torch.randn(e, h, inter, device="cuda") * inter**-0.5).to(torch.bfloat16)
+    print(f"moe E={e} I={inter} H={h} top{k}, {torch.cuda.get_device_name()}")
+    for t in (1, 64, 4096):
+        x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+        weights, ids = torch.softmax(torch.randn(t, e, device="cuda"), -1).topk(k, -1)
+        hit = ids.unique().numel()
+        flops = t * k * 3 * 2 * inter * h / FLOPS * 1e6
+        row = [f"T={t:<5d} hit {hit:3d}"]
+        for name, fn, w13, w2, bytes_per_weight in (
+            ("w4a16", fused_moe_w4a16, q13, q2, 0.5 + 1 / 16),
+            ("bf16 ", fused_moe_triton, b13, b2, 2.0),
+        ):
+            floor = max(hit * 3 * inter * h * bytes_per_weight / HBM * 1e6, flops)
+
+            def call(fn=fn, x=x, w13=w13, w2=w2, w=weights, i=ids):
+                return fn(x, w13, w2, w, i)
+
+            eager = bench(call) * 1e3
+            graph = bench(call, graph=True) * 1e3
+            row.append(
+                f"| {name} eager {eager:8.1f} us graph {graph:8.1f} us floor {floor:7.1f} us "
+                f"({floor / graph:5.1%})"
+            )
+        print(" ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
