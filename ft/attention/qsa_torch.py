@@ -38,6 +38,8 @@ def block_sparse_attention(
         )
         allowed = mask.repeat_interleave(qsa_block_size, dim=1)[:, :length]  # [Tq, Tk]
         keys, values = gather_kv(kv_cache, batch.block_tables[i], length)
-        out[start : start + qlen] = causal_attention(q[start : start + qlen], keys, values, ctx, scale, allowed)
+        out[start : start + qlen] = causal_attention(
+            q[start : start + qlen], keys, values, ctx, scale, allowed
+        )
         start += qlen
     return out

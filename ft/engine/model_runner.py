@@ -84,7 +84,8 @@ class ModelRunner:
 
     def _graph_safe(self) -> bool:
         """Every kernel of a decode step can be captured (no host synchronisation inside)."""
-        kernels = [self.attention, self.gdn] + [m for m in self.model.modules() if hasattr(m, "num_experts")]
+        modules = [m for m in self.model.modules() if hasattr(m, "graph_safe") or hasattr(m, "num_experts")]
+        kernels = [self.attention, self.gdn, *modules]
         return all(getattr(k, "graph_safe", False) for k in kernels)
 
     # ---- pools

@@ -55,11 +55,14 @@ class QKNormAttention(nn.Module):
         q = self.q_norm(q.reshape(t, self.num_heads, d))
         k = self.k_norm(k.view(t, self.num_kv_heads, d))
         q, k = self.rotary(positions, q, k)
-        ctx = get_forward_context()
-        out = ctx.attention.forward(
-            q, k, v.view(t, self.num_kv_heads, d), self.kv_cache, ctx.batch, self.scale
-        )
+        out = self.attend(x, q, k, v.view(t, self.num_kv_heads, d))
         out = out.reshape(t, self.num_heads * d)
         if self.output_gate:
             out = out * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
+
+    def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q [T, Hq, d] over the cache after storing k, v [T, Hkv, d]. ``x`` is
+        the layer input, for variants whose key selection reads it (qwen4_exp's QSA)."""
+        ctx = get_forward_context()
+        return ctx.attention.forward(q, k, v, self.kv_cache, ctx.batch, self.scale)

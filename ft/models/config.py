@@ -54,6 +54,23 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
     expert_format: str = "bf16"  # how routed experts are stored: bf16 | nvfp4
+    # QSA sparse attention (qwen4_exp): blocks of B positions, top-K plus Lc local blocks
+    qsa_block_size: int = 0
+    qsa_topk_blocks: int = 0
+    qsa_local_blocks: int = 0
+    qsa_index_heads: int = 0
+    qsa_index_head_dim: int = 0
+    # hyper-connections (qwen4_exp): n residual streams; 1 means plain residuals
+    hc_mult: int = 1
+    hc_sinkhorn_iters: int = 1
+    hc_eps: float = 1e-6
+    # PLE hashed n-gram embeddings (qwen4_exp); no ple_layers means no PLE
+    ple_layers: tuple[int, ...] = ()
+    ple_ngram_orders: tuple[int, ...] = ()
+    ple_heads: int = 0
+    ple_head_dim: int = 0
+    ple_pad_id: int = 0
+    ple_table_rows: int = 0  # R = sum of the checkpoint's primes (config.json does not carry it)
     quantization: QuantDeclaration = field(default_factory=QuantDeclaration, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +97,37 @@ class ModelConfig:
                 raise bad("num_experts_per_tok", f"{self.num_experts_per_tok} of {self.num_experts}")
             if self.moe_intermediate_size <= 0:
                 raise bad("moe_intermediate_size", "must be positive")
+        if self.model_type == "qwen4_exp":
+            self._check_qwen4_exp(bad)
+
+    def _check_qwen4_exp(self, bad) -> None:
+        from ft.scheduler.scheduler import HISTORY  # the tokens before a chunk every rank sees
+
+        positive = ("qsa_block_size", "qsa_local_blocks", "qsa_index_heads", "qsa_index_head_dim", "hc_mult")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise bad(name, f"{getattr(self, name)} must be >= 1")
+        if self.qsa_topk_blocks < 0:
+            raise bad("qsa_topk_blocks", f"{self.qsa_topk_blocks} must be >= 0")
+        if self.hc_mult > 1 and self.hc_sinkhorn_iters < 1:
+            raise bad("hc_sinkhorn_iters", f"{self.hc_sinkhorn_iters} must be >= 1")
+        if not self.ple_layers:
+            return
+        if sorted(set(self.ple_layers)) != list(self.ple_layers) or not all(
+            0 <= i < self.num_layers for i in self.ple_layers
+        ):
+            raise bad(
+                "ple_layers", f"{list(self.ple_layers)} must be increasing layer indices < {self.num_layers}"
+            )
+        if not self.ple_ngram_orders or not all(1 <= n <= HISTORY + 1 for n in self.ple_ngram_orders):
+            raise bad(
+                "ple_ngram_orders",
+                f"{list(self.ple_ngram_orders)}: orders must lie in 1..{HISTORY + 1} (the engine carries "
+                f"{HISTORY} tokens of context before each chunk)",
+            )
+        for name in ("ple_heads", "ple_head_dim", "ple_table_rows"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"{getattr(self, name)} must be >= 1 when ple_layers is set")
 
     @property
     def rotary_dim(self) -> int:
@@ -198,7 +246,66 @@ def _qwen3_next(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-PARSERS = {"qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next}
+PLE_PRIME_ESTIMATE = 2**21  # spec section 10: "primes near 2^21", for configs without a checkpoint
+
+
+def _checkpoint_tensor_shape(path: str | None, name: str) -> tuple[int, ...] | None:
+    """The shape of tensor ``name`` from the safetensors headers of checkpoint directory ``path``."""
+    if not path or not os.path.isdir(path):
+        return None
+    from safetensors import safe_open
+
+    for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(path, file), "pt") as f:
+            if name in f.keys():  # noqa: SIM118 - safe_open has no __contains__
+                return tuple(f.get_slice(name).get_shape())
+    return None
+
+
+QWEN4_EXP_REQUIRED = (
+    "layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_conv_kernel_dim", "qsa_block_size", "qsa_topk_blocks",
+    "qsa_local_blocks", "qsa_index_heads", "qsa_index_head_dim",
+)  # fmt: skip
+QWEN4_EXP_OPTIONAL = dict(
+    shared_expert_intermediate_size=0, hc_mult=1, hc_sinkhorn_iters=1, hc_eps=1e-6, ple_heads=0,
+    ple_head_dim=0, ple_pad_id=0,
+)  # fmt: skip
+
+
+def _qwen4_exp(raw: dict[str, Any]) -> ModelConfig:
+    for name in QWEN4_EXP_REQUIRED:
+        if name not in raw:
+            raise ValueError(f"config field {name}: required for qwen4_exp")
+    fields = {k: raw[k] for k in QWEN4_EXP_REQUIRED} | {
+        k: raw.get(k, v) for k, v in QWEN4_EXP_OPTIONAL.items()
+    }
+    ple_layers = tuple(raw.get("ple_layers") or ())
+    orders = tuple(raw.get("ple_ngram_orders") or ())
+    rows = 0
+    if ple_layers:
+        # The table has R = sum(primes) rows: a fact of the checkpoint, read from its header when
+        # there is one; a bare config gets the spec's estimate (or an explicit ple_table_rows).
+        shape = _checkpoint_tensor_shape(raw.get("_checkpoint_dir"), "model.ple.table")
+        count = len(ple_layers) * len(orders) * fields["ple_heads"]
+        rows = shape[0] if shape else raw.get("ple_table_rows") or count * PLE_PRIME_ESTIMATE
+    return ModelConfig(
+        **(fields | dict(layer_types=tuple(raw["layer_types"]), hc_eps=float(fields["hc_eps"]))),
+        zero_centered_norm=True,
+        attn_output_gate=True,
+        ple_layers=ple_layers,
+        ple_ngram_orders=orders,
+        ple_table_rows=rows,
+        **_common(raw),
+    )
+
+
+PARSERS = {"qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next, "qwen4_exp": _qwen4_exp}
+
+
+# Families whose contract is a spec of ours (shared/specs/), read exactly as written: transformers
+# ships an unrelated model under the name qwen4_exp (a multimodal config with other field names).
+SPEC_MODEL_TYPES = ("qwen4_exp",)
 
 
 def load_raw_config(path: str) -> dict[str, Any]:
@@ -217,7 +324,7 @@ def load_raw_config(path: str) -> dict[str, Any]:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     except ImportError:  # pragma: no cover - transformers is a dependency
         return raw
-    if raw.get("model_type") in CONFIG_MAPPING:
+    if raw.get("model_type") in CONFIG_MAPPING and raw.get("model_type") not in SPEC_MODEL_TYPES:
         try:
             hf = AutoConfig.for_model(**raw)
         except Exception as e:  # transformers' own validation: keep its message, our error type
@@ -230,6 +337,8 @@ def load_raw_config(path: str) -> dict[str, Any]:
         merged.setdefault("quantization_config", raw.get("quantization_config"))
         merged["hf_quant_config"] = raw.get("hf_quant_config")
         return merged
+    if os.path.isdir(path):
+        raw["_checkpoint_dir"] = path  # for facts only the tensors carry (qwen4_exp's PLE table rows)
     return raw
 
 

@@ -58,11 +58,15 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, [self.make_layer(cfg, i) for i in range(cfg.num_layers)])
+        self.model = self.make_model(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.ignored_checkpoint_tensors = (*self.ignored_checkpoint_tensors, r"^lm_head\.weight$")
+
+    def make_model(self, cfg: ModelConfig) -> nn.Module:
+        """The stack under ``self.model``: embedding, layers, final norm (a family may wrap it)."""
+        return DecoderModel(cfg, [self.make_layer(cfg, i) for i in range(cfg.num_layers)])
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         raise NotImplementedError

@@ -1,0 +1,1 @@
+"""The qwen4_exp model family: model (the stack), qsa, ple, hyper, gdn."""
