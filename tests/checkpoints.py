@@ -58,11 +58,11 @@ QWEN3_MOE_BASE = dict(
 
 
 @torch.no_grad()
-def randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int, scale: float = 1.2) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         fan_in = p.shape[-1] if p.dim() >= 2 else 1
-        std = 0.2 if p.dim() < 2 else 1.2 * fan_in**-0.5
+        std = 0.2 if p.dim() < 2 else scale * fan_in**-0.5
         value = torch.randn(p.shape, generator=gen) * std
         if name.endswith("A_log"):
             value = torch.rand(p.shape, generator=gen) * 2.5 - 1.0
@@ -79,7 +79,7 @@ def _zero_centred(model) -> bool:
     return model.config.model_type == "qwen3_next"
 
 
-def make_hf_model(model_type: str, seed: int = 0, **overrides):
+def make_hf_model(model_type: str, seed: int = 0, weight_scale: float = 1.2, **overrides):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
     if model_type == "qwen3_next":
@@ -91,12 +91,15 @@ def make_hf_model(model_type: str, seed: int = 0, **overrides):
     else:
         raise ValueError(model_type)
     model = model.float().eval()
-    randomize(model, seed)
+    randomize(model, seed, weight_scale)
     return model
 
 
-def write_checkpoint(path, model_type: str, seed: int = 0, **overrides):
-    """Save a random model under ``path``; returns the transformers model (fp32, eval)."""
-    model = make_hf_model(model_type, seed, **overrides)
+def write_checkpoint(path, model_type: str, seed: int = 0, weight_scale: float = 1.2, **overrides):
+    """Save a random model under ``path``; returns the transformers model (fp32, eval).
+
+    ``weight_scale`` sets matrix weights to that many times fan_in^-0.5: the default makes
+    activations grow layer by layer (so mistakes show); bf16 comparisons want a calmer model."""
+    model = make_hf_model(model_type, seed, weight_scale, **overrides)
     model.save_pretrained(str(path))
     return model

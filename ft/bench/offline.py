@@ -209,7 +209,7 @@ def cmd_offline(args) -> int:
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
     prefill = [int(s) for s in args.prefill_lens.split(",") if s]
     options = engine_options(args) | {"max_running_requests": max(sizes + [args.max_running_requests])}
-    longest = max(prefill + [args.input_len + args.output_len + 1])
+    longest = max([n + 1 for n in prefill] + [args.input_len + args.output_len + 1])
     options["max_model_len"] = options.get("max_model_len") or longest
     report = bench(
         EngineConfig(**options), sizes, args.input_len, args.output_len, prefill, compare_hf=args.compare_hf

@@ -37,11 +37,21 @@ def test_fp32_cuda_greedy_equals_cpu(ckpt, cpu_ref):
         assert got.token_ids == want.token_ids
 
 
-def test_bf16_logprobs_within_tolerance(ckpt, cpu_ref):
-    for got, want in zip(generate(ckpt, device="cuda", dtype="bfloat16"), cpu_ref):
+def max_prompt_logprob_error(outs, ref) -> float:
+    err = 0.0
+    for got, want in zip(outs, ref):
         for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
             tok = next(t for t in w if t in g)  # the prompt token is in both
-            assert abs(g[tok] - w[tok]) < 0.1 + 0.02 * abs(w[tok])
+            err = max(err, abs(g[tok] - w[tok]))
+    return err
+
+
+def test_bf16_logprobs_within_tolerance(ckpt, cpu_ref):
+    """bf16 on the GPU strays from fp32 no more than bf16 itself does: the CPU's bf16 run (torch
+    reference kernels) measures what the format alone costs on this random model."""
+    gpu = max_prompt_logprob_error(generate(ckpt, device="cuda", dtype="bfloat16"), cpu_ref)
+    cpu = max_prompt_logprob_error(generate(ckpt, device="cpu", dtype="bfloat16"), cpu_ref)
+    assert gpu < 2 * cpu + 0.05, (gpu, cpu)
 
 
 def test_cuda_graph_decode_equals_eager(ckpt):
