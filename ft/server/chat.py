@@ -1,0 +1,104 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, then generation.
+
+``logprobs: true`` with ``top_logprobs: k`` gives OpenAI's per-token entries (token, logprob,
+bytes, top_logprobs). Without ``max_tokens`` a chat may run to the end of the context.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ft.sampling_params import Logprobs
+from ft.server.generation import Generation, Update
+from ft.server.protocol import APIError, ChatCompletionRequest, parse
+from ft.server.serving import ServerState, usage
+from ft.server.tokenizer import Tokenizer
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())  # type: ignore[assignment]
+    state.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    prompt = await state.chat_prompt(
+        [m.for_template() for m in req.messages], req.add_generation_prompt, req.chat_template_kwargs or {}
+    )
+    ids = await state.encode(prompt, req.add_special_tokens)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, state.info.max_request_tokens - len(ids))
+    state.check_prompt(ids, max_tokens)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    gen = state.generation("chatcmpl", [ids], state.sampling_params(req, max_tokens, logprobs), req)
+    writer = _Writer(state, req, gen)
+    if req.stream:
+        return await state.stream(request, gen, writer.events())
+    return await state.complete(request, gen, writer.body)
+
+
+class _Writer:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, gen: Generation) -> None:
+        self.state, self.req, self.gen = state, req, gen
+
+    def _header(self, obj: str) -> dict:
+        return {"id": self.gen.id, "object": obj, "created": self.gen.created, "model": self.state.model_name}
+
+    def _logprobs(self, ids: list[int], rows: list[Logprobs] | None) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        return {"content": chat_logprobs(self.state.tokenizer, ids, rows or [], self.req.top_logprobs or 0)}
+
+    def body(self) -> dict:
+        choices = []
+        for c in self.gen.choices:
+            entry = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text.text},
+                "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            if self.req.return_token_ids:
+                entry["prompt_token_ids"], entry["token_ids"] = c.prompt_token_ids, c.token_ids
+            choices.append(entry)
+        return self._header("chat.completion") | {"choices": choices, "usage": usage(self.gen)}
+
+    async def events(self):
+        extra = {"usage": None} if self.req.include_usage else {}
+        # the assistant's role first, once per choice (as OpenAI does)
+        for c in self.gen.choices:
+            first = {
+                "index": c.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            yield self._header("chat.completion.chunk") | {"choices": [first]} | extra
+        async for u in self.gen.updates():
+            yield self._header("chat.completion.chunk") | {"choices": [self._chunk_choice(u)]} | extra
+        if self.req.include_usage:
+            yield self._header("chat.completion.chunk") | {"choices": [], "usage": usage(self.gen)}
+
+    def _chunk_choice(self, u: Update) -> dict:
+        entry = {
+            "index": u.choice.index,
+            "delta": {"content": u.text} if u.text or not u.finished else {},
+            "logprobs": self._logprobs(u.token_ids, u.logprobs),
+            "finish_reason": u.choice.finish_reason if u.finished else None,
+        }
+        if self.req.return_token_ids:
+            entry["token_ids"] = u.token_ids
+        return entry
+
+
+def chat_logprobs(tok: Tokenizer | None, ids: list[int], rows: list[Logprobs], top: int) -> list[dict]:
+    def item(t: int, lp: float) -> dict:
+        if tok is None:
+            return {"token": f"token_id:{t}", "logprob": lp, "bytes": None}
+        return {"token": tok.token_text(t), "logprob": lp, "bytes": list(tok.token_bytes(t))}
+
+    out = []
+    for tid, row in zip(ids, rows):
+        best = sorted(row.items(), key=lambda kv: -kv[1])[:top]
+        out.append(item(tid, row[tid]) | {"top_logprobs": [item(t, lp) for t, lp in best]})
+    return out

@@ -1,0 +1,91 @@
+"""Generated tokens to streamed text: whole characters only, stop strings cut off.
+
+``IncrementalDetokenizer`` turns a growing list of token ids into text deltas. Byte-level tokens
+can end in the middle of a UTF-8 character; the decoded text then ends in U+FFFD, and the delta
+is held back until a later token completes the character (or the request ends). Each call
+decodes only a short window, [prefix_offset, end), whose start is a point where earlier text was
+released whole, so the deltas always add up to ``decode(all tokens)``.
+
+``TextStream`` sits on top and applies stop strings: text that might be the start of a stop
+string is held back until it is known not to be one; when a stop string appears the text is cut
+just before it and the stream reports that it stopped.
+"""
+
+from __future__ import annotations
+
+from ft.server.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0  # start of the decode window: released whole up to here...
+        self.read_offset = 0  # ...and up to here; text from here on is not released yet
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete (possibly empty)."""
+        self.token_ids.extend(token_ids)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (an unfinished character decodes to U+FFFD)."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        ids = self.token_ids
+        if self.read_offset == len(ids):
+            return ""
+        decode = self.tokenizer.decode
+        prefix = decode(ids[self.prefix_offset : self.read_offset])
+        text = decode(ids[self.prefix_offset :])
+        if not final and (len(text) <= len(prefix) or text.endswith(REPLACEMENT)):
+            return ""  # nothing new, or the last character is not complete yet
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return text[len(prefix) :]
+
+
+class TextStream:
+    """One choice's text: detokenized, cut at the first stop string, released when safe."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = [s for s in stop if s]
+        self.text = ""  # everything decoded so far (cut at the stop string once one is seen)
+        self.sent = 0  # characters of ``text`` already released
+        self.stopped = False  # a stop string was found
+        self._searched = 0  # stop strings cannot start before this index
+
+    def add(self, token_ids: list[int], final: bool) -> str:
+        """Feed new tokens (``final``: the request has ended); return the text to release now."""
+        if self.detok is None or self.stopped:
+            return ""
+        self.text += self.detok.add(token_ids)
+        if final:
+            self.text += self.detok.flush()
+        if self.stop and self._cut():
+            final = True
+        end = len(self.text) if final else len(self.text) - self._held_back()
+        out = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def _cut(self) -> bool:
+        longest = max(len(s) for s in self.stop)
+        hits = [i for s in self.stop if (i := self.text.find(s, self._searched)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            return True
+        self._searched = max(0, len(self.text) - longest + 1)
+        return False
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that begins some stop string."""
+        for k in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0

@@ -1,0 +1,128 @@
+"""Prometheus metrics for /metrics: the engine's gauges and counters, and request latencies.
+
+Engine figures (running and waiting requests, KV tokens used and free, token totals, prefix-cache
+hits) are read at scrape time from the stats the engine process sent after its latest step, so
+scraping costs the engine nothing. Latency histograms are observed in the HTTP process as
+outputs arrive. Each server has its own registry (no process-wide globals).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TOKEN_GAP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+
+# (metric name, stats key, help)
+_GAUGES = [
+    ("ft_num_requests_running", "running", "Requests the engine is running"),
+    ("ft_num_requests_waiting", "waiting", "Requests waiting for KV blocks, a state slot or a turn"),
+    ("ft_kv_cache_used_tokens", "kv_tokens_used", "KV-cache tokens held (whole blocks)"),
+    ("ft_kv_cache_free_tokens", "kv_tokens_free", "KV-cache tokens free (whole blocks)"),
+]
+_COUNTERS = [
+    ("ft_prompt_tokens", "prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)"),
+    ("ft_generation_tokens", "generation_tokens", "Tokens generated"),
+    ("ft_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
+]
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], dict], labels: dict[str, str]) -> None:
+        self.stats, self.labels = stats, labels
+
+    def collect(self):
+        stats = self.stats()
+        for name, key, help_text in _GAUGES:
+            g = GaugeMetricFamily(name, help_text, labels=list(self.labels))
+            g.add_metric(list(self.labels.values()), float(stats.get(key, 0)))
+            yield g
+        for name, key, help_text in _COUNTERS:
+            c = CounterMetricFamily(name, help_text, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), float(stats.get(key, 0)))
+            yield c
+
+
+class Metrics:
+    def __init__(self, model_name: str, stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.registry.register(_EngineCollector(stats, labels))
+        self.ttft = Histogram(
+            "ft_time_to_first_token_seconds",
+            "Time from the request's arrival to its first generated token",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "ft_inter_token_latency_seconds",
+            "Time between successive generated tokens of a request",
+            ["model_name"],
+            buckets=_TOKEN_GAP_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "ft_e2e_request_latency_seconds",
+            "Time from a choice's arrival to its last token",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._finished = Counter(
+            "ft_requests",
+            "Finished choices by finish reason",
+            ["model_name", "finish_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self._finished.labels(self.model_name, reason).inc()
+        self.e2e.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,179 @@
+"""The OpenAI request bodies the server accepts, and its error body.
+
+Fields are typed strictly (a string is not a number, 1.5 is not an integer) and floats must be
+finite, so a malformed request fails here with a message that names the field, before anything
+reaches the engine. Unknown fields are ignored: clients send many we have no use for. Fields
+beyond OpenAI's are vLLM's names for the same things (``top_k``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``return_token_ids``, ``add_special_tokens``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+
+class APIError(Exception):
+    """An error answer: HTTP status and an OpenAI-style body naming the problem."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """OpenAI's schema lets clients send ``null`` for "the default"; many do."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_tokens: int = Field(0, ge=0)
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported; leave them at 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("best_of is not supported (use n)")
+        return v
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # roles and extra keys (name, tool_calls, ...) are the chat template's business
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict:
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict | None = None
+
+
+def parse(model: type[BaseModel], body: bytes) -> BaseModel:
+    """Validate a JSON body; an APIError(400) naming the first bad field otherwise."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _bad_request(e.errors(include_url=False)) from None
+
+
+def _is_union_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or part[:1].isupper())
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _bad_request(errors: list[dict]) -> APIError:
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['msg']}")
+    if first["type"] == "model_type" and not first["loc"]:
+        return APIError(400, "the request body must be a JSON object")
+    loc = first["loc"]
+    tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tag is None:
+        param = ".".join(str(p) for p in loc)
+        message = f"{param}: {first['msg'].removeprefix('Value error, ')}"
+    else:  # a union: say which forms are accepted rather than why the first one failed
+        prefix = loc[:tag]
+        forms = dict.fromkeys(
+            e["loc"][tag] for e in errors if e["loc"][:tag] == prefix and len(e["loc"]) > tag
+        )
+        param = ".".join(str(p) for p in prefix)
+        message = f"{param}: should be {' or '.join(forms)}"
+    return APIError(400, message, param=param or None)

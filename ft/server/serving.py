@@ -1,0 +1,192 @@
+"""What the completions and chat endpoints share: checks that turn bad requests into HTTP 400s,
+sampling parameters, tokenisation off the event loop, and running a ``Generation`` to a JSON
+answer or a server-sent-event stream while watching for the client to go away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ft.sampling_params import SamplingParams
+from ft.server.engine_client import EngineClient, EngineDeadError, EngineRequestError
+from ft.server.engine_process import EngineInfo
+from ft.server.generation import Generation
+from ft.server.metrics import Metrics
+from ft.server.protocol import APIError
+from ft.server.tokenizer import Tokenizer, TokenizerError
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    tokenizer: Tokenizer | None
+    metrics: Metrics
+    model_name: str
+    max_waiting: int | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.client.info
+
+    # ---- checks
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                400,
+                f"model {name!r} is not served here (this server serves {self.model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_prompt(self, ids: list[int], max_tokens: int) -> None:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt"
+            )
+        limit = self.info.max_request_tokens
+        if len(ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} tokens "
+                f"exceeds this server's limit of {limit} tokens per request",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    # ---- tokenizer
+    def need_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise APIError(
+                400, f"{what} needs a tokenizer and this checkpoint has none: send token ids", param="prompt"
+            )
+        return self.tokenizer
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        tok = self.need_tokenizer("a text prompt")
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        tok = self.need_tokenizer("a chat")
+        try:
+            return await asyncio.to_thread(tok.chat_prompt, messages, add_generation_prompt, **kwargs)
+        except TokenizerError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    # ---- generation
+    def sampling_params(
+        self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                seed=req.seed,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                min_tokens=req.min_tokens,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def generation(self, prefix: str, prompts: list[list[int]], params: SamplingParams, req) -> Generation:
+        return Generation(
+            self.client,
+            self.tokenizer,
+            self.metrics,
+            f"{prefix}-{uuid.uuid4().hex}",
+            prompts,
+            params,
+            req.n,
+            req.stop_strings,
+            self.max_waiting,
+        )
+
+    async def start(self, gen: Generation) -> None:
+        try:
+            await gen.start()
+        except EngineRequestError as e:
+            gen.close()
+            raise APIError(400, str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(500, f"the engine has stopped: {e}", "server_error") from None
+        except BaseException:
+            gen.close()
+            raise
+
+    async def complete(self, request: Request, gen: Generation, body: Callable[[], dict]) -> Response:
+        """Run to the end and answer with ``body()``; a client that leaves aborts the generation."""
+        await self.start(gen)
+        runner = asyncio.ensure_future(gen.run())
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not runner.done():
+                return Response(status_code=499)  # nobody is listening
+            try:
+                runner.result()
+            except EngineDeadError as e:
+                raise APIError(500, f"the engine has stopped: {e}", "server_error") from None
+            return JSONResponse(body())
+        finally:
+            runner.cancel()
+            watcher.cancel()
+            gen.close()
+
+    async def stream(self, request: Request, gen: Generation, events: AsyncIterator[dict]) -> Response:
+        """Stream ``events`` as server-sent events ending in ``data: [DONE]``."""
+        await self.start(gen)
+
+        async def body():
+            watcher = asyncio.ensure_future(_disconnected(request))
+            watcher.add_done_callback(lambda _: gen.cancel())
+            try:
+                async for event in events:
+                    yield sse(event)
+            except EngineDeadError as e:
+                yield sse(APIError(500, f"the engine has stopped: {e}", "server_error").body())
+            finally:
+                watcher.cancel()
+                gen.close()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(gen: Generation) -> dict:
+    prompt, completion = gen.prompt_tokens, gen.completion_tokens
+    cached = sum(c.num_cached_tokens for c in gen.choices)
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,76 @@
+"""Incremental detokenisation never releases half a UTF-8 character and adds up to the full
+decode; stop strings are cut and never leak out, even when split across tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ft.server.detokenizer import IncrementalDetokenizer, TextStream
+from ft.server.tokenizer import Tokenizer
+from tests.tiny_tokenizer import VOCAB_SIZE, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(build_tokenizer())
+
+
+def feed(detok, ids):
+    parts = [detok.add([t]) for t in ids]
+    return parts, parts + [detok.flush()]
+
+
+def test_multibyte_characters_split_across_tokens(tok):
+    text = "héllo 中文 😀! the end"
+    ids = tok.encode(text, add_special_tokens=False)
+    # 中 and 😀 each take two tokens, neither a whole character
+    assert "\ufffd" in tok.decode([tok.encode("中", False)[0]]) and len(tok.encode("😀", False)) == 2
+    parts, all_parts = feed(IncrementalDetokenizer(tok), ids)
+    assert "".join(all_parts) == text
+    assert not any("\ufffd" in p for p in parts)
+    assert "中" in parts and "😀" in parts  # released whole, the moment the second half arrives
+
+
+def test_random_tokens_add_up_to_the_full_decode(tok):
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randrange(1, 40))]
+        _, all_parts = feed(IncrementalDetokenizer(tok), ids)
+        assert "".join(all_parts) == tok.decode(ids)
+
+
+def test_held_back_character_is_released_at_the_end(tok):
+    first_half = tok.encode("😀", False)[0]
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(tok.encode("ok", False)) == "ok"
+    assert detok.add([first_half]) == ""
+    assert detok.flush() == "\ufffd"
+
+
+def stream(tok, text, stop, final=True):
+    s = TextStream(tok, stop)
+    ids = tok.encode(text, add_special_tokens=False)
+    out = [s.add([t], final=final and i == len(ids) - 1) for i, t in enumerate(ids)]
+    return s, out
+
+
+def test_stop_string_is_cut_and_never_released(tok):
+    s, out = stream(tok, "hello there, world", ["re, w"], final=False)
+    assert s.stopped and s.text == "hello the"
+    assert "".join(out) == "hello the"
+
+
+def test_partial_stop_string_is_held_until_it_cannot_match(tok):
+    s = TextStream(tok, ["ab!"])
+    assert s.add(tok.encode("xa", False), final=False) == "x"  # "a" might begin "ab!"
+    assert s.add(tok.encode("b", False), final=False) == ""  # "ab" still might
+    assert s.add(tok.encode("c", False), final=False) == "abc"
+    assert s.add(tok.encode("a", False), final=True) == "a"  # the end releases everything
+    assert not s.stopped
+
+
+def test_earliest_of_several_stop_strings_wins(tok):
+    s, out = stream(tok, "one two three", ["three", "two"])
+    assert s.stopped and "".join(out) == "one "

@@ -1,0 +1,366 @@
+"""``ft serve`` on the hybrid qwen3_next model, driven by the official ``openai`` client: answers
+equal ``LLM.generate`` token for token, streamed or not, alone or 16 at once; echo + logprobs
+(lm-eval's loglikelihood request); stop strings; a client that leaves mid-stream frees its KV at
+once; every bad input gets its 4xx and the server keeps serving; metrics; ``ft bench serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from ft.cli import main as ft_main
+from ft.sampling_params import SamplingParams
+from ft.server.tokenizer import Tokenizer
+from tests.server.harness import (
+    MODEL,
+    chat_ids,
+    check_greedy_completions,
+    check_shared_prefix,
+    extra,
+    greedy,
+    make_model_dir,
+    offline_llm,
+    read_stream,
+    read_stream_async,
+    start_server,
+    visible_text,
+)
+
+PROMPTS = [[(i * 7 + k * 31) % 280 for i in range(5 + 3 * k)] for k in range(16)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("next"), "qwen3_next", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = start_server(model_dir, tmp_path_factory.mktemp("log") / "serve.log", "--max-request-bytes", "100000")
+    yield s
+    assert s.stop(signal.SIGINT) == 0, s.output()
+    assert "ft serve: stopped" in s.output()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with offline_llm(model_dir) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def test_completions_match_llm(server, llm, tok):
+    check_greedy_completions(server, llm, tok, [PROMPTS[3], "hello the world, 中文 😀"], max_tokens=12)
+
+
+def test_chat_matches_llm(server, llm, tok):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    want = llm.generate([chat_ids(tok, messages)], greedy(10))[0]
+    client = server.client()
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, extra_body={"return_token_ids": True}
+    )
+    c = r.choices[0]
+    assert extra(c, "token_ids") == want.token_ids
+    assert c.message.role == "assistant" and c.message.content == visible_text(tok, want)
+    assert c.finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    s = read_stream(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_completion_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
+    )
+    assert (s.token_ids, s.text, s.finish_reason) == (
+        want.token_ids,
+        visible_text(tok, want),
+        want.finish_reason,
+    )
+    assert s.usage.total_tokens == len(want.prompt_token_ids) + len(want.token_ids)
+
+
+def test_sixteen_concurrent_streams(server, llm, tok):
+    lengths = [4 + k // 2 for k in range(16)]
+    wants = llm.generate(PROMPTS, [greedy(n, ignore_eos=True) for n in lengths])
+
+    async def one(client, prompt, n):
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        return await read_stream_async(stream)
+
+    async def run():
+        client = server.async_client()
+        return await asyncio.gather(*(one(client, p, n) for p, n in zip(PROMPTS, lengths)))
+
+    for got, want in zip(asyncio.run(run()), wants):
+        assert got.token_ids == want.token_ids
+        assert got.text == tok.decode(want.token_ids, skip_special_tokens=True)
+        assert got.finish_reason == "length"
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_logprobs_match_prompt_logprobs(server, llm, tok, max_tokens):
+    ids = PROMPTS[5]
+    want = llm.generate([ids], greedy(1, prompt_logprobs=2, logprobs=2))[0]
+    r = server.client().completions.create(
+        model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0, echo=True, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    names = Tokenizer(tok).token_text
+    assert len(lp.tokens) == len(ids) + max_tokens
+    assert lp.tokens[: len(ids)] == [names(t) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        row = want.prompt_logprobs[pos]
+        assert abs(lp.token_logprobs[pos] - row[ids[pos]]) < 1e-4
+        assert {names(t): v for t, v in row.items()}.keys() == lp.top_logprobs[pos].keys()
+    if max_tokens:
+        gen = want.token_ids[0]
+        assert lp.tokens[-1] == names(gen)
+        assert abs(lp.token_logprobs[-1] - want.logprobs[0][gen]) < 1e-4
+    assert r.choices[0].text.startswith(tok.decode(ids))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == max_tokens
+
+
+def test_stop_string_is_cut_and_stops(server, llm, tok):
+    ids = PROMPTS[7]
+    full = llm.generate([ids], greedy(40, ignore_eos=True))[0]
+    text = tok.decode(full.token_ids)
+    # a character that first appears a few characters in, as the stop string
+    cut = next(i for i in range(3, len(text)) if text[i].isalnum() and text.index(text[i]) == i)
+    stop = text[cut]
+    client = server.client()
+    r = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=40,
+        temperature=0,
+        stop=[stop, "@@@@"],
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].text == text[:cut] and r.choices[0].finish_reason == "stop"
+    s = read_stream(
+        client.completions.create(
+            model=MODEL,
+            prompt=ids,
+            max_tokens=40,
+            temperature=0,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert s.text == text[:cut] and s.finish_reason == "stop"
+
+
+def test_n_samples_with_seed(server, llm):
+    ids = PROMPTS[2]
+    r = server.client().completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=10,
+        n=3,
+        temperature=1.0,
+        seed=7,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for i, c in enumerate(r.choices):
+        want = llm.generate(
+            [ids], SamplingParams(max_tokens=10, temperature=1.0, seed=7 + i, ignore_eos=True)
+        )
+        assert extra(c, "token_ids") == want[0].token_ids
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 30
+
+
+def test_chat_logprobs(server, llm, tok):
+    messages = [{"role": "user", "content": "a b c"}]
+    want = llm.generate([chat_ids(tok, messages)], greedy(6, logprobs=3, ignore_eos=True))[0]
+    r = server.client().chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry, tok_id, row in zip(content, want.token_ids, want.logprobs):
+        assert abs(entry.logprob - row[tok_id]) < 1e-4
+        assert len(entry.top_logprobs) == 3
+        best = sorted(row.values(), reverse=True)[:3]
+        assert all(abs(a.logprob - b) < 1e-4 for a, b in zip(entry.top_logprobs, best))
+    assert b"".join(bytes(e.bytes) for e in content).decode(errors="replace") == tok.decode(want.token_ids)
+
+
+def test_disconnect_mid_stream_frees_kv(server, llm):
+    idle = server.wait_idle()
+    others = [PROMPTS[9], PROMPTS[10]]
+    wants = llm.generate(others, greedy(40, ignore_eos=True))
+
+    async def other(client, prompt):
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        return await read_stream_async(stream)
+
+    async def leaver(client):
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[11],
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        n = 0
+        async for _ in stream:
+            n += 1
+            if n == 3:
+                break
+        await stream.close()
+
+    async def run():
+        client = server.async_client()
+        return await asyncio.gather(other(client, others[0]), leaver(client), other(client, others[1]))
+
+    got = asyncio.run(run())
+    for g, want in zip([got[0], got[2]], wants):
+        assert g.token_ids == want.token_ids
+    after = server.wait_idle(timeout=10)
+    assert after["ft_kv_cache_used_tokens"] == idle["ft_kv_cache_used_tokens"]
+    assert after["ft_kv_cache_free_tokens"] == idle["ft_kv_cache_free_tokens"]
+    aborted = 'ft_requests_total{finish_reason="abort"}'
+    assert after.get(aborted, 0) == idle.get(aborted, 0) + 1
+    # the leaver was stopped early, not run to its 400 tokens
+    assert after["ft_generation_tokens_total"] - idle["ft_generation_tokens_total"] < 80 + 100
+
+
+C, X = "/v1/completions", "/v1/chat/completions"
+OK = {"model": MODEL, "prompt": [1, 2, 3]}
+BAD = {
+    "malformed-json": (C, b'{"model": "tiny", "prompt": [1, 2', 400, None),
+    "not-an-object": (C, b"[1, 2, 3]", 400, None),
+    "prompt-wrong-type": (C, {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    "max-tokens-string": (C, OK | {"max_tokens": "ten"}, 400, "max_tokens"),
+    "messages-wrong-type": (X, {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    "empty-prompt-text": (C, OK | {"prompt": ""}, 400, "prompt"),
+    "empty-prompt-ids": (C, OK | {"prompt": []}, 400, "prompt"),
+    "empty-messages": (X, {"model": MODEL, "messages": []}, 400, "messages"),
+    "beyond-context": (C, OK | {"prompt": [1] * 500, "max_tokens": 100}, 400, "max_tokens"),
+    "chat-beyond-context": (X, {"messages": [{"role": "user", "content": "a " * 600}]}, 400, "max_tokens"),
+    "temperature-negative": (C, OK | {"temperature": -1}, 400, "temperature"),
+    "temperature-nan": (C, b'{"prompt": [1, 2], "temperature": NaN}', 400, "temperature"),
+    "top-p-infinite": (C, b'{"prompt": [1, 2], "top_p": Infinity}', 400, "top_p"),
+    "top-p-zero": (C, OK | {"top_p": 0}, 400, "top_p"),
+    "top-k": (C, OK | {"top_k": -5}, 400, "top_k"),
+    "n-zero": (C, OK | {"n": 0}, 400, "n"),
+    "logprobs-too-many": (C, OK | {"logprobs": 50}, 400, "logprobs"),
+    "max-tokens-negative": (C, OK | {"max_tokens": -1}, 400, "max_tokens"),
+    "token-outside-vocab": (C, OK | {"prompt": [1, 100000]}, 400, "prompt"),
+    "unknown-model": (C, OK | {"model": "gpt-4"}, 400, "model"),
+    "top-logprobs-alone": (
+        X,
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    "body-too-large": (C, json.dumps(OK | {"prompt": "a" * 200_000}).encode(), 413, None),
+    "unknown-route": ("/v1/embeddings", OK, 404, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_refused_and_server_keeps_serving(server, llm, case):
+    path, body, status, param = BAD[case]
+    r = server.post(path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    want = llm.generate([[1, 2, 3]], greedy(4, ignore_eos=True))[0]
+    ok = server.post(
+        C, OK | {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    )
+    assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == want.token_ids
+
+
+def test_models_health_metrics(server):
+    assert [m.id for m in server.client().models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    m = server.metrics()
+    for name in [
+        "ft_num_requests_running",
+        "ft_num_requests_waiting",
+        "ft_kv_cache_used_tokens",
+        "ft_kv_cache_free_tokens",
+        "ft_prefix_cache_hit_tokens_total",
+        "ft_prompt_tokens_total",
+        "ft_generation_tokens_total",
+        "ft_time_to_first_token_seconds_count",
+        "ft_inter_token_latency_seconds_count",
+    ]:
+        assert name in m, name
+
+
+def test_prefix_cache_hits_answer_as_misses(server, llm, tok):
+    assert check_shared_prefix(server, llm, tok) > 0
+
+
+def test_bench_serve(server, tmp_path):
+    out = tmp_path / "bench.json"
+    code = ft_main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--model",
+            MODEL,
+            "--num-prompts",
+            "6",
+            "--concurrency",
+            "3",
+            "--input-len",
+            "12",
+            "--output-len",
+            "5",
+            "--output-json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["output_tokens"] == 30
+    for key in ["ttft_s", "itl_s", "e2e_s"]:
+        assert set(result[key]) >= {"p50", "p90", "p99", "mean"}
+    assert result["request_throughput"] > 0 and result["output_throughput"] > 0
