@@ -84,3 +84,9 @@ def test_qwen3_moe_expert_alias(tmp_path):
 def test_bad_fields_are_named(tmp_path, change, field):
     with pytest.raises(ValueError, match=field):
         parse(tmp_path, NEXT | change)
+
+
+def test_generation_config_adds_stop_ids(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))
+    mc = parse(tmp_path, NEXT | dict(eos_token_id=7))
+    assert mc.eos_token_ids == (7, 9)

@@ -31,6 +31,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     prefix_hit_tokens: int
+    num_preemptions: int = 0
 
     @property
     def kv_tokens_used(self) -> int:
@@ -129,13 +130,19 @@ class LLMEngine:
         elif n >= p.max_tokens or req.num_tokens >= self.scheduler.max_model_len:
             self.scheduler.finish(req, "length")
 
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
     def _output(self, req: Request) -> RequestOutput:
+        """The request's state so far. Its lists are the request's own (no copy per step, which
+        would make long generations quadratic): read them, do not change them."""
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+            token_ids=req.output_token_ids,
+            logprobs=req.logprobs if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
             finished=req.is_finished,
             finish_reason=req.finish_reason,
             num_cached_tokens=req.num_cached_tokens,
@@ -153,6 +160,7 @@ class LLMEngine:
             self.prompt_tokens,
             self.generation_tokens,
             s.prefix_hit_tokens,
+            s.num_preemptions,
         )
 
     def shutdown(self) -> None:

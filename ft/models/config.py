@@ -315,6 +315,17 @@ def load_raw_config(path: str) -> dict[str, Any]:
         raise FileNotFoundError(f"no config.json at {path}")
     with open(file) as f:
         raw = json.load(f)
+    generation = os.path.join(os.path.dirname(file), "generation_config.json")
+    if os.path.exists(generation):  # instruct models list extra stop ids (e.g. <|endoftext|>) here
+        with open(generation) as f:
+            extra = json.load(f).get("eos_token_id")
+        ids = (
+            [raw.get("eos_token_id")]
+            if not isinstance(raw.get("eos_token_id"), list)
+            else raw["eos_token_id"]
+        )
+        extra = extra if isinstance(extra, list) else [extra]
+        raw["eos_token_id"] = [i for i in dict.fromkeys(ids + extra) if i is not None] or None
     modelopt = os.path.join(os.path.dirname(file), "hf_quant_config.json")
     if os.path.exists(modelopt):
         with open(modelopt) as f:

@@ -93,7 +93,7 @@ def _exit(signum, frame) -> None:
 def _info(engine, cfg: EngineConfig) -> EngineInfo:
     plan, mc = engine.plan, engine.model_config
     return EngineInfo(
-        max_model_len=engine.scheduler.max_model_len,
+        max_model_len=engine.max_model_len,
         vocab_size=mc.vocab_size,
         block_size=cfg.block_size,
         num_blocks=plan.num_blocks,
