@@ -9,6 +9,11 @@ from torch import nn
 
 from ft.layers.loading import new_param
 
+try:  # one fused kernel instead of ~8 elementwise ones; used for tensors on a GPU
+    from ft.layers.triton_norm import rms_norm as fused_rms_norm
+except ImportError:  # no triton (CPU-only installs)
+    fused_rms_norm = None
+
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
@@ -22,6 +27,8 @@ class RMSNorm(nn.Module):
         self.weight = new_param(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and fused_rms_norm is not None:
+            return fused_rms_norm(x, self.weight, self.eps, self.zero_centered)
         w = self.weight.float()
         return (rms(x, self.eps) * (1.0 + w if self.zero_centered else w)).to(x.dtype)
 
