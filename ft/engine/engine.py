@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ft.config import EngineConfig
 from ft.engine.executor import make_executor
+from ft.engine.model_runner import effective_model_config
 from ft.models.config import ModelConfig, load_model_config
 from ft.sampling_params import RequestOutput, SamplingParams
 from ft.scheduler.kv_pool import BlockAllocator
@@ -45,7 +46,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, model_config: ModelConfig | None = None) -> None:
         self.cfg = cfg
-        self.model_config = model_config or load_model_config(cfg.model_path)
+        self.model_config = effective_model_config(cfg, model_config or load_model_config(cfg.model_path))
         self.executor = make_executor(cfg, self.model_config)
         plan = self.executor.plan
         self.plan = plan

@@ -43,6 +43,13 @@ class PoolPlan:
     has_gdn: bool = False
 
 
+def effective_model_config(cfg: EngineConfig, mc: ModelConfig) -> ModelConfig:
+    """The checkpoint's config as this engine builds it (``--quantize-experts`` changes the banks)."""
+    if cfg.quantize_experts:  # the bank quantises whatever the checkpoint stores in bf16
+        return replace(mc, expert_format=cfg.quantize_experts)
+    return mc
+
+
 def build_model(
     mc: ModelConfig, tp: TPInfo, device: torch.device | str, dtype: torch.dtype
 ) -> torch.nn.Module:
@@ -63,8 +70,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", tp.rank)
         self.dtype = cfg.torch_dtype(mc.dtype)
-        if cfg.quantize_experts:  # the bank quantises whatever the checkpoint stores in bf16
-            mc = self.mc = replace(mc, expert_format=cfg.quantize_experts)
+        mc = self.mc = effective_model_config(cfg, mc)
         self.model = build_model(mc, tp, self.device, self.dtype).eval()
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
