@@ -1,0 +1,35 @@
+"""The Python API with a tokenizer: string prompts, text out, eos stops."""
+
+from __future__ import annotations
+
+from ft import LLM, SamplingParams
+from tests.checkpoints import write_checkpoint
+from tests.tiny_tokenizer import VOCAB_SIZE, build_tokenizer, eos_token_id, write_tokenizer
+
+
+def test_string_prompts_and_text(tmp_path):
+    write_checkpoint(tmp_path, "qwen3_moe", seed=3, vocab_size=VOCAB_SIZE, eos_token_id=eos_token_id())
+    write_tokenizer(tmp_path)
+    tok = build_tokenizer()
+    text = "hello world, this is ft"
+    ids = tok.encode(text, add_special_tokens=False)
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False) as llm:
+        by_text, by_ids = llm.generate([text, ids], SamplingParams(max_tokens=12, temperature=0.0))
+    assert by_text.prompt_token_ids == ids
+    assert by_text.token_ids == by_ids.token_ids
+    assert by_text.text == tok.decode(by_text.token_ids, skip_special_tokens=True)
+    if eos_token_id() in by_text.token_ids:  # stopping at eos keeps it as the last token
+        assert by_text.token_ids[-1] == eos_token_id() and by_text.finish_reason == "stop"
+
+
+def test_no_tokenizer_needs_token_ids(tmp_path):
+    write_checkpoint(tmp_path, "qwen3_moe", seed=3)
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))[0]
+        assert out.text is None and len(out.token_ids) == 3
+        try:
+            llm.generate(["text"], SamplingParams(max_tokens=3))
+        except ValueError as e:
+            assert "token ids" in str(e)
+        else:
+            raise AssertionError("a string prompt without a tokenizer must be refused")
