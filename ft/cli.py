@@ -24,6 +24,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantize-experts", choices=["nvfp4"], default=None, help="quantise bf16 routed experts at load"
     )
+    p.add_argument(
+        "--ple-backend",
+        choices=["device", "pinned"],
+        default="device",
+        help="keep a PLE n-gram table on the GPU, or in pinned host memory",
+    )
 
 
 ENGINE_KEYS = (
@@ -42,6 +48,7 @@ ENGINE_KEYS = (
     "seed",
     "dist_timeout_s",
     "quantize_experts",
+    "ple_backend",
 )
 
 

@@ -38,6 +38,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     gdn_backend: str = "auto"
     quantize_experts: str | None = None  # "nvfp4": quantise bf16 routed experts while loading
+    ple_backend: str = "device"  # device | pinned: where a PLE n-gram table lives
     seed: int = 0
     dist_timeout_s: float = 1800.0
     progress: bool = True
@@ -57,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device: {self.device!r} (known: auto, cpu, cuda)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype: {self.dtype!r} (known: auto, {', '.join(DTYPES)})")
+        if self.ple_backend not in ("device", "pinned"):
+            raise ValueError(f"EngineConfig.ple_backend: {self.ple_backend!r} (known: device, pinned)")
         if self.quantize_experts not in (None, "nvfp4"):
             raise ValueError(f"EngineConfig.quantize_experts: {self.quantize_experts!r} (known: None, nvfp4)")
         checks = [

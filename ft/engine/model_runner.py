@@ -44,9 +44,12 @@ class PoolPlan:
 
 
 def effective_model_config(cfg: EngineConfig, mc: ModelConfig) -> ModelConfig:
-    """The checkpoint's config as this engine builds it (``--quantize-experts`` changes the banks)."""
+    """The checkpoint's config as this engine builds it (``--quantize-experts`` changes the banks,
+    ``--ple-backend pinned`` moves the n-gram table to host memory)."""
     if cfg.quantize_experts:  # the bank quantises whatever the checkpoint stores in bf16
-        return replace(mc, expert_format=cfg.quantize_experts)
+        mc = replace(mc, expert_format=cfg.quantize_experts)
+    if cfg.ple_backend == "pinned" and mc.ple_layers:
+        mc = replace(mc, ple_on_host=True)
     return mc
 
 

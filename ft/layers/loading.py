@@ -14,8 +14,9 @@ from torch import nn
 from ft.models.checkpoint import FLOAT_DTYPES, CheckpointTensor
 
 
-def new_param(*shape: int, dtype: torch.dtype | None = None, loader=None) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+def new_param(*shape: int, dtype: torch.dtype | None = None, loader=None, device=None) -> nn.Parameter:
+    """An uninitialised parameter on the build device (or ``device``) that loads with ``loader``."""
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
     p.weight_loader = loader or load_whole
     return p
 

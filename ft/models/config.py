@@ -71,6 +71,7 @@ class ModelConfig:
     ple_head_dim: int = 0
     ple_pad_id: int = 0
     ple_table_rows: int = 0  # R = sum of the checkpoint's primes (config.json does not carry it)
+    ple_on_host: bool = False  # the table lives in (pinned) host memory: --ple-backend pinned
     quantization: QuantDeclaration = field(default_factory=QuantDeclaration, hash=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -40,7 +40,10 @@ class PLETable(nn.Module):
         super().__init__()
         u, o, heads = len(cfg.ple_layers), len(cfg.ple_ngram_orders), cfg.ple_heads
         self.orders, self.pad_id = cfg.ple_ngram_orders, cfg.ple_pad_id
-        self.table = new_param(cfg.ple_table_rows, cfg.ple_head_dim)
+        self.on_host = cfg.ple_on_host
+        self.table = new_param(cfg.ple_table_rows, cfg.ple_head_dim, device="cpu" if self.on_host else None)
+        self._staging: torch.Tensor | None = None  # pinned host buffer for the rows of one step
+        self._registered = False
         self.multipliers = new_param(u, o, max(self.orders), dtype=torch.int64, loader=load_int64)
         self.primes = new_param(u, o, heads, dtype=torch.int64, loader=self._load_primes)
         # uses[i, o]: the i-th token back is part of order o's n-gram
@@ -79,11 +82,34 @@ class PLETable(nn.Module):
         offsets = (flat_primes.cumsum(0) - flat_primes).view_as(self.primes)
         return offsets + torch.remainder(mix[..., None], self.primes)  # [T, U, O, heads]
 
+    @property
+    def graph_safe(self) -> bool:
+        return not self.on_host  # the host gather waits for this step's row ids
+
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Each PLE layer's embeddings e [U, T, De], De in (order, head) order."""
         rows = self.row_ids(input_ids, batch)
         t, u = rows.shape[:2]
-        return F.embedding(rows, self.table).reshape(t, u, -1).transpose(0, 1)
+        e = self._gather_host(rows) if self.on_host else F.embedding(rows, self.table)
+        return e.reshape(t, u, -1).transpose(0, 1)
+
+    def _gather_host(self, rows: torch.Tensor) -> torch.Tensor:
+        """--ple-backend pinned: gather the step's rows from the host table into a pinned staging
+        buffer, then copy them to the device asynchronously, before any layer needs them."""
+        gathered_shape = (*rows.shape, self.table.shape[1])
+        if not rows.is_cuda:
+            return F.embedding(rows, self.table)
+        if not self._registered:  # page-lock the table in place: no second copy, no rounding up
+            self._registered = True
+            nbytes = self.table.numel() * self.table.element_size()
+            torch.cuda.cudart().cudaHostRegister(self.table.data_ptr(), nbytes, 0)
+        need = rows.numel() * self.table.shape[1]
+        if self._staging is None or self._staging.numel() < need:
+            self._staging = torch.empty(max(need, 1 << 20), dtype=self.table.dtype).pin_memory()
+        # reusing the buffer is safe: .cpu() above waited for the stream, so last step's copy is done
+        staging = self._staging[:need].view(gathered_shape)
+        torch.index_select(self.table, 0, rows.reshape(-1).cpu(), out=staging.view(-1, self.table.shape[1]))
+        return staging.to(rows.device, non_blocking=True)
 
 
 class PLELayer(nn.Module):
