@@ -22,11 +22,11 @@ from ft.layers.embedding import VocabParallelEmbedding
 from ft.layers.norm import RMSNorm
 from ft.models.config import ModelConfig
 from ft.models.decoder import MIXER_NAMES, CausalLM
+from ft.models.qwen3_moe import mlp
 from ft.models.qwen4_exp.gdn import Qwen4ExpGatedDeltaNet
 from ft.models.qwen4_exp.hyper import HyperHead, residual
 from ft.models.qwen4_exp.ple import PLELayer, PLETable
 from ft.models.qwen4_exp.qsa import QSAAttention
-from ft.moe.block import SparseMoeBlock
 from ft.quant.dense import quantize_dense_linears
 
 
@@ -38,16 +38,7 @@ class Qwen4ExpLayer(nn.Module):
         self.mixer_name = MIXER_NAMES[kind]
         mixer = QSAAttention(cfg) if kind == "full_attention" else Qwen4ExpGatedDeltaNet(cfg)
         self.add_module(self.mixer_name, mixer)
-        self.mlp = SparseMoeBlock(
-            h,
-            cfg.num_experts,
-            cfg.num_experts_per_tok,
-            cfg.moe_intermediate_size,
-            cfg.norm_topk_prob,
-            cfg.shared_expert_intermediate_size,
-            expert_format=cfg.expert_format,
-            checkpoint_format=cfg.quantization.format_of(f"model.layers.{index}.mlp.experts.0.gate_proj"),
-        )
+        self.mlp = mlp(cfg, index)
         self.input_layernorm = RMSNorm(h, eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(h, eps, zero_centered=True)
         embed_dim = len(cfg.ple_ngram_orders) * cfg.ple_heads * cfg.ple_head_dim
