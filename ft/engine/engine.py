@@ -92,6 +92,13 @@ class LLMEngine:
         """Run one batch; return the outputs of the requests it advanced."""
         sched = self.scheduler.schedule()
         if not sched.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:  # nothing could ever free room
+                head = self.scheduler.waiting[0]
+                raise RuntimeError(
+                    f"scheduler cannot admit request {head.request_id!r} into an idle engine "
+                    f"({self.scheduler.blocks.num_free} blocks, {self.scheduler.slots.num_free} "
+                    "state slots free)"
+                )
             return []
         results = self.executor.execute(sched.seqs)
         outputs = []
