@@ -24,6 +24,48 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantize-experts", choices=["nvfp4"], default=None, help="quantise bf16 routed experts at load"
     )
+    add_moe_args(p)
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("MoE placement (ft.moe.backends)")
+    g.add_argument(
+        "--moe-backend",
+        default="auto",
+        choices=["auto", "gpu", "offload", "hybrid", "cpu"],
+        help="where routed experts live (default: gpu when they fit, else offload)",
+    )
+    g.add_argument("--max-gpu-memory", default=None, help="cap on the memory used on each GPU, e.g. 48GiB")
+    g.add_argument(
+        "--max-host-memory",
+        default=None,
+        help="host memory the expert store may plan for (default: MemTotal)",
+    )
+    g.add_argument(
+        "--expert-cache-fraction",
+        type=float,
+        default=None,
+        help="GPU cache slots per layer as a fraction of its experts (default: what memory allows)",
+    )
+    g.add_argument("--expert-cache-policy", default="lru", choices=["lru", "lfu"], help="eviction policy")
+    g.add_argument(
+        "--disable-moe-prefetch",
+        dest="moe_prefetch",
+        action="store_false",
+        help="do not copy the next layer's predicted experts a layer early",
+    )
+    g.add_argument(
+        "--moe-prefill-hit-d2d",
+        action="store_true",
+        help="prefill: copy resident experts device-to-device into staging instead of using them in place",
+    )
+    g.add_argument("--moe-staging-experts", type=int, default=None, help="experts per prefill staging buffer")
+    g.add_argument(
+        "--dummy-routing-skew",
+        type=float,
+        default=0.0,
+        help="with --load-format dummy: Zipf-like expert popularity of exponent S (0: uniform)",
+    )
     p.add_argument(
         "--ple-backend",
         choices=["device", "pinned"],
@@ -49,6 +91,15 @@ ENGINE_KEYS = (
     "dist_timeout_s",
     "quantize_experts",
     "ple_backend",
+    "moe_backend",
+    "max_gpu_memory",
+    "max_host_memory",
+    "expert_cache_fraction",
+    "expert_cache_policy",
+    "moe_prefetch",
+    "moe_prefill_hit_d2d",
+    "moe_staging_experts",
+    "dummy_routing_skew",
 )
 
 

@@ -7,11 +7,27 @@ anywhere else.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MOE_BACKENDS = ("auto", "gpu", "offload", "hybrid", "cpu")
+CACHE_POLICIES = ("lru", "lfu")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(size: str | int | None) -> int | None:
+    """Bytes of ``48GiB``, ``48G`` / ``48GB`` (decimal), ``512MiB``, ``1.5TiB`` or a plain integer."""
+    if size is None or isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", size.lower())
+    if not m:
+        raise ValueError(f"size {size!r}: expected a number with an optional unit, e.g. 48GiB or 500MB")
+    number, unit, binary = m.groups()
+    scale = 1024 ** "_kmgt".index(unit) if binary else _UNITS[unit]
+    return int(float(number) * scale)
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,16 @@ class EngineConfig:
     attention_backend: str = "auto"
     gdn_backend: str = "auto"
     quantize_experts: str | None = None  # "nvfp4": quantise bf16 routed experts while loading
+    # where routed experts live (ft.moe.backends); auto: gpu when they fit, else offload
+    moe_backend: str = "auto"
+    max_gpu_memory: str | int | None = None  # cap on what the engine uses per GPU, e.g. "48GiB"
+    max_host_memory: str | int | None = None  # host memory to plan the expert store for (default MemTotal)
+    expert_cache_fraction: float | None = None  # slots per layer as a fraction of its experts
+    expert_cache_policy: str = "lru"  # lru | lfu (frequency-aware)
+    moe_prefetch: bool = True  # predict the next layer's experts from its router, copy them early
+    moe_prefill_hit_d2d: bool = False  # prefill: copy resident experts into staging (else in place)
+    moe_staging_experts: int | None = None  # experts per prefill staging buffer (default ~256 MiB)
+    dummy_routing_skew: float = 0.0  # dummy routers prefer experts with a Zipf-like popularity
     ple_backend: str = "device"  # device | pinned: where a PLE n-gram table lives
     seed: int = 0
     dist_timeout_s: float = 1800.0
@@ -62,6 +88,19 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.ple_backend: {self.ple_backend!r} (known: device, pinned)")
         if self.quantize_experts not in (None, "nvfp4"):
             raise ValueError(f"EngineConfig.quantize_experts: {self.quantize_experts!r} (known: None, nvfp4)")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(
+                f"EngineConfig.moe_backend: {self.moe_backend!r} (known: {', '.join(MOE_BACKENDS)})"
+            )
+        if self.expert_cache_policy not in CACHE_POLICIES:
+            raise ValueError(
+                f"EngineConfig.expert_cache_policy: {self.expert_cache_policy!r} "
+                f"(known: {', '.join(CACHE_POLICIES)})"
+            )
+        for name in ("max_gpu_memory", "max_host_memory"):
+            size = parse_size(getattr(self, name))
+            if size is not None and size <= 0:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be positive")
         checks = [
             ("tp_size", self.tp_size >= 1),
             ("block_size", self.block_size >= 1),
@@ -70,10 +109,24 @@ class EngineConfig:
             ("max_running_requests", self.max_running_requests >= 1),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1),
             ("dist_timeout_s", self.dist_timeout_s > 0),
+            (
+                "expert_cache_fraction",
+                self.expert_cache_fraction is None or 0 < self.expert_cache_fraction <= 1,
+            ),
+            ("moe_staging_experts", self.moe_staging_experts is None or self.moe_staging_experts >= 1),
+            ("dummy_routing_skew", self.dummy_routing_skew >= 0),
         ]
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} is out of range")
+
+    @property
+    def max_gpu_memory_bytes(self) -> int | None:
+        return parse_size(self.max_gpu_memory)
+
+    @property
+    def max_host_memory_bytes(self) -> int | None:
+        return parse_size(self.max_host_memory)
 
     @property
     def model_path(self) -> str:

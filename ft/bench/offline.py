@@ -5,6 +5,12 @@ Prompts are random token ids. For each batch size N, N prompts of ``input_len`` 
 included); decode tok/s is N over the mean time of a pure decode step, compared with the decode
 roofline (``ft.bench.roofline``). Also: single-stream decode (output_len / (time − TTFT)), TTFT
 at ``input_len`` (median of 5), and prefill tok/s of one long prompt per ``--prefill-lens``.
+
+When experts are offloaded (``--moe-backend offload|hybrid|cpu``), each row also gives the decode
+steps' expert-cache hit rate, the expert bytes copied host -> device per generated token, and
+the PCIe floor: a decode step can be no faster than its copied bytes over the measured pinned
+host -> device bandwidth plus its HBM roofline time. Run with ``--dummy-routing-skew`` and
+``--expert-cache-policy`` to get the skewed-routing and policy rows.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ class Row:
     roofline_tok_s: float
     step_gb: float
     wall_s: float
+    moe_hit_rate: float | None = None  # decode steps only
+    moe_mb_per_token: float | None = None  # expert MB copied host -> device per generated token
+    pcie_floor_tok_s: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -47,6 +56,7 @@ class Report:
     ttft_ms: float = 0.0
     prefill: dict[int, float] = field(default_factory=dict)
     hf: dict[str, float] = field(default_factory=dict)
+    moe: dict = field(default_factory=dict)  # backend, residency, policy, ... and h2d_gb_s measured
 
 
 def _sync(engine: LLMEngine) -> None:
@@ -65,19 +75,44 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
         engine.add_request(p, params)
     start = time.perf_counter()
     first, decode_steps = None, []
+    moe = engine.plan.moe is not None and engine.plan.moe.backend != "gpu"
+    hits = misses = h2d = tokens = 0
     while engine.has_unfinished_requests():
         decode_only = not engine.scheduler.waiting and all(
             r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running
         )
+        before = engine.stats() if moe and decode_only else None
         t0 = time.perf_counter()
         outs = engine.step()
         _sync(engine)
         t1 = time.perf_counter()
         if decode_only and len(engine.scheduler.running) + sum(o.finished for o in outs) == len(prompts):
             decode_steps.append(t1 - t0)
+            if before is not None:
+                after = engine.stats()
+                hits += after.moe_hits - before.moe_hits
+                misses += after.moe_misses - before.moe_misses
+                h2d += after.moe_bytes_h2d - before.moe_bytes_h2d
+                tokens += len(outs)
         if first is None and any(o.token_ids for o in outs):
             first = t1 - start
-    return {"wall": time.perf_counter() - start, "first": first or 0.0, "decode_steps": decode_steps}
+    out = {"wall": time.perf_counter() - start, "first": first or 0.0, "decode_steps": decode_steps}
+    if tokens:
+        out |= {"hit_rate": hits / max(1, hits + misses), "h2d_per_token": h2d / tokens}
+    return out
+
+
+def measure_h2d(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second of a pinned host -> device copy (the ceiling for streamed experts)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return nbytes * repeats / (time.perf_counter() - t0)
 
 
 def bench(
@@ -108,6 +143,20 @@ def bench(
         torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         measure_bandwidth(device) / 1e9,
     )
+    moe = engine.plan.moe
+    offloaded = moe is not None and moe.backend != "gpu"
+    if moe is not None and moe.layers:
+        report.moe = {
+            "backend": moe.backend,
+            "residency": moe.slots / moe.experts if offloaded else 1.0,
+            "slots_per_layer": moe.slots,
+            "experts_per_layer": moe.experts,
+            "policy": moe.policy,
+            "prefetch": moe.prefetch,
+            "routing_skew": cfg.dummy_routing_skew,
+        }
+        if offloaded and device.type == "cuda":
+            report.moe["h2d_gb_s"] = measure_h2d() / 1e9
     run_batch(engine, [prompt(min(input_len, 32))], 4)  # warm-up: autotuning, allocator
     single = run_batch(engine, [prompt(input_len)], output_len + 1)
     report.single_stream_tok_s = output_len / (single["wall"] - single["first"])
@@ -121,7 +170,14 @@ def bench(
         sb = decode_step_bytes(meta, engine.model_config, n, input_len + output_len // 2, act_bytes)
         step_gb = sb.total / 1e9
         roof_tok_s = n / (sb.total / (report.hbm_gb_s * 1e9))
-        report.rows.append(Row(n, n * output_len / res["wall"], n / step, roof_tok_s, step_gb, res["wall"]))
+        row = Row(n, n * output_len / res["wall"], n / step, roof_tok_s, step_gb, res["wall"])
+        if "hit_rate" in res:
+            row.moe_hit_rate, row.moe_mb_per_token = res["hit_rate"], res["h2d_per_token"] / 1e6
+            h2d = report.moe.get("h2d_gb_s")
+            if h2d:  # copied bytes over PCIe plus the HBM floor of the rest of the step
+                step_floor = n * res["h2d_per_token"] / (h2d * 1e9) + sb.total / (report.hbm_gb_s * 1e9)
+                row.pcie_floor_tok_s = n / step_floor
+        report.rows.append(row)
     for length in prefill_lens:
         run_batch(engine, [prompt(length)], 1)  # warm-up
         res = run_batch(engine, [prompt(length)], 1)
@@ -178,6 +234,28 @@ def format_report(r: Report) -> str:
             f"{row.batch:>6} {row.aggregate_tok_s:>16,.1f} {row.decode_tok_s:>13,.1f} "
             f"{row.roofline_tok_s:>15,.1f} {row.ratio:>13.0%} {row.step_gb:>8.2f}"
         )
+    if r.moe:
+        m = r.moe
+        prefetch = "on" if m["prefetch"] else "off"
+        lines.append(
+            f"moe {m['backend']}: {m['slots_per_layer']}/{m['experts_per_layer']} experts resident per "
+            f"layer ({m['residency']:.0%}), policy {m['policy']}, prefetch {prefetch}, "
+            f"routing skew {m['routing_skew']}"
+            + (f"; pinned host->device {m['h2d_gb_s']:,.1f} GB/s" if "h2d_gb_s" in m else "")
+        )
+        for row in r.rows:
+            if row.moe_hit_rate is None:
+                continue
+            floor = (
+                f", PCIe floor {row.pcie_floor_tok_s:,.1f} tok/s "
+                f"(achieved {row.decode_tok_s / row.pcie_floor_tok_s:.0%})"
+                if row.pcie_floor_tok_s
+                else ""
+            )
+            lines.append(
+                f"{row.batch:>6}  decode hit rate {row.moe_hit_rate:.1%}, "
+                f"{row.moe_mb_per_token:,.2f} MB copied per token{floor}"
+            )
     for k, v in r.hf.items():
         lines.append(f"transformers {k}: {v:,.1f}")
     return "\n".join(lines)

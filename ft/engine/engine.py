@@ -33,6 +33,22 @@ class EngineStats:
     generation_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int = 0
+    # MoE placement (the first rank's; ft.moe.backends): cumulative since start
+    moe_backend: str = "gpu"
+    moe_layers: int = 0
+    moe_experts: int = 0  # routed experts per layer
+    moe_slots: int = 0  # GPU cache slots per layer
+    moe_resident: int = 0  # experts on the GPU now, all layers
+    moe_hits: int = 0  # (layer, expert) uses of a batch that found the expert resident
+    moe_misses: int = 0  # ... that did not (copied, streamed or computed on the CPU)
+    moe_evictions: int = 0
+    moe_prefetched: int = 0
+    moe_prefetch_hits: int = 0
+    moe_bytes_h2d: int = 0  # expert bytes copied host -> device
+    moe_bytes_d2d: int = 0
+    moe_copy_seconds: float = 0.0  # busy time of those host -> device copies
+    moe_tokens: int = 0  # tokens through the MoE layers
+    moe_cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU
 
     @property
     def kv_tokens_used(self) -> int:
@@ -41,6 +57,32 @@ class EngineStats:
     @property
     def kv_tokens_free(self) -> int:
         return self.kv_blocks_free * self.block_size
+
+    @property
+    def moe_residency(self) -> float:
+        """Fraction of the routed experts resident on the GPU."""
+        total = self.moe_layers * self.moe_experts
+        return self.moe_resident / total if total else 1.0
+
+    @property
+    def moe_hit_rate(self) -> float:
+        uses = self.moe_hits + self.moe_misses
+        return self.moe_hits / uses if uses else 1.0
+
+    @property
+    def moe_bytes_per_token(self) -> float:
+        return self.moe_bytes_h2d / self.moe_tokens if self.moe_tokens else 0.0
+
+    @property
+    def moe_pcie_gb_s(self) -> float:
+        """Effective host -> device bandwidth of the expert copies (bytes over copy busy time)."""
+        return self.moe_bytes_h2d / self.moe_copy_seconds / 1e9 if self.moe_copy_seconds else 0.0
+
+    def derived(self) -> dict[str, float]:
+        """The properties, by name (what /metrics and the logs read beside the fields)."""
+        names = ("kv_tokens_used", "kv_tokens_free", "moe_residency", "moe_hit_rate")
+        names += ("moe_bytes_per_token", "moe_pcie_gb_s")
+        return {n: getattr(self, n) for n in names}
 
 
 class LLMEngine:
@@ -169,7 +211,17 @@ class LLMEngine:
             self.generation_tokens,
             s.prefix_hit_tokens,
             s.num_preemptions,
+            **self._moe_stats(),
         )
+
+    def _moe_stats(self) -> dict:
+        moe = self.plan.moe
+        if moe is None or not moe.layers:
+            return {}
+        if moe.backend == "gpu":  # nothing moves: the plan says it all, no call to the ranks
+            return dict(moe_layers=moe.layers, moe_experts=moe.experts, moe_slots=moe.slots,
+                        moe_resident=moe.layers * moe.experts)  # fmt: skip
+        return self.executor.moe_stats()
 
     def shutdown(self) -> None:
         if self.executor is not None:

@@ -37,6 +37,9 @@ class InProcessExecutor:
     def execute(self, seqs):
         return self.runner.execute(seqs)
 
+    def moe_stats(self) -> dict:
+        return self.runner.moe.stats()
+
     def shutdown(self) -> None:
         self.runner = None
 
@@ -62,6 +65,9 @@ def _worker_main(rank: int, cfg: EngineConfig, mc: ModelConfig, init_method: str
             cmd, payload = conn.recv()
             if cmd == "shutdown":
                 break
+            if cmd == "moe_stats":  # asked of the first rank only
+                conn.send(("ok", runner.moe.stats()))
+                continue
             result = runner.execute(payload)
             if rank == 0:
                 conn.send(("ok", result))
@@ -133,6 +139,14 @@ class MultiprocExecutor:
                 conn.send(("execute", seqs))
             except (BrokenPipeError, OSError):
                 self._recv(0, "ok")  # surfaces which rank died
+        return self._recv(0, "ok")
+
+    def moe_stats(self) -> dict:
+        """The first rank's MoE placement counters (every rank routes alike; bytes are per rank)."""
+        try:
+            self.conns[0].send(("moe_stats", None))
+        except (BrokenPipeError, OSError):
+            pass
         return self._recv(0, "ok")
 
     def shutdown(self, graceful: bool = True) -> None:

@@ -1,7 +1,10 @@
 """ModelRunner: one per rank. Builds and loads the model, owns the KV and state pools, and runs
 one scheduled batch: tensors in, sampled tokens (on the first rank) out.
 
-This is the only place that turns scheduler output into tensors on the device.
+This is the only place that turns scheduler output into tensors on the device. Where the routed
+experts live is the MoE runtime's business (``ft.moe.backends.runtime``): the runner asks it
+where to build the banks, lets it adopt them into a host store before loading, and hands it what
+memory is left after the pools for its expert cache.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from ft.models.config import ModelConfig
 from ft.models.dummy import init_dummy_weights
 from ft.models.loader import load_weights
 from ft.models.registry import model_class
+from ft.moe.backends import banks_on
+from ft.moe.backends.runtime import MoePlan, MoeRuntime, device_budget
 from ft.sampling_params import Logprobs
 from ft.scheduler.scheduler import HISTORY, ScheduledSeq
 
@@ -41,6 +46,7 @@ class PoolPlan:
     state_bytes: int
     num_snapshots: int = 0  # GDN state snapshots for the prefix cache
     has_gdn: bool = False
+    moe: MoePlan | None = None
 
 
 def effective_model_config(cfg: EngineConfig, mc: ModelConfig) -> ModelConfig:
@@ -54,13 +60,18 @@ def effective_model_config(cfg: EngineConfig, mc: ModelConfig) -> ModelConfig:
 
 
 def build_model(
-    mc: ModelConfig, tp: TPInfo, device: torch.device | str, dtype: torch.dtype
+    mc: ModelConfig,
+    tp: TPInfo,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    bank_device: torch.device | str | None = None,
 ) -> torch.nn.Module:
-    """The model for this rank, parameters allocated (uninitialised) on ``device``."""
+    """The model for this rank, parameters allocated (uninitialised) on ``device``; expert banks'
+    on ``bank_device`` when given (``meta``: left for a host store to adopt)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with tp_context(tp), torch.device(device):
+        with tp_context(tp), torch.device(device), banks_on(bank_device):
             return model_class(mc)(mc)
     finally:
         torch.set_default_dtype(previous)
@@ -74,22 +85,29 @@ class ModelRunner:
             self.device = torch.device("cuda", tp.rank)
         self.dtype = cfg.torch_dtype(mc.dtype)
         mc = self.mc = effective_model_config(cfg, mc)
-        self.model = build_model(mc, tp, self.device, self.dtype).eval()
+        self.moe = MoeRuntime(cfg, mc, tp, self.device, self.dtype)
+        self.model = build_model(mc, tp, self.device, self.dtype, self.moe.bank_device).eval()
+        self.moe.attach_stores(self.model)  # before loading: the loaders fill the host store
         if cfg.load_format == "dummy":
-            init_dummy_weights(self.model, cfg.seed)
+            init_dummy_weights(self.model, cfg.seed, cfg.dummy_routing_skew, self.device)
         else:
             load_weights(self.model, cfg.model, progress=cfg.progress and tp.is_first)
         self.attention = get_attention_backend(cfg.attention_backend, self.device.type)
         self.gdn = get_gdn_backend(cfg.gdn_backend, self.device.type)
         self.sampler = Sampler(self.device, cfg.seed)
         self.plan = self._allocate_pools()
+        self.plan = replace(self.plan, moe=self.moe.allocate(self.model))
+        if cfg.progress or self.moe.offloads:
+            print(self.moe.describe(self.plan.num_blocks * cfg.block_size), flush=True)
         self.graphs = None
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph and self._graph_safe():
+        max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests, self.moe.max_graph_batch())
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and max_bs >= 1 and self._graph_safe():
             from ft.engine.cuda_graph import CudaGraphRunner
+            from ft.moe.backends.graph_split import SegmentedGraphRunner
 
             max_len = cfg.max_model_len or mc.max_position_embeddings
-            max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
-            self.graphs = CudaGraphRunner(self, max_bs, -(-max_len // cfg.block_size))
+            graphs = SegmentedGraphRunner if self.moe.splits_graphs else CudaGraphRunner
+            self.graphs = graphs(self, max_bs, -(-max_len // cfg.block_size))
 
     def _graph_safe(self) -> bool:
         """Every kernel of a decode step can be captured (no host synchronisation inside)."""
@@ -102,10 +120,11 @@ class ModelRunner:
         if self.cfg.num_tokens is not None:
             return self.cfg.num_tokens
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.cfg.memory_ratio) * total
             per_token = max(1, self._kv_bytes_per_token())
-            return max(self.cfg.block_size, int(budget * 0.9) // per_token)
+            tokens = max(self.cfg.block_size, int(device_budget(self.cfg, self.device) * 0.9) // per_token)
+            if self.moe.offloads:  # the expert cache gets the rest: one full context by default
+                tokens = min(tokens, self.cfg.max_model_len or self.mc.max_position_embeddings)
+            return tokens
         return 64 * 1024
 
     def _kv_bytes_per_token(self) -> int:
@@ -148,7 +167,9 @@ class ModelRunner:
             state_bytes += m.conv_state.numel() * m.conv_state.element_size() + m.ssm_state.numel() * 4
         self.snapshot_base = slots  # snapshot k lives in state row slots + k
         self.scratch_slot = slots - 1  # padded rows of a captured batch write here
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = sum(
+            p.numel() * p.element_size() for p in self.model.parameters() if not self.moe.in_host_store(p)
+        )
         return PoolPlan(num_blocks, slots - 1, weights, kv_bytes, state_bytes, snaps, bool(gdn))
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:

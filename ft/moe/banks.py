@@ -10,10 +10,16 @@ and down columns ``[r·I/P, (r+1)·I/P)``. Formats:
 Banks load the Hugging Face hub layout, ``experts.{e}.gate_proj/up_proj/down_proj.*``, reading
 only this rank's rows of gate/up and columns of down, and run the kernel the selection table
 picks once, at construction, for their format, device, activation dtype and TP size. Where the
-weights live (GPU, pinned host) is not decided here.
+weights live is not decided here: a bank is built on the model's device, unless the MoE backend
+keeps experts in a host store (``ft.moe.backends``), which then adopts the ``expert_tensors``
+as views of its memory, so the loaders below fill host memory directly. ``kernel_weights`` takes
+the tensors to run on, so a backend can hand the kernel its cache slots instead of the bank.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -21,6 +27,7 @@ from torch import nn
 from ft.distributed import get_tp_info
 from ft.layers.loading import load_slice, new_param
 from ft.models.checkpoint import CheckpointTensor
+from ft.moe.backends import bank_device
 from ft.moe.kernels.select import kernel_spec, select_moe_kernel
 from ft.utils import div_even
 
@@ -37,11 +44,14 @@ def weight_parts(num_experts: int, suffix: str = "weight") -> tuple[list, list]:
 class ExpertBank(nn.Module):
     """What every bank shares: sizes, this rank's intermediate range, the selected kernel.
 
-    A subclass allocates ``w13``/``w2`` (and whatever else its format needs), then calls
-    ``select_kernel``; ``kernel_weights`` hands the kernel its two operands.
+    A subclass allocates ``w13``/``w2`` (and whatever else its format needs) inside
+    ``allocating()``, then calls ``select_kernel``; ``kernel_weights`` hands the kernel its two
+    operands. ``expert_tensors`` names the ``[E, ...]`` tensors that make up the experts (what a
+    host store holds and a cache slot copies), in the order of their layout.
     """
 
     format: str
+    expert_tensors: tuple[str, ...]
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -53,11 +63,17 @@ class ExpertBank(nn.Module):
         )
         self.local_inter = div_even(intermediate_size, self.tp.size, "moe_intermediate_size over tp ranks")
         self.inter_start = self.tp.rank * self.local_inter  # first intermediate index on this rank
+        self.device = torch.get_default_device()  # where the model (and the kernel) runs
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        """Parameters made here go where the MoE backend wants them (``meta``: a host store's)."""
+        with torch.device(bank_device() or self.device):
+            yield
 
     def select_kernel(self) -> None:
-        # the parameters exist by now, so their device is the one the model is built on
         self.kernel_name, self.kernel = select_moe_kernel(
-            self.format, self.w13.device, self.tp.size, dtype=torch.get_default_dtype()
+            self.format, self.device, self.tp.size, dtype=torch.get_default_dtype()
         )
 
     @property
@@ -70,8 +86,13 @@ class ExpertBank(nn.Module):
             return param.data[e]
         return param.data[e].narrow(0, proj * self.local_inter, self.local_inter)
 
-    def kernel_weights(self) -> tuple:
-        return self.w13, self.w2
+    def expert_weights(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.expert_tensors}
+
+    def kernel_weights(self, tensors: Mapping[str, torch.Tensor] | None = None) -> tuple:
+        """The kernel's (w13, w2) from ``tensors`` (name -> [n, ...]; default: the bank's own)."""
+        t = tensors if tensors is not None else self.expert_weights()
+        return t["w13"], t["w2"]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the routed experts for x [T, H]."""
@@ -83,6 +104,7 @@ class ExpertBank(nn.Module):
 
 class BF16ExpertBank(ExpertBank):
     format = "bf16"
+    expert_tensors = ("w13", "w2")
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, checkpoint_format: str = "bf16"
@@ -93,8 +115,9 @@ class BF16ExpertBank(ExpertBank):
                 f"the checkpoint stores these experts as {checkpoint_format}; a bf16 expert bank "
                 "cannot load them (the model's expert_format must match)"
             )
-        self.w13 = new_param(num_experts, 2 * self.local_inter, hidden_size, loader=self._load)
-        self.w2 = new_param(num_experts, hidden_size, self.local_inter, loader=self._load)
+        with self.allocating():
+            self.w13 = new_param(num_experts, 2 * self.local_inter, hidden_size, loader=self._load)
+            self.w2 = new_param(num_experts, hidden_size, self.local_inter, loader=self._load)
         self.w13.checkpoint_parts, self.w2.checkpoint_parts = weight_parts(num_experts)
         self.select_kernel()
 

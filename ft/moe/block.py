@@ -6,6 +6,8 @@ Both terms are this rank's partial sums over its intermediate shard, so they are
 single all-reduce. The routed experts live in a bank of the model's ``expert_format`` (one format
 for every layer); ``checkpoint_format`` says what the checkpoint stores for this layer's
 experts, so an NVFP4 bank quantises bf16 experts while loading and a bf16 bank refuses NVFP4 ones.
+Where the experts live is the block's ``backend`` (``ft.moe.backends``): resident in the bank
+unless the engine attaches an offloading one; either way it returns the routed partial sum.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from ft.distributed import all_reduce, get_tp_info
 from ft.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from ft.moe.backends.gpu import ResidentBackend
 from ft.moe.banks import BF16ExpertBank
 from ft.moe.nvfp4_bank import NVFP4ExpertBank
 from ft.moe.router import TopKRouter
@@ -60,6 +63,7 @@ class SparseMoeBlock(nn.Module):
         if expert_format not in BANKS:
             raise ValueError(f"expert format {expert_format!r} is not supported (known: {sorted(BANKS)})")
         self.experts = BANKS[expert_format](num_experts, hidden_size, intermediate_size, checkpoint_format)
+        self.backend = ResidentBackend()  # a plain object, not a module: holds no parameters
         self.shared_expert = (
             GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         )
@@ -67,7 +71,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        y = self.experts(x, weights, ids)
+        y = self.backend(self.experts, x, weights, ids)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
         return all_reduce(y, self.tp)

@@ -45,6 +45,7 @@ PACKED = {"weight": (torch.uint8, 2), "weight_scale": (torch.float8_e4m3fn, BLOC
 
 class NVFP4ExpertBank(ExpertBank):
     format = "nvfp4"
+    expert_tensors = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, checkpoint_format: str = "nvfp4"
@@ -58,12 +59,13 @@ class NVFP4ExpertBank(ExpertBank):
                 "(one fp8 scale block), so choose a tp size that keeps I/P a multiple of 16"
             )
         fp8, fp32 = torch.float8_e4m3fn, torch.float32
-        self.w13 = new_param(e, 2 * local, h // 2, dtype=torch.uint8)
-        self.w13_scale = new_param(e, 2 * local, h // BLOCK, dtype=fp8)
-        self.w13_global = new_param(e, 2 * local, dtype=fp32)
-        self.w2 = new_param(e, h, local // 2, dtype=torch.uint8)
-        self.w2_scale = new_param(e, h, local // BLOCK, dtype=fp8)
-        self.w2_global = new_param(e, h, dtype=fp32)
+        with self.allocating():
+            self.w13 = new_param(e, 2 * local, h // 2, dtype=torch.uint8)
+            self.w13_scale = new_param(e, 2 * local, h // BLOCK, dtype=fp8)
+            self.w13_global = new_param(e, 2 * local, dtype=fp32)
+            self.w2 = new_param(e, h, local // 2, dtype=torch.uint8)
+            self.w2_scale = new_param(e, h, local // BLOCK, dtype=fp8)
+            self.w2_global = new_param(e, h, dtype=fp32)
         # what `ft info` counts as parameters: two weights a code byte, none in the scales
         for p in (self.w13, self.w2):
             p.logical_numel = 2 * p.numel()
@@ -79,10 +81,11 @@ class NVFP4ExpertBank(ExpertBank):
             raise ValueError(f"an NVFP4 expert bank cannot load {checkpoint_format!r} experts")
         self.select_kernel()
 
-    def kernel_weights(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    def kernel_weights(self, tensors=None) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        t = tensors if tensors is not None else self.expert_weights()
         return (
-            NVFP4Tensor(self.w13, self.w13_scale, self.w13_global),
-            NVFP4Tensor(self.w2, self.w2_scale, self.w2_global),
+            NVFP4Tensor(t["w13"], t["w13_scale"], t["w13_global"]),
+            NVFP4Tensor(t["w2"], t["w2_scale"], t["w2_global"]),
         )
 
     # ---- a ModelOpt checkpoint: every suffix loads into its own tensor
@@ -130,7 +133,7 @@ class NVFP4ExpertBank(ExpertBank):
         ckpt.expect_shape((hidden, inter) if proj == 2 else (inter, hidden))
         ckpt.expect_dtype(FLOAT_DTYPES)
         # The whole projection is read because its amax sets the global; only the slice is kept.
-        w = ckpt.read().to(self.w13.device)
+        w = ckpt.read().to(self.device)  # quantised where the model runs, kept wherever the bank is
         mine = w.narrow(1 if proj == 2 else 0, self.inter_start, self.local_inter)
         q = nvfp4.quantize(mine, nvfp4.global_scale_of(w))
         names = ("w2", "w2_scale", "w2_global") if proj == 2 else ("w13", "w13_scale", "w13_global")

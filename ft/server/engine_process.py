@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import signal
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from ft.config import EngineConfig
 from ft.sampling_params import Logprobs, RequestOutput
 
 IDLE_POLL_S = 1.0  # how often an idle engine checks that the HTTP process is still there
+MOE_LOG_S = 30.0  # how often the server log gets the offload figures (residency, hit rate, PCIe)
 STALL_WAIT_S = 0.01  # how long a step that ran nothing waits for a command before trying again
 
 
@@ -111,6 +113,7 @@ class EngineLoop:
     def __init__(self, engine, in_q, out_q) -> None:
         self.engine, self.in_q, self.out_q = engine, in_q, out_q
         self.sent: dict[str, tuple[int, bool]] = {}  # request id -> (tokens sent, prompt log-probs sent)
+        self.moe_logged = time.monotonic()
 
     def run(self) -> None:
         import multiprocessing
@@ -195,7 +198,18 @@ class EngineLoop:
 
     def _stats(self) -> dict:
         s = self.engine.stats()
-        return dataclasses.asdict(s) | {
-            "kv_tokens_used": s.kv_tokens_used,
-            "kv_tokens_free": s.kv_tokens_free,
-        }
+        self._log_moe(s)
+        return dataclasses.asdict(s) | s.derived()
+
+    def _log_moe(self, s) -> None:
+        """Every ``MOE_LOG_S`` seconds while experts move, one line of the offload figures."""
+        now = time.monotonic()
+        if s.moe_backend == "gpu" or now - self.moe_logged < MOE_LOG_S:
+            return
+        self.moe_logged = now
+        print(
+            f"ft engine: moe {s.moe_backend}: residency {s.moe_residency:.1%}, hit rate "
+            f"{s.moe_hit_rate:.1%}, {s.moe_bytes_per_token / 1e6:.2f} MB streamed per token, "
+            f"PCIe {s.moe_pcie_gb_s:.1f} GB/s effective",
+            flush=True,
+        )

@@ -1,9 +1,11 @@
 """Prometheus metrics for /metrics: the engine's gauges and counters, and request latencies.
 
 Engine figures (running and waiting requests, KV tokens used and free, token totals, prefix-cache
-hits) are read at scrape time from the stats the engine process sent after its latest step, so
-scraping costs the engine nothing. Latency histograms are observed in the HTTP process as
-outputs arrive. Each server has its own registry (no process-wide globals).
+hits, and where the routed experts live: residency, cache hit rate, bytes streamed over PCIe per
+token and the copies' effective bandwidth, for the first rank) are read at scrape time from the
+stats the engine process sent after its latest step, so scraping costs the engine nothing.
+Latency histograms are observed in the HTTP process as outputs arrive. Each server has its own
+registry (no process-wide globals).
 """
 
 from __future__ import annotations
@@ -62,11 +64,22 @@ _GAUGES = [
     ("ft_num_requests_waiting", "waiting", "Requests waiting for KV blocks, a state slot or a turn"),
     ("ft_kv_cache_used_tokens", "kv_tokens_used", "KV-cache tokens held (whole blocks)"),
     ("ft_kv_cache_free_tokens", "kv_tokens_free", "KV-cache tokens free (whole blocks)"),
+    ("ft_moe_expert_residency", "moe_residency", "Fraction of routed experts resident on the GPU"),
+    ("ft_moe_resident_experts", "moe_resident", "Routed experts resident on the GPU, all layers"),
+    ("ft_moe_cache_slots_per_layer", "moe_slots", "GPU expert-cache slots per MoE layer"),
+    ("ft_moe_expert_hit_rate", "moe_hit_rate", "Expert uses that found the expert resident (cumulative)"),
+    ("ft_moe_bytes_per_token", "moe_bytes_per_token", "Expert bytes copied host to device per token"),
+    ("ft_moe_pcie_gb_per_second", "moe_pcie_gb_s", "Effective host-to-device bandwidth of expert copies"),
 ]
 _COUNTERS = [
     ("ft_prompt_tokens", "prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)"),
     ("ft_generation_tokens", "generation_tokens", "Tokens generated"),
     ("ft_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
+    ("ft_moe_expert_hits", "moe_hits", "Expert uses that found the expert resident on the GPU"),
+    ("ft_moe_expert_misses", "moe_misses", "Expert uses that did not (copied, streamed or run on the CPU)"),
+    ("ft_moe_expert_evictions", "moe_evictions", "Experts evicted from the GPU cache"),
+    ("ft_moe_experts_prefetched", "moe_prefetched", "Experts copied ahead of need"),
+    ("ft_moe_bytes_streamed", "moe_bytes_h2d", "Expert bytes copied host to device"),
 ]
 
 
@@ -84,6 +97,11 @@ class _EngineCollector:
             c = CounterMetricFamily(name, help_text, labels=list(self.labels))
             c.add_metric(list(self.labels.values()), float(stats.get(key, 0)))
             yield c
+        info = GaugeMetricFamily(
+            "ft_moe_backend_info", "The MoE backend in use (value 1)", labels=[*self.labels, "backend"]
+        )
+        info.add_metric([*self.labels.values(), str(stats.get("moe_backend", "gpu"))], 1.0)
+        yield info
 
 
 class Metrics:

@@ -1,0 +1,197 @@
+"""The GPU expert cache of one MoE layer: S slots, which expert each holds, and what to evict.
+
+Two halves:
+
+- ``SlotMap`` (host, numpy): expert -> slot, the eviction policy, pins, and hit / miss counts.
+  It decides; it never touches a device tensor, so it is unit-tested on its own.
+- ``ExpertCache`` (device): the slot block ``[S + 1, expert_bytes]`` in the bank's layout
+  (``layout.py``) and the device-side table ``expert -> slot`` that kernels read, so remapping
+  routed expert ids to slot ids is one gather on the device (``table[ids]``), inside CUDA graphs.
+
+Row S is the *null expert*: all zeros, so its output is exactly zero whatever its routing weight.
+An expert that is not resident maps to it; the hybrid backend relies on that to run the hits on
+the GPU while the CPU computes the misses, without the GPU adding anything for them.
+
+Pinning: ``ensure`` pins the experts a batch uses for the current step (``begin_step``); nothing
+evicts a pinned slot until the next step, so a prefetch for this layer issued mid-step can never
+overwrite an expert the step is about to read. Policies (lower score is evicted first):
+
+- ``lru``: least recently used.
+- ``lfu``: frequency-aware, the lowest exponentially decayed use count (half-life
+  ``LFU_HALF_LIFE`` calls), ties broken by recency. Under skewed routing it keeps the popular
+  experts through bursts of rare ones that would flush an LRU cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ft.moe.backends.layout import ExpertLayout
+
+POLICIES = ("lru", "lfu")
+LFU_HALF_LIFE = 64.0  # calls of ensure/prefetch on the layer
+
+
+@dataclass
+class SlotCounts:
+    hits: int = 0  # experts a batch needed that were resident
+    misses: int = 0  # experts a batch needed that were not
+    evictions: int = 0
+    prefetched: int = 0  # experts inserted ahead of need
+    prefetch_hits: int = 0  # hits on a prefetched expert before any other use
+
+
+class SlotMap:
+    def __init__(self, num_experts: int, num_slots: int, policy: str = "lru") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"expert cache policy {policy!r} (known: {', '.join(POLICIES)})")
+        if not 1 <= num_slots <= num_experts:
+            raise ValueError(f"expert cache slots: {num_slots} not in [1, {num_experts}]")
+        self.num_experts, self.num_slots, self.policy = num_experts, num_slots, policy
+        self.null = num_slots  # the slot index of "not resident"
+        self.slot_of = np.full(num_experts, self.null, dtype=np.int64)  # [E]
+        self.expert_in = np.full(num_slots, -1, dtype=np.int64)  # [S], -1: empty
+        self.last_use = np.full(num_slots, -1, dtype=np.int64)  # [S] tick of the last use
+        self.pin_step = np.full(num_slots, -1, dtype=np.int64)  # [S] pinned while == step
+        self.prefetched = np.zeros(num_slots, dtype=bool)  # [S] inserted ahead, not used since
+        self.freq = np.zeros(num_experts, dtype=np.float64)  # [E] decayed use counts
+        self.decay = 0.5 ** (1.0 / LFU_HALF_LIFE)
+        self.step = 0
+        self.tick = 0
+        self.counts = SlotCounts()
+        self.dirty = True  # slot_of changed since the device table was last written
+
+    # ---- queries
+    def resident(self, experts: np.ndarray) -> np.ndarray:
+        return self.slot_of[experts] != self.null
+
+    @property
+    def num_resident(self) -> int:
+        return int((self.expert_in >= 0).sum())
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    # ---- decisions
+    def ensure(self, experts: np.ndarray) -> list[tuple[int, int]] | None:
+        """Make every expert of a batch resident and pin them for this step.
+
+        Returns the (expert, slot) copies to make, or None when the batch needs more slots than
+        are unpinned (then nothing is evicted or counted; the hits stay pinned).
+        """
+        experts = np.asarray(experts, dtype=np.int64)
+        hit = self.resident(experts)
+        self.pin_step[self.slot_of[experts[hit]]] = self.step  # hits are never victims
+        missing = experts[~hit]
+        victims = self._victims(len(missing), self._candidates())
+        if victims is None:
+            return None
+        self._count_use(experts, hit)
+        copies = self._insert(missing, victims)
+        self.pin_step[victims] = self.step
+        return copies
+
+    def prefetch(self, experts: np.ndarray) -> list[tuple[int, int]]:
+        """Insert what is not resident as far as unpinned slots allow, evicting none of ``experts``;
+        pins nothing, counts no use (a prediction is not a use)."""
+        experts = np.asarray(experts, dtype=np.int64)
+        hit = self.resident(experts)
+        self.tick += 1
+        self.last_use[self.slot_of[experts[hit]]] = self.tick  # predicted: keep them a while
+        missing = experts[~hit]
+        cand = self._candidates()
+        cand = cand[~np.isin(self.expert_in[cand], experts)]
+        n = min(len(missing), len(cand))
+        if n == 0:
+            return []
+        victims = self._victims(n, cand)
+        copies = self._insert(missing[:n], victims)
+        self.prefetched[victims] = True
+        self.counts.prefetched += n
+        return copies
+
+    def classify(self, experts: np.ndarray) -> np.ndarray:
+        """Which experts are resident; counts the batch's hits and misses and pins the hits, but
+        inserts nothing (the streaming path and the hybrid backend use the hits in place)."""
+        experts = np.asarray(experts, dtype=np.int64)
+        hit = self.resident(experts)
+        self.pin_step[self.slot_of[experts[hit]]] = self.step
+        self._count_use(experts, hit)
+        return hit
+
+    # ---- internals
+    def _count_use(self, experts: np.ndarray, hit: np.ndarray) -> None:
+        self.tick += 1
+        self.freq *= self.decay
+        self.freq[experts] += 1.0
+        slots = self.slot_of[experts[hit]]
+        self.last_use[slots] = self.tick
+        self.counts.hits += int(hit.sum())
+        self.counts.misses += int((~hit).sum())
+        self.counts.prefetch_hits += int(self.prefetched[slots].sum())
+        self.prefetched[slots] = False
+
+    def _candidates(self) -> np.ndarray:
+        return np.nonzero(self.pin_step != self.step)[0]
+
+    def _victims(self, n: int, cand: np.ndarray) -> np.ndarray | None:
+        """The ``n`` candidate slots to fill: empty ones first, then by the policy's order."""
+        if len(cand) < n:
+            return None
+        empty = cand[self.expert_in[cand] < 0]
+        if len(empty) >= n:
+            return empty[:n]
+        if self.policy == "lru":
+            order = np.argsort(self.last_use[cand], kind="stable")
+        else:
+            holder = self.expert_in[cand]
+            freq = np.where(holder >= 0, self.freq[np.maximum(holder, 0)], -1.0)
+            order = np.lexsort((self.last_use[cand], freq))  # by freq, then by recency
+        return cand[order[:n]]
+
+    def _insert(self, experts: np.ndarray, victims: np.ndarray) -> list[tuple[int, int]]:
+        old = self.expert_in[victims]
+        evicted = old[old >= 0]
+        self.counts.evictions += len(evicted)
+        self.slot_of[evicted] = self.null
+        self.expert_in[victims] = experts
+        self.slot_of[experts] = victims
+        self.last_use[victims] = self.tick
+        self.prefetched[victims] = False
+        self.dirty = True
+        return list(zip(experts.tolist(), victims.tolist()))
+
+
+class ExpertCache:
+    """One layer's slots on the device and the device-side expert -> slot table."""
+
+    def __init__(self, layout: ExpertLayout, slot_map: SlotMap, device: torch.device) -> None:
+        self.layout, self.map, self.device = layout, slot_map, device
+        self.block = layout.allocate(slot_map.num_slots + 1, device)  # [S + 1, bytes], row S null
+        self.tensors = layout.views(self.block)  # name -> [S + 1, *shape]
+        e = slot_map.num_experts
+        self.table = torch.full((e,), slot_map.null, dtype=torch.int64, device=device)  # [E]
+        pin = device.type == "cuda"
+        self._mirror = torch.empty(e, dtype=torch.int64, pin_memory=pin)  # host side of table
+        self.map.dirty = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.block.numel() + self.table.numel() * 8
+
+    def publish(self) -> None:
+        """Write the host map into the device table (on the current stream, ordered before kernels).
+
+        The mirror is reused only after the host has synchronised with this stream again (every
+        caller reads routing ids first), so the asynchronous copy never sees it change."""
+        if not self.map.dirty:
+            return
+        self._mirror.numpy()[:] = self.map.slot_of
+        self.table.copy_(self._mirror, non_blocking=True)
+        self.map.dirty = False
+
+    def slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[ids]  # [T, k] slots; the null slot where an expert is not resident

@@ -1,0 +1,237 @@
+"""The offload backend: a layer's experts in the host store, a GPU slot cache in front of them.
+
+Decode (a decode-only batch whose distinct experts fit the layer's S slots):
+
+    ids -> host, distinct experts -> ``SlotMap.ensure`` (hits pinned, misses given victims by
+    the policy) -> copies host store -> slots on the side stream -> device table written ->
+    main stream waits for the copies -> kernel(x, slots, weights, table[ids])
+
+The kernel is the bank's own, handed the slot tensors ``[S + 1, ...]`` instead of the bank and
+slot ids instead of expert ids, so the routed result is exactly what the resident backend
+computes. Right after, the next MoE layer's router applied to this layer's input predicts its
+experts and their copies start (``prefetch.py``), a layer ahead and overlapped with this layer's
+compute; a wrong guess costs bandwidth, never correctness.
+
+Prefill (and any batch whose experts do not fit): the chunk's experts are streamed. Resident
+ones are used in place (one kernel call on the slots), or, with ``--moe-prefill-hit-d2d``,
+copied device-to-device into staging with the rest; the others go host -> staging in groups of
+B experts, double-buffered (group g + 1 is copied while group g computes). A group runs the
+kernel on the pairs (token, k) routed into it, k = 1 each, summed into an fp32 accumulator.
+Prefill never inserts into the cache (a long prompt would flush the decode working set); its
+accesses still count for the policy.
+
+CUDA graphs: the host work sits behind ``split_point`` (``graph_split.py``), so a captured decode
+step breaks at each MoE layer to make the batch's experts resident, then replays the kernel,
+which reads the device table. The engine graphs only batch sizes whose experts are sure to fit
+(``bs * k <= S``); larger decode batches run eagerly. Not here: which backend or how many slots
+(``runtime``), the CPU computation of misses (``hybrid``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ft.forward_context import get_forward_context
+from ft.moe.backends.expert_cache import ExpertCache
+from ft.moe.backends.graph_split import capturing, split_point
+from ft.moe.backends.host_store import HostStore
+from ft.moe.backends.layout import ExpertLayout
+from ft.moe.backends.prefetch import Prefetch
+from ft.moe.backends.transfer import Transfer
+
+
+class Staging:
+    """Two device buffers of ``rows`` expert rows, shared by the layers of a rank (one runs at a
+    time); ``free_after[b]``: the event after the last kernel that read buffer b."""
+
+    def __init__(self, layout: ExpertLayout, rows: int, device: torch.device) -> None:
+        self.rows = rows
+        self.blocks = [layout.allocate(rows, device, zero=False) for _ in range(2)]
+        self.tensors = [layout.views(b) for b in self.blocks]
+        self.free_after: list[torch.cuda.Event | None] = [None, None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.blocks)
+
+
+@dataclass
+class Shared:
+    """What the offloading layers of one rank share: the copy engine, staging, the step count."""
+
+    transfer: Transfer
+    staging: Staging | None
+    hit_d2d: bool
+    maps: list  # every layer's SlotMap, to start a step on all of them at once
+    step: int = 0
+    tokens: int = 0  # tokens through the first MoE layer (for bytes per token)
+    cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU (hybrid, cpu)
+
+
+def decode_only() -> bool:
+    try:
+        return get_forward_context().batch.is_decode_only
+    except RuntimeError:  # a block called outside the engine: treat as decode
+        return True
+
+
+def unique(ids: np.ndarray) -> np.ndarray:
+    return np.unique(ids.reshape(-1))
+
+
+class Pairs:
+    """A batch's (token, k) pairs grouped by expert, to hand a kernel the pairs of some experts."""
+
+    def __init__(self, ids_h: np.ndarray, num_experts: int) -> None:
+        flat = ids_h.reshape(-1)  # [T*k] pair p = token * k + j
+        self.order = np.argsort(flat, kind="stable")  # pairs by expert, ascending within one
+        self.counts = np.bincount(flat, minlength=num_experts)  # [E]
+        self.starts = np.cumsum(self.counts) - self.counts
+
+    def of(self, experts: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(the pairs routed to ``experts``, the weight row each runs on: ``rows[i]`` for
+        ``experts[i]``, by default i)."""
+        if len(experts) == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        sel = np.concatenate([self.order[self.starts[e] : self.starts[e] + self.counts[e]] for e in experts])
+        rows = np.arange(len(experts)) if rows is None else rows
+        return sel, np.repeat(rows, self.counts[experts])
+
+
+class OffloadBackend:
+    name = "offload"
+
+    def __init__(self, store: HostStore, cache: ExpertCache | None, shared: Shared, first: bool) -> None:
+        self.store, self.cache, self.shared, self.first = store, cache, shared, first
+        self.map = cache.map if cache is not None else None
+        self.prefetch: Prefetch | None = None  # the next MoE layer's, when prefetching
+
+    # ---- entry
+    def __call__(self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        pred = self._predict(x)
+        if capturing():
+            split_point(lambda: self._resolve(ids, pred))
+            return self._cached(bank, x, weights, ids)
+        ids_h, pred_h = self._to_host(ids, pred)
+        self._begin(len(x))
+        experts = unique(ids_h)
+        if decode_only() and len(experts) <= self.map.num_slots:
+            self._make_resident(experts, pred_h)
+            return self._cached(bank, x, weights, ids)
+        return self._stream(bank, x, weights, ids_h, experts, pred_h)
+
+    # ---- host side (eager, or at a graph break)
+    def _predict(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.prefetch.predict(x) if self.prefetch is not None else None
+
+    def _to_host(self, ids: torch.Tensor, pred: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
+        k = ids.shape[1]
+        both = ids if pred is None else torch.cat([ids, pred], dim=1)
+        h = both.cpu().numpy()  # the one synchronisation of the layer
+        return h[:, :k], (None if pred is None else h[:, k:])
+
+    def _begin(self, num_tokens: int) -> None:
+        if self.first:
+            self.shared.step += 1
+            self.shared.tokens += num_tokens
+            for m in self.shared.maps:
+                m.begin_step(self.shared.step)
+
+    def _resolve(self, ids: torch.Tensor, pred: torch.Tensor | None) -> None:
+        ids_h, pred_h = self._to_host(ids, pred)
+        self._begin(len(ids_h))
+        experts = unique(ids_h)
+        if len(experts) > self.map.num_slots:
+            raise RuntimeError(
+                f"a graphed decode batch routed to {len(experts)} experts, more than the "
+                f"{self.map.num_slots} cache slots of a layer: the graph batch-size cap is wrong"
+            )
+        self._make_resident(experts, pred_h)
+
+    def _make_resident(self, experts: np.ndarray, pred_h: np.ndarray | None) -> None:
+        copies = self.map.ensure(experts)
+        if copies is None:
+            raise RuntimeError(f"{len(experts)} experts do not fit {self.map.num_slots} unpinned slots")
+        self.copy_in(copies)
+        self.cache.publish()
+        self.shared.transfer.wait()  # this layer's copies and any prefetch into its slots
+        self._prefetch_next(pred_h)
+
+    def copy_in(self, copies: list[tuple[int, int]]) -> None:
+        """Copy (expert, slot) pairs from the host store into this layer's cache."""
+        if copies:
+            experts, slots = zip(*copies)
+            self.shared.transfer.issue(self.cache.block, list(slots), self.store.block, list(experts))
+
+    def _prefetch_next(self, pred_h: np.ndarray | None) -> None:
+        if pred_h is not None:
+            self.prefetch.start(pred_h)
+
+    # ---- device side
+    def _cached(self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return bank.kernel(x, *bank.kernel_weights(self.cache.tensors), weights, self.cache.slot_ids(ids))
+
+    def _stream(self, bank, x, weights, ids_h: np.ndarray, experts: np.ndarray, pred_h) -> torch.Tensor:
+        sh, st = self.shared, self.shared.staging
+        hit = self.map.classify(experts)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        pairs = Pairs(ids_h, self.store.num_experts)
+        staged = experts if sh.hit_d2d else experts[~hit]
+        sh.transfer.wait()  # prefetches into this layer's slots land before the hits are read
+        groups = [staged[i : i + st.rows] for i in range(0, len(staged), st.rows)]
+        ready = [None] * len(groups)
+        if groups:
+            ready[0] = self._stage(groups[0], 0)  # in flight while the hits compute in place
+        if not sh.hit_d2d and hit.any():
+            resident = experts[hit]
+            run_pairs(
+                bank, self.cache.tensors, x, weights, out, *pairs.of(resident, self.map.slot_of[resident])
+            )
+        for g, group in enumerate(groups):
+            if g + 1 < len(groups):
+                ready[g + 1] = self._stage(groups[g + 1], (g + 1) % 2)
+            sh.transfer.wait(ready[g])
+            run_pairs(bank, st.tensors[g % 2], x, weights, out, *pairs.of(group))
+            st.free_after[g % 2] = sh.transfer.record_main()
+        self._prefetch_next(pred_h)
+        return out.to(x.dtype)
+
+    def _stage(self, group: np.ndarray, buf: int) -> torch.cuda.Event | None:
+        """Copy a group of experts into staging buffer ``buf``: resident ones device-to-device
+        (``hit_d2d``), the others from the host store."""
+        st, tr = self.shared.staging, self.shared.transfer
+        rows = np.arange(len(group))
+        on_device = self.map.resident(group)
+        after = st.free_after[buf]
+        ev_d2d = tr.issue(
+            st.blocks[buf], rows[on_device].tolist(), self.cache.block,
+            self.map.slot_of[group[on_device]].tolist(), after=after, h2d=False,
+        )  # fmt: skip
+        ev_h2d = tr.issue(
+            st.blocks[buf],
+            rows[~on_device].tolist(),
+            self.store.block,
+            group[~on_device].tolist(),
+            after=after,
+        )
+        return ev_h2d if ev_h2d is not None else ev_d2d  # one stream: the later covers both
+
+
+def run_pairs(bank, tensors, x, weights, out, sel: np.ndarray, rows: np.ndarray) -> None:
+    """out[t] += the pairs ``sel`` (token * k + j) run on ``tensors``' rows ``rows``, k = 1 each.
+
+    Each expert sees the same tokens, in the same order, as in one call over the whole batch, so
+    its rows of the result are the same; only the order of a token's k terms in ``out`` may differ.
+    """
+    if len(sel) == 0:
+        return
+    k = weights.shape[1]
+    sel_d = torch.from_numpy(sel).to(x.device)
+    tok = sel_d // k
+    rows_d = torch.from_numpy(np.ascontiguousarray(rows)).to(x.device).unsqueeze(1)  # [P, 1]
+    pair_w = weights.reshape(-1)[sel_d].unsqueeze(1)  # [P, 1]
+    y = bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows_d)
+    out.index_add_(0, tok, y.float())

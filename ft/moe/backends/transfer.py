@@ -1,0 +1,127 @@
+"""Moving experts: host store rows -> device rows over PCIe, on a side CUDA stream, counted.
+
+Every copy is one row of the expert-major layout (one memcpy per expert) issued on the copy
+stream, so it overlaps the compute on the main stream; the main stream waits (an event, not the
+host) only where it reads what was copied. Bytes and the copy stream's busy time (CUDA events,
+read back lazily once they have completed) give the effective PCIe bandwidth. On a CPU-only
+machine the "device" is host memory too: copies are plain and immediate, timed by the clock.
+
+Ordering rule for the expert cache: slot copies are issued right after the host has read the
+batch's routing ids, i.e. after synchronising with the main stream, so no kernel that read the
+slot's previous expert can still be running; the copy stream waits for the main stream anyway
+(it is idle at that point, so this costs nothing). Staging buffers, refilled while the main
+stream computes, use explicit events instead (``issue(..., after=...)``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TransferCounts:
+    h2d_bytes: int = 0
+    d2d_bytes: int = 0
+    h2d_copies: int = 0
+    copy_seconds: float = 0.0  # busy time of host-to-device copies (resolved events)
+
+
+class Transfer:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.counts = TransferCounts()
+        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def issue(
+        self,
+        dst: torch.Tensor,
+        dst_rows: list[int],
+        src: torch.Tensor,
+        src_rows: list[int],
+        after: torch.cuda.Event | None = None,
+        h2d: bool = True,
+    ) -> torch.cuda.Event | None:
+        """Copy ``src[src_rows[i]]`` into ``dst[dst_rows[i]]`` (rows of expert blocks; ``h2d``:
+        from the host store, else device to device); returns an event the consumer waits on (None
+        on CPU, where the copies are done on return). Runs of consecutive rows go as one copy."""
+        if not dst_rows:
+            return None
+        nbytes = len(dst_rows) * dst.shape[1]
+        runs = _runs(dst_rows, src_rows)
+        if not self.cuda:
+            t0 = time.perf_counter()
+            for d, s, n in runs:
+                dst[d : d + n].copy_(src[s : s + n])
+            self._count(h2d, nbytes, len(dst_rows), time.perf_counter() - t0)
+            return None
+        main = torch.cuda.current_stream(self.device)
+        if after is None:
+            self.stream.wait_stream(main)
+        else:
+            self.stream.wait_event(after)
+        with torch.cuda.stream(self.stream):
+            start = torch.cuda.Event(enable_timing=True) if h2d else None
+            if start is not None:
+                start.record()
+            for d, s, n in runs:
+                dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+            done = torch.cuda.Event(enable_timing=h2d)
+            done.record()
+        if h2d:
+            self._timing.append((start, done))
+            if len(self._timing) > 512:  # nobody asked for stats lately: fold the finished ones
+                self.resolve()
+        self._count(h2d, nbytes, len(dst_rows), 0.0)
+        return done
+
+    def wait(self, event: torch.cuda.Event | None = None) -> None:
+        """The main stream waits for ``event``, or for every copy issued so far."""
+        if not self.cuda:
+            return
+        main = torch.cuda.current_stream(self.device)
+        if event is None:
+            main.wait_stream(self.stream)
+        else:
+            main.wait_event(event)
+
+    def record_main(self) -> torch.cuda.Event | None:
+        """An event at the main stream's current position (a staging buffer's last reader)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _count(self, h2d: bool, nbytes: int, copies: int, seconds: float) -> None:
+        if h2d:
+            self.counts.h2d_bytes += nbytes
+            self.counts.h2d_copies += copies
+            self.counts.copy_seconds += seconds
+        else:
+            self.counts.d2d_bytes += nbytes
+
+    def resolve(self) -> None:
+        """Fold the timings of completed copies into ``counts`` (never waits)."""
+        left = []
+        for start, done in self._timing:
+            if done.query():
+                self.counts.copy_seconds += start.elapsed_time(done) / 1e3
+            else:
+                left.append((start, done))
+        self._timing = left
+
+
+def _runs(dst_rows: list[int], src_rows: list[int]) -> list[tuple[int, int, int]]:
+    """(dst start, src start, length) of the runs where both row lists step by one."""
+    runs: list[list[int]] = []
+    for d, s in zip(dst_rows, src_rows):
+        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
+            runs[-1][2] += 1
+        else:
+            runs.append([d, s, 1])
+    return [tuple(r) for r in runs]

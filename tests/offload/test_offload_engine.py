@@ -1,0 +1,110 @@
+"""Offloaded experts through the whole engine on CPU: NVFP4 banks in a host store, TP=2 ranks each
+streaming their own shard, a host too small refused before any weight is read, the plan line,
+and ``ft bench offline`` reporting the offload figures."""
+
+from __future__ import annotations
+
+import pytest
+
+import ft.engine.model_runner as model_runner
+from ft import LLM, SamplingParams
+from ft.cli import main
+from tests.checkpoints import write_checkpoint
+from tests.nvfp4.modelopt_ckpt import write_nvfp4_checkpoint
+from tests.reference.qwen4_exp_ckpt import tiny_qwen4_exp_config, write_qwen4_exp_checkpoint
+
+PROMPTS = [[5, 17, 3, 88, 41, 9, 2, 60, 33], [30, 1, 64, 19, 7]]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2, logprobs=2, ignore_eos=True)
+
+
+def generate(path, tp: int = 1, **options):
+    with LLM(model=str(path), tp_size=tp, device="cpu", dtype="float32", progress=False, **options) as llm:
+        return llm.generate(PROMPTS, PARAMS), llm.engine.stats()
+
+
+def assert_close(a, b, tol=0.0):
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        for da, db in zip(x.prompt_logprobs[1:] + x.logprobs, y.prompt_logprobs[1:] + y.logprobs):
+            assert da.keys() == db.keys()
+            for k in da:
+                assert abs(da[k] - db[k]) <= tol
+
+
+@pytest.fixture(scope="module")
+def nvfp4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nvfp4")
+    write_nvfp4_checkpoint(root, "qwen3_next", seed=5, moe_intermediate_size=64)
+    return root
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(moe_backend="offload", expert_cache_fraction=0.25, moe_staging_experts=3),
+        dict(moe_backend="hybrid", expert_cache_fraction=0.25),
+        dict(moe_backend="cpu"),
+    ],
+    ids=["offload", "hybrid", "cpu"],
+)
+def test_nvfp4_banks_offloaded_equal_resident(nvfp4, options):
+    want, _ = generate(nvfp4 / "nvfp4", moe_backend="gpu")
+    got, stats = generate(nvfp4 / "nvfp4", **options)
+    assert_close(got, want)
+    assert stats.moe_hits + stats.moe_misses > 0
+
+
+def test_quantised_at_load_into_the_host_store(nvfp4):
+    want, _ = generate(nvfp4 / "bf16", quantize_experts="nvfp4", moe_backend="gpu")
+    got, _ = generate(
+        nvfp4 / "bf16", quantize_experts="nvfp4", moe_backend="offload", expert_cache_fraction=0.5
+    )
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_tp2_offload_equals_tp1(tmp_path, backend):
+    # 4 kv heads split over 2 ranks, each rank caching and streaming its half of every expert
+    write_checkpoint(tmp_path, "qwen3_next", seed=2, num_key_value_heads=4)
+    want, _ = generate(tmp_path, moe_backend="gpu")
+    got, stats = generate(
+        tmp_path, tp=2, moe_backend=backend, expert_cache_fraction=0.25, moe_staging_experts=3
+    )
+    assert_close(got, want, tol=1e-5)
+    assert stats.moe_backend == backend and stats.moe_bytes_h2d > 0
+
+
+def test_qwen4_exp_offloaded_equals_resident(tmp_path):
+    """QSA, PLE and hyper-connections around the MoE sublayer change nothing about its experts."""
+    write_qwen4_exp_checkpoint(tmp_path, tiny_qwen4_exp_config(), seed=1)
+    want, _ = generate(tmp_path, moe_backend="gpu")
+    for backend in ("offload", "hybrid"):
+        got, _ = generate(tmp_path, moe_backend=backend, expert_cache_fraction=0.25)
+        assert_close(got, want)
+
+
+def test_too_little_host_memory_fails_before_loading(tmp_path, monkeypatch):
+    write_checkpoint(tmp_path, "qwen3_moe", seed=3)
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights were read before the host-memory check")
+
+    monkeypatch.setattr(model_runner, "load_weights", never)
+    with pytest.raises(
+        MemoryError, match=r"offloaded experts need .* GiB of host memory .*--max-host-memory"
+    ):
+        LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False,
+            moe_backend="offload", max_host_memory="64KiB")  # fmt: skip
+
+
+def test_plan_line_and_bench_offline_report_offload(tmp_path, capsys):
+    write_checkpoint(tmp_path, "qwen3_moe", seed=4)
+    args = ["bench", "offline", "--model", str(tmp_path), "--device", "cpu", "--dtype", "float32"]
+    args += ["--batch-sizes", "1,2", "--input-len", "8", "--output-len", "4", "--prefill-lens", "16"]
+    args += ["--moe-backend", "offload", "--expert-cache-fraction", "0.5", "--expert-cache-policy", "lfu"]
+    args += ["--num-tokens", "256"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "ft rank 0/1: moe offload (lfu, prefetch on): 3 layers x 4/8 experts resident (50%)" in out
+    assert "moe offload: 4/8 experts resident per layer (50%), policy lfu, prefetch on" in out
+    assert "1  decode hit rate" in out and "MB copied per token" in out

@@ -1,0 +1,99 @@
+"""The offload, hybrid and cpu MoE backends give exactly the resident (gpu) backend's outputs.
+
+fp32 on CPU, tiny random qwen3_next and qwen3_moe checkpoints (8 experts, top-2): prompt
+log-probs (prefill), greedy tokens and their log-probs (decode), one-shot and chunked prefill, for
+cache sizes from one slot per layer to all eight, with prefetch on and off, both eviction
+policies, small double-buffered staging and device-to-device staging of hits. On a CPU-only
+machine the "device" cache is another CPU tensor: what runs is the slot map, the eviction, the
+expert -> slot remapping, the streaming and the CPU kernels, the logic the GPU runs too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ft import LLM, SamplingParams
+from tests.checkpoints import write_checkpoint
+
+PROMPTS = [[5, 17, 3, 88, 41, 9, 2, 60, 33, 71, 12, 50, 7], [30, 1, 64, 19], [8, 8, 2, 91, 40, 3, 3]]
+# different lengths, so decode batches shrink from three sequences to one (which fits 2 slots)
+PARAMS = [
+    SamplingParams(max_tokens=n, temperature=0.0, prompt_logprobs=2, logprobs=2, ignore_eos=True)
+    for n in (9, 3, 6)
+]
+CASES = {
+    "1-slot-no-prefetch": dict(moe_backend="offload", expert_cache_fraction=0.125, moe_prefetch=False),
+    "1-slot-prefetch": dict(moe_backend="offload", expert_cache_fraction=0.125),
+    "2-slots-lru-staging-2": dict(moe_backend="offload", expert_cache_fraction=0.25, moe_staging_experts=2),
+    "5-slots-lfu-d2d": dict(
+        moe_backend="offload",
+        expert_cache_fraction=0.625,
+        expert_cache_policy="lfu",
+        moe_prefill_hit_d2d=True,
+        moe_staging_experts=3,
+    ),
+    "all-slots": dict(moe_backend="offload", expert_cache_fraction=1.0),
+    "hybrid-2-slots": dict(moe_backend="hybrid", expert_cache_fraction=0.25),
+    "hybrid-no-prefetch": dict(moe_backend="hybrid", expert_cache_fraction=0.5, moe_prefetch=False),
+    "cpu": dict(moe_backend="cpu"),
+}
+CHUNKED = ("1-slot-prefetch", "2-slots-lru-staging-2", "5-slots-lfu-d2d", "hybrid-2-slots", "cpu")
+
+
+def generate(path, **options):
+    with LLM(model=str(path), device="cpu", dtype="float32", progress=False, **options) as llm:
+        return llm.generate(PROMPTS, PARAMS), llm.engine.stats()
+
+
+def assert_same(outs, ref):
+    for got, want in zip(outs, ref, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.prompt_logprobs == want.prompt_logprobs
+        assert got.logprobs == want.logprobs
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
+def ckpt(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    write_checkpoint(path, request.param, seed=21)
+    return path
+
+
+@pytest.fixture(scope="module")
+def refs(ckpt):
+    return {chunk: generate(ckpt, moe_backend="gpu", max_num_batched_tokens=chunk)[0] for chunk in (8192, 5)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_shot_prefill_and_decode_equal_resident(ckpt, refs, case):
+    outs, stats = generate(ckpt, **CASES[case])
+    assert_same(outs, refs[8192])
+    assert stats.moe_backend == CASES[case]["moe_backend"] and stats.moe_layers > 0
+    assert stats.moe_hits + stats.moe_misses > 0 and stats.moe_tokens > 0
+    if case == "all-slots":  # nothing is ever evicted and most uses hit
+        assert stats.moe_hits > stats.moe_misses and stats.moe_evictions == 0
+
+
+@pytest.mark.parametrize("case", CHUNKED)
+def test_chunked_prefill_equals_resident(ckpt, refs, case):
+    outs, _ = generate(ckpt, max_num_batched_tokens=5, **CASES[case])
+    assert_same(outs, refs[5])
+
+
+def test_decode_uses_the_cache_and_prefetch_predicts(ckpt, refs):
+    outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.5)
+    assert_same(outs, refs[8192])
+    assert s.moe_resident == s.moe_layers * s.moe_slots  # decode filled every slot
+    assert s.moe_bytes_h2d > 0 and s.moe_evictions > 0 and s.moe_prefetched > 0
+    assert 0 < s.moe_prefetch_hits <= s.moe_prefetched and 0 < s.moe_hit_rate < 1
+    assert s.moe_residency == 0.5 and s.moe_bytes_per_token > 0
+
+
+def test_dummy_weights_fill_the_host_store(ckpt):
+    def dummy(**options):
+        with LLM(
+            model=str(ckpt), load_format="dummy", device="cpu", dtype="float32", progress=False, **options
+        ) as llm:
+            return llm.generate(PROMPTS[:1], PARAMS[:1])
+
+    assert_same(dummy(moe_backend="offload", expert_cache_fraction=0.25), dummy(moe_backend="gpu"))

@@ -1,0 +1,169 @@
+"""The expert cache's slot map and eviction policies, the expert-major layout, host-memory checks,
+the transfer engine and the dummy routing skew, each on its own (CPU, no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ft.config import EngineConfig, parse_size
+from ft.distributed import TPInfo, tp_context
+from ft.models.dummy import skew_routers
+from ft.moe.backends.expert_cache import ExpertCache, SlotMap
+from ft.moe.backends.host_store import GiB, check_host_memory
+from ft.moe.backends.layout import ExpertLayout
+from ft.moe.backends.transfer import Transfer
+from ft.moe.banks import BF16ExpertBank
+from ft.moe.nvfp4_bank import NVFP4ExpertBank
+from ft.moe.router import TopKRouter
+
+
+@pytest.fixture(autouse=True)
+def one_rank():
+    with tp_context(TPInfo(0, 1)):  # banks read their tensor-parallel rank when built
+        yield
+
+
+def ensure(m: SlotMap, experts, step=None):
+    if step is not None:
+        m.begin_step(step)
+    return m.ensure(np.array(experts))
+
+
+def test_misses_fill_empty_slots_then_hits_are_counted():
+    m = SlotMap(num_experts=8, num_slots=3)
+    copies = ensure(m, [1, 5], step=1)
+    assert sorted(e for e, _ in copies) == [1, 5] and len({s for _, s in copies}) == 2
+    assert (m.counts.hits, m.counts.misses, m.counts.evictions) == (0, 2, 0)
+    assert ensure(m, [5, 1], step=2) == []
+    assert (m.counts.hits, m.counts.misses) == (2, 2)
+    assert m.num_resident == 2 and m.resident(np.array([1, 5, 2])).tolist() == [True, True, False]
+
+
+def test_lru_evicts_the_least_recently_used():
+    m = SlotMap(8, 3, "lru")
+    ensure(m, [0, 1, 2], step=1)
+    ensure(m, [0], step=2)  # 1 is now the oldest, then 2
+    ensure(m, [1], step=3)  # 2 is the oldest
+    [(e, slot)] = ensure(m, [7], step=4)
+    assert e == 7 and m.expert_in[slot] == 7
+    assert m.resident(np.array([0, 1, 2])).tolist() == [True, True, False]
+    assert m.counts.evictions == 1 and m.slot_of[2] == m.null
+
+
+def test_lfu_keeps_the_frequent_expert_that_lru_would_evict():
+    def run(policy):
+        m = SlotMap(8, 2, policy)
+        for step in range(1, 6):
+            ensure(m, [0], step=step)  # 0 is popular
+        ensure(m, [1], step=6)  # 1 is more recent than 0
+        ensure(m, [2], step=7)
+        return m.resident(np.array([0, 1, 2])).tolist()
+
+    assert run("lru") == [False, True, True]
+    assert run("lfu") == [True, False, True]
+
+
+def test_pinned_slots_are_never_evicted_mid_step():
+    m = SlotMap(8, 2)
+    ensure(m, [3, 4], step=1)
+    assert m.prefetch(np.array([5, 6])) == []  # both slots serve this step
+    assert m.resident(np.array([3, 4])).all()
+    assert m.ensure(np.array([3, 4, 5])) is None  # three experts cannot fit two slots
+    assert m.resident(np.array([3, 4])).all()
+    m.begin_step(2)  # the next step may evict them
+    copies = m.prefetch(np.array([5]))
+    assert [e for e, _ in copies] == [5] and m.counts.prefetched == 1
+    assert m.resident(np.array([3, 4])).sum() == 1
+
+
+def test_prefetch_never_evicts_an_expert_it_asks_for_and_its_hits_are_counted():
+    m = SlotMap(8, 2)
+    ensure(m, [1, 2], step=1)
+    m.begin_step(2)
+    copies = m.prefetch(np.array([1, 6]))  # 1 is resident and asked for: 2 goes
+    assert copies == [(6, int(m.slot_of[6]))] and m.resident(np.array([1, 2, 6])).tolist() == [
+        True,
+        False,
+        True,
+    ]
+    ensure(m, [6], step=3)
+    assert (m.counts.prefetch_hits, m.counts.hits) == (1, 1)
+
+
+@pytest.mark.parametrize("bank_cls", [BF16ExpertBank, NVFP4ExpertBank])
+def test_layout_views_alias_one_block_and_a_row_is_one_expert(bank_cls):
+    with torch.device("meta"):
+        bank = bank_cls(6, 32, 32, "bf16")
+    layout = ExpertLayout.of(bank)
+    assert layout.expert_bytes % 256 == 0 and layout.payload_bytes <= layout.expert_bytes
+    block = layout.allocate(6, "cpu")
+    views = layout.views(block)
+    for name in bank.expert_tensors:
+        assert (
+            views[name].shape == getattr(bank, name).shape and views[name].dtype == getattr(bank, name).dtype
+        )
+        views[name][4].view(torch.uint8).fill_(7)
+    assert bool((block[4] != 0).sum() == layout.payload_bytes) and not block[3].any()
+    cache = layout.allocate(3, "cpu")
+    Transfer(torch.device("cpu")).issue(cache, [1], block, [4])
+    for name, v in layout.views(cache).items():
+        assert torch.equal(v[1].view(torch.uint8), views[name][4].view(torch.uint8)), name
+
+
+def test_expert_cache_table_and_null_slot():
+    with torch.device("meta"):
+        bank = BF16ExpertBank(8, 16, 16)
+    layout = ExpertLayout.of(bank)
+    cache = ExpertCache(layout, SlotMap(8, 2), torch.device("cpu"))
+    assert cache.table.tolist() == [2] * 8 and not cache.block[2].any()
+    ensure(cache.map, [3, 6], step=1)
+    cache.publish()
+    ids = torch.tensor([[3, 6], [6, 0]])
+    slots = cache.slot_ids(ids)
+    assert slots[0].tolist() == [cache.map.slot_of[3], cache.map.slot_of[6]] and slots[1, 1] == 2
+
+
+def test_transfer_coalesces_runs_and_counts_bytes():
+    src = torch.arange(5 * 256, dtype=torch.int64).to(torch.uint8).view(5, 256)
+    dst = torch.zeros(4, 256, dtype=torch.uint8)
+    tr = Transfer(torch.device("cpu"))
+    tr.issue(dst, [0, 1, 3], src, [2, 3, 0])
+    assert torch.equal(dst[0], src[2]) and torch.equal(dst[1], src[3]) and torch.equal(dst[3], src[0])
+    assert tr.counts.h2d_bytes == 3 * 256 and tr.counts.h2d_copies == 3
+    tr.issue(dst, [2], dst, [0], h2d=False)
+    assert tr.counts.d2d_bytes == 256 and torch.equal(dst[2], src[2])
+
+
+def test_host_memory_check_refuses_with_the_figures():
+    check_host_memory(GiB, 2, limit=64 * GiB)
+    with pytest.raises(MemoryError, match=r"need 40\.00 GiB.*20\.00 GiB on each of 2 rank.*32\.00 GiB"):
+        check_host_memory(20 * GiB, 2, limit=32 * GiB)
+
+
+def test_sizes_and_config_checks():
+    assert parse_size("48GiB") == 48 << 30 and parse_size("500MB") == 500 * 10**6 and parse_size(7) == 7
+    with pytest.raises(ValueError, match="size"):
+        parse_size("lots")
+    cfg = EngineConfig(config_file="x", load_format="dummy", max_gpu_memory="48GiB")
+    assert cfg.max_gpu_memory_bytes == 48 << 30
+    for bad in (dict(moe_backend="disk"), dict(expert_cache_policy="fifo"), dict(expert_cache_fraction=0.0)):
+        with pytest.raises(ValueError):
+            EngineConfig(config_file="x", load_format="dummy", **bad)
+
+
+def test_routing_skew_concentrates_the_selections():
+    torch.manual_seed(0)
+    x = torch.randn(2000, 64)
+
+    def top_share(skew: float) -> float:
+        r = TopKRouter(64, 64, 4, True)
+        torch.nn.init.normal_(r.weight, std=64**-0.5)
+        if skew:
+            skew_routers(r, skew, seed=0)
+        counts = torch.bincount(r(x)[1].flatten(), minlength=64).sort(descending=True).values
+        return float(counts[:6].sum() / counts.sum())  # the top ~10% of experts
+
+    uniform, skewed = top_share(0.0), top_share(1.0)
+    assert uniform < 0.2 and skewed > 1.5 * uniform, (uniform, skewed)
