@@ -7,6 +7,7 @@ expects with ``ft.LLM`` on the same checkpoint (float32 on CPU, as the server ru
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -285,3 +286,24 @@ def check_shared_prefix(server: Server, llm: LLM, tokenizer) -> float:
         for got, tok, row in zip(c.logprobs.token_logprobs, want.token_ids, want.logprobs, strict=True):
             assert abs(got - row[tok]) < 1e-4
     return server.metrics()["ft_prefix_cache_hit_tokens_total"] - hits
+
+
+def stream_concurrently(server, model: str, prompts, lengths) -> list[Streamed]:
+    """Greedy streamed completions of every prompt at once (eos ignored), read to the end."""
+
+    async def one(client, prompt, n):
+        stream = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        return await read_stream_async(stream)
+
+    async def run():
+        client = server.async_client()
+        return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+
+    return asyncio.run(run())

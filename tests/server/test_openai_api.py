@@ -11,7 +11,6 @@ import signal
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from ft.cli import main as ft_main
 from ft.sampling_params import SamplingParams
@@ -24,10 +23,10 @@ from tests.server.harness import (
     extra,
     greedy,
     make_model_dir,
-    offline_llm,
     read_stream,
     read_stream_async,
     start_server,
+    stream_concurrently,
     visible_text,
 )
 
@@ -45,17 +44,6 @@ def server(model_dir, tmp_path_factory):
     yield s
     assert s.stop(signal.SIGINT) == 0, s.output()
     assert "ft serve: stopped" in s.output()
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    with offline_llm(model_dir) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def test_completions_match_llm(server, llm, tok):
@@ -97,22 +85,7 @@ def test_sixteen_concurrent_streams(server, llm, tok):
     lengths = [4 + k // 2 for k in range(16)]
     wants = llm.generate(PROMPTS, [greedy(n, ignore_eos=True) for n in lengths])
 
-    async def one(client, prompt, n):
-        stream = await client.completions.create(
-            model=MODEL,
-            prompt=prompt,
-            max_tokens=n,
-            temperature=0,
-            stream=True,
-            extra_body={"return_token_ids": True, "ignore_eos": True},
-        )
-        return await read_stream_async(stream)
-
-    async def run():
-        client = server.async_client()
-        return await asyncio.gather(*(one(client, p, n) for p, n in zip(PROMPTS, lengths)))
-
-    for got, want in zip(asyncio.run(run()), wants):
+    for got, want in zip(stream_concurrently(server, MODEL, PROMPTS, lengths), wants):
         assert got.token_ids == want.token_ids
         assert got.text == tok.decode(want.token_ids, skip_special_tokens=True)
         assert got.finish_reason == "length"

@@ -7,7 +7,6 @@ import signal
 import time
 
 import pytest
-from transformers import AutoTokenizer
 
 from tests.server.harness import (
     MODEL,
@@ -16,7 +15,6 @@ from tests.server.harness import (
     extra,
     greedy,
     make_model_dir,
-    offline_llm,
     read_stream,
     start_server,
     visible_text,
@@ -33,17 +31,6 @@ def server(model_dir, tmp_path_factory):
     s = start_server(model_dir, tmp_path_factory.mktemp("log") / "serve.log", "--tp-size", "2")
     yield s
     s.stop(signal.SIGTERM)
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    with offline_llm(model_dir) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def test_tp2_completions_match_tp1(server, llm, tok):

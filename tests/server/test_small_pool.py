@@ -10,7 +10,6 @@ import asyncio
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from tests.server.harness import (
     MODEL,
@@ -19,9 +18,8 @@ from tests.server.harness import (
     extra,
     greedy,
     make_model_dir,
-    offline_llm,
-    read_stream_async,
     start_server,
+    stream_concurrently,
 )
 
 KEY = "sk-test-key"
@@ -52,37 +50,11 @@ def server(model_dir, tmp_path_factory):
     assert s.stop() == 0, s.output()
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    with offline_llm(model_dir) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
 def test_pool_too_small_for_all_still_completes_every_request(server, llm):
     lengths = [24 - 2 * k for k in range(len(PROMPTS))]  # prompt + output: 30 to 41 tokens, 2-3 blocks
     wants = llm.generate(PROMPTS, [greedy(n, ignore_eos=True) for n in lengths])
 
-    async def one(client, prompt, n):
-        stream = await client.completions.create(
-            model=MODEL,
-            prompt=prompt,
-            max_tokens=n,
-            temperature=0,
-            stream=True,
-            extra_body={"return_token_ids": True, "ignore_eos": True},
-        )
-        return await read_stream_async(stream)
-
-    async def run():
-        client = server.async_client()
-        return await asyncio.gather(*(one(client, p, n) for p, n in zip(PROMPTS, lengths)))
-
-    for got, want in zip(asyncio.run(run()), wants):
+    for got, want in zip(stream_concurrently(server, MODEL, PROMPTS, lengths), wants):
         assert got.token_ids == want.token_ids and got.finish_reason == "length"
     assert server.wait_idle()["ft_kv_cache_used_tokens"] == 0
 
