@@ -53,7 +53,14 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        order = [self.engine.add_request(self.encode(p), sp) for p, sp in zip(prompts, plist)]
+        order: list[str] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                order.append(self.engine.add_request(self.encode(p), sp))
+        except Exception:  # a bad prompt refuses the whole call: leave nothing queued behind
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

@@ -80,4 +80,5 @@ def test_request_that_cannot_fit_is_refused(ckpt):
         with pytest.raises(ValueError, match="empty"):
             llm.generate([[]], SamplingParams(max_tokens=4))
         with pytest.raises(ValueError, match="vocabulary"):
-            llm.generate([[1, 10_000]], SamplingParams(max_tokens=4))
+            llm.generate([[1, 2], [1, 10_000]], SamplingParams(max_tokens=4))
+        assert not llm.engine.has_unfinished_requests()  # the good prompt was not left queued
