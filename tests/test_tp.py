@@ -52,3 +52,14 @@ def test_dead_rank_raises_quickly(tmp_path):
         with pytest.raises(WorkerError, match="rank 1"):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
         assert time.monotonic() - start < 10
+
+
+def test_checkpoint_error_on_a_rank_is_reported(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    write_checkpoint(tmp_path, "qwen3_moe")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.gate.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WorkerError, match=r"missing tensor 'model\.layers\.1\.mlp\.gate\.weight'"):
+        LLM(model=str(tmp_path), tp_size=2, device="cpu", dtype="float32", progress=False)

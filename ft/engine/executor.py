@@ -108,26 +108,34 @@ class MultiprocExecutor:
         conn = self.conns[rank]
         while True:
             ready = wait([conn] + [p.sentinel for p in self.procs])
-            if conn in ready:
-                try:
-                    kind, payload = conn.recv()
+            self._fail_if_a_rank_died(ready)
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):  # the rank is going: give its sentinel a moment to say how
+                self.procs[rank].join(timeout=5)
+                self._fail(
+                    f"tensor-parallel rank {rank} closed its pipe (exit code {self.procs[rank].exitcode})"
+                )
+            if kind == "error":
+                # a rank's error is often the echo of another rank's death (a broken collective):
+                # wait a moment for a sentinel, so the dead rank is the one reported
+                others = [p.sentinel for i, p in enumerate(self.procs) if i != rank]
+                self._fail_if_a_rank_died(wait(others, timeout=1.0))
+                self._fail(payload)
+            if kind != expect:
+                self._fail(f"rank {rank} sent {kind!r}, expected {expect!r}")
+            return payload
+
+    def _fail_if_a_rank_died(self, ready) -> None:
+        for i, p in enumerate(self.procs):
+            if p.sentinel in ready and not p.is_alive():
+                detail = ""
+                try:  # a dying rank may have left its traceback in the pipe
+                    if self.conns[i].poll():
+                        kind, detail = self.conns[i].recv()
                 except (EOFError, OSError):
-                    continue  # the rank is gone: its sentinel says how
-                if kind == "error":
-                    self._fail(payload)
-                if kind != expect:
-                    self._fail(f"rank {rank} sent {kind!r}, expected {expect!r}")
-                return payload
-            for i, p in enumerate(self.procs):
-                if p.sentinel in ready and not p.is_alive():
-                    # a dying rank may have left its traceback in the pipe
-                    detail = ""
-                    try:
-                        if self.conns[i].poll():
-                            kind, detail = self.conns[i].recv()
-                    except (EOFError, OSError):
-                        pass
-                    self._fail(f"tensor-parallel rank {i} died (exit code {p.exitcode}) {detail}".strip())
+                    pass
+                self._fail(f"tensor-parallel rank {i} died (exit code {p.exitcode}) {detail}".strip())
 
     def _fail(self, why: str):
         self.shutdown(graceful=False)
