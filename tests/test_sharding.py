@@ -74,7 +74,17 @@ def reassemble(states, name: str, mc) -> torch.Tensor:
         return torch.cat([cat(states, name, rows=p) for p in pieces], dim=0)
     if re.search(r"(o_proj|out_proj|down_proj)\.weight$", name):
         return cat(states, name, dim=1)
-    if re.search(r"(in_proj_qkvz|in_proj_ba)\.weight$|A_log$|dt_bias$", name):
+    if re.search(r"(in_proj_qkvz|in_proj_ba)\.weight$", name):
+        # on disk: per key head [q k v z] (or [b a]); each rank holds its key heads part-major
+        hk, r = mc.linear_num_key_heads // tp, mc.linear_num_value_heads // mc.linear_num_key_heads
+        dk, dv = mc.linear_key_head_dim, mc.linear_value_head_dim
+        widths = [dk, dk, r * dv, r * dv] if "qkvz" in name else [r, r]
+        grouped = []
+        for s in states:
+            parts = [p.view(hk, w, -1) for p, w in zip(s[name].split([hk * w for w in widths]), widths)]
+            grouped.append(torch.cat(parts, dim=1).reshape(-1, s[name].shape[1]))
+        return torch.cat(grouped)
+    if re.search(r"A_log$|dt_bias$", name):
         return cat(states, name)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return cat(states, name)[: mc.vocab_size]
@@ -87,6 +97,8 @@ def reassemble(states, name: str, mc) -> torch.Tensor:
     "model_type,tp,overrides",
     [
         ("qwen3_next", 2, dict(num_key_value_heads=2, vocab_size=95)),
+        # two key heads per rank: the part-major reorder within a rank shows
+        ("qwen3_next", 2, dict(linear_num_key_heads=4, linear_num_value_heads=12)),
         ("qwen3_next", 4, dict(linear_num_key_heads=4, linear_num_value_heads=12, num_key_value_heads=2)),
         ("qwen3_moe", 4, dict(num_key_value_heads=1, mlp_only_layers=[1])),
     ],

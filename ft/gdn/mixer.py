@@ -64,15 +64,15 @@ class GatedDeltaNetMixer(nn.Module):
         return (conv_channels, self.kc - 1), (self.hv, self.dk, self.dv)
 
     def project(self, x: torch.Tensor):
-        """x [T, H] -> q, k [T, Hk, dk]; v, z [T, Hv, dv]; b, a [T, Hv] (local heads)."""
+        """x [T, H] -> the conv input [q | k | v] [T, 2·Hk·dk + Hv·dv] (heads in order), z [T, Hv, dv],
+        b and a [T, Hv], for this rank's heads. Views of one projection's output where possible."""
         raise NotImplementedError
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v, z, b, a = self.project(x)
+        qkv, z, b, a = self.project(x)
         ctx = get_forward_context()
-        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        mixed = ctx.gdn.conv(mixed, self.conv1d.weight[:, 0], self.conv_state, ctx.batch)
+        mixed = ctx.gdn.conv(qkv, self.conv1d.weight[:, 0], self.conv_state, ctx.batch)
         key = self.hk * self.dk
         q, k, v = mixed.split([key, key, self.hv * self.dv], dim=-1)
         beta = torch.sigmoid(b.float())

@@ -33,13 +33,6 @@ class Qwen4ExpGatedDeltaNet(GatedDeltaNetMixer):
         self.in_proj = ColumnParallelLinear(cfg.hidden_size, (), parts=parts)
 
     def project(self, x: torch.Tensor):
-        t = x.shape[0]
-        q, k, v, z, b, a = self.in_proj(x).split(self.in_proj.output_sizes, dim=-1)
-        return (
-            q.view(t, self.hk, self.dk),
-            k.view(t, self.hk, self.dk),
-            v.view(t, self.hv, self.dv),
-            z.view(t, self.hv, self.dv),
-            b,
-            a,
-        )
+        q, k, v, z, b, a = self.in_proj.output_sizes
+        qkv, z, b, a = self.in_proj(x).split([q + k + v, z, b, a], dim=-1)
+        return qkv, z.view(x.shape[0], self.hv, self.dv), b, a
