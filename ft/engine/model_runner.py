@@ -130,36 +130,31 @@ class ModelRunner:
     def _kv_bytes_per_token(self) -> int:
         size = torch.tensor([], dtype=self.dtype).element_size()
         total = 0
-        for m in self._attention_layers():
+        for m in self.attention_layers:
             h, d = m.cache_shape()
             total += 2 * h * d * size
             for shape in getattr(m, "extra_paged_caches", dict)().values():
                 total += math.prod(shape) * size
         return total
 
-    def _attention_layers(self):
-        return [m for m in self.model.modules() if hasattr(m, "cache_shape")]
-
-    def _gdn_layers(self):
-        return [m for m in self.model.modules() if hasattr(m, "state_shapes")]
-
     def _allocate_pools(self) -> PoolPlan:
         bs = self.cfg.block_size
+        # the layers that own caches, found once (copies between state rows walk them every step)
+        self.attention_layers = [m for m in self.model.modules() if hasattr(m, "cache_shape")]
+        self.gdn_layers = gdn = [m for m in self.model.modules() if hasattr(m, "state_shapes")]
         num_blocks = max(1, self._pool_tokens() // bs)
         slots = self.cfg.max_running_requests + 1  # the last slot is scratch for padded rows
-        gdn = self._gdn_layers()
         snaps = 0
         if gdn and self.cfg.enable_prefix_cache:
             snaps = self.cfg.prefix_snapshot_slots or self.cfg.max_running_requests
-        kv_bytes = state_bytes = 0
-        for m in self._attention_layers():
+        state_bytes = 0
+        for m in self.attention_layers:
             h, d = m.cache_shape()
             m.kv_cache = torch.zeros(2, num_blocks, bs, h, d, dtype=self.dtype, device=self.device)
-            kv_bytes += m.kv_cache.numel() * m.kv_cache.element_size()
             # per-token caches beside k/v (e.g. an indexer's keys), paged like them: [blocks, bs, *shape]
             for name, shape in getattr(m, "extra_paged_caches", dict)().items():
                 setattr(m, name, torch.zeros(num_blocks, bs, *shape, dtype=self.dtype, device=self.device))
-                kv_bytes += getattr(m, name).numel() * getattr(m, name).element_size()
+        kv_bytes = num_blocks * bs * self._kv_bytes_per_token()
         for m in gdn:
             conv, ssm = m.state_shapes()
             m.conv_state = torch.zeros(slots + snaps, *conv, dtype=self.dtype, device=self.device)
@@ -178,7 +173,7 @@ class ModelRunner:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for m in self._gdn_layers():
+        for m in self.gdn_layers:
             m.conv_state[dst] = m.conv_state[src]
             m.ssm_state[dst] = m.ssm_state[src]
 
