@@ -8,23 +8,25 @@ import pytest
 
 from ft.models.config import load_model_config
 
-NEXT = dict(
-    model_type="qwen3_next",
+SHARED = dict(  # what a tiny qwen3_moe and qwen3_next config have in common
     vocab_size=64,
     hidden_size=32,
     num_hidden_layers=2,
     num_attention_heads=2,
     num_key_value_heads=1,
     head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+)
+NEXT = SHARED | dict(
+    model_type="qwen3_next",
     layer_types=["linear_attention", "full_attention"],
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=8,
     linear_value_head_dim=8,
     linear_conv_kernel_dim=4,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
 )
 
 
@@ -54,20 +56,7 @@ def test_layer_kinds(tmp_path):
 
 
 def test_qwen3_moe_expert_alias(tmp_path):
-    raw = dict(
-        model_type="qwen3_moe",
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        decoder_sparse_step=2,
-    )
-    mc = parse(tmp_path, raw)
+    mc = parse(tmp_path, SHARED | dict(model_type="qwen3_moe", decoder_sparse_step=2))
     assert mc.num_experts == 4 and mc.mlp_types == ("dense", "moe")
 
 
