@@ -5,7 +5,10 @@ A backend has
   reading and updating ``conv_state[slot]`` ([slots, C, Kc-1], the last Kc-1 inputs);
 - ``delta_rule(q, k, v, g, beta, ssm_state, batch) -> o`` with q, k [T, Hk, dk], v [T, Hv, dv],
   g, beta [T, Hv]; it l2-normalises q and k, scales q by dk^-0.5, reads and updates
-  ``ssm_state[slot]`` ([slots, Hv, dk, dv], fp32). Sequences with no context start from zeros.
+  ``ssm_state[slot]`` ([slots, Hv, dk, dv], fp32). Sequences with no context start from zeros;
+- optionally ``gated_delta_rule(mixed, b, a, A_log, dt_bias, ssm_state, batch) -> o``: the same
+  from the conv output [T, 2·Hk·dk + Hv·dv] and the raw gate inputs b, a [T, Hv], so the backend
+  can fuse beta = sigmoid(b), g = -exp(A_log) · softplus(a + dt_bias) and the split into kernels.
 
 "auto" picks flash-linear-attention (``fla``) on CUDA when it imports, the torch reference otherwise.
 """

@@ -9,6 +9,11 @@
 
 fla keeps the state as ``[N, Hv, dk, dv]`` fp32, the same layout as our pool, so no transposes.
 It is not a training path (no backward) and supports only what fla supports (dk, dv <= 256).
+
+``gated_delta_rule`` takes the mixer's raw parts instead (conv output, b, a) and fuses around
+fla: a pure decode step is one kernel of ours (``triton_decode.gdn_decode``: gates, l2norm and
+the in-place state update, no gather, scatter or copies); otherwise the gates are one kernel
+(``gdn_gates``) and the rest is ``delta_rule``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from ft.forward_context import ForwardBatch
 from ft.gdn.triton_conv import causal_conv1d_silu
+from ft.gdn.triton_decode import gdn_decode, gdn_gates
 
 
 def _is_decode(t: int, batch: ForwardBatch) -> bool:
@@ -37,6 +43,28 @@ class FlaGDN:
     def conv(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch):
         max_q = 1 if _is_decode(x.shape[0], batch) else max(batch.query_lens_cpu)
         return causal_conv1d_silu(x, weight, conv_state, batch, max_q)
+
+    def gated_delta_rule(
+        self,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        ssm_state: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """mixed [T, 2·Hk·dk + Hv·dv] (conv output), b and a [T, Hv] -> o [T, Hv, dv]: the gates
+        beta = sigmoid(b), g = -exp(A_log) · softplus(a + dt_bias), then ``delta_rule``."""
+        t = mixed.shape[0]
+        if _is_decode(t, batch):
+            return gdn_decode(mixed, b, a, A_log, dt_bias, ssm_state, batch)
+        hv, dk, dv = ssm_state.shape[1:]
+        key = (mixed.shape[1] - hv * dv) // 2
+        q, k, v = mixed.split([key, key, hv * dv], dim=-1)
+        g, beta = gdn_gates(b, a, A_log, dt_bias)
+        qk = q.view(t, -1, dk), k.view(t, -1, dk)
+        return self.delta_rule(*qk, v.view(t, hv, dv), g, beta, ssm_state, batch)
 
     def delta_rule(self, q, k, v, g, beta, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, hk, dk = q.shape

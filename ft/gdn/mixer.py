@@ -5,6 +5,10 @@
     o     = gated_delta_rule(q, k, v, g, beta)              # per value head, fp32 state
     out   = out_proj(rmsnorm(o) · silu(z))
 
+A backend with ``gated_delta_rule`` (fla) takes the conv output, b and a as they are and fuses the
+gates into its kernels (a decode step is then one kernel); otherwise the gates are computed here
+and the backend's ``delta_rule`` gets views of q, k, v.
+
 Models differ only in how one projection packs q, k, v, z, b, a (Qwen3-Next groups them per key
 head; qwen4_exp stores six contiguous parts), so they subclass this and define ``project``.
 Conv channels, A_log and dt_bias follow their heads across ranks; the GDN norm is replicated.
@@ -73,18 +77,25 @@ class GatedDeltaNetMixer(nn.Module):
         qkv, z, b, a = self.project(x)
         ctx = get_forward_context()
         mixed = ctx.gdn.conv(qkv, self.conv1d.weight[:, 0], self.conv_state, ctx.batch)
-        key = self.hk * self.dk
+        if hasattr(ctx.gdn, "gated_delta_rule"):  # the backend fuses the gates and the q/k/v split in
+            o = ctx.gdn.gated_delta_rule(mixed, b, a, self.A_log, self.dt_bias, self.ssm_state, ctx.batch)
+        else:
+            o = self._gated_delta_rule(ctx.gdn, mixed, b, a, ctx.batch)
+        o = self.norm(o.reshape(t, self.hv, self.dv), z).view(t, -1)  # z stays a strided view
+        return self.out_proj(o)
+
+    def _gated_delta_rule(self, gdn, mixed, b, a, batch) -> torch.Tensor:
+        """The gates in torch, then the backend's ``delta_rule`` on views of the conv output."""
+        t, key = mixed.shape[0], self.hk * self.dk
         q, k, v = mixed.split([key, key, self.hv * self.dv], dim=-1)
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o = ctx.gdn.delta_rule(
+        return gdn.delta_rule(
             q.view(t, self.hk, self.dk),
             k.view(t, self.hk, self.dk),
             v.reshape(t, self.hv, self.dv),
             g,
             beta,
             self.ssm_state,
-            ctx.batch,
+            batch,
         )
-        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(t, -1)
-        return self.out_proj(o)
