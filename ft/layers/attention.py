@@ -4,7 +4,9 @@
     out = o_proj(attention(q, k, v) * sigmoid(gate))        # gate only when output_gate
 
 With ``output_gate`` each query head's rows are [q_h, gate_h] in the projection, and the head
-split keeps them together. The kernel comes from the forward context.
+split keeps them together. The attention kernel comes from the forward context; on a GPU the
+norms and rope are one Triton kernel reading q and k from the projection by strides, and the
+gate another (``ft.layers.triton_rope``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,21 @@ from ft.forward_context import get_forward_context
 from ft.layers.linear import QKVParallelLinear, RowParallelLinear
 from ft.layers.norm import RMSNorm
 from ft.layers.rotary import RotaryEmbedding
+
+try:  # out · sigmoid(gate) in one kernel, reading the gate from the projection; for GPU tensors
+    from ft.layers.triton_rope import sigmoid_gate as fused_sigmoid_gate
+except ImportError:  # no triton (CPU-only installs)
+    fused_sigmoid_gate = None
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x, gate [T, H, d] -> x · sigmoid(gate) [T, H·d], sigmoid rounded to x's dtype before the
+    product."""
+    t = x.shape[0]
+    if x.is_cuda and fused_sigmoid_gate is not None:
+        return fused_sigmoid_gate(x, gate).view(t, -1)
+    # contiguous rows: torch's CPU sigmoid on the strided view rounds differently with the batch shape
+    return x.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
 
 
 class QKNormAttention(nn.Module):
@@ -50,16 +67,14 @@ class QKNormAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        heads = q.view(t, self.num_heads, -1)  # [T, Hq, d], or [T, Hq, 2d] rows [q_h | gate_h]
+        q, k = self.rotary.norm_and_rotate(
+            positions, heads[..., :d], k.view(t, self.num_kv_heads, d), self.q_norm, self.k_norm
+        )
+        out = self.attend(x, q, k, v.view(t, self.num_kv_heads, d))  # [T, Hq, d]
         if self.output_gate:
-            q, gate = q.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
-        q = self.q_norm(q.reshape(t, self.num_heads, d))
-        k = self.k_norm(k.view(t, self.num_kv_heads, d))
-        q, k = self.rotary(positions, q, k)
-        out = self.attend(x, q, k, v.view(t, self.num_kv_heads, d))
-        out = out.reshape(t, self.num_heads * d)
-        if self.output_gate:
-            out = out * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
+            out = sigmoid_gate(out, heads[..., d:])
+        return self.o_proj(out.reshape(t, self.num_heads * d))
 
     def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of q [T, Hq, d] over the cache after storing k, v [T, Hkv, d]. ``x`` is

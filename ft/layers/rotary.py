@@ -1,9 +1,18 @@
-"""Rotary position embedding (NeoX rotate-half) on the first ``rotary_dim`` dims of each head."""
+"""Rotary position embedding (NeoX rotate-half) on the first ``rotary_dim`` dims of each head,
+alone (``forward``, the torch reference) or after the per-head q/k RMSNorm of QK-normed attention
+(``norm_and_rotate``, one Triton kernel for CUDA tensors)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ft.layers.norm import RMSNorm
+
+try:  # q/k norm and rotation for all heads in one kernel; used for tensors on a GPU
+    from ft.layers.triton_rope import qk_norm_rope
+except ImportError:  # no triton (CPU-only installs)
+    qk_norm_rope = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -20,9 +29,21 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, r/2]
         cos = torch.cat((freqs, freqs), dim=-1).cos()[:, None, :]
         sin = torch.cat((freqs, freqs), dim=-1).sin()[:, None, :]
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def norm_and_rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope(q_norm(q)), rope(k_norm(k))`` for q [T, Hq, d], k [T, Hkv, d] (strided views)."""
+        assert (q_norm.eps, q_norm.zero_centered) == (k_norm.eps, k_norm.zero_centered), (
+            "q_norm and k_norm must share eps and zero-centring"
+        )
+        if q.is_cuda and qk_norm_rope is not None and self.rotary_dim > 0:
+            eps, zc, inv_freq = q_norm.eps, q_norm.zero_centered, self.inv_freq.float()
+            return qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, inv_freq, eps, zc)
+        return self(positions, q_norm(q), k_norm(k))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
         rot, rest = x[..., :r].float(), x[..., r:]
         half = r // 2

@@ -3,6 +3,15 @@ lm_head. A model file says which mixer and MLP each layer gets; this file says h
 
     h = h + mixer(input_layernorm(h));  h = h + mlp(post_attention_layernorm(h))
 
+Each add is fused with the norm after it (one kernel on a GPU), so a layer carries the residual
+stream ``r`` apart from the sublayer output ``x`` that is not yet added to it:
+
+    a, r = input_layernorm(x + r)           # the first layer: a = input_layernorm(r), r = embedding
+    a, r = post_attention_layernorm(mixer(a) + r)
+    x    = mlp(a)                           # -> (x, r) to the next layer; the final norm adds it
+
+The sums are rounded as the unfused adds round them, so the numbers are those of the first form.
+
 Checkpoint-to-module mapping is data on the class: ``packed_modules`` names the checkpoint
 tensors that a fused module loads part by part; ``ignored_checkpoint_tensors`` are patterns the
 loader skips (e.g. multi-token-prediction heads we do not run).
@@ -29,9 +38,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + getattr(self, self.mixer_name)(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H]: the previous layer's MLP output, or the embedding when ``residual`` is None
+        (the first layer). Returns (this layer's MLP output, the residual stream it is not yet added to)."""
+        if residual is None:
+            a, residual = self.input_layernorm(x), x
+        else:
+            a, residual = self.input_layernorm(x, residual)
+        a, residual = self.post_attention_layernorm(getattr(self, self.mixer_name)(positions, a), residual)
+        return self.mlp(a), residual
 
 
 class DecoderModel(nn.Module):
@@ -42,10 +59,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class CausalLM(nn.Module):

@@ -1,0 +1,140 @@
+"""The elementwise work around the attention core as two Triton kernels: per-head q/k RMSNorm
+with rotary embedding before it, and the sigmoid output gate after it.
+
+    qk_norm_rope:  q' = rope(norm_q(q)),  k' = rope(norm_k(k))       (one kernel for both)
+        norm(x)   = x / sqrt(mean(x²) + eps) · w                     (w → 1 + w when zero-centred)
+        rope(y)_i = y_i·cos(p·f_i) - y_{i+r/2}·sin(p·f_i)            i <  r/2
+                    y_i·cos(p·f_i) + y_{i-r/2}·sin(p·f_i)            r/2 <= i < r
+                    y_i                                              i >= r   (partial rotary)
+        with f_i = inv_freq[i mod r/2] and p the token's position.
+    sigmoid_gate:  out · sigmoid(gate)
+
+q and gate are strided views of the qkv projection's output (with an output gate each query
+head's rows are [q_h | gate_h]) and are read by strides, never copied. The rounding points are
+those of the torch reference (``RMSNorm`` then ``RotaryEmbedding``, ``out * torch.sigmoid(g)``):
+the norm rounds to the activations' dtype before the rotation, the angle p·f is an fp32 product,
+sigmoid(g) is rounded before the product. FMA contraction is off so each product rounds as in
+torch; what is left is fp32 reduction order and cos/sin to an ulp.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q,
+    k,
+    q_w,
+    k_w,
+    positions,
+    inv_freq,
+    q_out,
+    k_out,
+    eps,
+    s_qt,
+    s_qh,
+    s_kt,
+    s_kh,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    ROT: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # query heads, then key heads
+    if head < HQ:
+        src = q + t * s_qt + head * s_qh
+        w = q_w
+        dst = q_out + (t * HQ + head) * D
+    else:
+        src = k + t * s_kt + (head - HQ) * s_kh
+        w = k_w
+        dst = k_out + (t * HKV + head - HQ) * D
+    half: tl.constexpr = ROT // 2
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    xf = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+    wf = tl.load(w + d, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        wf = wf + 1.0
+    y = (xf * inv * wf).to(dst.dtype.element_ty).to(tl.float32)
+    # the rotate-half partner of each rotated lane, normed the same way (a second, cached load)
+    rot = d < ROT
+    partner = tl.where(d < half, d + half, d - half)
+    pf = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+    pw = tl.load(w + partner, mask=rot, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        pw = pw + 1.0
+    py = (pf * inv * pw).to(dst.dtype.element_ty).to(tl.float32)
+    py = tl.where(d < half, -py, py)
+    angle = tl.load(positions + t).to(tl.float32) * tl.load(inv_freq + d % half, mask=rot, other=0.0)
+    y = tl.where(rot, y * tl.cos(angle) + py * tl.sin(angle), y)
+    tl.store(dst + d, y.to(dst.dtype.element_ty), mask=mask)
+
+
+def qk_norm_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T], q [T, Hq, d], k [T, Hkv, d] (views, last dim contiguous), weights [d],
+    inv_freq [r/2] fp32 -> contiguous q', k' of the same shapes and dtype."""
+    t, hq, d = q.shape
+    hkv, rot = k.shape[1], 2 * inv_freq.shape[0]
+    assert q.is_cuda and k.shape == (t, hkv, d), f"q {tuple(q.shape)} and k {tuple(k.shape)} do not pair"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "q and k rows must be contiguous in the head dim"
+    assert q_weight.shape == (d,) and k_weight.shape == (d,), f"norm weights must be [{d}]"
+    assert positions.shape == (t,), f"positions {tuple(positions.shape)} must be [{t}]"
+    assert inv_freq.dtype == torch.float32 and 2 <= rot <= d, f"inv_freq [{rot // 2}] fp32 for head dim {d}"
+    assert k.dtype == q.dtype, f"q {q.dtype} and k {k.dtype}"
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
+    if t > 0:
+        _qk_norm_rope_kernel[(t, hq + hkv)](
+            q, k, q_weight, k_weight, positions, inv_freq.contiguous(), q_out, k_out, eps,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            HQ=hq, HKV=hkv, D=d, ROT=rot, ZERO_CENTERED=zero_centered,
+            BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2, enable_fp_fusion=False,
+        )  # fmt: skip
+    return q_out, k_out
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    x, g, out, s_xt, s_xh, s_gt, s_gh, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    xf = tl.load(x + t * s_xt + h * s_xh + d, mask=mask, other=0.0).to(tl.float32)
+    gf = tl.load(g + t * s_gt + h * s_gh + d, mask=mask, other=0.0).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-gf))).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + (t * H + h) * D + d, (xf * s).to(out.dtype.element_ty), mask=mask)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x, gate [T, H, d] (views, last dim contiguous) -> contiguous ``x · sigmoid(gate)``."""
+    t, h, d = x.shape
+    assert x.is_cuda and gate.shape == x.shape, f"gate {tuple(gate.shape)} must match x {tuple(x.shape)}"
+    assert x.stride(-1) == 1 and gate.stride(-1) == 1, "x and gate rows must be contiguous in the head dim"
+    assert gate.dtype == x.dtype, f"x {x.dtype} and gate {gate.dtype}"
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t > 0:
+        _sigmoid_gate_kernel[(t, h)](
+            x, gate, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
+            H=h, D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2,
+        )  # fmt: skip
+    return out
