@@ -8,6 +8,8 @@ for every layer); ``checkpoint_format`` says what the checkpoint stores for this
 experts, so an NVFP4 bank quantises bf16 experts while loading and a bf16 bank refuses NVFP4 ones.
 Where the experts live is the block's ``backend`` (``ft.moe.backends``): resident in the bank
 unless the engine attaches an offloading one; either way it returns the routed partial sum.
+On a GPU the SwiGLU activation and the gated add of the shared expert are one Triton kernel
+each (``ft.moe.kernels.triton_combine``), computed in fp32 and rounded once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from ft.moe.banks import BF16ExpertBank
 from ft.moe.nvfp4_bank import NVFP4ExpertBank
 from ft.moe.router import TopKRouter
 
+try:  # fused kernels instead of 2-3 elementwise ones each; used for tensors on a GPU
+    from ft.moe.kernels.triton_combine import gated_add as fused_gated_add
+    from ft.moe.kernels.triton_combine import silu_and_mul as fused_silu_and_mul
+except ImportError:  # no triton (CPU-only installs)
+    fused_gated_add = fused_silu_and_mul = None
+
 BANKS = {"bf16": BF16ExpertBank, "nvfp4": NVFP4ExpertBank}
 
 
@@ -35,7 +43,10 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        h = self.gate_up_proj(x)  # [T, 2I] gate then up
+        if h.is_cuda and fused_silu_and_mul is not None:
+            return fused_silu_and_mul(h)
+        gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,5 +84,12 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.gate(x)
         y = self.backend(self.experts, x, weights, ids)
         if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
+            y = gated_add(y, self.shared_expert_gate(x), self.shared_expert.partial(x))
         return all_reduce(y, self.tp)
+
+
+def gated_add(y: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """y + sigmoid(gate_logit) · shared: y, shared [T, H], gate_logit [T, 1]."""
+    if y.is_cuda and fused_gated_add is not None:
+        return fused_gated_add(y, gate_logit, shared)
+    return y + torch.sigmoid(gate_logit) * shared

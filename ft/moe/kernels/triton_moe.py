@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.moe.kernels.triton_combine import sum_topk
+
 
 @triton.jit
 def _grouped_gemm_kernel(
@@ -259,4 +261,4 @@ def fused_moe_triton(
         align = align_by_expert(ids, e, down_cfg[0])
     y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [T*k, H], weighted
     _launch(act, w2, y, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg)
-    return y.view(t, topk, h).sum(dim=1)  # accumulates in fp32, rounds once
+    return sum_topk(y.view(t, topk, h))  # accumulates in fp32, rounds once

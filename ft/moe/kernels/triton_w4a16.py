@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.moe.kernels.triton_combine import sum_topk
 from ft.moe.kernels.triton_moe import align_by_expert, pick_config
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 
@@ -239,4 +240,4 @@ def fused_moe_w4a16(
         align = align_by_expert(ids, e, down_cfg[0])
     y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [T*k, H], weighted
     _launch(act, w2, y, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg)
-    return y.view(t, topk, h).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return sum_topk(y.view(t, topk, h))  # accumulates in fp32, rounds once

@@ -1,0 +1,103 @@
+"""The top-k softmax router in one Triton kernel: one program per token row.
+
+    p   = softmax(logits)                     # fp32, over all E experts
+    ids = the k largest logits, largest first (softmax is monotone, so these are p's top k)
+    w   = p[ids]  or, renormalised,  p[ids] / sum(p[ids])
+
+Same contract as ``ft.moe.router.route`` (softmax, ``torch.topk``, sum, divide: about six
+kernels), whose results it equals: the same ids, weights to fp32 rounding. The k picks are k
+max-reductions over one int64 key per expert,
+
+    key = sortable(logit) · 2^32 + (E_P - 1 - expert)
+
+where ``sortable`` flips the low 31 bits of a negative fp32 so that signed-integer order is
+float order. One reduction gives both the largest logit and, among equal logits, the lowest
+expert id (a fixed tie order; ``torch.topk`` leaves it unspecified). The logit comes back out
+of the key exactly, so the weights are computed for the k picks alone. Rows are padded to a
+power of two with -inf. Not here: grouped routing (DeepSeek's expert groups), sigmoid scoring,
+score bias terms.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_EXPERTS = 4096  # one row lives in one program's registers
+MAX_TOP_K = 64  # the k passes are unrolled
+
+
+@triton.jit
+def _softmax_topk_kernel(
+    logits,
+    weights,
+    ids,
+    E,
+    s_l,
+    K: tl.constexpr,
+    K_P: tl.constexpr,
+    E_P: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P)
+    x = tl.load(logits + row * s_l + e, mask=e < E, other=-float("inf")).to(tl.float32)  # [E_P]
+    m = tl.max(x, 0)
+    total = tl.sum(tl.exp(x - m), 0)  # the softmax denominator
+    bits = x.to(tl.int32, bitcast=True)
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # sortable: signed order == float order
+    key = (order.to(tl.int64) << 32) | (E_P - 1 - e).to(tl.int64)  # [E_P], all distinct
+    slot = tl.arange(0, K_P)
+    picked = tl.full([K_P], -float("inf"), tl.float32)  # the k largest logits
+    picked_ids = tl.zeros([K_P], tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(key, 0)
+        hi = (best >> 32).to(tl.int32)
+        logit = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the flip undone
+        picked = tl.where(slot == j, logit, picked)
+        low = best - (hi.to(tl.int64) << 32)  # E_P - 1 - expert
+        picked_ids = tl.where(slot == j, E_P - 1 - low, picked_ids)
+        key = tl.where(key == best, -0x7FFFFFFFFFFFFFFF, key)  # below every real key
+    p = tl.exp(picked - m) / total  # [K_P] softmax of the picks; padded slots are exp(-inf) = 0
+    if RENORMALIZE:
+        p = p / tl.sum(p, 0)
+    out = row * K + slot
+    tl.store(weights + out, p, mask=slot < K)
+    tl.store(ids + out, picked_ids, mask=slot < K)
+
+
+def launch_softmax_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch without the device check (the Triton interpreter runs it on CPU tensors)."""
+    t, e = logits.shape
+    assert 1 <= top_k <= min(e, MAX_TOP_K), f"top_k={top_k} must be in [1, min(E={e}, {MAX_TOP_K})]"
+    assert e <= MAX_EXPERTS, f"E={e} experts exceed the {MAX_EXPERTS} one program holds"
+    assert logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}"
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    e_p = triton.next_power_of_2(e)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t > 0:
+        _softmax_topk_kernel[(t,)](
+            logits,
+            weights,
+            ids,
+            e,
+            logits.stride(0),
+            K=top_k,
+            K_P=triton.next_power_of_2(top_k),
+            E_P=e_p,
+            RENORMALIZE=renormalize,
+            num_warps=max(1, min(8, e_p // 512)),  # E <= 512: one warp, reductions are shuffles
+        )
+    return weights, ids
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (any float dtype) -> (weights [T, k] fp32, ids [T, k] int64), largest first."""
+    assert logits.is_cuda and logits.dim() == 2, (
+        f"softmax_topk needs CUDA logits [T, E], got {tuple(logits.shape)} on {logits.device}"
+    )
+    return launch_softmax_topk(logits, top_k, renormalize)

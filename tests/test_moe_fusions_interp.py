@@ -1,0 +1,93 @@
+"""The MoE block's Triton kernels run by Triton's interpreter on CPU tensors.
+
+Skipped where triton is not installed (CPU CI); ``tests/gpu/test_moe_fusions.py`` checks the
+compiled kernels on a GPU. The interpreter is chosen when a kernel is decorated, so each check
+runs in a fresh process with ``TRITON_INTERPRET=1``. It truncates fp32 -> bf16 where the GPU
+rounds to nearest, so exact rounding is checked in fp16 and fp32 only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
+    pytest.mark.slow,  # the interpreter runs a program at a time: ~30 s in all
+]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tie_free_logits(t: int, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, E] distinct values k/64, |k| <= 256 (exact in fp16 and bf16): no top-k ties."""
+    return ((torch.rand(t, 512).argsort(-1)[:, :e].float() - 256) / 64).to(dtype)
+
+
+def check_router() -> None:
+    from ft.moe.kernels.triton_router import launch_softmax_topk
+    from ft.moe.router import route
+
+    for (e, k), t, dtype, renormalize in (
+        ((512, 10), 1, torch.float16, True),
+        ((512, 10), 7, torch.float32, False),
+        ((128, 8), 7, torch.float16, False),
+        ((128, 8), 3, torch.float32, True),
+        ((60, 4), 5, torch.float32, True),  # E padded to 64
+    ):
+        logits = tie_free_logits(t, e, dtype)
+        weights, ids = launch_softmax_topk(logits, k, renormalize)
+        ref_w, ref_ids = route(logits, k, renormalize)
+        assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids), (e, k, t, dtype)
+        torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-6)
+    ties = torch.zeros(1, 16)
+    ties[0, [3, 9]] = 1.0
+    assert launch_softmax_topk(ties, 4, False)[1].tolist() == [[3, 9, 0, 1]]
+
+
+def check_sums() -> None:
+    from ft.moe.kernels.triton_combine import launch_sum_topk
+
+    cases = ((1, 10, 2048, torch.float16), (7, 8, 1000, torch.float32), (3, 1, 64, torch.float16))
+    for t, k, h, dtype in cases:
+        y = torch.randn(t, k, h).to(dtype)
+        gate, shared = torch.randn(t, 1).to(dtype), torch.randn(t, h).to(dtype)
+        got, got_shared = launch_sum_topk(y), launch_sum_topk(y, gate, shared)
+        exact = y.double().sum(1)
+        term = torch.sigmoid(gate.double()) * shared.double()
+        assert got.dtype == got_shared.dtype == dtype
+        for out, ref in ((got, exact), (got_shared, exact + term)):
+            if dtype == torch.float16:  # fp32 accumulation, one rounding: off only at rare ties
+                assert (out != ref.to(dtype)).float().mean() < 1e-3
+            else:
+                torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-6)
+
+
+def check_silu_and_mul() -> None:
+    from ft.moe.kernels.triton_combine import launch_silu_and_mul
+
+    cases = (((1, 1024), torch.float16), ((7, 1536), torch.float32), ((2, 3, 2000), torch.float16))
+    for shape, dtype in cases:
+        x = (torch.randn(shape) * 3).to(dtype)
+        got = launch_silu_and_mul(x)
+        gate, up = x.float().chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+        assert got.shape == ref.shape and got.dtype == dtype
+        rtol = 2**-10 if dtype == torch.float16 else 1e-6  # an fp16 ulp: one rounding of fp32
+        torch.testing.assert_close(got.float(), ref, atol=1e-6, rtol=rtol)
+
+
+@pytest.mark.parametrize("check", ["check_router", "check_sums", "check_silu_and_mul"])
+def test_kernel_under_the_interpreter(check):
+    code = f"from tests.test_moe_fusions_interp import {check}; {check}()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
