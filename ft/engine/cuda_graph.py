@@ -28,18 +28,22 @@ class CudaGraphRunner:
         dev = runner.device
         self.sizes = graph_sizes(max_bs)
 
-        def buf(*shape, dtype=torch.int64, fill=0):
-            return torch.full(shape, fill, dtype=dtype, device=dev)
-
+        # every per-step input lives in one of two packed device buffers (int64 and int32 fields,
+        # each a contiguous [n] or [n, w] segment), refilled by one copy each from pinned host
+        # twins: a step pays two host-to-device copies, not one pageable copy per field
         n = max_bs
-        self.ids = buf(n)
-        self.positions = buf(n)
-        self.slots = buf(n, fill=-1)
-        self.block_tables = buf(n, max_blocks, dtype=torch.int32)
-        self.seq_lens = buf(n, dtype=torch.int32, fill=1)
-        self.context_lens = buf(n, dtype=torch.int32)
-        self.state_slots = buf(n, fill=runner.scratch_slot)
-        self.history = buf(n, HISTORY, fill=-1)
+        self.wide = Packed({"ids": 1, "positions": 1, "slots": 1, "state_slots": 1, "history": HISTORY},
+                           n, torch.int64, dev)  # fmt: skip
+        self.narrow = Packed(
+            {"seq_lens": 1, "context_lens": 1, "block_tables": max_blocks}, n, torch.int32, dev
+        )
+        self.ids, self.positions, self.slots, self.state_slots, self.history = self.wide.views()
+        self.seq_lens, self.context_lens, self.block_tables = self.narrow.views()
+        _, _, slots, state, hist = self.wide.host_views(n)  # capture with padding rows only
+        slots[:], state[:], hist[:] = -1, runner.scratch_slot, -1
+        self.narrow.host_views(n)[0][:] = 1
+        self.wide.upload(n)
+        self.narrow.upload(n)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -93,36 +97,56 @@ class CudaGraphRunner:
         b = len(seqs)
         bs = next(s for s in self.sizes if s >= b)
         bsz = self.runner.cfg.block_size
-        table = torch.zeros(bs, self.max_blocks, dtype=torch.int32)
-        rows = {"ids": [], "pos": [], "slots": [], "lens": [], "ctx": [], "state": [], "hist": []}
+        ids, pos, slots, state, hist = self.wide.host_views(bs)
+        lens, ctx, table = self.narrow.host_views(bs)
+        # padded rows: token 0 at position 0, no KV write (slot -1), block 0, the scratch state
+        ids[b:], pos[b:], slots[b:], lens[b:], ctx[b:], hist[b:] = 0, 0, -1, 1, 0, -1
+        state[b:] = self.runner.scratch_slot
+        table[:] = 0
         for i, s in enumerate(seqs):
             p = s.start
-            table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-            rows["ids"].append(s.token_ids[0])
-            rows["pos"].append(p)
-            rows["slots"].append(s.block_ids[p // bsz] * bsz + p % bsz)
-            rows["lens"].append(p + 1)
-            rows["ctx"].append(p)
-            rows["state"].append(s.state_slot)
-            rows["hist"].append([-1] * (HISTORY - len(s.history)) + s.history)
-        pad = bs - b
-        host = {
-            "ids": rows["ids"] + [0] * pad,
-            "pos": rows["pos"] + [0] * pad,
-            "slots": rows["slots"] + [-1] * pad,
-            "lens": rows["lens"] + [1] * pad,
-            "ctx": rows["ctx"] + [0] * pad,
-            "state": rows["state"] + [self.runner.scratch_slot] * pad,
-            "hist": rows["hist"] + [[-1] * HISTORY] * pad,
-        }
-        nb = True
-        self.ids[:bs].copy_(torch.tensor(host["ids"]), non_blocking=nb)
-        self.positions[:bs].copy_(torch.tensor(host["pos"]), non_blocking=nb)
-        self.slots[:bs].copy_(torch.tensor(host["slots"]), non_blocking=nb)
-        self.seq_lens[:bs].copy_(torch.tensor(host["lens"], dtype=torch.int32), non_blocking=nb)
-        self.context_lens[:bs].copy_(torch.tensor(host["ctx"], dtype=torch.int32), non_blocking=nb)
-        self.state_slots[:bs].copy_(torch.tensor(host["state"]), non_blocking=nb)
-        self.history[:bs].copy_(torch.tensor(host["hist"]), non_blocking=nb)
-        self.block_tables[:bs].copy_(table, non_blocking=nb)
+            ids[i], pos[i], ctx[i], lens[i], state[i] = s.token_ids[0], p, p, p + 1, s.state_slot
+            slots[i] = s.block_ids[p // bsz] * bsz + p % bsz
+            table[i, : len(s.block_ids)] = s.block_ids
+            hist[i, : HISTORY - len(s.history)] = -1
+            hist[i, HISTORY - len(s.history) :] = s.history
+        self.wide.upload(bs)
+        self.narrow.upload(bs)
         self.graphs[bs].replay()
         return self.logits[bs][:b]
+
+
+class Packed:
+    """Named int fields, each a contiguous ``[n, width]`` (width 1: ``[n]``) segment of one device
+    buffer, with a pinned host twin; ``upload(bs)`` copies the first ``bs`` rows of every field in
+    one transfer (the whole span up to the last field's rows: a few KiB)."""
+
+    def __init__(self, widths: dict[str, int], n: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.widths, self.n = widths, n
+        size = n * sum(widths.values())
+        self.device = torch.zeros(size, dtype=dtype, device=device)
+        self.host = torch.zeros(size, dtype=dtype, pin_memory=torch.cuda.is_available())
+        self.host_np = self.host.numpy()
+        self.offsets, at = [], 0
+        for w in widths.values():
+            self.offsets.append(at)
+            at += n * w
+
+    def _views(self, buf, rows: int):
+        return [
+            buf[o : o + rows * w].reshape(rows, w) if w > 1 else buf[o : o + rows]
+            for o, w in zip(self.offsets, self.widths.values())
+        ]
+
+    def views(self) -> list[torch.Tensor]:
+        """Device views of every field, all n rows (what the graphs read)."""
+        return self._views(self.device, self.n)
+
+    def host_views(self, rows: int) -> list:
+        """numpy views of the host twin's first ``rows`` rows of every field, to fill."""
+        return self._views(self.host_np, rows)
+
+    def upload(self, rows: int) -> None:
+        last, w = self.offsets[-1], list(self.widths.values())[-1]
+        end = last + rows * w
+        self.device[:end].copy_(self.host[:end], non_blocking=True)

@@ -238,8 +238,9 @@ class ModelRunner:
         if not self.tp.is_first:
             return None
         sampling = [i for i, s in enumerate(seqs) if s.sample]
+        last = [rows[i][-1] for i in sampling]
         samples = self.sampler(
-            logits[[rows[i][-1] for i in sampling]],
+            logits[: len(last)] if last == list(range(len(last))) else logits[last],  # decode: no gather
             [seqs[i].params for i in sampling],
             [seqs[i].output_index for i in sampling],
         )
