@@ -35,7 +35,9 @@ def test_pinned_table_is_on_the_host(tiny):
 def test_pinned_gather_on_gpu_equals_device_table(tiny):
     path = tiny[0]
     params = greedy(6, prompt_logprobs=0, logprobs=0)
-    device = generate_on(path, "cuda", params)
+    # the same chunks on both sides: on the H200, chunked and one-shot prefill differed by 1.5e-3
+    # in log-prob (GPU kernels sum in another order); only the table's location may differ here
+    device = generate_on(path, "cuda", params, max_num_batched_tokens=7)
     pinned = generate_on(path, "cuda", params, ple_backend="pinned", max_num_batched_tokens=7)
     assert max_logprob_gap(pinned, device) < 5e-5
 
