@@ -46,3 +46,14 @@ def test_auto_backends_fall_back_to_torch():
         get_attention_backend("flash", "cuda")
     with pytest.raises(ValueError, match="known: auto, fla, torch"):
         get_gdn_backend("flash", "cuda")
+
+
+def test_gdn_auto_on_cuda_without_fla_says_it_falls_back(monkeypatch, capsys):
+    import ft.gdn
+
+    def missing():
+        raise ImportError("No module named 'fla'")
+
+    monkeypatch.setattr(ft.gdn, "_fla", missing)
+    assert get_gdn_backend("auto", "cuda").name == "torch"
+    assert "flash-linear-attention does not import" in capsys.readouterr().out

@@ -36,8 +36,12 @@ def get_gdn_backend(name: str, device_type: str):
         if device_type == "cuda":
             try:
                 return _fla()
-            except ImportError:
-                pass
+            except ImportError as e:  # correct but slow: say so rather than run it unannounced
+                print(
+                    f"ft: flash-linear-attention does not import ({e}); Gated DeltaNet layers run the "
+                    "torch reference on the GPU (a per-token loop, orders of magnitude slower)",
+                    flush=True,
+                )
         return _torch()
     if name not in BACKENDS:
         raise ValueError(f"unknown GDN backend {name!r} (known: auto, {', '.join(BACKENDS)})")
