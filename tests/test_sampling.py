@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k, top-p and per-request seeds."""
+"""Sampling: greedy, temperature, top-k, top-p and per-request seeds, batched."""
 
 from __future__ import annotations
 
@@ -8,47 +8,172 @@ import pytest
 import torch
 
 from ft import LLM, SamplingParams
-from ft.layers.sampler import Sampler, sample_row
+from ft.layers.sampler import Sampler, keep_threshold, mix64, seeded_exponential
 from tests.checkpoints import write_checkpoint
+
+CPU = torch.device("cpu")
+
+
+def reference_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The former per-row top-k then top-p filter on one row [V], kept as the reference."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> list[int]:
+    """``n`` tokens for one row [V], sampled as one batch of ``n`` copies."""
+    return [r.token_id for r in Sampler(CPU, seed)(logits.expand(n, -1), [params] * n, list(range(n)))]
+
+
+def splitmix64(state: int, n: int) -> list[int]:
+    """The published generator with Python integers, to check the tensor version bit for bit."""
+    out, mask = [], (1 << 64) - 1
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def test_mix64_is_splitmix64():
+    golden = 0x9E3779B97F4A7C15
+    for seed in (1234567, 0, 2**64 - 5, 2**63 + 12345):
+        counters = [(seed + k * golden) % 2**64 for k in range(1, 6)]
+        signed = torch.tensor([c - 2**64 if c >= 2**63 else c for c in counters])
+        assert [v % 2**64 for v in mix64(signed).tolist()] == splitmix64(seed, 5)
+    assert splitmix64(1234567, 1) == [6457827717110365317]  # published test vector
+
+
+def test_seeded_noise_is_exponential_and_keyed_on_seed_and_index():
+    noise = seeded_exponential([3, 3, 4], [0, 1, 0], 200_000, CPU)  # [3, V]
+    assert bool((noise > 0).all()) and bool(noise.isfinite().all())
+    for row in noise:  # Exp(1): mean 1, variance 1, P(E > 1) = 1/e
+        assert abs(float(row.mean()) - 1) < 0.01 and abs(float(row.var()) - 1) < 0.02
+        assert abs(float((row > 1).float().mean()) - math.exp(-1)) < 0.005
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert torch.equal(noise[1], seeded_exponential([3], [1], 200_000, CPU)[0])
+    assert abs(float(torch.corrcoef(noise[:2])[0, 1])) < 0.01
+
+
+@pytest.mark.parametrize("every_row_has_top_k", [False, True])  # full sort / top-max(k) window
+def test_threshold_matches_the_per_row_filter(every_row_has_top_k):
+    gen = torch.Generator().manual_seed(0)
+    vocab = 40
+    logits = torch.randn(300, vocab, generator=gen) * 3
+    logits[::7, 20:] = logits[::7, :20]  # ties, also across the k-th value
+    ks = torch.randint(-1, vocab + 5, (300,), generator=gen).tolist()
+    ps = (torch.rand(300, generator=gen) * 0.99 + 0.01).tolist()
+    ps = [
+        1.0 if i % 5 == 0 or (every_row_has_top_k and not 0 < k < vocab) else p
+        for i, (k, p) in enumerate(zip(ks, ps))
+    ]
+    keep = logits >= keep_threshold(logits, ks, ps)
+    want = torch.stack([reference_filter(row, k, p).isfinite() for row, k, p in zip(logits, ks, ps)])
+    tied = torch.zeros(300, dtype=torch.bool)
+    tied[::7] = True  # the reference keeps an arbitrary part of a tied group at the top-p cut
+    assert torch.equal(keep[~tied], want[~tied])
+    assert bool((keep[tied] | ~want[tied]).all())  # ties: a superset, by whole groups
+    assert 0 < int(keep.sum()) < keep.numel()
+
+
+def test_ties_stay_or_go_together():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0, 2.0]] * 2)
+    # top-k 2 keeps every token tied with the 2nd value; top-p 0.3 keeps the whole tied group
+    keep = logits >= keep_threshold(logits, [2, 0], [1.0, 0.3])
+    assert keep.int().tolist() == [[0, 1, 1, 1, 0, 1]] * 2
+    # top-k 2 sorts a 2-wide window, but top-p still weighs all nine ties with the 2nd value:
+    # token 0 holds 45% of the survivors' mass, so at top-p 0.6 the tied group stays
+    logits = torch.tensor([[3.0] + [1.0] * 9 + [0.0] * 5])
+    assert int((logits >= keep_threshold(logits, [2], [0.6])).sum()) == 10
+    assert int((logits >= keep_threshold(logits, [2], [0.4])).sum()) == 1
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
-    gen = torch.Generator().manual_seed(1)
-    for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)):
-        assert all(sample_row(logits, params, i, gen) == int(logits.argmax()) for i in range(20))
+    for params in (
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=1.0, top_k=1, seed=3),
+    ):
+        assert set(draw(logits, params, 20)) == {int(logits.argmax())}
 
 
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.tensor([3.0, 2.9, 2.8, -5.0, -5.0, -6.0])
-    gen = torch.Generator().manual_seed(2)
-    seen_k = {sample_row(logits, SamplingParams(temperature=5.0, top_k=2), i, gen) for i in range(200)}
-    assert seen_k == {0, 1}
+    assert set(draw(logits, SamplingParams(temperature=5.0, top_k=2), 200)) == {0, 1}
     # the first three tokens hold ~99.9% of the mass: top_p 0.99 never samples the tail
-    seen_p = {sample_row(logits, SamplingParams(temperature=1.0, top_p=0.99), i, gen) for i in range(300)}
-    assert seen_p == {0, 1, 2}
+    assert set(draw(logits, SamplingParams(temperature=1.0, top_p=0.99), 300)) == {0, 1, 2}
 
 
-def test_temperature_sampling_follows_the_distribution():
-    logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
-    gen = torch.Generator().manual_seed(3)
-    draws = [sample_row(logits, SamplingParams(temperature=1.0), i, gen) for i in range(3000)]
-    freq = [draws.count(t) / len(draws) for t in range(3)]
-    assert all(abs(f - p) < 0.04 for f, p in zip(freq, (0.6, 0.3, 0.1)))
+@pytest.mark.parametrize("seed", [None, 17])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 4, 1.0), (1.5, -1, 0.8), (2.0, 5, 0.9)]
+)
+def test_frequencies_follow_the_filtered_distribution(seed, temperature, top_k, top_p):
+    logits = torch.log(torch.tensor([0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.05]))
+    n = 20_000
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    counts = torch.bincount(torch.tensor(draw(logits, params, n)), minlength=7).double()
+    p = reference_filter(logits / temperature, top_k, top_p).softmax(-1).double()
+    support = p > 0
+    assert bool((counts[~support] == 0).all())
+    chi2 = float(((counts - n * p)[support] ** 2 / (n * p[support])).sum())
+    dof = int(support.sum()) - 1
+    assert chi2 < dof + 5 * math.sqrt(2 * dof)  # ~5 sigma of the chi-square law
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
-    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(4))
-    seeded = SamplingParams(temperature=1.0, seed=7)
-    other = SamplingParams(temperature=1.0)
-    a = Sampler(torch.device("cpu"), 0)(logits[:1], [seeded], [5])[0].token_id
-    b = Sampler(torch.device("cpu"), 99)(logits, [seeded, other, other, other], [5, 0, 0, 0])[0].token_id
-    assert a == b
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(4))
+    seeded = [
+        SamplingParams(temperature=1.0, seed=7),
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=8),
+    ]
+    others = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0, top_k=3, seed=2),
+    ]
+    alone = [Sampler(CPU, 0)(logits[i : i + 1], [p], [5])[0].token_id for i, p in enumerate(seeded)]
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 4, 0, 2]):
+        params = [(seeded + others)[i] for i in order]
+        res = Sampler(CPU, 99)(logits[order], params, [5] * 6)
+        assert [res[order.index(i)].token_id for i in range(2)] == alone
+    # the seed does steer the draw
+    steered = {
+        Sampler(CPU, 0)(logits[:1], [SamplingParams(temperature=1.0, seed=s)], [5])[0].token_id
+        for s in range(20)
+    }
+    assert len(steered) > 5
+
+
+def test_greedy_rows_are_argmax_in_a_mixed_batch():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(6))
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, top_k=10, seed=1)
+    params = [greedy if i % 3 == 0 else hot for i in range(8)]
+    res = Sampler(CPU, 0)(logits, params, list(range(8)))
+    assert all(res[i].token_id == int(logits[i].argmax()) for i in range(0, 8, 3))
+    assert any(res[i].token_id != int(logits[i].argmax()) for i in range(8) if i % 3)
+
+
+def test_unseeded_rows_are_reproducible_for_a_fixed_sampler_seed():
+    logits = torch.randn(16, 100, generator=torch.Generator().manual_seed(7))
+    params = [SamplingParams(temperature=1.5)] * 16
+    runs = [[r.token_id for r in Sampler(CPU, s)(logits, params, [0] * 16)] for s in (1, 1, 2)]
+    assert runs[0] == runs[1] != runs[2]
 
 
 def test_logprobs_are_raw_and_include_the_chosen_token():
     logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(5))
-    res = Sampler(torch.device("cpu"), 0)(logits, [SamplingParams(temperature=2.0, logprobs=3)], [0])[0]
+    res = Sampler(CPU, 0)(logits, [SamplingParams(temperature=2.0, logprobs=3)], [0])[0]
     raw = torch.log_softmax(logits[0], -1)
     assert res.token_id in res.logprobs and 3 <= len(res.logprobs) <= 4
     assert all(math.isclose(v, float(raw[k]), abs_tol=1e-6) for k, v in res.logprobs.items())

@@ -1,8 +1,15 @@
-"""Sampling and log-probs from final logits.
+"""Sampling and log-probs from final logits, for the whole batch at once.
 
 Log-probs are those of the model's raw distribution (before temperature, top-k, top-p), as in
-vLLM. A request with a seed samples from a generator seeded by (seed, output index), so its
-tokens do not depend on which other requests share the batch.
+vLLM. Sampled rows run one set of tensor ops whatever their mix of temperature, top-k and top-p,
+and the chosen tokens come back to the host in a single copy: a per-row loop would cost a few
+kernels and a device sync per row, milliseconds per decode step at batch 64.
+
+A token is drawn by the exponential race: argmax p / E over the vocabulary with E ~ Exp(1) i.i.d.
+is a sample from p. Unseeded rows take E from the sampler's generator (reproducible for a fixed
+engine seed). A request with a seed takes E from a counter-based hash of (seed, output index,
+token id), so its tokens depend only on those and its own logits, never on which other requests
+share the batch.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ft.sampling_params import Logprobs, SamplingParams
 
@@ -32,32 +40,93 @@ def top_logprobs(logprobs: torch.Tensor, n: int, chosen: torch.Tensor) -> list[L
     return rows
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token once the tokens strictly more likely than it already cover top_p
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return logits
+def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without a stream sync: pinned, copied asynchronously."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
-def sample_row(
-    logits: torch.Tensor, params: SamplingParams, output_index: int, generator: torch.Generator
-) -> int:
-    if params.greedy:
-        return int(logits.argmax())
-    scaled = _filter(logits.float() / params.temperature, params.top_k, params.top_p)
-    probs = scaled.softmax(-1)
-    if params.seed is not None:
-        generator = torch.Generator(device=logits.device)
-        generator.manual_seed((params.seed * 1_000_003 + output_index) % (2**63))
-    # Gumbel-style race: argmax p / Exp(1) is a sample from p
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return int((probs / noise).argmax())
+def _int64(c: int) -> int:
+    """The signed int64 with the bits of ``c`` mod 2**64 (torch has no uint64 arithmetic)."""
+    c %= 1 << 64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _int64(0x9E3779B97F4A7C15)  # splitmix64's stream increment, 2**64 / golden ratio
+_MUL1 = _int64(0xBF58476D1CE4E5B9)
+_MUL2 = _int64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64: torch shifts arithmetically, so clear the copied sign bits."""
+    return (x >> n).bitwise_and_((1 << (64 - n)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function (Stafford's Mix13) on int64 tensors.
+
+    Products wrap mod 2**64 on CPU and CUDA, so this is bit-for-bit the uint64 function. After
+    the first step ``x`` is a fresh tensor, so the rest works in place: at [R, V] that halves
+    the transient memory.
+    """
+    x = x ^ _shr(x, 30)
+    x *= _MUL1
+    x ^= _shr(x, 27)
+    x *= _MUL2
+    x ^= _shr(x, 31)
+    return x
+
+
+def seeded_exponential(
+    seeds: list[int], output_index: list[int], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """Exp(1) noise [R, vocab], a pure function of (seed, output index, token id) per row.
+
+    Each row is the splitmix64 stream started at key = mix64(mix64(seed) + output index): its
+    token-``v`` element is mix64(key + (v + 1) * golden). The top 23 bits give u = (m + 0.5) / 2**23,
+    exact in fp32 and strictly inside (0, 1), so E = -log u is finite and never zero.
+    """
+    pairs = _upload([[_int64(s), i] for s, i in zip(seeds, output_index)], torch.int64, device)  # [R, 2]
+    key = mix64(mix64(pairs[:, 0]) + pairs[:, 1])  # [R]
+    counter = torch.arange(1, vocab + 1, device=device) * _GOLDEN  # [V]
+    bits = mix64(key[:, None] + counter)  # [R, V]
+    return _shr(bits, 41).float().add_(0.5).mul_(2.0**-23).log_().neg_()
+
+
+def keep_threshold(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Per row, the smallest logit that top-k then top-p keep: [R, 1], -inf for rows with no cut.
+
+    ``top_k`` counts as no cut when <= 0 or >= V, ``top_p`` when 1. Both keep a prefix of the
+    descending logits, so one threshold per row says it all. Top-k keeps every token tied with
+    the k-th value. Top-p drops a token once the tokens strictly more likely than it already
+    cover top_p, over the top-k survivors' softmax. A tied group is decided by its first token,
+    which sees only the mass strictly before the group, so ties stay or go together and nothing
+    depends on how the sort orders them (the per-row filter this replaced kept part of a group).
+
+    Top-k runs first, so only the top max(k) logits need sorting, unless some row has top-p
+    without top-k: then every row gets the full sort.
+    """
+    vocab = scaled.shape[-1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    cut = [k < vocab or p < 1.0 for k, p in zip(ks, top_p)]
+    width = max(k for k, c in zip(ks, cut) if c)
+    if width < vocab:
+        values = scaled.topk(width, dim=-1).values  # [R, W], descending
+    else:
+        values = scaled.sort(dim=-1, descending=True).values
+    device = scaled.device
+    k_index = _upload([min(k, width) - 1 for k in ks], torch.int64, device)[:, None]  # [R, 1]
+    p = _upload(top_p, torch.float32, device)[:, None]
+    no_cut = _upload([not c for c in cut], torch.bool, device)[:, None]
+    kth = values.gather(1, k_index)  # [R, 1]
+    # the survivors' normaliser counts the ties with the k-th value that fell outside the window
+    lse = scaled.masked_fill(scaled < kth, float("-inf")).logsumexp(-1, keepdim=True)
+    probs = (values - lse).exp() * (values >= kth)  # [R, W]
+    before = F.pad(probs.cumsum(-1)[:, :-1], (1, 0))  # mass sorted ahead of each token
+    kept = (values >= kth) & ((before < p) | (p >= 1.0))  # a prefix, never empty
+    # a threshold on values keeps the rest of the last kept token's tied group too
+    threshold = values.gather(1, kept.sum(-1, keepdim=True) - 1)
+    return threshold.masked_fill(no_cut, float("-inf"))
 
 
 class Sampler:
@@ -65,29 +134,51 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
+    ) -> torch.Tensor:
+        """Tokens [R] for rows with temperature > 0, left on the device."""
+        device, vocab = logits.device, logits.shape[-1]
+        temperature = _upload([p.temperature for p in params], torch.float32, device)
+        scaled = logits.float() / temperature[:, None]  # [R, V]
+        if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+            threshold = keep_threshold(scaled, [p.top_k for p in params], [p.top_p for p in params])
+            scaled.masked_fill_(scaled < threshold, float("-inf"))
+        probs = scaled.softmax(-1)
+        noise = torch.empty_like(probs)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if len(seeded) < len(params):
+            noise.exponential_(1.0, generator=self.generator)
+        if seeded:
+            seeds, indices = [params[i].seed for i in seeded], [output_index[i] for i in seeded]
+            rows = _upload(seeded, torch.int64, device)
+            noise.index_copy_(0, rows, seeded_exponential(seeds, indices, vocab, device))
+        return probs.div_(noise).argmax(-1)
+
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
     ) -> list[SampleResult]:
         """logits [B, V] fp32, one row per sampling sequence."""
         if not params:
             return []
-        if all(p.greedy for p in params):  # one device-to-host copy for the common case
-            tokens = logits.argmax(dim=-1)
+        hot = [i for i, p in enumerate(params) if not p.greedy]
+        if len(hot) == len(params):
+            tokens = self.sample(logits, params, output_index)
         else:
-            tokens = torch.tensor(
-                [
-                    sample_row(logits[i], p, k, self.generator)
-                    for i, (p, k) in enumerate(zip(params, output_index))
-                ],
-                device=logits.device,
-            )
+            tokens = logits.argmax(dim=-1)
+            if hot:
+                rows = _upload(hot, torch.int64, logits.device)
+                picked = self.sample(
+                    logits.index_select(0, rows), [params[i] for i in hot], [output_index[i] for i in hot]
+                )
+                tokens.index_copy_(0, rows, picked)
         want = [p.logprobs for p in params]
-        out = [SampleResult(int(t), None) for t in tokens.tolist()]
+        out = [SampleResult(t, None) for t in tokens.tolist()]  # the one device-to-host copy
         if any(n is not None for n in want):
             lp = torch.log_softmax(logits.float(), dim=-1)
-            rows = top_logprobs(lp, max(n or 0 for n in want), tokens)
+            tops = top_logprobs(lp, max(n or 0 for n in want), tokens)
             for i, n in enumerate(want):
                 if n is not None:
-                    keep = sorted(rows[i].items(), key=lambda kv: -kv[1])[:n]
-                    out[i].logprobs = dict(keep) | {out[i].token_id: rows[i][out[i].token_id]}
+                    keep = sorted(tops[i].items(), key=lambda kv: -kv[1])[:n]
+                    out[i].logprobs = dict(keep) | {out[i].token_id: tops[i][out[i].token_id]}
         return out
