@@ -49,6 +49,12 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--expert-cache-policy", default="lru", choices=["lru", "lfu"], help="eviction policy")
     g.add_argument(
+        "--static-experts",
+        type=int,
+        default=None,
+        help="experts per layer kept on the GPU only, no host copy (default: what the host needs)",
+    )
+    g.add_argument(
         "--disable-moe-prefetch",
         dest="moe_prefetch",
         action="store_false",
@@ -96,6 +102,7 @@ ENGINE_KEYS = (
     "max_host_memory",
     "expert_cache_fraction",
     "expert_cache_policy",
+    "static_experts",
     "moe_prefetch",
     "moe_prefill_hit_d2d",
     "moe_staging_experts",

@@ -60,6 +60,9 @@ class EngineConfig:
     max_host_memory: str | int | None = None  # host memory to plan the expert store for (default MemTotal)
     expert_cache_fraction: float | None = None  # slots per layer as a fraction of its experts
     expert_cache_policy: str = "lru"  # lru | lfu (frequency-aware)
+    # experts per layer kept on the GPU only, with no host copy (a lean host store); default:
+    # none when the host holds every expert, else the fewest that let it hold the rest; 0: never
+    static_experts: int | None = None
     moe_prefetch: bool = True  # predict the next layer's experts from its router, copy them early
     moe_prefill_hit_d2d: bool = False  # prefill: copy resident experts into staging (else in place)
     moe_staging_experts: int | None = None  # experts per prefill staging buffer (default ~256 MiB)
@@ -114,6 +117,7 @@ class EngineConfig:
                 self.expert_cache_fraction is None or 0 < self.expert_cache_fraction <= 1,
             ),
             ("moe_staging_experts", self.moe_staging_experts is None or self.moe_staging_experts >= 1),
+            ("static_experts", self.static_experts is None or self.static_experts >= 0),
             ("dummy_routing_skew", self.dummy_routing_skew >= 0),
         ]
         for name, ok in checks:

@@ -3,8 +3,9 @@ one scheduled batch: tensors in, sampled tokens (on the first rank) out.
 
 This is the only place that turns scheduler output into tensors on the device. Where the routed
 experts live is the MoE runtime's business (``ft.moe.backends.runtime``): the runner asks it
-where to build the banks, lets it adopt them into a host store before loading, and hands it what
-memory is left after the pools for its expert cache.
+where to build the banks, lets it place them in a host store before loading (telling it what the
+pools, planned first, will take), and hands it what memory is left after the pools for its
+expert cache.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from ft.models.dummy import init_dummy_weights
 from ft.models.loader import load_weights
 from ft.models.registry import model_class
 from ft.moe.backends import banks_on
-from ft.moe.backends.runtime import MoePlan, MoeRuntime, device_budget
+from ft.moe.backends.placement import placed
+from ft.moe.backends.runtime import MoePlan, MoeRuntime
+from ft.moe.backends.sizing import device_budget
 from ft.sampling_params import Logprobs
 from ft.scheduler.scheduler import HISTORY, ScheduledSeq
 
@@ -87,7 +90,8 @@ class ModelRunner:
         mc = self.mc = effective_model_config(cfg, mc)
         self.moe = MoeRuntime(cfg, mc, tp, self.device, self.dtype)
         self.model = build_model(mc, tp, self.device, self.dtype, self.moe.bank_device).eval()
-        self.moe.attach_stores(self.model)  # before loading: the loaders fill the host store
+        pools = self._plan_pools()  # first: a lean expert cache is allocated around them, at attach
+        self.moe.attach_stores(self.model, pools.kv_bytes + pools.state_bytes)  # the loaders fill it
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed, cfg.dummy_routing_skew, self.device)
         else:
@@ -95,7 +99,7 @@ class ModelRunner:
         self.attention = get_attention_backend(cfg.attention_backend, self.device.type)
         self.gdn = get_gdn_backend(cfg.gdn_backend, self.device.type)
         self.sampler = Sampler(self.device, cfg.seed)
-        self.plan = self._allocate_pools()
+        self.plan = self._allocate_pools(pools)
         self.plan = replace(self.plan, moe=self.moe.allocate(self.model))
         if cfg.progress or self.moe.offloads:
             print(self.moe.describe(self.plan.num_blocks * cfg.block_size), flush=True)
@@ -137,35 +141,41 @@ class ModelRunner:
                 total += math.prod(shape) * size
         return total
 
-    def _allocate_pools(self) -> PoolPlan:
-        bs = self.cfg.block_size
+    def _plan_pools(self) -> PoolPlan:
+        """The KV and state pools' sizes, decided once, before the experts are placed and loaded."""
         # the layers that own caches, found once (copies between state rows walk them every step)
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "cache_shape")]
         self.gdn_layers = gdn = [m for m in self.model.modules() if hasattr(m, "state_shapes")]
-        num_blocks = max(1, self._pool_tokens() // bs)
+        num_blocks = max(1, self._pool_tokens() // self.cfg.block_size)
         slots = self.cfg.max_running_requests + 1  # the last slot is scratch for padded rows
         snaps = 0
         if gdn and self.cfg.enable_prefix_cache:
             snaps = self.cfg.prefix_snapshot_slots or self.cfg.max_running_requests
-        state_bytes = 0
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        state_bytes = sum(
+            (slots + snaps) * (math.prod(conv) * size + math.prod(ssm) * 4)
+            for conv, ssm in (m.state_shapes() for m in gdn)
+        )
+        kv_bytes = num_blocks * self.cfg.block_size * self._kv_bytes_per_token()
+        return PoolPlan(num_blocks, slots - 1, 0, kv_bytes, state_bytes, snaps, bool(gdn))
+
+    def _allocate_pools(self, plan: PoolPlan) -> PoolPlan:
+        bs, num_blocks, slots = self.cfg.block_size, plan.num_blocks, plan.num_slots + 1
+        rows = slots + plan.num_snapshots
         for m in self.attention_layers:
             h, d = m.cache_shape()
             m.kv_cache = torch.zeros(2, num_blocks, bs, h, d, dtype=self.dtype, device=self.device)
             # per-token caches beside k/v (e.g. an indexer's keys), paged like them: [blocks, bs, *shape]
             for name, shape in getattr(m, "extra_paged_caches", dict)().items():
                 setattr(m, name, torch.zeros(num_blocks, bs, *shape, dtype=self.dtype, device=self.device))
-        kv_bytes = num_blocks * bs * self._kv_bytes_per_token()
-        for m in gdn:
+        for m in self.gdn_layers:
             conv, ssm = m.state_shapes()
-            m.conv_state = torch.zeros(slots + snaps, *conv, dtype=self.dtype, device=self.device)
-            m.ssm_state = torch.zeros(slots + snaps, *ssm, dtype=torch.float32, device=self.device)
-            state_bytes += m.conv_state.numel() * m.conv_state.element_size() + m.ssm_state.numel() * 4
+            m.conv_state = torch.zeros(rows, *conv, dtype=self.dtype, device=self.device)
+            m.ssm_state = torch.zeros(rows, *ssm, dtype=torch.float32, device=self.device)
         self.snapshot_base = slots  # snapshot k lives in state row slots + k
         self.scratch_slot = slots - 1  # padded rows of a captured batch write here
-        weights = sum(
-            p.numel() * p.element_size() for p in self.model.parameters() if not self.moe.in_host_store(p)
-        )
-        return PoolPlan(num_blocks, slots - 1, weights, kv_bytes, state_bytes, snaps, bool(gdn))
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters() if not placed(p))
+        return replace(plan, weight_bytes=weights)
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy GDN state rows src -> dst in every GDN layer (snapshot restore and save)."""

@@ -2,9 +2,10 @@
 parameter, drawn on the parameter's own device, so any config can be run and benchmarked
 without a checkpoint on disk (an 80B model initialises in seconds on a GPU).
 
-Experts that live in a host store (offloaded) are drawn on the model's device one bank tensor
-at a time, contiguous, and copied down: the values are the resident backend's, bit for bit, and
-drawing on a GPU is much faster than drawing hundreds of GB on the CPU.
+Experts that an offloading backend placed (a host store, and the cache slots of static experts)
+are drawn on the model's device one whole bank tensor at a time, contiguous, and copied to where
+each expert lives: the values are the resident backend's, bit for bit, and drawing on a GPU is
+much faster than drawing hundreds of GB on the CPU.
 
 Random routers route uniformly, the worst case for an expert cache. ``routing_skew`` S > 0 gives
 each router a Zipf-like expert popularity: the experts of a layer are ranked in a random order
@@ -29,12 +30,13 @@ def init_dummy_weights(
     zero_centred = getattr(getattr(model, "config", None), "zero_centered_norm", False)
     generators: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
-        if getattr(p, "in_host_store", False):  # a strided view of host memory
+        placed = getattr(p, "placed", None)  # ft.moe.backends.placement
+        if placed is not None:
             dev = device or p.device
             gen = generators.setdefault(dev, torch.Generator(device=dev).manual_seed(seed))
             tmp = torch.empty(p.shape, dtype=p.dtype, device=dev)
             _fill(tmp, name, model, gen, zero_centred)
-            p.copy_(tmp)
+            placed.write(tmp)
             continue
         gen = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
         _fill(p, name, model, gen, zero_centred)

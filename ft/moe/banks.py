@@ -11,8 +11,9 @@ Banks load the Hugging Face hub layout, ``experts.{e}.gate_proj/up_proj/down_pro
 only this rank's rows of gate/up and columns of down, and run the kernel the selection table
 picks once, at construction, for their format, device, activation dtype and TP size. Where the
 weights live is not decided here: a bank is built on the model's device, unless the MoE backend
-keeps experts in a host store (``ft.moe.backends``), which then adopts the ``expert_tensors``
-as views of its memory, so the loaders below fill host memory directly. ``kernel_weights`` takes
+keeps experts in a host store (``ft.moe.backends``), which then places the ``expert_tensors``
+(``placement.py``): each expert's rows are a view of host memory or of a GPU cache slot, and the
+loaders below, reading them through ``expert``, fill that memory directly. ``kernel_weights`` takes
 the tensors to run on, so a backend can hand the kernel its cache slots instead of the bank.
 """
 
@@ -80,11 +81,17 @@ class ExpertBank(nn.Module):
     def graph_safe(self) -> bool:
         return kernel_spec(self.kernel_name).graph_safe
 
+    @staticmethod
+    def expert(param: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert ``e`` of one of the expert tensors, where it lives (placed by an MoE backend)."""
+        placed = getattr(param, "placed", None)
+        return placed.row(e) if placed is not None else param.data[e]
+
     def rows(self, param: torch.Tensor, e: int, proj: int) -> torch.Tensor:
         """Expert ``e``'s gate (0) or up (1) rows of a w13-shaped tensor, or all of w2 (2)."""
         if proj == 2:
-            return param.data[e]
-        return param.data[e].narrow(0, proj * self.local_inter, self.local_inter)
+            return self.expert(param, e)
+        return self.expert(param, e).narrow(0, proj * self.local_inter, self.local_inter)
 
     def expert_weights(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.expert_tensors}

@@ -44,8 +44,9 @@ def nvfp4(tmp_path_factory):
         dict(moe_backend="offload", expert_cache_fraction=0.25, moe_staging_experts=3),
         dict(moe_backend="hybrid", expert_cache_fraction=0.25),
         dict(moe_backend="cpu"),
+        dict(moe_backend="offload", static_experts=3, expert_cache_fraction=0.5, moe_staging_experts=3),
     ],
-    ids=["offload", "hybrid", "cpu"],
+    ids=["offload", "hybrid", "cpu", "lean"],
 )
 def test_nvfp4_banks_offloaded_equal_resident(nvfp4, options):
     want, _ = generate(nvfp4 / "nvfp4", moe_backend="gpu")
@@ -56,10 +57,15 @@ def test_nvfp4_banks_offloaded_equal_resident(nvfp4, options):
 
 def test_quantised_at_load_into_the_host_store(nvfp4):
     want, _ = generate(nvfp4 / "bf16", quantize_experts="nvfp4", moe_backend="gpu")
-    got, _ = generate(
-        nvfp4 / "bf16", quantize_experts="nvfp4", moe_backend="offload", expert_cache_fraction=0.5
-    )
-    assert_close(got, want)
+    for static in (0, 2):  # 2: experts 0, 1 quantised straight into their device slots
+        got, _ = generate(
+            nvfp4 / "bf16",
+            quantize_experts="nvfp4",
+            moe_backend="offload",
+            expert_cache_fraction=0.5,
+            static_experts=static,
+        )
+        assert_close(got, want)
 
 
 @pytest.mark.parametrize("backend", ["offload", "hybrid"])
@@ -84,6 +90,7 @@ def test_qwen4_exp_offloaded_equals_resident(tmp_path):
 
 
 def test_too_little_host_memory_fails_before_loading(tmp_path, monkeypatch):
+    """4 KiB cannot hold one expert of every layer, even with the others static (lean)."""
     write_checkpoint(tmp_path, "qwen3_moe", seed=3)
 
     def never(*args, **kwargs):
@@ -94,7 +101,7 @@ def test_too_little_host_memory_fails_before_loading(tmp_path, monkeypatch):
         MemoryError, match=r"offloaded experts need .* GiB of host memory .*--max-host-memory"
     ):
         LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False,
-            moe_backend="offload", max_host_memory="64KiB")  # fmt: skip
+            moe_backend="offload", max_host_memory="4KiB")  # fmt: skip
 
 
 def test_plan_line_and_bench_offline_report_offload(tmp_path, capsys):

@@ -28,6 +28,8 @@ PARAMS = [
 ]
 # 4 of 8 slots, top-2: decode batches of up to two sequences are graphed (bs * k <= S)
 OFFLOAD = dict(moe_backend="offload", expert_cache_fraction=0.5, moe_staging_experts=3)
+# lean host store: experts 0, 1 in slots 0, 1 only, 4 dynamic slots: graphed up to bs 2 as well
+LEAN = dict(OFFLOAD, static_experts=2, expert_cache_fraction=0.75)
 
 
 def generate(path, **options):
@@ -88,6 +90,42 @@ def test_graphed_offload_decode_equals_eager(ckpt):
     assert info["graphed"] and not eager_info["graphed"]
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     assert max_logprob_diff(graphed, eager) < 1e-5
+
+
+def test_lean_equals_resident_with_graphed_decode(ckpt):
+    """Static experts loaded straight into device slots: fp32 exactly the resident outputs (also
+    with dummy weights, drawn on the device and split between slots and host rows), bf16 with
+    graphed decode equal to the resident tokens and to eager decode."""
+    for load_format in ("auto", "dummy"):
+        want, _ = generate(ckpt, dtype="float32", moe_backend="gpu", load_format=load_format)
+        got, info = generate(ckpt, dtype="float32", load_format=load_format, **LEAN)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert max_logprob_diff(got, want) == 0.0 and all(info["pinned"])
+    want, _ = generate(ckpt, dtype="bfloat16", moe_backend="gpu")
+    got, info = generate(ckpt, dtype="bfloat16", **LEAN)
+    eager, eager_info = generate(ckpt, dtype="bfloat16", disable_cuda_graph=True, **LEAN)
+    assert info["graphed"] and not eager_info["graphed"]
+    s = info["stats"]
+    assert s.moe_misses > 0 and s.moe_evictions > 0 and s.moe_resident >= 2 * s.moe_layers
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] == [o.token_ids for o in eager]
+    assert max_logprob_diff(got, want) < 2e-2 and max_logprob_diff(got, eager) < 1e-5
+
+
+def test_lean_sized_from_the_host_and_gpu_budgets(ckpt):
+    """A host that holds 5 experts of each layer: 3 static, the slots from the real GPU budget
+    (decided before loading, the pools subtracted in advance)."""
+    with LLM(model=str(ckpt), progress=False, device="cuda", moe_backend="offload") as llm:
+        per_expert = sum(st.layout.expert_bytes for st in llm.engine.executor.runner.moe.stores)
+    limit = 5 * per_expert * 10 // 9 + 9  # 0.9 of it (the host minus headroom) holds 5 experts
+    want, _ = generate(ckpt, dtype="bfloat16", moe_backend="gpu")
+    with LLM(model=str(ckpt), progress=False, device="cuda", dtype="bfloat16", moe_backend="offload",
+             max_host_memory=limit) as llm:  # fmt: skip
+        got = llm.generate(PROMPTS, PARAMS)
+        moe = llm.engine.executor.runner.moe
+        assert moe.static == 3 and moe.plan.slots == 8 and all(s.block.shape[0] == 5 for s in moe.stores)
+        assert all(c.block.is_cuda for c in moe.caches) and llm.engine.executor.runner.graphs is not None
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max_logprob_diff(got, want) < 2e-2
 
 
 @pytest.mark.parametrize("backend", ["hybrid", "cpu"])

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import ft.moe.backends.runtime as runtime
+import ft.moe.backends.sizing as sizing
 from ft.config import EngineConfig
 from ft.distributed import TPInfo, tp_context
 from ft.models.config import load_model_config
+from ft.moe.backends.host_store import host_experts
 from ft.moe.backends.layout import ExpertLayout
 from ft.moe.banks import BF16ExpertBank
 
@@ -26,7 +28,7 @@ def mc():
 
 
 def fake_memory(monkeypatch, budget: int, cap: int = 141 * GiB) -> None:
-    monkeypatch.setattr(runtime, "device_memory", lambda cfg, device: (budget, cap))
+    monkeypatch.setattr(sizing, "device_memory", lambda cfg, device: (budget, cap))
 
 
 def make(mc, tp: int = 1, **options) -> runtime.MoeRuntime:
@@ -55,7 +57,7 @@ def test_slots_come_from_what_is_left(mc, monkeypatch):
     layers, per_slot = 48, 48 * layout.expert_bytes
     rt = make(mc, moe_backend="offload")
     staging = 2 * 42 * layout.expert_bytes
-    reserve = runtime.reserve_bytes(141 * GiB)
+    reserve = sizing.reserve_bytes(141 * GiB)
     fake_memory(monkeypatch, reserve + staging + 301 * per_slot + 5)
     assert rt._slots(layout, layers, 512, staging) == 300  # one row per layer is the null expert
     fake_memory(monkeypatch, reserve + staging + 2000 * per_slot)
@@ -64,3 +66,36 @@ def test_slots_come_from_what_is_left(mc, monkeypatch):
     with pytest.raises(MemoryError, match=r"no room for an expert cache: .* one slot in each of 48 layers"):
         rt._slots(layout, layers, 512, staging)
     assert make(mc, moe_backend="offload", expert_cache_fraction=0.7)._slots(layout, layers, 512, 0) == 358
+
+
+def test_lean_plan_for_the_full_80b_in_bf16_on_one_h200(mc, monkeypatch):
+    """155 GB of bf16 experts, 128 GiB of host memory: the host keeps 426 experts of each layer (120
+    GiB after 8 GiB headroom, 288 MiB an expert of every layer), so 86 are static; the slots come
+    from the GPU budget less the planned pools and must hold the 86 and one token's 10 others."""
+    rt = make(mc, moe_backend="offload")
+    layout_bytes, layers = 3 * mc.hidden_size * mc.moe_intermediate_size * 2, 48
+    per_expert = layers * layout_bytes
+    assert host_experts(per_expert, 1, 128 * GiB) == 426
+    rt.static = sizing.static_experts(rt.cfg, "offload", 512, host_experts(per_expert, 1, 128 * GiB))
+    assert rt.static == 86
+    assert sizing.static_experts(rt.cfg, "offload", 512, 512) == 0
+    assert sizing.static_experts(rt.cfg, "hybrid", 512, 0) == 511  # check_host_memory refuses later
+    assert sizing.static_experts(rt.cfg, "cpu", 512, 0) == 0  # the same, with the cpu backend's reason
+
+    class Layout:
+        expert_bytes = layout_bytes
+
+    pools, staging = 3 * GiB, 2 * 42 * layout_bytes
+    fixed = sizing.reserve_bytes(141 * GiB) + staging + pools
+    fake_memory(monkeypatch, fixed + 380 * per_expert + 7)
+    assert rt._slots(Layout, layers, 512, staging, pools) == 379  # each layer's null row too
+    fake_memory(monkeypatch, fixed + 97 * per_expert)
+    assert rt._slots(Layout, layers, 512, staging, pools) == 96  # 86 static + 10 dynamic
+    fake_memory(monkeypatch, fixed + 90 * per_expert)
+    with pytest.raises(MemoryError) as e:
+        rt._slots(Layout, layers, 512, staging, pools)
+    assert (
+        "the host holds 426 of the 512 experts of each layer, so 86 must live on cuda:0 only, beside "
+        "10 slots for the others: 97 rows in each of 48 layers take 27.28 GiB, but 25.31 GiB is left "
+        "after weights, 3.00 GiB of KV and state pools, 7.0 GiB reserve and 0.49 GiB staging"
+    ) in str(e.value)

@@ -148,7 +148,13 @@ def test_sizes_and_config_checks():
         parse_size("lots")
     cfg = EngineConfig(config_file="x", load_format="dummy", max_gpu_memory="48GiB")
     assert cfg.max_gpu_memory_bytes == 48 << 30
-    for bad in (dict(moe_backend="disk"), dict(expert_cache_policy="fifo"), dict(expert_cache_fraction=0.0)):
+    bad_options = (
+        dict(moe_backend="disk"),
+        dict(expert_cache_policy="fifo"),
+        dict(expert_cache_fraction=0.0),
+        dict(static_experts=-1),
+    )
+    for bad in bad_options:
         with pytest.raises(ValueError):
             EngineConfig(config_file="x", load_format="dummy", **bad)
 
@@ -167,3 +173,29 @@ def test_routing_skew_concentrates_the_selections():
 
     uniform, skewed = top_share(0.0), top_share(1.0)
     assert uniform < 0.2 and skewed > 1.5 * uniform, (uniform, skewed)
+
+
+def test_static_slots_are_resident_hits_and_never_evicted():
+    m = SlotMap(num_experts=8, num_slots=4, policy="lfu", static=2)  # experts 0, 1 in slots 0, 1
+    assert m.slot_of[:2].tolist() == [0, 1] and m.num_resident == 2 and m.num_dynamic == 2
+    assert m.fits(np.array([0, 1, 5, 6])) and not m.fits(np.array([0, 5, 6, 7]))
+    for step, experts in enumerate([[5, 6], [6, 7], [2, 3], [4, 5], [3, 7]], start=1):
+        for e, slot in ensure(m, experts, step=step):
+            assert e >= 2 and slot >= 2  # only dynamic slots are filled
+    m.begin_step(6)
+    assert sorted(e for e, _ in m.prefetch(np.array([0, 2, 4]))) == [2, 4] and m.counts.evictions > 0
+    m.begin_step(7)
+    assert ensure(m, [0, 1, 3]) is not None  # both static experts hit, 3 takes a dynamic slot
+    assert m.slot_of[:2].tolist() == [0, 1] and m.expert_in[:2].tolist() == [0, 1]
+    assert m.counts.hits >= 2 and m.num_resident == 4
+    with pytest.raises(ValueError, match="static experts: 4 must leave a dynamic slot"):
+        SlotMap(8, 4, static=4)
+
+
+def test_expert_cache_table_starts_with_the_static_experts():
+    with torch.device("meta"):
+        bank = BF16ExpertBank(8, 16, 16)
+    cache = ExpertCache(ExpertLayout.of(bank), SlotMap(8, 4, static=3), torch.device("cpu"))
+    assert cache.table.tolist() == [0, 1, 2, 4, 4, 4, 4, 4]  # 4: the null slot
+    cache.map.slot_of[5] = 3  # the table is a copy: it changes only when published
+    assert cache.table[5] == 4

@@ -4,7 +4,9 @@
 selection table picks for the bank's format on the CPU (torch matmuls for bf16; NVFP4 experts
 dequantised first), reading the host store's rows in place, and returns their sum per token on
 the model's device. The ``cpu`` backend sends every pair there; attention, GDN, the router and
-the shared expert stay on the GPU. ``hybrid`` sends only the misses.
+the shared expert stay on the GPU. ``hybrid`` sends only the misses, never a static expert of a
+lean store (always resident, so always a hit). The ``cpu`` backend needs every expert in the host
+store, so the runtime refuses it a lean one.
 
 Under a CUDA-graph decode the work sits behind a ``split_point``: the graph leaves an output
 buffer that the host fills at the break, and the next segment adds it.
@@ -34,7 +36,7 @@ def cpu_experts(
 ) -> tuple[torch.Tensor, int]:
     """Sum over the pairs routed to ``experts`` -> ([T, H] on x's device, pairs computed)."""
     out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H] on the host
-    sel, rows = Pairs(ids_h, store.num_experts).of(experts, experts)  # host store rows are experts
+    sel, rows = Pairs(ids_h, store.num_experts).of(experts, store.rows(experts))
     if len(sel):
         run_pairs(_CpuKernel(bank), store.tensors, x.cpu(), weights.cpu(), out, sel, rows)
     return out.to(device=x.device, dtype=x.dtype), len(sel)

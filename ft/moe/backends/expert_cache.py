@@ -12,6 +12,10 @@ Row S is the *null expert*: all zeros, so its output is exactly zero whatever it
 An expert that is not resident maps to it; the hybrid backend relies on that to run the hits on
 the GPU while the CPU computes the misses, without the GPU adding anything for them.
 
+Static slots (a lean host store, ``placement.py``): slots [0, R) hold experts [0, R) for the whole
+run. They are resident from the start (so every use is a hit), never a victim of ``ensure`` or
+``prefetch``, and the other S - R *dynamic* slots cache the rest as below.
+
 Pinning: ``ensure`` pins the experts a batch uses for the current step (``begin_step``); nothing
 evicts a pinned slot until the next step, so a prefetch for this layer issued mid-step can never
 overwrite an expert the step is about to read. Policies (lower score is evicted first):
@@ -45,15 +49,18 @@ class SlotCounts:
 
 
 class SlotMap:
-    def __init__(self, num_experts: int, num_slots: int, policy: str = "lru") -> None:
+    def __init__(self, num_experts: int, num_slots: int, policy: str = "lru", static: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"expert cache policy {policy!r} (known: {', '.join(POLICIES)})")
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"expert cache slots: {num_slots} not in [1, {num_experts}]")
-        self.num_experts, self.num_slots, self.policy = num_experts, num_slots, policy
+        if not 0 <= static < num_slots:
+            raise ValueError(f"static experts: {static} must leave a dynamic slot of the {num_slots}")
+        self.num_experts, self.num_slots, self.policy, self.static = num_experts, num_slots, policy, static
         self.null = num_slots  # the slot index of "not resident"
         self.slot_of = np.full(num_experts, self.null, dtype=np.int64)  # [E]
         self.expert_in = np.full(num_slots, -1, dtype=np.int64)  # [S], -1: empty
+        self.slot_of[:static] = self.expert_in[:static] = np.arange(static)  # expert e in slot e
         self.last_use = np.full(num_slots, -1, dtype=np.int64)  # [S] tick of the last use
         self.pin_step = np.full(num_slots, -1, dtype=np.int64)  # [S] pinned while == step
         self.prefetched = np.zeros(num_slots, dtype=bool)  # [S] inserted ahead, not used since
@@ -70,7 +77,16 @@ class SlotMap:
 
     @property
     def num_resident(self) -> int:
-        return int((self.expert_in >= 0).sum())
+        return int((self.expert_in >= 0).sum())  # static ones included
+
+    @property
+    def num_dynamic(self) -> int:
+        return self.num_slots - self.static
+
+    def fits(self, experts: np.ndarray) -> bool:
+        """Whether a batch's distinct ``experts`` can all be resident at once: the static ones
+        always are, the others need a dynamic slot each."""
+        return int((np.asarray(experts) >= self.static).sum()) <= self.num_dynamic
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -135,7 +151,8 @@ class SlotMap:
         self.prefetched[slots] = False
 
     def _candidates(self) -> np.ndarray:
-        return np.nonzero(self.pin_step != self.step)[0]
+        """Slots that may be filled now: dynamic and not pinned for this step."""
+        return self.static + np.nonzero(self.pin_step[self.static :] != self.step)[0]
 
     def _victims(self, n: int, cand: np.ndarray) -> np.ndarray | None:
         """The ``n`` candidate slots to fill: empty ones first, then by the policy's order."""
@@ -173,7 +190,7 @@ class ExpertCache:
         self.block = layout.allocate(slot_map.num_slots + 1, device)  # [S + 1, bytes], row S null
         self.tensors = layout.views(self.block)  # name -> [S + 1, *shape]
         e = slot_map.num_experts
-        self.table = torch.full((e,), slot_map.null, dtype=torch.int64, device=device)  # [E]
+        self.table = torch.tensor(slot_map.slot_of, device=device)  # [E] a copy; static ones mapped
         pin = device.type == "cuda"
         self._mirror = torch.empty(e, dtype=torch.int64, pin_memory=pin)  # host side of table
         self.map.dirty = False

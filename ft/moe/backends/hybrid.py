@@ -11,8 +11,9 @@ For a decode-only batch of at most ``HYBRID_MAX_TOKENS`` tokens:
 A miss costs CPU time instead of a blocking PCIe copy. The missed experts are then copied into
 the cache in the background (evicting unpinned slots by the policy), for later steps: the copy
 is not waited for, and the table that this step's kernel reads was written before it, so the
-step never uses a half-copied slot. Larger batches (prefill) use the offload paths, where the
-CPU would be the bottleneck.
+step never uses a half-copied slot. Static experts of a lean store (``placement.py``) are always
+hits, so the CPU never needs them (they have no host copy). Larger batches (prefill) use the
+offload paths, where the CPU would be the bottleneck.
 """
 
 from __future__ import annotations

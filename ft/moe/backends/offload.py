@@ -1,6 +1,7 @@
 """The offload backend: a layer's experts in the host store, a GPU slot cache in front of them.
 
-Decode (a decode-only batch whose distinct experts fit the layer's S slots):
+Decode (a decode-only batch whose distinct experts fit the layer's slots; static experts of a lean
+store, ``placement.py``, are always resident, the others need one of the S - R dynamic slots):
 
     ids -> host, distinct experts -> ``SlotMap.ensure`` (hits pinned, misses given victims by
     the policy) -> copies host store -> slots on the side stream -> device table written ->
@@ -13,12 +14,12 @@ experts and their copies start (``prefetch.py``), a layer ahead and overlapped w
 compute; a wrong guess costs bandwidth, never correctness.
 
 Prefill (and any batch whose experts do not fit): the chunk's experts are streamed. Resident
-ones are used in place (one kernel call on the slots), or, with ``--moe-prefill-hit-d2d``,
-copied device-to-device into staging with the rest; the others go host -> staging in groups of
-B experts, double-buffered (group g + 1 is copied while group g computes). A group runs the
-kernel on the pairs (token, k) routed into it, k = 1 each, summed into an fp32 accumulator.
-Prefill never inserts into the cache (a long prompt would flush the decode working set); its
-accesses still count for the policy.
+ones, static ones included, are used in place (one kernel call on the slots), or, with
+``--moe-prefill-hit-d2d``, copied device-to-device into staging with the rest; the others go
+host -> staging in groups of B experts, double-buffered (group g + 1 is copied while group g
+computes). A group runs the kernel on the pairs (token, k) routed into it, k = 1 each, summed
+into an fp32 accumulator. Prefill never inserts into the cache (a long prompt would flush the
+decode working set); its accesses still count for the policy.
 
 CUDA graphs: the host work sits behind ``split_point`` (``graph_split.py``), so a captured decode
 step breaks at each MoE layer to make the batch's experts resident, then replays the kernel,
@@ -118,7 +119,7 @@ class OffloadBackend:
         ids_h, pred_h = self._to_host(ids, pred)
         self._begin(len(x))
         experts = unique(ids_h)
-        if decode_only() and len(experts) <= self.map.num_slots:
+        if decode_only() and self.map.fits(experts):
             self._make_resident(experts, pred_h)
             return self._cached(bank, x, weights, ids)
         return self._stream(bank, x, weights, ids_h, experts, pred_h)
@@ -144,10 +145,11 @@ class OffloadBackend:
         ids_h, pred_h = self._to_host(ids, pred)
         self._begin(len(ids_h))
         experts = unique(ids_h)
-        if len(experts) > self.map.num_slots:
+        if not self.map.fits(experts):
             raise RuntimeError(
                 f"a graphed decode batch routed to {len(experts)} experts, more than the "
-                f"{self.map.num_slots} cache slots of a layer: the graph batch-size cap is wrong"
+                f"{self.map.num_slots} cache slots ({self.map.static} static) of a layer hold: "
+                "the graph batch-size cap is wrong"
             )
         self._make_resident(experts, pred_h)
 
@@ -164,7 +166,8 @@ class OffloadBackend:
         """Copy (expert, slot) pairs from the host store into this layer's cache."""
         if copies:
             experts, slots = zip(*copies)
-            self.shared.transfer.issue(self.cache.block, list(slots), self.store.block, list(experts))
+            rows = self.store.rows(np.array(experts)).tolist()
+            self.shared.transfer.issue(self.cache.block, list(slots), self.store.block, rows)
 
     def _prefetch_next(self, pred_h: np.ndarray | None) -> None:
         if pred_h is not None:
@@ -214,7 +217,7 @@ class OffloadBackend:
             st.blocks[buf],
             rows[~on_device].tolist(),
             self.store.block,
-            group[~on_device].tolist(),
+            self.store.rows(group[~on_device]).tolist(),
             after=after,
         )
         return ev_h2d if ev_h2d is not None else ev_d2d  # one stream: the later covers both

@@ -4,7 +4,7 @@ Hidden states change little from one layer to the next (the residual stream carr
 the next router on this layer's MoE input picks most of the experts the next layer will pick.
 ``predict`` runs on the device (inside CUDA graphs too) right after this layer's routing;
 ``start`` runs on the host once the predictions are read back with the layer's own ids, and
-inserts the predicted experts into the next layer's cache (evicting only unpinned slots),
+inserts the predicted experts into the next layer's cache (evicting only unpinned dynamic slots),
 copying them on the side stream while this layer computes. The next layer's lookups then hit.
 A wrong prediction costs PCIe bandwidth and maybe a useful slot, never a wrong result: the
 next layer still routes with its own router and fetches whatever is missing.

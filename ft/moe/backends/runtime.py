@@ -5,18 +5,22 @@ The runner calls it in this order:
     MoeRuntime(cfg, mc, tp, device, dtype)   picks the backend (auto: gpu if the model fits the
                                              GPU budget, else offload, and says so)
     build_model(..., bank_device=rt.bank_device)   offloading: banks built on meta
-    rt.attach_stores(model)                  checks host memory, then allocates one host block
-                                             per layer and makes the banks' parameters views of
-                                             it, so loading fills host memory directly
-    load weights / dummy weights; KV and state pools
+    rt.attach_stores(model, pool_bytes)      checks host memory, then allocates one host block
+                                             per layer and places the banks' experts in it
+                                             (``placement``), so loading fills it directly; a
+                                             lean store's slots are sized and allocated here
+    load weights / dummy weights; KV and state pools (planned before attach_stores)
     rt.allocate(model)                       sizes the slot cache from what is left (or
                                              --expert-cache-fraction), allocates slots and
                                              staging, gives every MoE block its backend
     rt.describe(kv_tokens)                   the plan line each rank prints
 
-The GPU budget is ``min(total, --max-gpu-memory) * --memory-ratio`` minus what the device
-already holds. After weights, KV and states, a reserve is kept for activations and CUDA graphs
-(``RESERVE``), the staging buffers are taken, and the rest becomes S slots in every MoE layer.
+How much memory each part takes is decided in ``sizing``. Lean store (``placement.py``): when
+the host cannot hold every expert (or ``--static-experts R`` says so), R experts per layer live
+in their cache slots only and the host stores the other E - R. The static experts are loaded
+straight into their slots, so the caches must exist before loading: S is then decided and the
+caches allocated in ``attach_stores``, the pools the runner planned (``pool_bytes``) subtracted
+in advance, and ``allocate`` reuses them.
 """
 
 from __future__ import annotations
@@ -28,33 +32,23 @@ import torch
 from ft.config import EngineConfig
 from ft.distributed import TPInfo
 from ft.models.config import ModelConfig
-from ft.moe.backends import OFFLOADING
+from ft.moe.backends import OFFLOADING, sizing
 from ft.moe.backends.cpu import CpuBackend
 from ft.moe.backends.expert_cache import ExpertCache, SlotMap
-from ft.moe.backends.host_store import GiB, HostStore, check_host_memory, local_ranks, pin_available
+from ft.moe.backends.host_store import (
+    GiB,
+    HostStore,
+    check_host_memory,
+    host_experts,
+    local_ranks,
+    pin_available,
+)
 from ft.moe.backends.hybrid import HYBRID_MAX_TOKENS, HybridBackend
 from ft.moe.backends.layout import ExpertLayout
 from ft.moe.backends.offload import OffloadBackend, Shared, Staging
+from ft.moe.backends.placement import place
 from ft.moe.backends.prefetch import Prefetch
 from ft.moe.backends.transfer import Transfer
-
-STAGING_BYTES = 256 << 20  # per staging buffer: enough to keep PCIe busy while a group computes
-
-
-def reserve_bytes(cap: int) -> int:
-    """Kept free for activations (a prefill chunk) and CUDA graphs after every pool is allocated."""
-    return max(2 * GiB, cap // 20)
-
-
-def device_memory(cfg: EngineConfig, device: torch.device) -> tuple[int, int]:
-    """(bytes the engine may still allocate on ``device`` now, the cap it plans for); CUDA only."""
-    free, total = torch.cuda.mem_get_info(device)
-    cap = min(total, cfg.max_gpu_memory_bytes or total)
-    return int(cap * cfg.memory_ratio) - (total - free), cap
-
-
-def device_budget(cfg: EngineConfig, device: torch.device) -> int:
-    return device_memory(cfg, device)[0]
 
 
 def moe_blocks(model: torch.nn.Module) -> list:
@@ -67,6 +61,7 @@ class MoePlan:
     layers: int = 0
     experts: int = 0  # per layer
     slots: int = 0  # cache slots per layer
+    static: int = 0  # of which hold an expert with no host copy, for the whole run (lean store)
     cache_bytes: int = 0  # this rank's slots and tables, all layers
     staging_bytes: int = 0
     host_bytes: int = 0  # this rank's host store
@@ -83,6 +78,8 @@ class MoeRuntime:
         self.name = self._choose()
         self.offloads = self.name in OFFLOADING
         self.stores: list[HostStore] = []
+        self.caches: list[ExpertCache] = []  # a lean store's, allocated before loading
+        self.static = 0  # experts per layer on the GPU only (lean store)
         self.backends: list = []
         self.shared: Shared | None = None
         self.plan = MoePlan(self.name)
@@ -100,7 +97,7 @@ class MoeRuntime:
         from ft.models.info import footprint
 
         need = footprint(mc, self.tp.size, self.tp.rank, self.dtype).total_bytes
-        budget = device_memory(cfg, self.device)[0]
+        budget = sizing.device_budget(cfg, self.device)
         if need <= 0.9 * budget:
             return "gpu"
         if self.tp.is_first:
@@ -112,22 +109,32 @@ class MoeRuntime:
         return "offload"
 
     # ---- before loading
-    def attach_stores(self, model: torch.nn.Module) -> None:
-        if not self.offloads:
-            return
+    def attach_stores(self, model: torch.nn.Module, pool_bytes: int = 0) -> None:
+        """Allocate the host stores (and a lean store's caches) and place the banks' experts in
+        them, before anything is loaded. ``pool_bytes``: the KV and state pools to come."""
         blocks = moe_blocks(model)
+        if not self.offloads or not blocks:
+            return
         layouts = [ExpertLayout.of(b.experts) for b in blocks]
-        per_rank = sum(lay.expert_bytes * b.experts.num_experts for lay, b in zip(layouts, blocks))
-        check_host_memory(per_rank, local_ranks(self.tp.size), self.cfg.max_host_memory_bytes)
+        e = blocks[0].experts.num_experts
+        per_expert = sum(lay.expert_bytes for lay in layouts)  # one expert of every layer
+        ranks, limit = local_ranks(self.tp.size), self.cfg.max_host_memory_bytes
+        self.static = sizing.static_experts(self.cfg, self.name, e, host_experts(per_expert, ranks, limit))
+        hint = "; the cpu backend needs them all on the host (offload and hybrid do not)"
+        check_host_memory((e - self.static) * per_expert, ranks, limit, hint if self.name == "cpu" else "")
+        if self.static:
+            staging = 2 * sizing.staging_rows(self.cfg, layouts[0], e) * layouts[0].expert_bytes
+            slots = self._slots(layouts[0], len(blocks), e, staging, pool_bytes)
         pin = pin_available(self.device)
         for lay, b in zip(layouts, blocks):
-            store = HostStore(lay, b.experts.num_experts, pin)
-            store.adopt(b.experts)
+            store = HostStore(lay, e, pin, self.static)
+            cache = None
+            if self.static:
+                slot_map = SlotMap(e, slots, self.cfg.expert_cache_policy, self.static)
+                cache = ExpertCache(lay, slot_map, self.device)
+                self.caches.append(cache)
+            place(b.experts, store, cache)
             self.stores.append(store)
-
-    @staticmethod
-    def in_host_store(p: torch.Tensor) -> bool:
-        return getattr(p, "in_host_store", False)
 
     # ---- after the pools
     def allocate(self, model: torch.nn.Module) -> MoePlan:
@@ -137,63 +144,47 @@ class MoeRuntime:
         e = blocks[0].experts.num_experts
         if not self.offloads:
             bank_bytes = sum(b.experts.weight_bytes() for b in blocks)
-            self.plan = MoePlan("gpu", len(blocks), e, e, bank_bytes)
+            self.plan = MoePlan("gpu", len(blocks), e, e, cache_bytes=bank_bytes)
             return self.plan
         cfg, layout = self.cfg, self.stores[0].layout
-        transfer = Transfer(self.device)
         staging = None
-        slots = 0
         if self.name != "cpu":
-            rows = cfg.moe_staging_experts or max(1, STAGING_BYTES // layout.expert_bytes)
-            staging = Staging(layout, min(rows, e), self.device)
-            slots = self._slots(layout, len(blocks), e, staging.nbytes)
-        self.shared = Shared(transfer, staging, cfg.moe_prefill_hit_d2d, [])
+            staging = Staging(layout, sizing.staging_rows(cfg, layout, e), self.device)
+            if not self.caches:  # a lean store's were allocated before loading
+                slots = self._slots(layout, len(blocks), e, staging.nbytes)
+                policy = cfg.expert_cache_policy
+                self.caches = [ExpertCache(layout, SlotMap(e, slots, policy), self.device) for _ in blocks]
+        maps = [c.map for c in self.caches]
+        self.shared = Shared(Transfer(self.device), staging, cfg.moe_prefill_hit_d2d, maps)
         for i, (block, store) in enumerate(zip(blocks, self.stores)):
             if self.name == "cpu":
                 backend = CpuBackend(store, self.shared, first=i == 0)
             else:
-                cache = ExpertCache(layout, SlotMap(e, slots, cfg.expert_cache_policy), self.device)
-                self.shared.maps.append(cache.map)
                 cls = HybridBackend if self.name == "hybrid" else OffloadBackend
-                backend = cls(store, cache, self.shared, first=i == 0)
+                backend = cls(store, self.caches[i], self.shared, first=i == 0)
             block.backend = backend
             self.backends.append(backend)
         if cfg.moe_prefetch and self.name != "cpu":
             for backend, nxt, block in zip(self.backends, self.backends[1:], blocks[1:]):
                 backend.prefetch = Prefetch(block.gate, nxt)  # the next MoE layer's router
-        caches = [b.cache for b in self.backends if b.cache is not None]
         self.plan = MoePlan(
             self.name,
             len(blocks),
             e,
-            slots,
-            sum(c.nbytes for c in caches),
-            staging.nbytes if staging else 0,
-            sum(s.nbytes for s in self.stores),
-            self.stores[0].pinned,
-            cfg.expert_cache_policy,
-            cfg.moe_prefetch and self.name != "cpu",
+            slots=self.caches[0].map.num_slots if self.caches else 0,
+            static=self.static,
+            cache_bytes=sum(c.nbytes for c in self.caches),
+            staging_bytes=staging.nbytes if staging else 0,
+            host_bytes=sum(s.nbytes for s in self.stores),
+            pinned=self.stores[0].pinned,
+            policy=cfg.expert_cache_policy,
+            prefetch=cfg.moe_prefetch and self.name != "cpu",
         )
         return self.plan
 
-    def _slots(self, layout: ExpertLayout, layers: int, e: int, staging_bytes: int) -> int:
-        frac = self.cfg.expert_cache_fraction
-        if frac is not None:
-            return min(e, max(1, round(frac * e)))
-        if self.device.type != "cuda":
-            return e  # nothing to measure on a CPU-only machine: cache everything
-        budget, cap = device_memory(self.cfg, self.device)
-        left = budget - reserve_bytes(cap) - staging_bytes
-        per_slot = layers * layout.expert_bytes
-        slots = left // per_slot - 1  # each layer also holds its null row
-        if slots < 1:
-            raise MemoryError(
-                f"no room for an expert cache: {left / GiB:.2f} GiB left on {self.device} after weights, "
-                f"KV and state pools, {reserve_bytes(cap) / GiB:.1f} GiB reserve and "
-                f"{staging_bytes / GiB:.2f} GiB staging, and one slot in each of {layers} layers takes "
-                f"{2 * per_slot / GiB:.2f} GiB; lower --num-tokens or raise --memory-ratio / --max-gpu-memory"
-            )
-        return min(e, slots)
+    def _slots(self, layout: ExpertLayout, layers: int, e: int, staging: int, pools: int = 0) -> int:
+        k = self.mc.num_experts_per_tok
+        return sizing.cache_slots(self.cfg, self.device, layout, layers, e, k, staging, pools, self.static)
 
     # ---- CUDA graphs
     @property
@@ -209,7 +200,7 @@ class MoeRuntime:
             return 1 << 30
         if self.name == "hybrid":
             return HYBRID_MAX_TOKENS
-        return self.plan.slots // self.mc.num_experts_per_tok
+        return (self.plan.slots - self.plan.static) // self.mc.num_experts_per_tok
 
     # ---- reporting
     def describe(self, kv_tokens: int) -> str:
@@ -228,11 +219,13 @@ class MoeRuntime:
                 f"{p.host_bytes / gib:.2f} GiB, none resident on {self.device}; KV {kv_tokens} tokens"
             )
         extra = f"{p.policy}, prefetch {'on' if p.prefetch else 'off'}"
+        lean = f"; {p.static} static + {p.slots - p.static} dynamic slots" if p.static else ""
+        held = f" of {p.experts - p.static} experts a layer" if p.static else ""
         return (
             f"{head} ({extra}): {p.layers} layers x {p.slots}/{p.experts} experts resident "
-            f"({p.slots / p.experts:.0%}), expert cache {p.cache_bytes / gib:.2f} GiB + staging "
-            f"{p.staging_bytes / gib:.2f} GiB on {self.device}, host store {p.host_bytes / gib:.2f} GiB "
-            f"{'pinned' if p.pinned else 'pageable'}; KV {kv_tokens} tokens"
+            f"({p.slots / p.experts:.0%}{lean}), expert cache {p.cache_bytes / gib:.2f} GiB + staging "
+            f"{p.staging_bytes / gib:.2f} GiB on {self.device}, host store {p.host_bytes / gib:.2f} GiB"
+            f"{held} {'pinned' if p.pinned else 'pageable'}; KV {kv_tokens} tokens"
         )
 
     def stats(self) -> dict:
