@@ -31,7 +31,7 @@ def test_qwen3_next_per_rank_shapes_and_bytes():
         s = fp.shapes
         assert s["model.layers.0.mlp.experts.w13"] == (512, 2 * 512 // tp, 2048)
         assert s["model.layers.0.mlp.experts.w2"] == (512, 2048, 512 // tp)
-        assert s["model.layers.0.linear_attn.in_proj_qkvz.weight"] == (12288 // tp, 2048)
+        assert s["model.layers.0.linear_attn.in_proj.weight"] == ((12288 + 64) // tp, 2048)  # qkvz + ba
         assert s["model.layers.0.linear_attn.conv1d.weight"] == (8192 // tp, 1, 4)
         assert s["model.layers.0.linear_attn.A_log"] == (32 // tp,)
         kv_rows = max(1, 2 // tp) * 256

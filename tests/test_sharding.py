@@ -78,11 +78,15 @@ def reassemble(states, name: str, mc) -> torch.Tensor:
         # on disk: per key head [q k v z] (or [b a]); each rank holds its key heads part-major
         hk, r = mc.linear_num_key_heads // tp, mc.linear_num_value_heads // mc.linear_num_key_heads
         dk, dv = mc.linear_key_head_dim, mc.linear_value_head_dim
+        # both load into one fused in_proj: this rank's [q k v z] rows, then its [b a] rows
+        fused = re.sub(r"in_proj_(qkvz|ba)\.weight$", "in_proj.weight", name)
+        qkvz_rows = hk * (2 * dk + 2 * r * dv)
         widths = [dk, dk, r * dv, r * dv] if "qkvz" in name else [r, r]
         grouped = []
         for s in states:
-            parts = [p.view(hk, w, -1) for p, w in zip(s[name].split([hk * w for w in widths]), widths)]
-            grouped.append(torch.cat(parts, dim=1).reshape(-1, s[name].shape[1]))
+            mine = s[fused][:qkvz_rows] if "qkvz" in name else s[fused][qkvz_rows:]
+            parts = [p.view(hk, w, -1) for p, w in zip(mine.split([hk * w for w in widths]), widths)]
+            grouped.append(torch.cat(parts, dim=1).reshape(-1, mine.shape[1]))
         return torch.cat(grouped)
     if re.search(r"A_log$|dt_bias$", name):
         return cat(states, name)
