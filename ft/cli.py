@@ -19,6 +19,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", dest="max_num_batched_tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--disable-prefix-cache",
+        dest="enable_prefix_cache",
+        action="store_false",
+        help="no prefix cache (on hybrid models it also stops ending a chunk at each prompt's last block)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=1800.0)
     p.add_argument(
@@ -93,6 +99,7 @@ ENGINE_KEYS = (
     "max_num_batched_tokens",
     "max_model_len",
     "block_size",
+    "enable_prefix_cache",
     "seed",
     "dist_timeout_s",
     "quantize_experts",

@@ -39,3 +39,13 @@ def test_generate_token_ids(tmp_path):
             [[4, 8, 15, 16, 23, 42]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         )
     assert out == " ".join(map(str, want[0].token_ids))
+
+
+def test_prefix_cache_switch_reaches_every_command():
+    from ft.cli import build_parser, engine_options
+
+    parser = build_parser()
+    for argv in (["generate", "--prompt", "x"], ["bench", "offline"], ["serve"]):
+        assert engine_options(parser.parse_args(argv))["enable_prefix_cache"] is True
+        off = parser.parse_args([*argv, "--disable-prefix-cache"])
+        assert engine_options(off)["enable_prefix_cache"] is False

@@ -21,7 +21,6 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--disable-prefix-cache", action="store_true")
     p.add_argument(
         "--api-key",
         default=os.environ.get("FT_API_KEY"),
@@ -56,7 +55,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = EngineConfig(
             **engine_options(args),
             tokenizer=args.tokenizer,
-            enable_prefix_cache=not args.disable_prefix_cache,
         )
     except ValueError as e:
         print(f"ft serve: {e}", file=sys.stderr)
