@@ -1,0 +1,29 @@
+"""The packed per-step inputs of CUDA-graph decode (``ft.engine.cuda_graph.Packed``), on CPU:
+every field is a contiguous segment the graphs read, filled through the host twin, and one
+upload of ``rows`` rows refreshes the first ``rows`` rows of every field and nothing past them."""
+
+from __future__ import annotations
+
+import torch
+
+from ft.engine.cuda_graph import Packed
+
+
+def test_fields_are_contiguous_segments_and_upload_moves_the_first_rows():
+    p = Packed({"ids": 1, "history": 3, "table": 2}, 4, torch.int64, torch.device("cpu"))
+    ids, history, table = p.views()
+    assert ids.shape == (4,) and history.shape == (4, 3) and table.shape == (4, 2)
+    assert all(v.is_contiguous() for v in (ids, history, table))
+    h_ids, h_hist, h_table = p.host_views(2)
+    h_ids[:] = [7, 8]
+    h_hist[:] = [[1, 2, 3], [4, 5, 6]]
+    h_table[:] = [[9, 9], [10, 10]]
+    p.upload(2)
+    assert ids[:2].tolist() == [7, 8] and history[:2].tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert table[:2].tolist() == [[9, 9], [10, 10]] and table[2:].eq(0).all()
+    h_table = p.host_views(4)[2]
+    h_table[3] = [5, 5]  # past the uploaded rows: stays on the host until an upload covers it
+    p.upload(2)
+    assert table[3].tolist() == [0, 0]
+    p.upload(4)
+    assert table[3].tolist() == [5, 5]
