@@ -47,6 +47,23 @@ def test_bench_offline_cli(tmp_path, capsys):
     assert report["prefill"]["24"] > 0 and report["ttft_ms"] > 0
 
 
+def test_bench_offline_census(tmp_path, capsys):
+    """--census counts what a decode step and a prefill run (leaf CPU operators here)."""
+    write_checkpoint(tmp_path, "qwen3_next")
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "offline", "--config", str(tmp_path / "config.json"), "--load-format", "dummy"]
+    argv += ["--device", "cpu", "--batch-sizes", "1", "--input-len", "12", "--output-len", "3"]
+    assert main([*argv, "--prefill-lens", "", "--census", "--output-json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "census decode (batch 1):" in printed and "census prefill (12 tokens):" in printed
+    decode, prefill = json.loads(out_json.read_text())["census"]
+    assert decode["steps"] == 4 and decode["kernels_per_step"] > 10
+    assert prefill["kernels_per_step"] > decode["kernels_per_step"] / 2
+    times = [row[2] for row in decode["top"]]
+    assert times == sorted(times, reverse=True) and all(row[1] > 0 for row in decode["top"])
+    assert "aten::linear" not in [row[0] for row in decode["top"]]  # leaves only: no double counting
+
+
 def test_decode_bytes_count_distinct_experts(tmp_path):
     write_checkpoint(tmp_path, "qwen3_next")
     mc = load_model_config(str(tmp_path))

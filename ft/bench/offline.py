@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ft.bench.census import CENSUS_TOKENS, census, format_census
 from ft.bench.roofline import decode_step_bytes, measure_bandwidth
 from ft.config import EngineConfig
 from ft.engine.engine import LLMEngine
@@ -57,6 +58,7 @@ class Report:
     prefill: dict[int, float] = field(default_factory=dict)
     hf: dict[str, float] = field(default_factory=dict)
     moe: dict = field(default_factory=dict)  # backend, residency, policy, ... and h2d_gb_s measured
+    census: list = field(default_factory=list)  # ft.bench.census.Census rows, with --census
 
 
 def _sync(engine: LLMEngine) -> None:
@@ -123,6 +125,7 @@ def bench(
     prefill_lens: list[int],
     seed: int = 0,
     compare_hf: bool = False,
+    with_census: bool = False,
 ) -> Report:
     rng = random.Random(seed)
     engine = LLMEngine(cfg)
@@ -182,6 +185,8 @@ def bench(
         run_batch(engine, [prompt(length)], 1)  # warm-up
         res = run_batch(engine, [prompt(length)], 1)
         report.prefill[length] = length / res["wall"]
+    if with_census:
+        report.census = census(engine, input_len)
     engine.shutdown()
     if compare_hf:
         report.hf = bench_hf(cfg, input_len, output_len)
@@ -258,7 +263,7 @@ def format_report(r: Report) -> str:
             )
     for k, v in r.hf.items():
         lines.append(f"transformers {k}: {v:,.1f}")
-    return "\n".join(lines)
+    return "\n".join(lines + format_census(r.census))
 
 
 def to_json(r: Report) -> str:
@@ -279,6 +284,9 @@ def add_offline_parser(bench_sub) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--prefill-lens", default="8192,32768")
     p.add_argument("--compare-hf", action="store_true", help="add a row for transformers' generate")
+    p.add_argument(
+        "--census", action="store_true", help="count and time the kernels of a decode step and a prefill"
+    )
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_offline)
 
@@ -289,10 +297,17 @@ def cmd_offline(args) -> int:
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
     prefill = [int(s) for s in args.prefill_lens.split(",") if s]
     options = engine_options(args) | {"max_running_requests": max(sizes + [args.max_running_requests])}
-    longest = max([n + 1 for n in prefill] + [args.input_len + args.output_len + 1])
+    census_len = args.input_len + CENSUS_TOKENS if args.census else 0
+    longest = max([n + 1 for n in prefill] + [args.input_len + args.output_len + 1, census_len])
     options["max_model_len"] = options.get("max_model_len") or longest
     report = bench(
-        EngineConfig(**options), sizes, args.input_len, args.output_len, prefill, compare_hf=args.compare_hf
+        EngineConfig(**options),
+        sizes,
+        args.input_len,
+        args.output_len,
+        prefill,
+        compare_hf=args.compare_hf,
+        with_census=args.census,
     )
     print(format_report(report))
     if args.output_json:

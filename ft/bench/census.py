@@ -1,0 +1,116 @@
+"""Kernel census (``ft bench offline --census``): what one decode step and one prefill launch,
+counted and timed by ``torch.profiler``. Decode is bound by how many kernels a step launches, not
+by bytes, so this table is what to read before fusing anything, and after, to see it worked.
+
+For each phase: kernels per step, their summed device time, the step's wall time, and the kernels
+that take the most time with their counts. CUDA graphs are bypassed while counting (a replay is
+one launch to the profiler), so the decode rows are the eager step's kernels, which are the
+graph's. With tensor parallelism only the first rank is counted, and only in-process (TP = 1).
+On a CPU the rows are the leaf operators the CPU ran: a smoke test, the figures mean little.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ft.sampling_params import SamplingParams
+
+TOP = 25
+DECODE_STEPS = 4  # profiled, after one unprofiled
+CENSUS_TOKENS = DECODE_STEPS + 2  # what the decode census generates after its prompt
+
+
+@dataclass
+class Census:
+    phase: str  # "decode (batch 1)" or "prefill (N tokens)"
+    steps: int
+    kernels_per_step: float
+    device_ms_per_step: float
+    wall_ms_per_step: float
+    top: list[tuple[str, float, float]] = field(default_factory=list)  # name, per step: count, µs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _profile(phase: str, device: torch.device, run, steps: int) -> Census:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    counts, micros = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
+            counts[e.name] += 1
+            micros[e.name] += e.device_time
+        elif not cuda and e.device_type == torch.autograd.DeviceType.CPU and not e.cpu_children:
+            counts[e.name] += 1
+            micros[e.name] += e.self_cpu_time_total
+    top = [(name, counts[name] / steps, us / steps) for name, us in micros.most_common(TOP)]
+    return Census(
+        phase,
+        steps,
+        sum(counts.values()) / steps,
+        sum(micros.values()) / steps / 1e3,
+        wall / steps * 1e3,
+        top,
+    )
+
+
+def census(engine, input_len: int, decode_steps: int = DECODE_STEPS) -> list[Census]:
+    """Census of a batch-1 decode step (after an ``input_len`` prompt) and of one such prefill."""
+    runner = getattr(engine.executor, "runner", None)
+    if runner is None:
+        return []  # ranks in other processes: not counted here
+    device, vocab = runner.device, engine.model_config.vocab_size
+
+    def prompt(seed: int) -> list[int]:  # distinct prompts: no prefix-cache hits
+        return [(i * 7919 + seed * 104729 + 13) % vocab for i in range(input_len)]
+
+    def run(tokens: list[int], max_tokens: int) -> str:
+        return engine.add_request(
+            tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        )
+
+    def prefill(seed: int) -> None:
+        run(prompt(seed), 1)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    graphs, runner.graphs = runner.graphs, None  # eager: each kernel visible
+    try:
+        rid = run(prompt(0), decode_steps + 2)
+        while any(r.num_computed_tokens < r.prompt_len for r in engine.scheduler.requests.values()):
+            engine.step()
+        engine.step()  # the first decode step outside the profile: first-use work
+        decode = _profile(
+            "decode (batch 1)", device, lambda: [engine.step() for _ in range(decode_steps)], decode_steps
+        )
+        engine.abort_request(rid)
+        prefill(1)  # shapes compiled and tuned outside the profile
+        return [decode, _profile(f"prefill ({input_len} tokens)", device, lambda: prefill(2), 1)]
+    finally:
+        runner.graphs = graphs
+
+
+def format_census(rows: list[Census]) -> list[str]:
+    lines = []
+    for c in rows:
+        lines.append(
+            f"census {c.phase}: {c.kernels_per_step:,.0f} kernels per step, "
+            f"{c.device_ms_per_step:,.3f} ms of kernels, {c.wall_ms_per_step:,.3f} ms wall"
+        )
+        for name, count, us in c.top:
+            lines.append(f"  {count:7.1f} x {us:10.1f} us  {name[:100]}")
+    return lines
