@@ -14,15 +14,10 @@ import pytest
 import torch
 
 import ft.engine.model_runner as model_runner
-from ft import LLM, SamplingParams
 from ft.moe.backends.runtime import moe_blocks
 from tests.checkpoints import write_checkpoint
+from tests.offload.equality import PARAMS, PROMPTS, assert_same, engine, generate
 
-PROMPTS = [[5, 17, 3, 88, 41, 9, 2, 60, 33, 71, 12, 50, 7], [30, 1, 64, 19], [8, 8, 2, 91, 40, 3, 3]]
-PARAMS = [
-    SamplingParams(max_tokens=n, temperature=0.0, prompt_logprobs=2, logprobs=2, ignore_eos=True)
-    for n in (9, 3, 6)
-]
 E = 8
 CASES = {  # slots = round(fraction * 8); static + dynamic
     "R1-1-dynamic-no-prefetch": dict(static_experts=1, expert_cache_fraction=0.25, moe_prefetch=False),
@@ -44,34 +39,6 @@ CASES = {  # slots = round(fraction * 8); static + dynamic
 
 def options(case: str) -> dict:
     return {"moe_backend": "offload", **CASES[case]}
-
-
-def engine(path, **options):
-    return LLM(model=str(path), device="cpu", dtype="float32", progress=False, **options)
-
-
-def generate(path, **options):
-    with engine(path, **options) as llm:
-        return llm.generate(PROMPTS, PARAMS), llm.engine.stats()
-
-
-def assert_same(outs, ref, tol: float = 0.0):
-    for got, want in zip(outs, ref, strict=True):
-        assert got.token_ids == want.token_ids
-        for a, b in zip(got.prompt_logprobs[1:] + got.logprobs, want.prompt_logprobs[1:] + want.logprobs):
-            assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= tol for k in a)
-
-
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
-def ckpt(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(path, request.param, seed=23)
-    return path
-
-
-@pytest.fixture(scope="module")
-def refs(ckpt):
-    return {chunk: generate(ckpt, moe_backend="gpu", max_num_batched_tokens=chunk)[0] for chunk in (8192, 5)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

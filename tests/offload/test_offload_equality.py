@@ -12,15 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from ft import LLM, SamplingParams
-from tests.checkpoints import write_checkpoint
+from ft import LLM
+from tests.offload.equality import PARAMS, PROMPTS, assert_same, generate
 
-PROMPTS = [[5, 17, 3, 88, 41, 9, 2, 60, 33, 71, 12, 50, 7], [30, 1, 64, 19], [8, 8, 2, 91, 40, 3, 3]]
-# different lengths, so decode batches shrink from three sequences to one (which fits 2 slots)
-PARAMS = [
-    SamplingParams(max_tokens=n, temperature=0.0, prompt_logprobs=2, logprobs=2, ignore_eos=True)
-    for n in (9, 3, 6)
-]
 CASES = {
     "1-slot-no-prefetch": dict(moe_backend="offload", expert_cache_fraction=0.125, moe_prefetch=False),
     "1-slot-prefetch": dict(moe_backend="offload", expert_cache_fraction=0.125),
@@ -38,30 +32,6 @@ CASES = {
     "cpu": dict(moe_backend="cpu"),
 }
 CHUNKED = ("1-slot-prefetch", "2-slots-lru-staging-2", "5-slots-lfu-d2d", "hybrid-2-slots", "cpu")
-
-
-def generate(path, **options):
-    with LLM(model=str(path), device="cpu", dtype="float32", progress=False, **options) as llm:
-        return llm.generate(PROMPTS, PARAMS), llm.engine.stats()
-
-
-def assert_same(outs, ref):
-    for got, want in zip(outs, ref, strict=True):
-        assert got.token_ids == want.token_ids
-        assert got.prompt_logprobs == want.prompt_logprobs
-        assert got.logprobs == want.logprobs
-
-
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
-def ckpt(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(path, request.param, seed=21)
-    return path
-
-
-@pytest.fixture(scope="module")
-def refs(ckpt):
-    return {chunk: generate(ckpt, moe_backend="gpu", max_num_batched_tokens=chunk)[0] for chunk in (8192, 5)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
