@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ft.moe.kernels.triton_moe import fused_moe_triton  # noqa: E402
 from ft.moe.kernels.triton_w4a16 import fused_moe_w4a16  # noqa: E402
+from ft.moe.kernels.triton_w4a16_gemv import fused_moe_w4a16_gemv  # noqa: E402
 from tests.gpu.kernel_timings import FLOPS, HBM, bench  # noqa: E402
 from tests.nvfp4.test_w4a16_gpu import random_bank  # noqa: E402
 
@@ -28,7 +29,7 @@ def main() -> None:
     b13 = (torch.randn(e, 2 * inter, h, device="cuda") * h**-0.5).to(torch.bfloat16)
     b2 = (torch.randn(e, h, inter, device="cuda") * inter**-0.5).to(torch.bfloat16)
     print(f"moe E={e} I={inter} H={h} top{k}, {torch.cuda.get_device_name()}")
-    for t in (1, 64, 4096):
+    for t in (1, 2, 4, 8, 16, 64, 4096):
         x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
         weights, ids = torch.softmax(torch.randn(t, e, device="cuda"), -1).topk(k, -1)
         hit = ids.unique().numel()
@@ -36,6 +37,7 @@ def main() -> None:
         row = [f"T={t:<5d} hit {hit:3d}"]
         for name, fn, w13, w2, bytes_per_weight in (
             ("w4a16", fused_moe_w4a16, q13, q2, 0.5 + 1 / 16),
+            *([("gemv ", fused_moe_w4a16_gemv, q13, q2, 0.5 + 1 / 16)] if t <= 16 else []),
             ("bf16 ", fused_moe_triton, b13, b2, 2.0),
         ):
             floor = max(hit * 3 * inter * h * bytes_per_weight / HBM * 1e6, flops)

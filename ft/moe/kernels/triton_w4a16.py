@@ -27,6 +27,9 @@ from ft.moe.kernels.triton_moe import align_by_expert, pick_config
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 
 UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
+# Up to this many tokens, ``triton_w4a16_gemv`` runs instead (no sort, no 16-row MMA padding). Off
+# until measured on the GPU against this path: time both with tests/nvfp4/w4a16_timings.py.
+GEMV_MAX_TOKENS = 0
 
 
 @triton.jit
@@ -214,6 +217,10 @@ def fused_moe_w4a16(
     """x [T, H] bf16; w13 codes [E, 2I, H/2], scales [E, 2I, H/16], globals [E, 2I] (gate rows then
     up rows); w2 codes [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H]."""
     t, h = x.shape
+    if 0 < t <= GEMV_MAX_TOKENS:
+        from ft.moe.kernels.triton_w4a16_gemv import fused_moe_w4a16_gemv  # it imports _decode from here
+
+        return fused_moe_w4a16_gemv(x, w13, w2, weights, ids)
     e, two_i = w13.weight.shape[:2]
     inter = two_i // 2
     topk = ids.shape[1]
