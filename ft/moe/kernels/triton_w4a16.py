@@ -211,6 +211,24 @@ def _check(w: NVFP4Tensor, e: int, n: int, k: int, what: str) -> None:
     )
 
 
+def check_operands(
+    x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> tuple[int, int, int]:
+    """Shapes and dtypes both W4A16 paths need; returns (E, I, k)."""
+    t, h = x.shape
+    e, two_i = w13.weight.shape[:2]
+    inter = two_i // 2
+    topk = ids.shape[1]
+    assert x.dtype == torch.bfloat16, f"x must be bf16 (W4A16), got {x.dtype}"
+    assert h % BLOCK == 0 and inter % BLOCK == 0 and two_i % 2 == 0, (
+        f"H={h} and I={inter} must be multiples of {BLOCK}"
+    )
+    _check(w13, e, two_i, h, "w13")
+    _check(w2, e, h, inter, "w2")
+    assert weights.shape == ids.shape == (t, topk), f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
+    return e, inter, topk
+
+
 def fused_moe_w4a16(
     x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
@@ -221,19 +239,10 @@ def fused_moe_w4a16(
         from ft.moe.kernels.triton_w4a16_gemv import fused_moe_w4a16_gemv  # it imports _decode from here
 
         return fused_moe_w4a16_gemv(x, w13, w2, weights, ids)
-    e, two_i = w13.weight.shape[:2]
-    inter = two_i // 2
-    topk = ids.shape[1]
     assert x.is_cuda and w13.weight.device == x.device == w2.weight.device, (
         "fused_moe_w4a16 needs CUDA tensors on one device"
     )
-    assert x.dtype == torch.bfloat16, f"x must be bf16 (W4A16), got {x.dtype}"
-    assert h % BLOCK == 0 and inter % BLOCK == 0 and two_i % 2 == 0, (
-        f"H={h} and I={inter} must be multiples of {BLOCK}"
-    )
-    _check(w13, e, two_i, h, "w13")
-    _check(w2, e, h, inter, "w2")
-    assert weights.shape == ids.shape == (t, topk), f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
+    e, inter, topk = check_operands(x, w13, w2, weights, ids)
     if t == 0:
         return torch.zeros_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from ft.moe.kernels.triton_combine import sum_topk
-from ft.moe.kernels.triton_w4a16 import UNFOLD, _check, _decode
-from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
+from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode, check_operands
+from ft.quant.nvfp4 import NVFP4Tensor
 
 BLOCK_N = 16  # weight rows per program: a T=1, k=10 decode is 10 x 32 gate/up and 10 x 128 down programs
 MAX_BLOCK_K = 256  # input elements per step: 128 code bytes and 16 scale bytes of each row
@@ -158,16 +158,7 @@ def launch_moe_w4a16_gemv(
     """Checks and launches without the device check (the Triton interpreter runs it on CPU
     tensors); returns y [T, k, H], the weighted expert outputs before the sum over k."""
     t, h = x.shape
-    e, two_i = w13.weight.shape[:2]
-    inter = two_i // 2
-    topk = ids.shape[1]
-    assert x.dtype == torch.bfloat16, f"x must be bf16 (W4A16), got {x.dtype}"
-    assert h % BLOCK == 0 and inter % BLOCK == 0 and two_i % 2 == 0, (
-        f"H={h} and I={inter} must be multiples of {BLOCK}"
-    )
-    _check(w13, e, two_i, h, "w13")
-    _check(w2, e, h, inter, "w2")
-    assert weights.shape == ids.shape == (t, topk), f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
+    _, inter, topk = check_operands(x, w13, w2, weights, ids)
     assert not ids.is_floating_point() and weights.is_floating_point(), (
         f"ids must be integers and weights floats, got {ids.dtype} and {weights.dtype}"
     )
