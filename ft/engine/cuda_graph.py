@@ -39,9 +39,7 @@ class CudaGraphRunner:
         )
         self.ids, self.positions, self.slots, self.state_slots, self.history = self.wide.views()
         self.seq_lens, self.context_lens, self.block_tables = self.narrow.views()
-        _, _, slots, state, hist = self.wide.host_views(n)  # capture with padding rows only
-        slots[:], state[:], hist[:] = -1, runner.scratch_slot, -1
-        self.narrow.host_views(n)[0][:] = 1
+        self._host_rows(0, n)  # capture with padding rows only
         self.wide.upload(n)
         self.narrow.upload(n)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
@@ -91,18 +89,23 @@ class CudaGraphRunner:
             and max(len(s.block_ids) for s in seqs) <= self.max_blocks
         )
 
+    def _host_rows(self, first: int, rows: int) -> list:
+        """The host views of the first ``rows`` rows of every input, with rows ``first..rows`` set
+        to padding: token 0 at position 0, no KV write (slot -1), block 0, the scratch state."""
+        ids, pos, slots, state, hist = wide = self.wide.host_views(rows)
+        lens, ctx, table = narrow = self.narrow.host_views(rows)
+        ids[first:], pos[first:], slots[first:], lens[first:], ctx[first:], hist[first:] = 0, 0, -1, 1, 0, -1
+        state[first:], table[first:] = self.runner.scratch_slot, 0
+        return wide + narrow
+
     @torch.inference_mode()
     def run(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """Logits [B, V] for a decode batch."""
         b = len(seqs)
         bs = next(s for s in self.sizes if s >= b)
         bsz = self.runner.cfg.block_size
-        ids, pos, slots, state, hist = self.wide.host_views(bs)
-        lens, ctx, table = self.narrow.host_views(bs)
-        # padded rows: token 0 at position 0, no KV write (slot -1), block 0, the scratch state
-        ids[b:], pos[b:], slots[b:], lens[b:], ctx[b:], hist[b:] = 0, 0, -1, 1, 0, -1
-        state[b:] = self.runner.scratch_slot
-        table[:] = 0
+        ids, pos, slots, state, hist, lens, ctx, table = self._host_rows(b, bs)
+        table[:b] = 0
         for i, s in enumerate(seqs):
             p = s.start
             ids[i], pos[i], ctx[i], lens[i], state[i] = s.token_ids[0], p, p, p + 1, s.state_slot
