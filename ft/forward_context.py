@@ -10,8 +10,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ft.gdn.snapshots import StateSnapshots
 
 
 @dataclass
@@ -36,6 +40,8 @@ class ForwardBatch:
     # host copies for the reference kernels and for planning; never read inside CUDA graphs
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    # GDN states to save partway through sequences this step (ft.gdn.snapshots), eager steps only
+    snapshots: StateSnapshots | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 
 from ft import LLM, SamplingParams
+from ft.scheduler.kv_pool import BlockAllocator
 from ft.scheduler.radix_cache import RadixCache
+from ft.scheduler.request import Request
+from ft.scheduler.scheduler import Scheduler
+from ft.scheduler.state_pool import SlotAllocator
 from tests.checkpoints import write_checkpoint
 
 SHARED = [7, 3, 91, 15, 22, 8, 64, 30, 11, 2, 45, 45, 19, 5, 70, 33, 61, 4]  # 18 tokens: 4 blocks of 4 + 2
@@ -14,7 +18,8 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=Tr
 
 
 def run(path, prompts, **options):
-    with LLM(model=str(path), device="cpu", dtype="float32", progress=False, block_size=4, **options) as llm:
+    options = {"device": "cpu", "dtype": "float32", "block_size": 4, **options}
+    with LLM(model=str(path), progress=False, **options) as llm:
         outs = [llm.generate([p], PARAMS)[0] for p in prompts]  # one after another: later ones can hit
         return outs, llm.engine.stats()
 
@@ -39,6 +44,27 @@ def test_hit_equals_miss(tmp_path, model_type):
     if model_type == "qwen3_moe":
         assert warm[3].num_cached_tokens == 8  # attention-only: any cached block boundary
     assert stats.prefix_hit_tokens == sum(o.num_cached_tokens for o in warm) >= 32
+
+
+@pytest.mark.parametrize("budget", [5, 7])
+def test_snapshots_inside_unaligned_chunks(tmp_path, budget):
+    """Chunks of 5 or 7 tokens over 4-token blocks put the snapshot points anywhere in a chunk,
+    including within the conv's 3-token history of its start (read from the slot instead)."""
+    write_checkpoint(tmp_path, "qwen3_next", seed=5)
+    prompts = [SHARED, SHARED + [9, 9, 1], SHARED[:13] + [50, 51]]
+    cold, _ = run(tmp_path, prompts, enable_prefix_cache=False)
+    warm, _ = run(tmp_path, prompts, max_num_batched_tokens=budget)
+    for a, b in zip(warm, cold):
+        assert_same(a, b)
+    assert [o.num_cached_tokens for o in warm] == [0, 16, 12]
+
+
+def test_hybrid_prompt_is_one_chunk_with_a_snapshot_inside():
+    blocks, slots = BlockAllocator(64, 4), SlotAllocator(4)
+    sched = Scheduler(blocks, slots, 4, 256, 256, RadixCache(4, num_snapshots=4), hybrid=True)
+    sched.add(Request("a", list(range(18)), PARAMS))
+    (seq,) = sched.schedule().seqs
+    assert len(seq.token_ids) == 18 and seq.snapshot_to is not None and seq.snapshot_len == 16
 
 
 def test_generated_tokens_are_cached_for_the_next_turn(tmp_path):

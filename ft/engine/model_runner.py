@@ -20,6 +20,7 @@ from ft.config import EngineConfig
 from ft.distributed import TPInfo, tp_context
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.gdn import get_gdn_backend
+from ft.gdn.snapshots import SnapshotPoint, state_snapshots
 from ft.layers.sampler import Sampler, SampleResult, top_logprobs
 from ft.models.config import ModelConfig
 from ft.models.dummy import init_dummy_weights
@@ -178,7 +179,7 @@ class ModelRunner:
         return replace(plan, weight_bytes=weights)
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy GDN state rows src -> dst in every GDN layer (snapshot restore and save)."""
+        """Copy GDN state rows src -> dst in every GDN layer (restoring snapshots)."""
         if not pairs:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
@@ -220,6 +221,13 @@ class ModelRunner:
             query_lens_cpu=qlens,
             context_lens_cpu=ctx,
         )
+        points = [
+            SnapshotPoint(i, s.snapshot_len, s.state_slot, self.snapshot_base + s.snapshot_to)
+            for i, s in enumerate(seqs)
+            if s.snapshot_to is not None
+        ]
+        if points and self.gdn_layers:
+            batch.snapshots = state_snapshots(batch, points)
         return t(ids, torch.int64), batch
 
     def _forward(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[range]]:
@@ -243,8 +251,7 @@ class ModelRunner:
         """Run one batch; the first rank returns one result per sequence, the others None."""
         base = self.snapshot_base
         self._copy_states([(base + s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
-        logits, rows = self._forward(seqs)  # [R, V]
-        self._copy_states([(s.state_slot, base + s.snapshot_to) for s in seqs if s.snapshot_to is not None])
+        logits, rows = self._forward(seqs)  # [R, V]; GDN layers save the snapshots as they run
         if not self.tp.is_first:
             return None
         sampling = [i for i, s in enumerate(seqs) if s.sample]

@@ -22,6 +22,7 @@ from torch import nn
 
 from ft.distributed import get_tp_info
 from ft.forward_context import get_forward_context
+from ft.gdn.snapshots import StateSnapshots, save_conv_snapshots
 from ft.layers.linear import RowParallelLinear, parts_param, split_part
 from ft.layers.norm import GatedRMSNorm
 from ft.utils import div_even
@@ -76,13 +77,34 @@ class GatedDeltaNetMixer(nn.Module):
         t = x.shape[0]
         qkv, z, b, a = self.project(x)
         ctx = get_forward_context()
+        snaps = ctx.batch.snapshots
+        if snaps is not None:  # before the conv moves the slots' history past the points
+            save_conv_snapshots(qkv, self.conv_state, ctx.batch, snaps)
         mixed = ctx.gdn.conv(qkv, self.conv1d.weight[:, 0], self.conv_state, ctx.batch)
-        if hasattr(ctx.gdn, "gated_delta_rule"):  # the backend fuses the gates and the q/k/v split in
-            o = ctx.gdn.gated_delta_rule(mixed, b, a, self.A_log, self.dt_bias, self.ssm_state, ctx.batch)
+        if snaps is None:
+            o = self._delta(ctx.gdn, mixed, b, a, ctx.batch)
         else:
-            o = self._gated_delta_rule(ctx.gdn, mixed, b, a, ctx.batch)
+            o = self._delta_with_snapshots(ctx.gdn, mixed, b, a, snaps)
         o = self.norm(o.reshape(t, self.hv, self.dv), z).view(t, -1)  # z stays a strided view
         return self.out_proj(o)
+
+    def _delta(self, gdn, mixed, b, a, batch) -> torch.Tensor:
+        if hasattr(gdn, "gated_delta_rule"):  # the backend fuses the gates and the q/k/v split in
+            return gdn.gated_delta_rule(mixed, b, a, self.A_log, self.dt_bias, self.ssm_state, batch)
+        return self._gated_delta_rule(gdn, mixed, b, a, batch)
+
+    def _delta_with_snapshots(self, gdn, mixed, b, a, snaps: StateSnapshots) -> torch.Tensor:
+        """The delta rule in two passes (``ft.gdn.snapshots``): the heads leave the states at the
+        points in their slots, copied to the snapshot rows; the tails continue from there."""
+        o = mixed.new_empty(mixed.shape[0], self.hv, self.dv)
+        for part, index in ((snaps.head, snaps.head_index), (snaps.tail, snaps.tail_index)):
+            if part is None:
+                continue
+            rows = (t.index_select(0, index) for t in (mixed, b, a))
+            o.index_copy_(0, index, self._delta(gdn, *rows, part))
+            if part is snaps.head:
+                self.ssm_state[snaps.rows] = self.ssm_state[part.state_slots]
+        return o
 
     def _gated_delta_rule(self, gdn, mixed, b, a, batch) -> torch.Tensor:
         """The gates in torch, then the backend's ``delta_rule`` on views of the conv output."""

@@ -10,8 +10,9 @@ dropped: a request that could never fit is refused when it is added.
 
 With a prefix cache, a newly admitted request starts after the longest cached prefix of its
 tokens (whole blocks, leaving at least one token to compute; on hybrid models only up to a block
-that has a GDN state snapshot). On hybrid models prefill chunks end on block boundaries, and the
-last block boundary of each prompt always ends a chunk, so the state there can be snapshotted.
+that has a GDN state snapshot). On hybrid models each prefill chunk snapshots the GDN state at
+its last block boundary short of the request's last token, wherever in the chunk that falls: the
+GDN layers split their delta rule there (``ft.gdn.snapshots``), so a prompt is still one forward.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class ScheduledSeq:
     prompt_targets: list[int] | None  # prompt tokens whose log-probs this chunk's logits give
     history: list[int] = field(default_factory=list)  # up to HISTORY tokens before ``start``
     restore_from: int | None = None  # copy this GDN snapshot into the state slot before running
-    snapshot_to: int | None = None  # copy the state slot into this snapshot after running
+    snapshot_to: int | None = None  # save the GDN state after ``snapshot_len`` tokens into this snapshot
+    snapshot_len: int = 0
 
 
 @dataclass
@@ -167,17 +169,8 @@ class Scheduler:
         req.restore_snapshot = nodes[-1].snapshot if self.hybrid else None
 
     def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens of ``req`` to compute now; on cached hybrid models chunk ends are block-aligned."""
-        start = req.num_computed_tokens
-        end = start + min(req.num_tokens - start, budget)
-        if self.cache is not None and self.hybrid and end - start > 1:
-            bs = self.blocks.block_size
-            last_boundary = (req.num_tokens - 1) // bs * bs
-            if start < last_boundary < end:
-                end = last_boundary
-            elif end < req.num_tokens and end // bs * bs > start:
-                end = end // bs * bs
-        return end - start
+        """Tokens of ``req`` to compute now."""
+        return min(req.num_tokens - req.num_computed_tokens, budget)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.blocks.blocks_for(num_tokens) - len(req.block_ids)
@@ -196,9 +189,12 @@ class Scheduler:
         targets = None
         if req.wants_prompt_logprobs:
             targets = req.prompt_token_ids[start + 1 : min(start + n + 1, req.prompt_len)]
-        snapshot = None
-        if self.hybrid and self.cache is not None and n > 1 and (start + n) % self.blocks.block_size == 0:
-            snapshot = self.cache.take_snapshot_slot()
+        snapshot, at = None, 0
+        if self.hybrid and self.cache is not None:
+            # the last block boundary in (start, start + n] that a later request could hit
+            bs = self.blocks.block_size
+            at = min(start + n, req.num_tokens - 1) // bs * bs - start
+            snapshot = self.cache.take_snapshot_slot() if at > 0 else None
         restore, req.restore_snapshot = req.restore_snapshot, None
         return ScheduledSeq(
             request_id=req.request_id,
@@ -213,6 +209,7 @@ class Scheduler:
             history=req.all_token_ids[max(0, start - HISTORY) : start],
             restore_from=restore,
             snapshot_to=snapshot,
+            snapshot_len=at if snapshot is not None else 0,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -238,7 +235,7 @@ class Scheduler:
             req.cache_nodes.append(node)
             parent = node
         if seq.snapshot_to is not None:
-            depth = (seq.start + len(seq.token_ids)) // bs
+            depth = (seq.start + seq.snapshot_len) // bs
             node = req.cache_nodes[depth - 1] if len(req.cache_nodes) >= depth else None
             if node is not None and node.snapshot is None:
                 node.snapshot = seq.snapshot_to
