@@ -1,5 +1,6 @@
-"""Timing of the Triton W4A16 MoE next to the bf16 Triton MoE (not a test):
-``python tests/nvfp4/w4a16_timings.py``.
+"""Timing of the Triton W4A16 MoE next to the bf16 Triton MoE, each by its MMA path and, up to
+T=16, by the GEMV path (``triton_moe_gemv``) (not a test): ``python tests/nvfp4/w4a16_timings.py``.
+The last line says up to which T the GEMV path wins, for each format's ``GEMV_MAX_TOKENS``.
 
 Qwen3-Next's shape (E=512, I=512, H=2048, top-10) at T = 1, 64 (decode; eager and CUDA graph)
 and 4096 (prefill). The floor is the larger of the hit experts' bytes over HBM (4.22 TB/s) and
@@ -15,9 +16,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from ft.moe.kernels import triton_moe, triton_w4a16  # noqa: E402
 from ft.moe.kernels.triton_moe import fused_moe_triton  # noqa: E402
+from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
 from ft.moe.kernels.triton_w4a16 import fused_moe_w4a16  # noqa: E402
-from ft.moe.kernels.triton_w4a16_gemv import fused_moe_w4a16_gemv  # noqa: E402
 from tests.gpu.kernel_timings import FLOPS, HBM, bench  # noqa: E402
 from tests.nvfp4.test_w4a16_gpu import random_bank  # noqa: E402
 
@@ -29,16 +31,20 @@ def main() -> None:
     b13 = (torch.randn(e, 2 * inter, h, device="cuda") * h**-0.5).to(torch.bfloat16)
     b2 = (torch.randn(e, h, inter, device="cuda") * inter**-0.5).to(torch.bfloat16)
     print(f"moe E={e} I={inter} H={h} top{k}, {torch.cuda.get_device_name()}")
+    triton_moe.GEMV_MAX_TOKENS = triton_w4a16.GEMV_MAX_TOKENS = 0  # the MMA columns are MMA only
+    wins, last = {"w4a16": 0, "bf16": 0}, 0
     for t in (1, 2, 4, 8, 16, 64, 4096):
         x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
         weights, ids = torch.softmax(torch.randn(t, e, device="cuda"), -1).topk(k, -1)
         hit = ids.unique().numel()
         flops = t * k * 3 * 2 * inter * h / FLOPS * 1e6
         row = [f"T={t:<5d} hit {hit:3d}"]
+        graphs = {}
         for name, fn, w13, w2, bytes_per_weight in (
             ("w4a16", fused_moe_w4a16, q13, q2, 0.5 + 1 / 16),
-            *([("gemv ", fused_moe_w4a16_gemv, q13, q2, 0.5 + 1 / 16)] if t <= 16 else []),
-            ("bf16 ", fused_moe_triton, b13, b2, 2.0),
+            *([("w4a16 gemv", fused_moe_gemv, q13, q2, 0.5 + 1 / 16)] if t <= 16 else []),
+            ("bf16", fused_moe_triton, b13, b2, 2.0),
+            *([("bf16 gemv", fused_moe_gemv, b13, b2, 2.0)] if t <= 16 else []),
         ):
             floor = max(hit * 3 * inter * h * bytes_per_weight / HBM * 1e6, flops)
 
@@ -46,12 +52,17 @@ def main() -> None:
                 return fn(x, w13, w2, w, i)
 
             eager = bench(call) * 1e3
-            graph = bench(call, graph=True) * 1e3
+            graph = graphs[name] = bench(call, graph=True) * 1e3
             row.append(
                 f"| {name} eager {eager:8.1f} us graph {graph:8.1f} us floor {floor:7.1f} us "
                 f"({floor / graph:5.1%})"
             )
         print(" ".join(row), flush=True)
+        for fmt in wins:
+            if f"{fmt} gemv" in graphs and graphs[f"{fmt} gemv"] < graphs[fmt] and wins[fmt] == last:
+                wins[fmt] = t  # the GEMV path has won at every T so far
+        last = t
+    print(f"GEMV faster in a graph up to T = {wins['w4a16']} (NVFP4), {wins['bf16']} (bf16)")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Same contract as ``torch_ref.fused_moe_ref(x, w13, w2, weights, ids) -> [T, H]``
     out    = sum_k y                                            # [T, H]
 
 The sort and padding (one Triton program for decode sizes, torch ops above) have shapes fixed
-by (T, k, E) and no host sync, so a decode step can be captured in a CUDA graph. Configs come
+by (T, k, E) and no host sync, so a decode step can be captured in a CUDA graph. Up to
+``GEMV_MAX_TOKENS`` tokens ``triton_moe_gemv`` runs instead. Configs come
 from a small table by tokens per call (``CONFIGS``), seeded from vLLM's H200 tunings for
 E=512/N=512 and E=128/N=768. Not here: quantised weights (NVFP4 has its own kernel), expert
 parallelism, bias terms.
@@ -21,6 +22,10 @@ import triton
 import triton.language as tl
 
 from ft.moe.kernels.triton_combine import sum_topk
+
+# Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding, two
+# launches), as timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
+GEMV_MAX_TOKENS = 0
 
 
 @triton.jit
@@ -237,6 +242,10 @@ def fused_moe_triton(
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H]."""
     t, h = x.shape
+    if 0 < t <= GEMV_MAX_TOKENS:
+        from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports this module
+
+        return fused_moe_gemv(x, w13, w2, weights, ids)
     e, two_i, h13 = w13.shape
     inter = two_i // 2
     topk = ids.shape[1]

@@ -27,8 +27,8 @@ from ft.moe.kernels.triton_moe import align_by_expert, pick_config
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 
 UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
-# Up to this many tokens, ``triton_w4a16_gemv`` runs instead (no sort, no 16-row MMA padding). Off
-# until measured on the GPU against this path: time both with tests/nvfp4/w4a16_timings.py.
+# Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
+# timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
 GEMV_MAX_TOKENS = 0
 
 
@@ -236,9 +236,9 @@ def fused_moe_w4a16(
     up rows); w2 codes [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H]."""
     t, h = x.shape
     if 0 < t <= GEMV_MAX_TOKENS:
-        from ft.moe.kernels.triton_w4a16_gemv import fused_moe_w4a16_gemv  # it imports _decode from here
+        from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports _decode from here
 
-        return fused_moe_w4a16_gemv(x, w13, w2, weights, ids)
+        return fused_moe_gemv(x, w13, w2, weights, ids)
     assert x.is_cuda and w13.weight.device == x.device == w2.weight.device, (
         "fused_moe_w4a16 needs CUDA tensors on one device"
     )

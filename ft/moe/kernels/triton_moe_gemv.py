@@ -1,0 +1,184 @@
+"""Fused MoE at decode sizes (a few tokens) as GEMVs, for bf16 and NVFP4 (W4A16) expert banks: no
+token->expert sort, no 16-row MMA tiles, two launches.
+
+Same contract as ``triton_moe.fused_moe_triton`` and ``triton_w4a16.fused_moe_w4a16``, which
+dispatch here up to their ``GEMV_MAX_TOKENS``. With p = (t, j) a (token, top-k slot) pair and
+e = ids[t, j] its expert (for NVFP4, ``W = e2m1(code) · scale`` decoded in registers by
+``triton_w4a16._decode`` and ``g`` the per-row globals; for bf16, g = 1):
+
+    act[p, n] = silu(g_gate[e, n] · x[t]·W_gate[e, n]) · (g_up[e, n] · x[t]·W_up[e, n])   # [T*k, I]
+    out[t, n] = sum_j weights[t, j] · g_down[e, n] · act[(t, j)]·W_down[e, n]              # [T, H]
+
+The first launch runs one program per (pair, BLOCK_N rows of I); the second one program per
+(token, BLOCK_N rows of H), walking its k experts and their K chunks as one flat loop, so the
+loads of consecutive experts are in flight together and the sum over k needs no third kernel
+and no [T*k, H] buffer. Dot products are fp32 multiply-accumulates of BLOCK_K-wide chunks kept
+per lane and reduced once with ``tl.sum`` (no ``tl.dot``). ``act`` is rounded to bf16 as in the
+MMA paths; ``out`` is summed over k in fp32 and rounded once, where the MMA paths round each
+pair's term to bf16 first. Not here: large T (an expert hit by many tokens is read once per
+token here, once per tile there), fp16 activations with NVFP4, W4A4.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode, check_operands
+from ft.quant.nvfp4 import NVFP4Tensor
+
+BLOCK_N = 16  # weight rows per program: T=1, k=10 is 10 x 32 gate/up and 128 down programs
+MAX_BLOCK_K = 256  # input elements per step (NVFP4: 128 code bytes and 16 scale bytes of a row)
+STAGES = 4  # loads in flight per program
+
+
+@triton.jit
+def _rows(b, b_scale, e, n, k0, s_be, s_bn, s_se, s_sn, nmask, K, FP4: tl.constexpr, EVEN_K: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # weight rows n, inputs k0 .. k0+BK of expert e as fp32 [BN, BK] (NVFP4: without the global)
+    if FP4:
+        kb = tl.arange(0, BLOCK_K // 2)
+        ks = tl.arange(0, BLOCK_K // 16)
+        b_ptr = b + e * s_be + n[:, None].to(tl.int64) * s_bn + (k0 // 2 + kb)[None, :]
+        s_ptr = b_scale + e * s_se + n[:, None].to(tl.int64) * s_sn + (k0 // 16 + ks)[None, :]
+        if EVEN_K:
+            bmask = nmask[:, None]
+            smask = nmask[:, None]
+        else:  # K is a multiple of 16, so whole bytes and whole scale blocks are in or out
+            bmask = nmask[:, None] & (kb[None, :] < (K - k0) // 2)
+            smask = nmask[:, None] & (ks[None, :] < (K - k0) // 16)
+        w = _decode(tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K)
+    else:
+        kk = tl.arange(0, BLOCK_K)
+        b_ptr = b + e * s_be + n[:, None].to(tl.int64) * s_bn + (k0 + kk)[None, :]
+        if EVEN_K:
+            w = tl.load(b_ptr, mask=nmask[:, None], other=0.0)
+        else:
+            w = tl.load(b_ptr, mask=nmask[:, None] & (kk[None, :] < K - k0), other=0.0)
+    return w.to(tl.float32)  # bf16 x bf16 products are exact in fp32, as in the MMA
+
+
+@triton.jit
+def _inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    kk = tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        return tl.load(a_row + k0 + kk).to(tl.float32)[None, :]
+    return tl.load(a_row + k0 + kk, mask=kk < K - k0, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _gate_up_kernel(
+    x, b, b_scale, b_global, act, topk_ids, N, K,
+    s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_at, s_it, s_ik, unfold,
+    TOPK: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below)
+    p = tl.program_id(0)
+    tok = p // TOPK
+    e = tl.load(topk_ids + tok * s_it + (p % TOPK) * s_ik).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    x_row = x + tok.to(tl.int64) * s_xt
+    gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums, reduced after the loop
+    up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
+        gate += _rows(b, b_scale, e, n, k0, s_be, s_bn, s_se, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+        up += _rows(b, b_scale, e, n + N, k0, s_be, s_bn, s_se, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+    g = tl.sum(gate, axis=1)
+    u = tl.sum(up, axis=1)
+    if FP4:
+        g_ptr = b_global + e * s_ge + n
+        g *= tl.load(g_ptr, mask=nmask, other=0.0) * unfold
+        u *= tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold
+    out = g * tl.sigmoid(g) * u
+    tl.store(act + p.to(tl.int64) * s_at + n, out.to(act.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _down_sum_kernel(
+    act, b, b_scale, b_global, out, topk_w, topk_ids, N, K,
+    s_at, s_be, s_bn, s_se, s_sn, s_ge, s_ot, s_wt, s_wk, s_it, s_ik, unfold,
+    TOPK: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]
+    tok = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    steps = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for i in range(0, TOPK * steps):  # one flat loop over (slot, K chunk): loads pipeline across experts
+        slot = i // steps
+        k0 = (i % steps) * BLOCK_K
+        e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+        scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
+        if FP4:
+            row_scale = tl.load(b_global + e * s_ge + n, mask=nmask, other=0.0) * (scale * unfold)
+        else:
+            row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
+        a_row = act + (tok * TOPK + slot) * s_at
+        w = _rows(b, b_scale, e, n, k0, s_be, s_bn, s_se, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+        acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K) * row_scale[:, None]
+    tl.store(out + tok * s_ot + n, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=nmask)
+
+
+def _bank(w) -> tuple:
+    """(codes or weights, scale bytes, globals, FP4) with the strides the kernels take."""
+    if isinstance(w, NVFP4Tensor):
+        return w.weight, w.weight_scale.view(torch.uint8), w.weight_scale_2, True
+    return w, w, w, False  # bf16: scale and global pointers are never read
+
+
+def _strides(b, scale, glob) -> tuple:
+    return b.stride(0), b.stride(1), scale.stride(0), scale.stride(1), glob.stride(0)
+
+
+def launch_moe_gemv(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Checks and launches without the device check (the Triton interpreter runs it on CPU
+    tensors): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] bf16 tensors or NVFP4 stacks;
+    weights/ids [T, k] -> [T, H]."""
+    t, h = x.shape
+    if isinstance(w13, NVFP4Tensor):
+        _, inter, topk = check_operands(x, w13, w2, weights, ids)
+    else:
+        e, two_i, h13 = w13.shape
+        inter, topk = two_i // 2, ids.shape[1]
+        assert h13 == h and w2.shape == (e, h, inter), f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} vs x [T, {h}]"
+        assert x.dtype == w13.dtype == w2.dtype, f"x/w13/w2 dtypes differ: {x.dtype}, {w13.dtype}, {w2.dtype}"
+        assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be row-major in their last dim"
+        assert weights.shape == ids.shape == (t, topk), f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
+    assert not ids.is_floating_point() and weights.is_floating_point(), (
+        f"ids must be integers and weights floats, got {ids.dtype} and {weights.dtype}"
+    )
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    act = torch.empty(t * topk, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    b13, s13, g13, fp4 = _bank(w13)
+    b2, s2, g2, _ = _bank(w2)
+    bk_up = min(MAX_BLOCK_K, max(32, triton.next_power_of_2(h)))
+    bk_down = min(MAX_BLOCK_K, max(32, triton.next_power_of_2(inter)))
+    _gate_up_kernel[(t * topk, triton.cdiv(inter, BLOCK_N))](
+        x, b13, s13, g13, act, ids, inter, h,
+        x.stride(0), *_strides(b13, s13, g13), act.stride(0), ids.stride(0), ids.stride(1), UNFOLD,
+        TOPK=topk, FP4=fp4, EVEN_K=h % bk_up == 0, BLOCK_N=BLOCK_N, BLOCK_K=bk_up, num_warps=4,
+        num_stages=STAGES,
+    )  # fmt: skip
+    _down_sum_kernel[(t, triton.cdiv(h, BLOCK_N))](
+        act, b2, s2, g2, out, weights, ids, h, inter,
+        act.stride(0), *_strides(b2, s2, g2), out.stride(0), weights.stride(0), weights.stride(1),
+        ids.stride(0), ids.stride(1), UNFOLD,
+        TOPK=topk, FP4=fp4, EVEN_K=inter % bk_down == 0, BLOCK_N=BLOCK_N, BLOCK_K=bk_down, num_warps=4,
+        num_stages=STAGES,
+    )  # fmt: skip
+    return out
+
+
+def fused_moe_gemv(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``launch_moe_gemv`` on CUDA tensors. Graph-capturable: the grid comes from shapes, the
+    experts are read on the device."""
+    w = w13.weight if isinstance(w13, NVFP4Tensor) else w13
+    assert x.is_cuda and w.device == x.device == ids.device, "fused_moe_gemv needs CUDA tensors on one device"
+    return launch_moe_gemv(x, w13, w2, weights, ids)

@@ -1,0 +1,100 @@
+"""The GEMV MoE path for decode sizes (``triton_moe_gemv``) equals the torch references and the MMA
+kernels on the GPU (marker ``gpu``), for bf16 and NVFP4 banks: Qwen3-Next's shape (512 experts,
+H=2048, I=512, top-10) at T = 1..16, a tensor-parallel I=256 shard and an I whose K tail is not a
+whole step, the dispatch by token count, and CUDA-graph capture with the experts read on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.nvfp4.test_w4a16_gpu import random_bank, rel_err, routing
+
+pytestmark = pytest.mark.gpu
+
+
+def problem(fmt: str, t: int, e: int, inter: int, h: int, topk: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if fmt == "nvfp4":
+        w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+    else:
+        w13 = (torch.randn(e, 2 * inter, h, generator=gen, device="cuda") * h**-0.5).to(torch.bfloat16)
+        w2 = (torch.randn(e, h, inter, generator=gen, device="cuda") * inter**-0.5).to(torch.bfloat16)
+    x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = routing(t, e, topk, gen)
+    return x, w13, w2, weights, ids
+
+
+def mma_module(fmt: str):
+    from ft.moe.kernels import triton_moe, triton_w4a16
+
+    return (triton_w4a16, triton_w4a16.fused_moe_w4a16) if fmt == "nvfp4" else (triton_moe, triton_moe.fused_moe_triton)
+
+
+def reference(fmt: str, x, w13, w2, weights, ids):
+    if fmt == "nvfp4":
+        from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
+
+        return fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids)
+    from ft.moe.kernels.torch_ref import fused_moe_ref
+
+    hit = ids.unique()  # only the hit experts in fp32, renumbered
+    local = torch.searchsorted(hit, ids)
+    return fused_moe_ref(x.float(), w13[hit].float(), w2[hit].float(), weights, local)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("inter", [512, 256, 48])
+@pytest.mark.parametrize("t", [1, 2, 4, 8, 16])
+def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
+    pytest.importorskip("triton")
+    from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
+
+    x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + inter)
+    got = fused_moe_gemv(x, w13, w2, weights, ids)
+    assert got.shape == (t, 2048) and got.dtype == torch.bfloat16
+    err = rel_err(got, reference(fmt, x, w13, w2, weights, ids))
+    assert err < 2e-2, f"{fmt} T={t} I={inter}: relative error {err:.3g} against the torch reference"
+    module, mma = mma_module(fmt)
+    monkeypatch.setattr(module, "GEMV_MAX_TOKENS", 0)  # the MMA path, whatever the default
+    # same bf16 rounding of act; the MMA path also rounds each pair's term before the sum over k
+    err = rel_err(got, mma(x, w13, w2, weights, ids))
+    assert err < 4e-3, f"{fmt} T={t} I={inter}: relative error {err:.3g} against the MMA kernel"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_dispatch_by_token_count(fmt, monkeypatch):
+    pytest.importorskip("triton")
+    from ft.moe.kernels import triton_moe_gemv
+
+    calls = []
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return gemv(*args)
+
+    gemv = triton_moe_gemv.fused_moe_gemv
+    monkeypatch.setattr(triton_moe_gemv, "fused_moe_gemv", spy)
+    module, mma = mma_module(fmt)
+    monkeypatch.setattr(module, "GEMV_MAX_TOKENS", 4)
+    for t in (4, 5):
+        x, w13, w2, weights, ids = problem(fmt, t, 64, 128, 256, 4, seed=t)
+        assert mma(x, w13, w2, weights, ids).shape == (t, 256)
+    assert calls == [4], f"only T <= GEMV_MAX_TOKENS should take the GEMV path, got calls for T in {calls}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_cuda_graph_replays_new_tokens_and_experts(fmt):
+    pytest.importorskip("triton")
+    from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
+
+    x, w13, w2, weights, ids = problem(fmt, 2, 512, 512, 2048, 10, seed=11)
+    fused_moe_gemv(x, w13, w2, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_gemv(x, w13, w2, weights, ids)
+    x2, _, _, weights2, ids2 = problem(fmt, 2, 512, 512, 2048, 10, seed=12)
+    for a, b in ((x, x2), (weights, weights2), (ids, ids2)):
+        a.copy_(b)
+    graph.replay()
+    assert torch.equal(out, fused_moe_gemv(x2, w13, w2, weights2, ids2))
