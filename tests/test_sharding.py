@@ -2,7 +2,8 @@
 
 The reassembly rules below are written from the layouts (not from the loader's code): q rows per
 head with their gate, kv heads split or replicated, GDN groups per key head, conv channels by
-part, experts and the shared expert along the intermediate axis, vocab rows.
+part, experts and the shared expert along the intermediate axis, vocab rows; the router and the
+shared expert's gate replicated, as rows of one router weight with the gate last.
 """
 
 from __future__ import annotations
@@ -42,8 +43,21 @@ def kv_heads(states, name, first, size, num_kv, head_dim):
     return torch.cat([states[r][name][first : first + size] for r in owners], dim=0)
 
 
+def router_part(states, name: str, num_experts: int) -> torch.Tensor | None:
+    """``mlp.gate`` or ``mlp.shared_expert_gate``: its rows of the replicated router weight."""
+    m = re.match(r"(.*\.mlp)\.(gate|shared_expert_gate)\.weight$", name)
+    if m is None:
+        return None
+    fused = f"{m.group(1)}.gate.weight"  # [E, H], or [E + 1, H] with the shared gate last
+    for s in states[1:]:
+        assert torch.equal(s[fused], states[0][fused]), fused
+    return states[0][fused][:num_experts] if m.group(2) == "gate" else states[0][fused][num_experts:]
+
+
 def reassemble(states, name: str, mc) -> torch.Tensor:
     tp = len(states)
+    if (router := router_part(states, name, mc.num_experts)) is not None:
+        return router
     hd, hq, hkv = mc.head_dim, mc.num_heads, mc.num_kv_heads
     m = re.match(r"(.*)\.self_attn\.([qkv])_proj\.weight$", name)
     if m:

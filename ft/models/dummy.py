@@ -50,10 +50,10 @@ def skew_routers(model: nn.Module, skew: float, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     for m in model.modules():
         if isinstance(m, TopKRouter):
-            e = m.weight.shape[0]
-            rank = torch.randperm(e, generator=gen)  # expert -> popularity rank
+            experts = m.weight[: m.weight.shape[0] - m.shared_gate]  # not the shared gate's row
+            rank = torch.randperm(experts.shape[0], generator=gen)  # expert -> popularity rank
             scale = (rank.double() + 1) ** (-skew / 4)
-            m.weight.mul_(scale.to(m.weight.device, m.weight.dtype)[:, None])
+            experts.mul_(scale.to(m.weight.device, m.weight.dtype)[:, None])
 
 
 def _fill(p: torch.Tensor, name: str, model: nn.Module, gen: torch.Generator, zero_centred: bool) -> None:

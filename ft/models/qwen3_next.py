@@ -7,6 +7,7 @@ head, [q (dk) | k (dk) | v (r·dv) | z (r·dv)] with r = Hv/Hk value heads per k
 GEMM per step instead of two): a rank's key heads are one contiguous row range of each, which
 the loader reorders part-major, ``[q | k | v | z | b | a]`` with heads in order, so the
 projection's output splits into the conv input, z, b and a by views, with no gathers per step.
+Likewise ``mlp.gate`` and ``mlp.shared_expert_gate`` load into one router weight (``ft.moe.router``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ft.models.checkpoint import FLOAT_DTYPES, CheckpointTensor
 from ft.models.config import ModelConfig
 from ft.models.decoder import CausalLM, DecoderLayer
 from ft.models.qwen3_moe import attention, mlp
+from ft.moe.block import SHARED_GATE_PACKING
 
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNetMixer):
@@ -75,6 +77,11 @@ class PartLoaders:
 class Qwen3NextForCausalLM(CausalLM):
     packed_modules = CausalLM.packed_modules | {"in_proj": ("in_proj_qkvz", "in_proj_ba")}
     ignored_checkpoint_tensors = (r"^mtp\.",)
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.packed_modules = self.packed_modules | SHARED_GATE_PACKING
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         kind = cfg.layer_types[index]

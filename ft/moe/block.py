@@ -3,7 +3,9 @@
     y = sum_k p_k · expert_k(x) + sigmoid(shared_expert_gate · x) · shared_expert(x)
 
 Both terms are this rank's partial sums over its intermediate shard, so they are added before a
-single all-reduce. The routed experts live in a bank of the model's ``expert_format`` (one format
+single all-reduce. The gate logit comes out of the router's GEMM, whose weight carries
+``shared_expert_gate`` as its last row (``SHARED_GATE_PACKING`` loads the checkpoint's two
+tensors into it). The routed experts live in a bank of the model's ``expert_format`` (one format
 for every layer); ``checkpoint_format`` says what the checkpoint stores for this layer's
 experts, so an NVFP4 bank quantises bf16 experts while loading and a bf16 bank refuses NVFP4 ones.
 Where the experts live is the block's ``backend`` (``ft.moe.backends``): resident in the bank
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ft.distributed import all_reduce, get_tp_info
-from ft.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from ft.layers.linear import ColumnParallelLinear, RowParallelLinear
 from ft.moe.backends.gpu import ResidentBackend
 from ft.moe.banks import BF16ExpertBank
 from ft.moe.nvfp4_bank import NVFP4ExpertBank
@@ -32,6 +34,10 @@ except ImportError:  # no triton (CPU-only installs)
     fused_gated_add = fused_silu_and_mul = None
 
 BANKS = {"bf16": BF16ExpertBank, "nvfp4": NVFP4ExpertBank}
+
+# A model whose MoE blocks have a shared expert adds this to its ``packed_modules``: the router's
+# weight loads its expert rows from ``gate`` and its last row from ``shared_expert_gate``.
+SHARED_GATE_PACKING = {"gate": ("gate", "shared_expert_gate")}
 
 
 class GatedMLP(nn.Module):
@@ -70,7 +76,9 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = get_tp_info()
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
+        self.gate = TopKRouter(
+            hidden_size, num_experts, top_k, renormalize, shared_gate=shared_intermediate_size > 0
+        )
         if expert_format not in BANKS:
             raise ValueError(f"expert format {expert_format!r} is not supported (known: {sorted(BANKS)})")
         self.experts = BANKS[expert_format](num_experts, hidden_size, intermediate_size, checkpoint_format)
@@ -78,18 +86,17 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = (
             GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         )
-        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1) if shared_intermediate_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
+        weights, ids, shared_logit = self.gate(x)  # shared_logit [T, 1] when there is a shared expert
         y = self.backend(self.experts, x, weights, ids)
         if self.shared_expert is not None:
-            y = gated_add(y, self.shared_expert_gate(x), self.shared_expert.partial(x))
+            y = gated_add(y, shared_logit, self.shared_expert.partial(x))
         return all_reduce(y, self.tp)
 
 
 def gated_add(y: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """y + sigmoid(gate_logit) · shared: y, shared [T, H], gate_logit [T, 1]."""
+    """y + sigmoid(gate_logit) · shared: y, shared [T, H], gate_logit [T, 1] (a strided view)."""
     if y.is_cuda and fused_gated_add is not None:
         return fused_gated_add(y, gate_logit, shared)
     return y + torch.sigmoid(gate_logit) * shared

@@ -5,7 +5,8 @@ The reassembly rules are written from spec section 9, not from the layers' code:
 query head with each head's [q_h, gate_h] rows together, then k and v heads (split, or each kv
 head on P/Hkv consecutive ranks); the six in_proj parts each split by heads; conv1d channels by
 their q/k/v part; A_log and dt_bias by value head; shared gate_up per part; o_proj, out_proj and
-down projections by input column; experts along I; vocab rows; the rest replicated."""
+down projections by input column; experts along I; vocab rows; the rest replicated, the router
+and the shared expert's gate as rows of one router weight (the gate last)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.qwen4_exp.conftest import PROMPTS, generate, greedy, max_logprob_gap
 from tests.reference.qwen4_exp_ckpt import tiny_qwen4_exp_config, write_qwen4_exp_checkpoint
-from tests.test_sharding import cat, kv_heads, rank_states
+from tests.test_sharding import cat, kv_heads, rank_states, router_part
 
 # TP=2: 2 kv heads split; TP=4: 2 kv heads each on 2 ranks, GDN 4 key / 8 value heads split by 4
 CASES = [(2, {}), (4, dict(linear_num_key_heads=4, linear_num_value_heads=8))]
@@ -34,6 +35,8 @@ def reassemble(states, name: str, c: dict) -> torch.Tensor:
     d, hq, hkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
     hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
     dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    if (router := router_part(states, name, c["num_experts"])) is not None:
+        return router
     if name.endswith("qkv_proj.weight"):
         q_rows, kv_rows = hq // tp * 2 * d, max(1, hkv // tp) * d
         q = cat(states, name, rows=slice(0, q_rows))  # heads in rank order, [q_h, gate_h] each

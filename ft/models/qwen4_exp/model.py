@@ -8,8 +8,10 @@ attention, PLE n-gram embeddings and hyper-connections.
     logits = lm_head(norm(hc_head(X)))
 
 Every projection that is fused in the checkpoint (qkv_proj, in_proj, shared_expert.gate_up_proj)
-is fused on disk too, so ``packed_modules`` is empty: each loads with ``shard_id=None`` and its
-column-parallel parts narrow it. Dense projections may be block-FP8 (``ft.quant.dense``).
+is fused on disk too: each loads with ``shard_id=None`` and its column-parallel parts narrow it.
+The exception is the router, whose weight also holds the shared expert's gate (``ft.moe.router``):
+``packed_modules`` maps ``mlp.gate`` and ``mlp.shared_expert_gate`` onto it. Dense projections
+may be block-FP8 (``ft.quant.dense``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ft.models.qwen4_exp.gdn import Qwen4ExpGatedDeltaNet
 from ft.models.qwen4_exp.hyper import HyperHead, residual
 from ft.models.qwen4_exp.ple import PLELayer, PLETable
 from ft.models.qwen4_exp.qsa import QSAAttention
+from ft.moe.block import SHARED_GATE_PACKING
 from ft.quant.dense import quantize_dense_linears
 
 
@@ -84,10 +87,12 @@ class Qwen4ExpModel(nn.Module):
 
 
 class Qwen4ExpForCausalLM(CausalLM):
-    packed_modules: dict[str, tuple[str, ...]] = {}  # every fused projection is fused on disk too
+    packed_modules: dict[str, tuple[str, ...]] = {}  # fused on disk too, but for the router below
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.packed_modules = SHARED_GATE_PACKING
         quantize_dense_linears(self, cfg.quantization)
 
     def make_model(self, cfg: ModelConfig) -> nn.Module:
