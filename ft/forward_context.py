@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +42,8 @@ class ForwardBatch:
     context_lens_cpu: list[int]
     # GDN states to save partway through sequences this step (ft.gdn.snapshots), eager steps only
     snapshots: StateSnapshots | None = None
+    # what a backend derives from the batch once and reuses in every layer (e.g. fla's chunk index)
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

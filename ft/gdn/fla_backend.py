@@ -25,6 +25,9 @@ from ft.gdn.triton_conv import causal_conv1d_silu
 from ft.gdn.triton_decode import gdn_decode, gdn_gates
 
 
+CHUNK = 64  # tokens per chunk of fla's chunked gated delta rule (its default)
+
+
 def _is_decode(t: int, batch: ForwardBatch) -> bool:
     """One token per sequence, told from shapes alone so the decode path stays graph-capturable."""
     return t == batch.cu_seqlens.shape[0] - 1
@@ -36,8 +39,10 @@ class FlaGDN:
 
     def __init__(self) -> None:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.utils.index import prepare_chunk_indices
 
         self._chunk = chunk_gated_delta_rule
+        self._chunk_indices = prepare_chunk_indices
         self._recurrent = fused_recurrent_gated_delta_rule
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch):
@@ -66,6 +71,18 @@ class FlaGDN:
         qk = q.view(t, -1, dk), k.view(t, -1, dk)
         return self.delta_rule(*qk, v.view(t, hv, dv), g, beta, ssm_state, batch)
 
+    def _varlen(self, batch: ForwardBatch) -> tuple:
+        """fla's varlen layout of the batch, built once per forward: cu_seqlens as int64 on the
+        device and on the host, and the (sequence, chunk) index of every 64-token chunk. fla would
+        build the index in each layer from a pageable host tensor, one host sync per layer."""
+        if "fla" not in batch.derived:
+            cu_cpu = torch.tensor([0, *batch.query_lens_cpu], dtype=torch.int64).cumsum(0)
+            chunks = self._chunk_indices(cu_cpu, CHUNK, cu_seqlens_cpu=cu_cpu)  # on the host
+            dev = batch.cu_seqlens.device
+            chunks = chunks.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else chunks.to(dev)
+            batch.derived["fla"] = (batch.cu_seqlens.long(), cu_cpu, chunks)
+        return batch.derived["fla"]
+
     def delta_rule(self, q, k, v, g, beta, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, hk, dk = q.shape
         hv, dv = v.shape[1:]
@@ -89,10 +106,10 @@ class FlaGDN:
             )  # fmt: skip
             o = o[:, 0]
         else:  # one flat varlen sequence: [1, T, H, d]
-            cu_cpu = torch.tensor([0, *batch.query_lens_cpu], dtype=torch.int64).cumsum(0)
+            cu, cu_cpu, chunks = self._varlen(batch)
             o, final = self._chunk(
                 q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None].float(),
-                cu_seqlens=batch.cu_seqlens.long(), cu_seqlens_cpu=cu_cpu, **common,
+                cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=chunks, **common,
             )  # fmt: skip
             o = o[0]
         ssm_state.index_copy_(0, slots, final)

@@ -100,8 +100,7 @@ class GatedDeltaNetMixer(nn.Module):
         for part, index in ((snaps.head, snaps.head_index), (snaps.tail, snaps.tail_index)):
             if part is None:
                 continue
-            rows = (t.index_select(0, index) for t in (mixed, b, a))
-            o.index_copy_(0, index, self._delta(gdn, *rows, part))
+            o[index] = self._delta(gdn, mixed[index], b[index], a[index], part)
             if part is snaps.head:
                 self.ssm_state[snaps.rows] = self.ssm_state[part.state_slots]
         return o

@@ -38,9 +38,9 @@ class StateSnapshots:
     bos: list[int]  # each point's sequence's first token row in the step's batch
     rows: torch.Tensor  # [S] int64, the points' state rows
     head: ForwardBatch  # one sequence per point: its tokens before the point
-    head_index: torch.Tensor  # [T_head] the head tokens' rows in the step's batch
+    head_index: torch.Tensor | slice  # the head tokens' rows in the step's batch (a slice if contiguous)
     tail: ForwardBatch | None  # every sequence's tokens after its point (whole when unsnapshotted)
-    tail_index: torch.Tensor | None
+    tail_index: torch.Tensor | slice | None
 
 
 def _starts(lens: list[int]) -> list[int]:
@@ -52,13 +52,14 @@ def _starts(lens: list[int]) -> list[int]:
 
 def _sub_batch(batch: ForwardBatch, seqs: list[int], starts: list[int], lens: list[int]) -> tuple:
     """Sequences ``seqs`` restricted to tokens [start, start + len) of their chunks, as
-    (ForwardBatch, the tokens' rows in ``batch``)."""
+    (ForwardBatch, the tokens' rows in ``batch``: a slice when contiguous, so no gather)."""
     dev = batch.positions.device
     bos = _starts(batch.query_lens_cpu)
     index = [bos[i] + s + j for i, s, n in zip(seqs, starts, lens) for j in range(n)]
     ctx = [batch.context_lens_cpu[i] + s for i, s in zip(seqs, starts)]
     cu = _starts(lens)
     index_t = torch.tensor(index, dtype=torch.int64, device=dev)
+    rows = slice(index[0], index[-1] + 1) if index == list(range(index[0], index[-1] + 1)) else index_t
     seq_t = torch.tensor(seqs, dtype=torch.int64, device=dev)
     sub = ForwardBatch(
         positions=batch.positions.index_select(0, index_t),
@@ -73,7 +74,7 @@ def _sub_batch(batch: ForwardBatch, seqs: list[int], starts: list[int], lens: li
         query_lens_cpu=list(lens),
         context_lens_cpu=ctx,
     )
-    return sub, index_t
+    return sub, rows
 
 
 def state_snapshots(batch: ForwardBatch, points: list[SnapshotPoint]) -> StateSnapshots:
