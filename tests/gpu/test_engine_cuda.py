@@ -67,17 +67,19 @@ def test_cuda_graph_decode_equals_eager(ckpt):
 @pytest.mark.parametrize("budget", [5, 512])
 def test_prefix_hit_equals_miss_with_snapshots_inside_chunks(tmp_path, budget):
     """fla's chunked kernel run as head and tail passes around the snapshot points (one chunk per
-    prompt, or 5-token chunks that put points within the conv history) equals one pass."""
+    prompt, or 5-token chunks that put points within the conv history of a chunk's start) equals
+    one pass."""
     write_checkpoint(tmp_path, "qwen3_next", seed=5)
-    prompts = [SHARED * 3, SHARED * 3 + [9, 9, 1], SHARED * 2 + [50, 51]]
-    opts = dict(device="cuda", max_num_batched_tokens=budget, prefix_snapshot_slots=64)
+    long = (SHARED * 4)[:70]
+    prompts = [long, long + [9, 9, 1], long[:40] + [50, 51]]
+    opts = dict(device="cuda", block_size=16, max_num_batched_tokens=budget, prefix_snapshot_slots=64)
     cold, _ = run(tmp_path, prompts, enable_prefix_cache=False, **opts)
     warm, _ = run(tmp_path, prompts, **opts)
     for a, b in zip(warm, cold):
         assert_same(a, b, tol=1e-4)
-    # each chunk snapshots its last boundary: 5-token chunks leave 32 but not 36 (chunk 35..40
-    # snapshots 40); one chunk per prompt leaves only 52, so the third prompt misses
-    assert [o.num_cached_tokens for o in warm] == [0, 52, 32 if budget == 5 else 0]
+    # 5-token chunks snapshot every block boundary of the first prompt; one chunk per prompt
+    # snapshots only its last boundary (64), so the third prompt misses
+    assert [o.num_cached_tokens for o in warm] == [0, 64, 32 if budget == 5 else 0]
 
 
 def test_cuda_device_is_used():
