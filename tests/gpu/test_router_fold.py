@@ -23,8 +23,9 @@ def test_softmax_topk_and_gated_add_read_strided_views(t, e, k, dtype):
     from ft.moe.router import route
 
     g = torch.Generator(device="cuda").manual_seed(t + e)
-    ranks = torch.rand(t, 1024, generator=g, device="cuda").argsort(-1)[:, : e + 1]
-    logits = ((ranks.float() - 512) / 128).to(dtype)  # distinct, exact in bf16: no top-k ties
+    pool = torch.arange(-2048, 2048, device="cuda").to(torch.bfloat16).unique().float() / 256  # ~1,280 values
+    pick = torch.rand(t, pool.numel(), generator=g, device="cuda").argsort(-1)[:, : e + 1]
+    logits = pool[pick].to(dtype)  # distinct per row and exact in bf16: no top-k ties
     experts, shared_logit = logits[:, :-1], logits[:, -1:]
     assert experts.stride(0) == shared_logit.stride(0) == e + 1
     weights, ids = softmax_topk(experts, k, renormalize=True)
