@@ -75,8 +75,10 @@ def test_prefix_hit_equals_miss_with_snapshots_inside_chunks(tmp_path, budget):
     opts = dict(device="cuda", block_size=16, max_num_batched_tokens=budget, prefix_snapshot_slots=64)
     cold, _ = run(tmp_path, prompts, enable_prefix_cache=False, **opts)
     warm, _ = run(tmp_path, prompts, **opts)
+    # fla's chunked kernels compute in tf32 on the GPU: chunking alone moves fp32 log-probs by
+    # ~1e-3 there (as between the chunked and one-shot runs of tests/qwen4_exp), a wrong state by far more
     for a, b in zip(warm, cold):
-        assert_same(a, b, tol=1e-4)
+        assert_same(a, b, tol=1e-2)
     # 5-token chunks snapshot every block boundary of the first prompt; one chunk per prompt
     # snapshots only its last boundary (64), so the third prompt misses
     assert [o.num_cached_tokens for o in warm] == [0, 64, 32 if budget == 5 else 0]
