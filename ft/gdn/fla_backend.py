@@ -3,7 +3,8 @@
 - ``conv``: our Triton causal conv1d (``triton_conv``), history read from and written to the
   ``conv_state`` slot pool in place;
 - ``delta_rule``: fla's ``chunk_gated_delta_rule`` (varlen through ``cu_seqlens``) when any
-  sequence brings more than one token, ``fused_recurrent_gated_delta_rule`` for pure decode.
+  sequence brings more than ``RECURRENT_MAX_TOKENS`` tokens, ``fused_recurrent_gated_delta_rule``
+  otherwise (varlen, or one token per sequence for pure decode).
   Initial states are gathered from ``ssm_state[state_slots]`` (zeros where ``context_lens == 0``),
   final states scattered back; q and k are l2-normalised inside fla and q is scaled by dk^-0.5.
 
@@ -26,6 +27,10 @@ from ft.gdn.triton_decode import gdn_decode, gdn_gates
 
 
 CHUNK = 64  # tokens per chunk of fla's chunked gated delta rule (its default)
+# Batches whose sequences are all this short run fla's fused recurrent kernel (one launch, tokens
+# in order) instead of the chunked one (~10 launches and its chunk layout): the tail pass of a
+# prefix-cache snapshot (at most a block) and small chunks. Not timed on the GPU yet.
+RECURRENT_MAX_TOKENS = 16
 
 
 def _is_decode(t: int, batch: ForwardBatch) -> bool:
@@ -105,6 +110,12 @@ class FlaGDN:
                 **common,
             )  # fmt: skip
             o = o[:, 0]
+        elif max(batch.query_lens_cpu) <= RECURRENT_MAX_TOKENS:  # short varlen sequences, one kernel
+            o, final = self._recurrent(
+                q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None].float(),
+                cu_seqlens=batch.cu_seqlens.long(), **common,
+            )  # fmt: skip
+            o = o[0]
         else:  # one flat varlen sequence: [1, T, H, d]
             cu, cu_cpu, chunks = self._varlen(batch)
             o, final = self._chunk(

@@ -198,6 +198,14 @@ def test_gdn_extend_with_initial_state():
 
 
 @gpu
+def test_gdn_short_varlen_takes_the_recurrent_kernel():
+    # every sequence <= RECURRENT_MAX_TOKENS: fla's fused recurrent kernel over cu_seqlens
+    from ft.gdn.fla_backend import RECURRENT_MAX_TOKENS
+
+    compare_gdn([(16, 5), (0, RECURRENT_MAX_TOKENS), (3, 1), (200, 9), (0, 2)], slots=[3, 0, 5, 2, 6], steps=2)
+
+
+@gpu
 def test_gdn_decode_steps():
     compare_gdn([(5, 1), (0, 1), (40, 1), (1, 1)], slots=[7, 1, 4, 2], steps=3)
 
