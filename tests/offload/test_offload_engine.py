@@ -5,6 +5,7 @@ and ``ft bench offline`` reporting the offload figures."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import ft.engine.model_runner as model_runner
 from ft import LLM, SamplingParams
@@ -115,3 +116,19 @@ def test_plan_line_and_bench_offline_report_offload(tmp_path, capsys):
     assert "ft rank 0/1: moe offload (lfu, prefetch on): 3 layers x 4/8 experts resident (50%)" in out
     assert "moe offload: 4/8 experts resident per layer (50%), policy lfu, prefetch on" in out
     assert "1  decode hit rate" in out and "MB copied per token" in out
+
+
+def test_the_cache_starts_full_with_the_host_store_experts(tmp_path):
+    """At start-up every slot is filled from the host store, so the residency the plan line
+    reports holds from the first request on."""
+    write_checkpoint(tmp_path, "qwen3_moe", seed=4)
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False,
+             moe_backend="offload", expert_cache_fraction=0.5) as llm:  # fmt: skip
+        moe = llm.engine.executor.runner.moe
+        for cache, store in zip(moe.caches, moe.stores):
+            assert cache.map.num_resident == cache.map.num_slots == 4
+            for e in range(cache.map.num_experts):
+                slot = int(cache.map.slot_of[e])
+                if slot != cache.map.null:
+                    assert torch.equal(cache.block[slot], store.block[int(store.rows([e])[0])])
+            assert cache.table.tolist() == cache.map.slot_of.tolist()

@@ -199,3 +199,13 @@ def test_expert_cache_table_starts_with_the_static_experts():
     assert cache.table.tolist() == [0, 1, 2, 4, 4, 4, 4, 4]  # 4: the null slot
     cache.map.slot_of[5] = 3  # the table is a copy: it changes only when published
     assert cache.table[5] == 4
+
+
+def test_warm_fills_the_empty_dynamic_slots_without_counting_uses():
+    m = SlotMap(num_experts=8, num_slots=5, static=2)
+    ensure(m, [6], step=1)  # one dynamic slot taken by a use
+    copies = m.warm()
+    assert [e for e, _ in copies] == [2, 3] and sorted(s for _, s in copies) == [3, 4]
+    assert m.num_resident == 5 and m.warm() == []
+    assert (m.counts.hits, m.counts.misses, m.counts.prefetched, m.counts.evictions) == (0, 1, 0, 0)
+    assert m.resident(np.array([0, 1, 2, 3, 6])).all() and not m.resident(np.array([4, 5, 7])).any()

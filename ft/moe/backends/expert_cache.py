@@ -129,6 +129,13 @@ class SlotMap:
         self.counts.prefetched += n
         return copies
 
+    def warm(self) -> list[tuple[int, int]]:
+        """Fill the empty dynamic slots with the lowest-numbered experts not resident: a start-up
+        fill, so the first requests find the residency the plan reports. Counts no use."""
+        empty = self.static + np.nonzero(self.expert_in[self.static :] < 0)[0]
+        experts = np.nonzero(self.slot_of == self.null)[0][: len(empty)]
+        return self._insert(experts, empty[: len(experts)])
+
     def classify(self, experts: np.ndarray) -> np.ndarray:
         """Which experts are resident; counts the batch's hits and misses and pins the hits, but
         inserts nothing (the streaming path and the hybrid backend use the hits in place)."""

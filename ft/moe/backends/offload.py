@@ -1,5 +1,8 @@
 """The offload backend: a layer's experts in the host store, a GPU slot cache in front of them.
 
+At start-up every dynamic slot is filled from the host store (``SlotMap.warm``), so the first
+requests find the residency the plan reports instead of an empty cache.
+
 Decode (a decode-only batch whose distinct experts fit the layer's slots; static experts of a lean
 store, ``placement.py``, are always resident, the others need one of the S - R dynamic slots):
 

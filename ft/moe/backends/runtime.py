@@ -164,6 +164,11 @@ class MoeRuntime:
                 backend = cls(store, self.caches[i], self.shared, first=i == 0)
             block.backend = backend
             self.backends.append(backend)
+        for backend in self.backends:  # fill every cache at start-up: copies on the side stream
+            if getattr(backend, "cache", None) is not None:
+                backend.copy_in(backend.map.warm())
+                backend.cache.publish()
+        self.shared.transfer.wait()  # the main stream reads no slot before its copy lands
         if cfg.moe_prefetch and self.name != "cpu":
             for backend, nxt, block in zip(self.backends, self.backends[1:], blocks[1:]):
                 backend.prefetch = Prefetch(block.gate, nxt)  # the next MoE layer's router
