@@ -36,6 +36,9 @@ def assert_close(a, b, tol=1e-5):
         # 2 kv heads replicated over 4 ranks, GDN 4 key heads / 8 value heads split by 4, odd vocab
         ("qwen3_next", 4, dict(linear_num_key_heads=4, linear_num_value_heads=8, vocab_size=94)),
         ("qwen3_moe", 2, dict(num_key_value_heads=1)),  # one kv head replicated on both ranks
+        # TP=8 as on an 8-GPU node: 8 q heads one per rank, 2 kv heads each on 4 ranks, GDN 8 key /
+        # 16 value heads one / two per rank, experts and the shared expert at I=2 per rank
+        ("qwen3_next", 8, dict(num_attention_heads=8, linear_num_key_heads=8, linear_num_value_heads=16)),
     ],
 )
 def test_tp_equals_tp1(tmp_path, model_type, tp, overrides):
