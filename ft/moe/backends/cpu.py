@@ -17,9 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ft.moe.backends.expert_cache import unique
 from ft.moe.backends.graph_split import split_point
 from ft.moe.backends.host_store import HostStore
-from ft.moe.backends.offload import Pairs, Shared, run_pairs, unique
+from ft.moe.backends.offload import Pairs, Shared, run_pairs
 from ft.moe.kernels.select import select_moe_kernel
 
 _CPU_KERNELS: dict[str, object] = {}
@@ -67,7 +68,7 @@ class CpuBackend:
         if self.first:
             self.shared.step += 1
             self.shared.tokens += len(ids_h)
-        experts = unique(ids_h)
+        experts = unique(ids_h, self.store.num_experts)
         self.experts_seen += len(experts)
         part, pairs = cpu_experts(bank, self.store, x, weights, ids_h, experts)
         self.shared.cpu_pairs += pairs

@@ -39,6 +39,12 @@ POLICIES = ("lru", "lfu")
 LFU_HALF_LIFE = 64.0  # calls of ensure/prefetch on the layer
 
 
+def unique(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """The distinct experts of ``ids``, ascending (a count, not a sort: a prefill chunk has
+    T·k ids of at most E values)."""
+    return np.flatnonzero(np.bincount(ids.reshape(-1), minlength=num_experts))
+
+
 @dataclass
 class SlotCounts:
     hits: int = 0  # experts a batch needed that were resident

@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from ft.moe.backends.cpu import cpu_experts
+from ft.moe.backends.expert_cache import unique
 from ft.moe.backends.graph_split import capturing, split_point
-from ft.moe.backends.offload import OffloadBackend, decode_only, unique
+from ft.moe.backends.offload import OffloadBackend, decode_only
 
 HYBRID_MAX_TOKENS = 16
 
@@ -41,7 +42,7 @@ class HybridBackend(OffloadBackend):
     def _split_work(self, bank, x, weights, ids, pred, y_cpu) -> None:
         ids_h, pred_h = self._to_host(ids, pred)
         self._begin(len(ids_h))
-        experts = unique(ids_h)
+        experts = unique(ids_h, self.store.num_experts)
         hit = self.map.classify(experts)
         self.cache.publish()  # misses -> null slot, for this step's kernel
         self.shared.transfer.wait()  # earlier copies into the hits' slots land first

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ft.forward_context import get_forward_context
-from ft.moe.backends.expert_cache import ExpertCache
+from ft.moe.backends.expert_cache import ExpertCache, unique
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout
@@ -82,8 +82,10 @@ def decode_only() -> bool:
         return True
 
 
-def unique(ids: np.ndarray) -> np.ndarray:
-    return np.unique(ids.reshape(-1))
+def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host index array on ``device`` without a host sync (from pinned memory on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 class Pairs:
@@ -91,7 +93,8 @@ class Pairs:
 
     def __init__(self, ids_h: np.ndarray, num_experts: int) -> None:
         flat = ids_h.reshape(-1)  # [T*k] pair p = token * k + j
-        self.order = np.argsort(flat, kind="stable")  # pairs by expert, ascending within one
+        # pairs by expert, ascending within one; numpy radix-sorts 16-bit keys (8x faster at 80k)
+        self.order = np.argsort(flat.astype(np.uint16) if num_experts <= 1 << 16 else flat, kind="stable")
         self.counts = np.bincount(flat, minlength=num_experts)  # [E]
         self.starts = np.cumsum(self.counts) - self.counts
 
@@ -121,7 +124,7 @@ class OffloadBackend:
             return self._cached(bank, x, weights, ids)
         ids_h, pred_h = self._to_host(ids, pred)
         self._begin(len(x))
-        experts = unique(ids_h)
+        experts = unique(ids_h, self.store.num_experts)
         if decode_only() and self.map.fits(experts):
             self._make_resident(experts, pred_h)
             return self._cached(bank, x, weights, ids)
@@ -147,7 +150,7 @@ class OffloadBackend:
     def _resolve(self, ids: torch.Tensor, pred: torch.Tensor | None) -> None:
         ids_h, pred_h = self._to_host(ids, pred)
         self._begin(len(ids_h))
-        experts = unique(ids_h)
+        experts = unique(ids_h, self.store.num_experts)
         if not self.map.fits(experts):
             raise RuntimeError(
                 f"a graphed decode batch routed to {len(experts)} experts, more than the "
@@ -235,9 +238,9 @@ def run_pairs(bank, tensors, x, weights, out, sel: np.ndarray, rows: np.ndarray)
     if len(sel) == 0:
         return
     k = weights.shape[1]
-    sel_d = torch.from_numpy(sel).to(x.device)
+    sel_d = upload(sel, x.device)
     tok = sel_d // k
-    rows_d = torch.from_numpy(np.ascontiguousarray(rows)).to(x.device).unsqueeze(1)  # [P, 1]
+    rows_d = upload(rows, x.device).unsqueeze(1)  # [P, 1]
     pair_w = weights.reshape(-1)[sel_d].unsqueeze(1)  # [P, 1]
     y = bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows_d)
     out.index_add_(0, tok, y.float())

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ft.moe.backends.expert_cache import unique
+
 
 class Prefetch:
     def __init__(self, next_gate, next_backend) -> None:
@@ -25,4 +27,4 @@ class Prefetch:
 
     def start(self, predicted: np.ndarray) -> None:
         nxt = self.backend
-        nxt.copy_in(nxt.map.prefetch(np.unique(predicted)))
+        nxt.copy_in(nxt.map.prefetch(unique(predicted, nxt.map.num_experts)))
