@@ -25,7 +25,6 @@ from ft.forward_context import ForwardBatch
 from ft.gdn.triton_conv import causal_conv1d_silu
 from ft.gdn.triton_decode import gdn_decode, gdn_gates
 
-
 CHUNK = 64  # tokens per chunk of fla's chunked gated delta rule (its default)
 # Batches whose sequences are all this short run fla's fused recurrent kernel (one launch, tokens
 # in order) instead of the chunked one (~10 launches and its chunk layout): the tail pass of a

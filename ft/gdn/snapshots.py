@@ -82,7 +82,9 @@ def state_snapshots(batch: ForwardBatch, points: list[SnapshotPoint]) -> StateSn
     assert len({p.seq for p in points}) == len(points), "one snapshot per sequence per step"
     for p in points:
         assert 0 < p.offset <= qlens[p.seq], f"snapshot at {p.offset} outside a {qlens[p.seq]}-token chunk"
-    head, head_index = _sub_batch(batch, [p.seq for p in points], [0] * len(points), [p.offset for p in points])
+    head, head_index = _sub_batch(
+        batch, [p.seq for p in points], [0] * len(points), [p.offset for p in points]
+    )
     cut = {p.seq: p.offset for p in points}
     rest = [(i, cut.get(i, 0), n - cut.get(i, 0)) for i, n in enumerate(qlens) if n > cut.get(i, 0)]
     tail, tail_index = _sub_batch(batch, *map(list, zip(*rest))) if rest else (None, None)

@@ -202,7 +202,9 @@ def test_gdn_short_varlen_takes_the_recurrent_kernel():
     # every sequence <= RECURRENT_MAX_TOKENS: fla's fused recurrent kernel over cu_seqlens
     from ft.gdn.fla_backend import RECURRENT_MAX_TOKENS
 
-    compare_gdn([(16, 5), (0, RECURRENT_MAX_TOKENS), (3, 1), (200, 9), (0, 2)], slots=[3, 0, 5, 2, 6], steps=2)
+    compare_gdn(
+        [(16, 5), (0, RECURRENT_MAX_TOKENS), (3, 1), (200, 9), (0, 2)], slots=[3, 0, 5, 2, 6], steps=2
+    )
 
 
 @gpu

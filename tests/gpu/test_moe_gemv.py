@@ -28,7 +28,11 @@ def problem(fmt: str, t: int, e: int, inter: int, h: int, topk: int, seed: int):
 def mma_module(fmt: str):
     from ft.moe.kernels import triton_moe, triton_w4a16
 
-    return (triton_w4a16, triton_w4a16.fused_moe_w4a16) if fmt == "nvfp4" else (triton_moe, triton_moe.fused_moe_triton)
+    return (
+        (triton_w4a16, triton_w4a16.fused_moe_w4a16)
+        if fmt == "nvfp4"
+        else (triton_moe, triton_moe.fused_moe_triton)
+    )
 
 
 def reference(fmt: str, x, w13, w2, weights, ids):

@@ -25,7 +25,8 @@ from ft.moe.kernels.triton_combine import sum_topk
 
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding, two
 # launches), as timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
-GEMV_MAX_TOKENS = 0  # H200, 2026-11-30: the GEMV path is no faster (36.8 vs 36.0 us at T=1, 52.8 vs 49.0 at T=2)
+# H200, 2026-11-30: the GEMV path is no faster here (36.8 vs 36.0 us at T=1, 52.8 vs 49.0 at T=2).
+GEMV_MAX_TOKENS = 0
 
 
 @triton.jit

@@ -34,24 +34,27 @@ STAGES = 4  # loads in flight per program
 
 
 @triton.jit
-def _rows(b, b_scale, e, n, k0, s_be, s_bn, s_se, s_sn, nmask, K, FP4: tl.constexpr, EVEN_K: tl.constexpr,
+def _rows(b, scale, n, k0, s_bn, s_sn, nmask, K, FP4: tl.constexpr, EVEN_K: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    # weight rows n, inputs k0 .. k0+BK of expert e as fp32 [BN, BK] (NVFP4: without the global)
+    # weight rows n, inputs k0 .. k0+BK of one expert (b, scale: its first row) as fp32 [BN, BK]
+    # (NVFP4: without the global)
     if FP4:
         kb = tl.arange(0, BLOCK_K // 2)
         ks = tl.arange(0, BLOCK_K // 16)
-        b_ptr = b + e * s_be + n[:, None].to(tl.int64) * s_bn + (k0 // 2 + kb)[None, :]
-        s_ptr = b_scale + e * s_se + n[:, None].to(tl.int64) * s_sn + (k0 // 16 + ks)[None, :]
+        b_ptr = b + n[:, None].to(tl.int64) * s_bn + (k0 // 2 + kb)[None, :]
+        s_ptr = scale + n[:, None].to(tl.int64) * s_sn + (k0 // 16 + ks)[None, :]
         if EVEN_K:
             bmask = nmask[:, None]
             smask = nmask[:, None]
         else:  # K is a multiple of 16, so whole bytes and whole scale blocks are in or out
             bmask = nmask[:, None] & (kb[None, :] < (K - k0) // 2)
             smask = nmask[:, None] & (ks[None, :] < (K - k0) // 16)
-        w = _decode(tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K)
+        w = _decode(
+            tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
+        )
     else:
         kk = tl.arange(0, BLOCK_K)
-        b_ptr = b + e * s_be + n[:, None].to(tl.int64) * s_bn + (k0 + kk)[None, :]
+        b_ptr = b + n[:, None].to(tl.int64) * s_bn + (k0 + kk)[None, :]
         if EVEN_K:
             w = tl.load(b_ptr, mask=nmask[:, None], other=0.0)
         else:
@@ -82,10 +85,12 @@ def _gate_up_kernel(
     x_row = x + tok.to(tl.int64) * s_xt
     gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums, reduced after the loop
     up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    b_e, s_e = b + e * s_be, b_scale + e * s_se
     for k0 in range(0, K, BLOCK_K):
         xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-        gate += _rows(b, b_scale, e, n, k0, s_be, s_bn, s_se, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
-        up += _rows(b, b_scale, e, n + N, k0, s_be, s_bn, s_se, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+        gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+        # the up rows sit N rows below the gate rows of the same expert
+        up += _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
     g = tl.sum(gate, axis=1)
     u = tl.sum(up, axis=1)
     if FP4:
@@ -118,7 +123,9 @@ def _down_sum_kernel(
         else:
             row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
         a_row = act + (tok * TOPK + slot) * s_at
-        w = _rows(b, b_scale, e, n, k0, s_be, s_bn, s_se, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+        w = _rows(
+            b + e * s_be, b_scale + e * s_se, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K
+        )
         acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K) * row_scale[:, None]
     tl.store(out + tok * s_ot + n, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=nmask)
 
@@ -144,10 +151,16 @@ def launch_moe_gemv(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.
     else:
         e, two_i, h13 = w13.shape
         inter, topk = two_i // 2, ids.shape[1]
-        assert h13 == h and w2.shape == (e, h, inter), f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} vs x [T, {h}]"
+        assert h13 == h and w2.shape == (e, h, inter), (
+            f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} vs x [T, {h}]"
+        )
         assert x.dtype == w13.dtype == w2.dtype, f"x/w13/w2 dtypes differ: {x.dtype}, {w13.dtype}, {w2.dtype}"
-        assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be row-major in their last dim"
-        assert weights.shape == ids.shape == (t, topk), f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
+        assert w13.stride(-1) == 1 and w2.stride(-1) == 1, (
+            "expert weights must be row-major in their last dim"
+        )
+        assert weights.shape == ids.shape == (t, topk), (
+            f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
+        )
     assert not ids.is_floating_point() and weights.is_floating_point(), (
         f"ids must be integers and weights floats, got {ids.dtype} and {weights.dtype}"
     )

@@ -29,7 +29,8 @@ from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
 # timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
-GEMV_MAX_TOKENS = 2  # H200, 2026-11-30: 45.7 vs 47.7 us at T=1, 69.8 vs 75.8 at T=2, 114.1 vs 111.1 at T=4
+# H200, 2026-11-30: 45.7 vs 47.7 us at T=1, 69.8 vs 75.8 at T=2, 114.1 vs 111.1 at T=4.
+GEMV_MAX_TOKENS = 2
 
 
 @triton.jit
