@@ -7,8 +7,8 @@ Same contract as ``torch_ref.fused_moe_ref(x, w13, w2, weights, ids) -> [T, H]``
     y      = weights[t, k] * (act @ w2[e].T)                    # [T*k, H], routing weight in GEMM 2
     out    = sum_k y                                            # [T, H]
 
-The sort and padding (one Triton program for decode sizes, torch ops above) have shapes fixed
-by (T, k, E) and no host sync, so a decode step can be captured in a CUDA graph. Up to
+The sort and padding (one Triton program for decode sizes, three launches above) have shapes
+fixed by (T, k, E) and no host sync, so a decode step can be captured in a CUDA graph. Up to
 ``GEMV_MAX_TOKENS`` tokens ``triton_moe_gemv`` runs instead. Configs come
 from a small table by tokens per call (``CONFIGS``), seeded from vLLM's H200 tunings for
 E=512/N=512 and E=128/N=768. Not here: quantised weights (NVFP4 has its own kernel), expert
@@ -25,6 +25,7 @@ from ft.moe.kernels.triton_combine import sum_topk
 
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding, two
 # launches), as timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
+ALIGN_BLOCK = 1024  # pairs per program of the multi-program sort (prefill sizes)
 # H200, 2026-11-30: the GEMV path is no faster here (36.8 vs 36.0 us at T=1, 52.8 vs 49.0 at T=2).
 GEMV_MAX_TOKENS = 0
 
@@ -135,6 +136,24 @@ def pick_config(num_tokens: int, num_experts: int) -> tuple[tuple[int, ...], tup
 
 
 @triton.jit
+def _blocks_and_padding(
+    padded, ends, sorted_ids, block_expert, num_padded, N, EM,
+    E: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    # from each expert's padded run length and end row: the rows in use, each BM-row block's
+    # expert (a searchsorted), and every row set to the padding pair id N
+    c = tl.arange(0, CHUNK)
+    tl.store(num_padded, tl.sum(padded, 0).to(tl.int64))
+    for b0 in range(0, EM // BM, CHUNK):
+        blk = b0 + c
+        owner = tl.sum((ends[None, :] <= (blk * BM)[:, None]).to(tl.int32), 1)  # searchsorted right
+        tl.store(block_expert + blk, tl.minimum(owner, E - 1).to(tl.int64), mask=blk < EM // BM)
+    f = tl.arange(0, FILL)
+    for r0 in range(0, EM, FILL):
+        tl.store(sorted_ids + r0 + f, tl.zeros([FILL], tl.int64) + N, mask=r0 + f < EM)
+
+
+@triton.jit
 def _align_kernel(
     ids, sorted_ids, block_expert, num_padded, N, EM,
     E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
@@ -148,14 +167,7 @@ def _align_kernel(
         counts += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), 0)
     padded = tl.cdiv(counts, BM) * BM
     ends = tl.cumsum(padded, 0)  # [E_P] end row of each expert's run
-    tl.store(num_padded, tl.sum(padded, 0).to(tl.int64))
-    for b0 in range(0, EM // BM, CHUNK):
-        blk = b0 + c
-        owner = tl.sum((ends[None, :] <= (blk * BM)[:, None]).to(tl.int32), 1)  # searchsorted right
-        tl.store(block_expert + blk, tl.minimum(owner, E - 1).to(tl.int64), mask=blk < EM // BM)
-    f = tl.arange(0, FILL)
-    for r0 in range(0, EM, FILL):
-        tl.store(sorted_ids + r0 + f, tl.zeros([FILL], tl.int64) + N, mask=r0 + f < EM)
+    _blocks_and_padding(padded, ends, sorted_ids, block_expert, num_padded, N, EM, E, BM, CHUNK, FILL)
     tl.debug_barrier()  # the padding fill above must land before the pair ids below
     next_row = ends - padded  # [E_P] next free row of each expert
     for i0 in range(0, N, CHUNK):
@@ -168,39 +180,60 @@ def _align_kernel(
         next_row += tl.sum(hit, 0)
 
 
+@triton.jit
+def _count_kernel(ids, counts, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids + i, mask=i < N, other=0)
+    tl.atomic_add(counts + e, 1, mask=i < N)
+
+
+@triton.jit
+def _runs_kernel(
+    counts, next_row, sorted_ids, block_expert, num_padded, N, EM,
+    E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    ex = tl.arange(0, E_P)
+    padded = tl.cdiv(tl.load(counts + ex, mask=ex < E, other=0), BM) * BM
+    ends = tl.cumsum(padded, 0)
+    tl.store(next_row + ex, ends - padded, mask=ex < E)
+    _blocks_and_padding(padded, ends, sorted_ids, block_expert, num_padded, N, EM, E, BM, CHUNK, FILL)
+
+
+@triton.jit
+def _place_kernel(ids, next_row, sorted_ids, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids + i, mask=i < N, other=0)
+    dest = tl.atomic_add(next_row + e, 1, mask=i < N)  # a free row of the pair's expert run
+    tl.store(sorted_ids + dest, i.to(tl.int64), mask=i < N)
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, small: int = 1024):
     """Sort the T*k (token, slot) pairs by expert and pad each expert's run to a multiple of block_m.
 
     Returns sorted_ids [EM] (flat pair ids, T*k marks padding), block_expert [EM/block_m] and
     num_padded [1] (rows in use). EM bounds the padded length from shapes alone: at most
     min(E, T*k) experts are hit, each wasting at most block_m - 1 rows. Up to ``small`` pairs one
-    Triton program does it all; above, sorting with torch ops costs little next to the GEMMs.
+    Triton program does it all, in pair order within each expert; above, three launches (count
+    with atomics, lay out the runs, place each pair at an atomically taken row of its run), so a
+    run's order varies between calls. That cannot change a result: each GEMM row is computed
+    alone, with the same reduction order wherever it sits in its tile.
     """
-    flat = ids.reshape(-1)  # [N]
+    flat = ids.reshape(-1).contiguous()  # [N]
     n = flat.numel()
     em = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.empty(em, dtype=torch.int64, device=ids.device)
+    block_expert = torch.empty(em // block_m, dtype=torch.int64, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int64, device=ids.device)
+    shape = dict(E=num_experts, E_P=triton.next_power_of_2(num_experts), BM=block_m, CHUNK=32, FILL=1024)
     if n <= small:
-        sorted_ids = torch.empty(em, dtype=torch.int64, device=ids.device)
-        block_expert = torch.empty(em // block_m, dtype=torch.int64, device=ids.device)
-        num_padded = torch.empty(1, dtype=torch.int64, device=ids.device)
-        _align_kernel[(1,)](
-            flat.contiguous(), sorted_ids, block_expert, num_padded, n, em, E=num_experts,
-            E_P=triton.next_power_of_2(num_experts), BM=block_m, CHUNK=32, FILL=1024, num_warps=8,
-        )  # fmt: skip
+        _align_kernel[(1,)](flat, sorted_ids, block_expert, num_padded, n, em, **shape, num_warps=8)
         return sorted_ids, block_expert, num_padded
-    flat = flat.long()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)  # [E] end row of each expert's run
-    order = torch.sort(flat, stable=True).indices  # pair ids grouped by expert
-    expert = flat[order]
-    rank = torch.arange(n, device=ids.device) - (counts.cumsum(0) - counts)[expert]
-    sorted_ids = torch.full((em,), n, dtype=torch.int64, device=ids.device)
-    sorted_ids.scatter_(0, (ends - padded)[expert] + rank, order)
-    starts = torch.arange(0, em, block_m, device=ids.device)
-    block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_ids, block_expert, ends[-1:]
+    counts, next_row = torch.zeros(2, num_experts, dtype=torch.int32, device=ids.device)
+    grid = (triton.cdiv(n, ALIGN_BLOCK),)
+    _count_kernel[grid](flat, counts, n, BLOCK=ALIGN_BLOCK)
+    _runs_kernel[(1,)](counts, next_row, sorted_ids, block_expert, num_padded, n, em, **shape, num_warps=8)
+    _place_kernel[grid](flat, next_row, sorted_ids, n, BLOCK=ALIGN_BLOCK)
+    return sorted_ids, block_expert, num_padded
 
 
 def _launch(a, b, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, mul_w, cfg):
