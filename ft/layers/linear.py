@@ -26,6 +26,26 @@ from ft.layers.loading import load_slice, new_param
 from ft.models.checkpoint import CheckpointTensor
 from ft.utils import div_even
 
+try:  # decode-sized products on a GPU, when timed faster than cuBLAS (triton_gemv.GEMV_MAX_TOKENS)
+    from ft.layers import triton_gemv
+except ImportError:  # no triton (CPU-only installs)
+    triton_gemv = None
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or the Triton GEMV for a few rows on a GPU (``ft.layers.triton_gemv``)."""
+    if (
+        triton_gemv is not None
+        and bias is None
+        and x.is_cuda
+        and x.dim() == 2
+        and 0 < x.shape[0] <= triton_gemv.GEMV_MAX_TOKENS
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+    ):
+        return triton_gemv.gemv(x, weight)
+    return F.linear(x, weight, bias)
+
 
 @dataclass(frozen=True)
 class Part:
@@ -90,7 +110,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = parts_param(self.parts) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -138,7 +158,7 @@ class RowParallelLinear(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the product, before the reduce (no bias)."""
-        return F.linear(x, self.weight)
+        return dense(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.partial(x), self.tp)
@@ -152,4 +172,4 @@ class ReplicatedLinear(nn.Module):
         self.bias = new_param(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)

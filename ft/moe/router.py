@@ -13,10 +13,9 @@ Both read the first E columns of the logits as a strided view, without a copy.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ft.layers.linear import Part, parts_param
+from ft.layers.linear import Part, dense, parts_param
 
 try:  # one fused kernel instead of softmax, top-k, sum and divide; used for tensors on a GPU
     from ft.moe.kernels.triton_router import softmax_topk
@@ -38,7 +37,7 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int64, largest weight first;
         the shared expert's gate logit [T, 1], or None without a shared gate)."""
-        logits = F.linear(x, self.weight)  # [T, E] or [T, E + 1]
+        logits = dense(x, self.weight)  # [T, E] or [T, E + 1]
         shared_logit = None
         if self.shared_gate:
             logits, shared_logit = logits[:, :-1], logits[:, -1:]  # views: rows stay E + 1 apart
