@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from ft import LLM
-from tests.offload.equality import PARAMS, PROMPTS, assert_same, generate
+from ft import LLM, SamplingParams
+from tests.offload.equality import PARAMS, PROMPTS, assert_same, engine, generate
 
 CASES = {
     "1-slot-no-prefetch": dict(moe_backend="offload", expert_cache_fraction=0.125, moe_prefetch=False),
@@ -67,3 +67,12 @@ def test_dummy_weights_fill_the_host_store(ckpt):
             return llm.generate(PROMPTS[:1], PARAMS[:1])
 
     assert_same(dummy(moe_backend="offload", expert_cache_fraction=0.25), dummy(moe_backend="gpu"))
+
+
+def test_a_prefill_chunk_prefetches_nothing(ckpt):
+    """A chunk that routes to more experts than a layer's dynamic slots streams them; prefetching
+    its prediction would only evict experts the next layer streams again."""
+    with engine(ckpt, moe_backend="offload", expert_cache_fraction=0.25) as llm:
+        llm.generate([list(range(1, 41))], SamplingParams(max_tokens=1, temperature=0.0))
+        s = llm.engine.stats()
+    assert s.moe_prefetched == 0 and s.moe_bytes_h2d > 0

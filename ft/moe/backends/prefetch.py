@@ -7,7 +7,8 @@ the next router on this layer's MoE input picks most of the experts the next lay
 inserts the predicted experts into the next layer's cache (evicting only unpinned dynamic slots),
 copying them on the side stream while this layer computes. The next layer's lookups then hit.
 A wrong prediction costs PCIe bandwidth and maybe a useful slot, never a wrong result: the
-next layer still routes with its own router and fetches whatever is missing.
+next layer still routes with its own router and fetches whatever is missing. A batch whose
+predicted experts do not fit the next layer's dynamic slots (a prefill chunk) prefetches nothing.
 """
 
 from __future__ import annotations
@@ -27,4 +28,8 @@ class Prefetch:
 
     def start(self, predicted: np.ndarray) -> None:
         nxt = self.backend
-        nxt.copy_in(nxt.map.prefetch(unique(predicted, nxt.map.num_experts)))
+        experts = unique(predicted, nxt.map.num_experts)
+        # A prefill chunk predicts about every expert: inserting them would only evict others the
+        # next layer's stream needs (twice the bytes over PCIe) and flush the decode working set.
+        if nxt.map.fits(experts):
+            nxt.copy_in(nxt.map.prefetch(experts))
