@@ -5,8 +5,8 @@ In the batch-1 decode census of Qwen3-Next (docs/benchmarks.md) cuBLAS's one-row
 about 44 µs per layer for about 18 µs of weight bytes; its kernels there use tiles 64 outputs
 wide (``nvjet ... 8x64``), so a 2048-wide projection gets 32 thread blocks on a 132-SM H200. Here
 one program owns BLOCK_N = 16 output columns for every row of x and walks K in BLOCK_K steps, so
-N = 2048 is 128 programs with their loads in flight. x is padded to 16 rows inside the program (masked loads) so the product is one MMA per
-step; the padding costs no bytes.
+N = 2048 is 128 programs with their loads in flight. x is padded to 16 rows inside the program
+(masked loads), so each step is one MMA; the padding costs no bytes.
 
 ``GEMV_MAX_TOKENS`` (0: off) is where ``ft.layers.linear.dense`` sends a product here instead of
 ``F.linear``; set it from tests/gpu/linear_timings.py on the GPU. Not here: bias, fp32 weights,
