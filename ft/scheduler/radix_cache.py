@@ -8,8 +8,8 @@ needed, then the least recently used leaves go first.
 Hybrid models also need the recurrent GDN state at the end of the prefix, which KV blocks do not
 give: a node may carry a ``snapshot`` (a slot of the runner's snapshot pool holding the conv and
 recurrent state after the node's last token). A hit on such a model can only end at a node with a
-snapshot. Snapshots are taken where a prefill chunk ends on a block boundary; the scheduler lines
-chunks up so that the last block boundary of every prompt is one.
+snapshot. Each prefill chunk takes one, at its last block boundary short of the request's last
+token (the GDN layers save it mid-chunk, ``ft.gdn.snapshots``).
 """
 
 from __future__ import annotations

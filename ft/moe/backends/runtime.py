@@ -169,6 +169,7 @@ class MoeRuntime:
                 backend.copy_in(backend.map.warm())
                 backend.cache.publish()
         self.shared.transfer.wait()  # the main stream reads no slot before its copy lands
+        self.shared.transfer.reset_counts()  # bytes streamed per token count requests' traffic only
         if cfg.moe_prefetch and self.name != "cpu":
             for backend, nxt, block in zip(self.backends, self.backends[1:], blocks[1:]):
                 backend.prefetch = Prefetch(block.gate, nxt)  # the next MoE layer's router

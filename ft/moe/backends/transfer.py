@@ -105,6 +105,11 @@ class Transfer:
         else:
             self.counts.d2d_bytes += nbytes
 
+    def reset_counts(self) -> None:
+        """Start the counts afresh (after the start-up fill of the caches, which is not streaming)."""
+        self.counts = TransferCounts()
+        self._timing = []
+
     def resolve(self) -> None:
         """Fold the timings of completed copies into ``counts`` (never waits)."""
         left = []
