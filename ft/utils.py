@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def div_even(a: int, b: int, what: str = "value") -> int:
     """a // b, refusing a remainder: sharding never silently drops rows."""
@@ -16,3 +18,10 @@ def cdiv(a: int, b: int) -> int:
 
 def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync: through pinned memory on CUDA (a pageable
+    copy would wait for the stream). The caching host allocator keeps the pinned buffer until the
+    copy has run."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

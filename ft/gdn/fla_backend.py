@@ -24,6 +24,7 @@ import torch
 from ft.forward_context import ForwardBatch
 from ft.gdn.triton_conv import causal_conv1d_silu
 from ft.gdn.triton_decode import gdn_decode, gdn_gates
+from ft.utils import upload
 
 CHUNK = 64  # tokens per chunk of fla's chunked gated delta rule (its default)
 # Batches whose sequences are all this short run fla's fused recurrent kernel (one launch, tokens
@@ -82,8 +83,7 @@ class FlaGDN:
         if "fla" not in batch.derived:
             cu_cpu = torch.tensor([0, *batch.query_lens_cpu], dtype=torch.int64).cumsum(0)
             chunks = self._chunk_indices(cu_cpu, CHUNK, cu_seqlens_cpu=cu_cpu)  # on the host
-            dev = batch.cu_seqlens.device
-            chunks = chunks.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else chunks.to(dev)
+            chunks = upload(chunks, batch.cu_seqlens.device)
             batch.derived["fla"] = (batch.cu_seqlens.long(), cu_cpu, chunks)
         return batch.derived["fla"]
 

@@ -45,6 +45,7 @@ from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout
 from ft.moe.backends.prefetch import Prefetch
 from ft.moe.backends.transfer import Transfer
+from ft.utils import upload
 
 
 class Staging:
@@ -80,12 +81,6 @@ def decode_only() -> bool:
         return get_forward_context().batch.is_decode_only
     except RuntimeError:  # a block called outside the engine: treat as decode
         return True
-
-
-def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host index array on ``device`` without a host sync (from pinned memory on CUDA)."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 class Pairs:
@@ -238,9 +233,9 @@ def run_pairs(bank, tensors, x, weights, out, sel: np.ndarray, rows: np.ndarray)
     if len(sel) == 0:
         return
     k = weights.shape[1]
-    sel_d = upload(sel, x.device)
+    sel_d = upload(torch.from_numpy(sel), x.device)
     tok = sel_d // k
-    rows_d = upload(rows, x.device).unsqueeze(1)  # [P, 1]
+    rows_d = upload(torch.from_numpy(np.ascontiguousarray(rows)), x.device).unsqueeze(1)  # [P, 1]
     pair_w = weights.reshape(-1)[sel_d].unsqueeze(1)  # [P, 1]
     y = bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows_d)
     out.index_add_(0, tok, y.float())

@@ -271,6 +271,24 @@ def _launch(a, b, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, 
     )
 
 
+def check_operands(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> tuple[int, int, int]:
+    """Shapes, dtypes and strides both bf16/fp16 paths (MMA and GEMV) need; returns (E, I, k)."""
+    t, h = x.shape
+    e, two_i, h13 = w13.shape
+    inter = two_i // 2
+    topk = ids.shape[1]
+    assert h13 == h and two_i % 2 == 0, f"w13 {tuple(w13.shape)} does not fit x [T, {h}]"
+    assert w2.shape == (e, h, inter), f"w2 {tuple(w2.shape)} is not [{e}, {h}, {inter}]"
+    assert weights.shape == ids.shape == (t, topk), f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
+    assert x.dtype == w13.dtype == w2.dtype and x.dtype in (torch.bfloat16, torch.float16), (
+        f"x/w13/w2 must share a bf16/fp16 dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}"
+    )
+    assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be row-major in their last dim"
+    return e, inter, topk
+
+
 def fused_moe_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
@@ -280,17 +298,8 @@ def fused_moe_triton(
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports this module
 
         return fused_moe_gemv(x, w13, w2, weights, ids)
-    e, two_i, h13 = w13.shape
-    inter = two_i // 2
-    topk = ids.shape[1]
     assert x.is_cuda and w13.device == x.device, "fused_moe_triton needs CUDA tensors on one device"
-    assert h13 == h and two_i % 2 == 0, f"w13 {tuple(w13.shape)} does not fit x [T, {h}]"
-    assert w2.shape == (e, h, inter), f"w2 {tuple(w2.shape)} is not [{e}, {h}, {inter}]"
-    assert weights.shape == ids.shape == (t, topk), f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
-    assert x.dtype == w13.dtype == w2.dtype and x.dtype in (torch.bfloat16, torch.float16), (
-        f"x/w13/w2 must share a bf16/fp16 dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}"
-    )
-    assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be row-major in their last dim"
+    e, inter, topk = check_operands(x, w13, w2, weights, ids)
     if t == 0:
         return torch.zeros_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
 from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode, check_operands
 from ft.quant.nvfp4 import NVFP4Tensor
 
@@ -146,21 +147,8 @@ def launch_moe_gemv(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.
     tensors): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] bf16 tensors or NVFP4 stacks;
     weights/ids [T, k] -> [T, H]."""
     t, h = x.shape
-    if isinstance(w13, NVFP4Tensor):
-        _, inter, topk = check_operands(x, w13, w2, weights, ids)
-    else:
-        e, two_i, h13 = w13.shape
-        inter, topk = two_i // 2, ids.shape[1]
-        assert h13 == h and w2.shape == (e, h, inter), (
-            f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} vs x [T, {h}]"
-        )
-        assert x.dtype == w13.dtype == w2.dtype, f"x/w13/w2 dtypes differ: {x.dtype}, {w13.dtype}, {w2.dtype}"
-        assert w13.stride(-1) == 1 and w2.stride(-1) == 1, (
-            "expert weights must be row-major in their last dim"
-        )
-        assert weights.shape == ids.shape == (t, topk), (
-            f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
-        )
+    check = check_operands if isinstance(w13, NVFP4Tensor) else check_bf16_operands
+    _, inter, topk = check(x, w13, w2, weights, ids)
     assert not ids.is_floating_point() and weights.is_floating_point(), (
         f"ids must be integers and weights floats, got {ids.dtype} and {weights.dtype}"
     )
