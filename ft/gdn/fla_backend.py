@@ -76,16 +76,21 @@ class FlaGDN:
         qk = q.view(t, -1, dk), k.view(t, -1, dk)
         return self.delta_rule(*qk, v.view(t, hv, dv), g, beta, ssm_state, batch)
 
-    def _varlen(self, batch: ForwardBatch) -> tuple:
-        """fla's varlen layout of the batch, built once per forward: cu_seqlens as int64 on the
-        device and on the host, and the (sequence, chunk) index of every 64-token chunk. fla would
-        build the index in each layer from a pageable host tensor, one host sync per layer."""
-        if "fla" not in batch.derived:
+    def _cu_seqlens(self, batch: ForwardBatch) -> torch.Tensor:
+        """cu_seqlens as fla takes them (int64), cast once per forward, not in every layer."""
+        if "fla_cu" not in batch.derived:
+            batch.derived["fla_cu"] = batch.cu_seqlens.long()
+        return batch.derived["fla_cu"]
+
+    def _chunks(self, batch: ForwardBatch) -> tuple:
+        """cu_seqlens on the host and the (sequence, chunk) index of every 64-token chunk, built
+        once per forward. fla would build the index in each layer from a pageable host tensor,
+        one host sync per layer."""
+        if "fla_chunks" not in batch.derived:
             cu_cpu = torch.tensor([0, *batch.query_lens_cpu], dtype=torch.int64).cumsum(0)
             chunks = self._chunk_indices(cu_cpu, CHUNK, cu_seqlens_cpu=cu_cpu)  # on the host
-            chunks = upload(chunks, batch.cu_seqlens.device)
-            batch.derived["fla"] = (batch.cu_seqlens.long(), cu_cpu, chunks)
-        return batch.derived["fla"]
+            batch.derived["fla_chunks"] = (cu_cpu, upload(chunks, batch.cu_seqlens.device))
+        return batch.derived["fla_chunks"]
 
     def delta_rule(self, q, k, v, g, beta, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, hk, dk = q.shape
@@ -112,14 +117,14 @@ class FlaGDN:
         elif max(batch.query_lens_cpu) <= RECURRENT_MAX_TOKENS:  # short varlen sequences, one kernel
             o, final = self._recurrent(
                 q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None].float(),
-                cu_seqlens=batch.cu_seqlens.long(), **common,
+                cu_seqlens=self._cu_seqlens(batch), **common,
             )  # fmt: skip
             o = o[0]
         else:  # one flat varlen sequence: [1, T, H, d]
-            cu, cu_cpu, chunks = self._varlen(batch)
+            cu_cpu, chunks = self._chunks(batch)
             o, final = self._chunk(
                 q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None].float(),
-                cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=chunks, **common,
+                cu_seqlens=self._cu_seqlens(batch), cu_seqlens_cpu=cu_cpu, chunk_indices=chunks, **common,
             )  # fmt: skip
             o = o[0]
         ssm_state.index_copy_(0, slots, final)
