@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -47,7 +49,8 @@ def hf_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_transformers(tmp_path, case):
     model_type, overrides = CASES[case]
-    hf = write_checkpoint(tmp_path, model_type, seed=hash(case) % 1000, **overrides)
+    # a fixed seed per case: hash() of a str changes with every process (PYTHONHASHSEED)
+    hf = write_checkpoint(tmp_path, model_type, seed=zlib.crc32(case.encode()) % 1000, **overrides)
     prompts = [[5, 17, 3, 88, 41, 9, 2, 60, 33, 71, 12, 50, 7], [30, 1, 64, 19]]
     with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False) as llm:
         outs = llm.generate(
