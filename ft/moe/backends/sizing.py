@@ -29,10 +29,13 @@ def reserve_bytes(cap: int) -> int:
 
 
 def device_memory(cfg: EngineConfig, device: torch.device) -> tuple[int, int]:
-    """(bytes the engine may still allocate on ``device`` now, the cap it plans for); CUDA only."""
+    """(bytes the engine may still allocate on ``device`` now, the cap it plans for); CUDA only.
+    Blocks torch's caching allocator holds but no tensor uses (an engine closed earlier in this
+    process) count as free: the driver calls them used, yet this process can reuse them."""
     free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     cap = min(total, cfg.max_gpu_memory_bytes or total)
-    return int(cap * cfg.memory_ratio) - (total - free), cap
+    return int(cap * cfg.memory_ratio) - (total - free - cached), cap
 
 
 def device_budget(cfg: EngineConfig, device: torch.device) -> int:
