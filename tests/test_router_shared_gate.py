@@ -139,3 +139,21 @@ def test_kernels_read_strided_views_under_the_interpreter():
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-4000:]
+
+
+def test_router_gemm_output_rows_are_padded_to_eight():
+    """513 rows (512 experts + the shared gate) run as a 520-row GEMM over the same storage: the
+    parameter stays [E + 1, H], the pad rows are zeros, and both logits read the right columns."""
+    torch.manual_seed(1)
+    router = TopKRouter(32, 12, 3, True, shared_gate=True)
+    assert router.weight.shape == (13, 32) and router._padded.shape == (16, 32)
+    assert router._padded.data_ptr() == router.weight.data_ptr() and not router._padded[13:].any()
+    router.weight.normal_()  # in place: the padded storage sees it
+    x = torch.randn(5, 32)
+    weights, ids, shared_logit = router(x)
+    ref_w, ref_ids = route(F.linear(x, router.weight[:12]), 3, True)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+    torch.testing.assert_close(shared_logit, F.linear(x, router.weight[12:]))
+    router.weight.data = router.weight.data.clone() * 2  # new storage: the padded copy is stale
+    weights, ids, shared_logit = router(x)
+    torch.testing.assert_close(shared_logit, F.linear(x, router.weight[12:]))

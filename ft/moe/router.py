@@ -8,6 +8,11 @@ GEMM of its own is two kernels and their launch gaps per layer).
 ``route`` is the reference in torch ops; on a GPU the router runs ``triton_router.softmax_topk``,
 one kernel with the same results (ids equal, weights to fp32 rounding) instead of about six.
 Both read the first E columns of the logits as a strided view, without a copy.
+
+The weight's storage is padded to a multiple of ``ALIGN_ROWS`` rows (513 -> 520 for Qwen3-Next),
+so the logits' rows are 16-byte aligned: with a 513-wide output cuBLAS falls back to an unaligned
+sm75 kernel, 225 us for an 8k-token prefill (H200, 2026-11-30). The parameter is the unpadded
+[E + 1, H] view; the pad rows are zeros nobody reads.
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ft.layers.linear import Part, dense, parts_param
+from ft.layers.linear import Part, PartsLoader, dense
+from ft.layers.loading import new_param
+from ft.utils import round_up
 
 try:  # one fused kernel instead of softmax, top-k, sum and divide; used for tensors on a GPU
     from ft.moe.kernels.triton_router import softmax_topk
 except ImportError:  # no triton (CPU-only installs)
     softmax_topk = None
+
+ALIGN_ROWS = 8  # bf16 logits rows a multiple of 16 bytes
 
 
 class TopKRouter(nn.Module):
@@ -29,18 +38,26 @@ class TopKRouter(nn.Module):
     ) -> None:
         super().__init__()
         self.top_k, self.renormalize, self.shared_gate = top_k, renormalize, shared_gate
+        self.num_experts = num_experts
         rows = [Part(num_experts, num_experts, 0)] + (
             [Part(1, 1, 0)] if shared_gate else []
         )  # whole everywhere
-        self.weight = parts_param(rows, hidden_size)  # [E, H], or [E + 1, H] with the shared gate last
+        n = num_experts + shared_gate
+        padded = new_param(round_up(n, ALIGN_ROWS), hidden_size).data
+        padded[n:].zero_()
+        self.weight = nn.Parameter(padded[:n], requires_grad=False)  # [E, H], or [E + 1, H]: shared gate last
+        self.weight.weight_loader = PartsLoader(rows)
+        self._padded = padded  # not a parameter: the same storage, seen whole by the GEMM
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int64, largest weight first;
         the shared expert's gate logit [T, 1], or None without a shared gate)."""
-        logits = dense(x, self.weight)  # [T, E] or [T, E + 1]
-        shared_logit = None
-        if self.shared_gate:
-            logits, shared_logit = logits[:, :-1], logits[:, -1:]  # views: rows stay E + 1 apart
+        e = self.num_experts
+        # the padded storage, unless the parameter was given new storage since (then its own rows)
+        w = self._padded if self._padded.data_ptr() == self.weight.data_ptr() else self.weight
+        logits = dense(x, w)  # [T, round_up(E (+ 1), 8)]
+        shared_logit = logits[:, e : e + 1] if self.shared_gate else None
+        logits = logits[:, :e]  # a view: rows stay padded apart
         if logits.is_cuda and softmax_topk is not None:
             return *softmax_topk(logits, self.top_k, self.renormalize), shared_logit
         return *route(logits, self.top_k, self.renormalize), shared_logit
