@@ -102,6 +102,13 @@ def test_attention_extend(d, rep):
 
 
 @gpu
+@pytest.mark.parametrize("d", [128, 256])
+def test_attention_extend_short_queries(d):
+    """Chunks under 128 tokens take the 64-row tiles (``_extend_config``)."""
+    run_attention([(0, 37), (5, 1), (16, 64), (90, 100), (0, 2)], 16, 2, d, torch.bfloat16)
+
+
+@gpu
 @pytest.mark.parametrize(
     "dtype, d, block_size",
     [(torch.float16, 16, 32), (torch.float32, 32, 16), (torch.float16, 64, 16), (torch.float32, 64, 64)],
