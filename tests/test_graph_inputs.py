@@ -4,6 +4,7 @@ upload of ``rows`` rows refreshes the first ``rows`` rows of every field and not
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ft.engine.cuda_graph import Packed
@@ -27,3 +28,23 @@ def test_fields_are_contiguous_segments_and_upload_moves_the_first_rows():
     assert table[3].tolist() == [0, 0]
     p.upload(4)
     assert table[3].tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_moe"])
+def test_only_expert_kernels_that_sync_block_graph_capture(tmp_path, model_type, monkeypatch):
+    """On a CPU the expert banks run torch kernels (not graph-safe) and block decode graphs; once
+    their kernel is graph-safe nothing else in the model does (a router that grew a
+    ``num_experts`` attribute once turned graphs off on the GPU, decode 17x slower)."""
+    from ft.distributed import TPInfo
+    from ft.engine.model_runner import build_model, graph_blockers
+    from ft.models.config import load_model_config
+    from ft.moe.banks import ExpertBank
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint(tmp_path, model_type, seed=0)
+    model = build_model(load_model_config(str(tmp_path)), TPInfo(0, 1), "cpu", torch.float32)
+    blockers = graph_blockers(model, {})
+    assert blockers and all(isinstance(model.get_submodule(n), ExpertBank) for n in blockers)
+    monkeypatch.setattr(ExpertBank, "graph_safe", True)
+    assert graph_blockers(model, {}) == []
+    assert graph_blockers(model, {"attention": object()}) == ["attention"]

@@ -81,6 +81,16 @@ def build_model(
         torch.set_default_dtype(previous)
 
 
+def graph_blockers(model: torch.nn.Module, kernels: dict[str, object]) -> list[str]:
+    """What stops a decode step from being captured: the backends in ``kernels`` and the modules
+    that declare ``graph_safe`` false, and expert banks (modules with ``num_experts``) that do not
+    declare it. Empty when every kernel of the step runs without host synchronisation."""
+    named = list(kernels.items()) + [
+        (n, m) for n, m in model.named_modules() if hasattr(m, "graph_safe") or hasattr(m, "num_experts")
+    ]
+    return [name for name, k in named if not getattr(k, "graph_safe", False)]
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
         self.cfg, self.mc, self.tp = cfg, mc, tp
@@ -106,19 +116,17 @@ class ModelRunner:
             print(self.moe.describe(self.plan.num_blocks * cfg.block_size), flush=True)
         self.graphs = None
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests, self.moe.max_graph_batch())
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph and max_bs >= 1 and self._graph_safe():
+        blockers = graph_blockers(self.model, {"attention": self.attention, "gdn": self.gdn})
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and max_bs >= 1 and blockers:
+            more = f" and {len(blockers) - 3} more" if len(blockers) > 3 else ""
+            print(f"ft: CUDA graphs off, decode runs eagerly: {', '.join(blockers[:3])}{more} not graph-safe")
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and max_bs >= 1 and not blockers:
             from ft.engine.cuda_graph import CudaGraphRunner
             from ft.moe.backends.graph_split import SegmentedGraphRunner
 
             max_len = cfg.max_model_len or mc.max_position_embeddings
             graphs = SegmentedGraphRunner if self.moe.splits_graphs else CudaGraphRunner
             self.graphs = graphs(self, max_bs, -(-max_len // cfg.block_size))
-
-    def _graph_safe(self) -> bool:
-        """Every kernel of a decode step can be captured (no host synchronisation inside)."""
-        modules = [m for m in self.model.modules() if hasattr(m, "graph_safe") or hasattr(m, "num_experts")]
-        kernels = [self.attention, self.gdn, *modules]
-        return all(getattr(k, "graph_safe", False) for k in kernels)
 
     # ---- pools
     def _pool_tokens(self) -> int:

@@ -12,7 +12,7 @@ Both read the first E columns of the logits as a strided view, without a copy.
 The weight's storage is padded to a multiple of ``ALIGN_ROWS`` rows (513 -> 520 for Qwen3-Next),
 so the logits' rows are 16-byte aligned: with a 513-wide output cuBLAS falls back to an unaligned
 sm75 kernel, 225 us for an 8k-token prefill (H200, 2026-11-30). The parameter is the unpadded
-[E + 1, H] view; the pad rows are zeros nobody reads.
+[E + 1, H] view; the pad rows are zeros nobody reads. A CPU multiplies the parameter itself.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class TopKRouter(nn.Module):
     ) -> None:
         super().__init__()
         self.top_k, self.renormalize, self.shared_gate = top_k, renormalize, shared_gate
-        self.num_experts = num_experts
         rows = [Part(num_experts, num_experts, 0)] + (
             [Part(1, 1, 0)] if shared_gate else []
         )  # whole everywhere
@@ -52,9 +51,11 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int64, largest weight first;
         the shared expert's gate logit [T, 1], or None without a shared gate)."""
-        e = self.num_experts
-        # the padded storage, unless the parameter was given new storage since (then its own rows)
-        w = self._padded if self._padded.data_ptr() == self.weight.data_ptr() else self.weight
+        e = self.weight.shape[0] - self.shared_gate
+        # on a GPU the padded storage, unless the parameter was given new storage since; on a CPU
+        # the parameter (a 16-row weight there changes the GEMM's rounding with the batch size)
+        padded = x.is_cuda and self._padded.data_ptr() == self.weight.data_ptr()
+        w = self._padded if padded else self.weight
         logits = dense(x, w)  # [T, round_up(E (+ 1), 8)]
         shared_logit = logits[:, e : e + 1] if self.shared_gate else None
         logits = logits[:, :e]  # a view: rows stay padded apart

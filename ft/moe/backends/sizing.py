@@ -31,11 +31,12 @@ def reserve_bytes(cap: int) -> int:
 def device_memory(cfg: EngineConfig, device: torch.device) -> tuple[int, int]:
     """(bytes the engine may still allocate on ``device`` now, the cap it plans for); CUDA only.
     Blocks torch's caching allocator holds but no tensor uses (an engine closed earlier in this
-    process) count as free: the driver calls them used, yet this process can reuse them."""
+    process) go back to the driver first: the driver counts them used, and counting them free
+    instead over-commits, since a large tensor cannot be carved from scattered cached blocks."""
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     cap = min(total, cfg.max_gpu_memory_bytes or total)
-    return int(cap * cfg.memory_ratio) - (total - free - cached), cap
+    return int(cap * cfg.memory_ratio) - (total - free), cap
 
 
 def device_budget(cfg: EngineConfig, device: torch.device) -> int:
