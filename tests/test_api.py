@@ -33,3 +33,26 @@ def test_no_tokenizer_needs_token_ids(tmp_path):
             assert "token ids" in str(e)
         else:
             raise AssertionError("a string prompt without a tokenizer must be refused")
+
+
+def test_shutdown_frees_the_runner_without_the_cycle_collector(tmp_path):
+    """The CUDA graph runners hold the model runner; shutdown breaks that cycle, so the weights and
+    pools go when the engine closes, not at some later collection (a second engine in the same
+    process once found its GPU budget spent on a closed one)."""
+    import gc
+    import types
+    import weakref
+
+    write_checkpoint(tmp_path, "qwen3_next", seed=0)
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(model=str(tmp_path), progress=False)
+        runner = llm.engine.executor.runner
+        runner.graphs = types.SimpleNamespace(runner=runner)  # as CudaGraphRunner(runner, ...) does
+        ref = weakref.ref(runner)
+        del runner
+        llm.shutdown()
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -41,6 +41,8 @@ class InProcessExecutor:
         return self.runner.moe.stats()
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
         self.runner = None
 
 

@@ -128,6 +128,11 @@ class ModelRunner:
             graphs = SegmentedGraphRunner if self.moe.splits_graphs else CudaGraphRunner
             self.graphs = graphs(self, max_bs, -(-max_len // cfg.block_size))
 
+    def close(self) -> None:
+        """Drop the CUDA graphs, which hold this runner: without the cycle the runner, its weights
+        and pools go as soon as the executor lets go, not at the next cyclic collection."""
+        self.graphs = None
+
     # ---- pools
     def _pool_tokens(self) -> int:
         if self.cfg.num_tokens is not None:

@@ -11,8 +11,9 @@ Both read the first E columns of the logits as a strided view, without a copy.
 
 The weight's storage is padded to a multiple of ``ALIGN_ROWS`` rows (513 -> 520 for Qwen3-Next),
 so the logits' rows are 16-byte aligned: with a 513-wide output cuBLAS falls back to an unaligned
-sm75 kernel, 225 us for an 8k-token prefill (H200, 2026-11-30). The parameter is the unpadded
-[E + 1, H] view; the pad rows are zeros nobody reads. A CPU multiplies the parameter itself.
+sm75 kernel, 225 us for an 8k-token prefill (H200, 2026-11-30). Decode batches (up to
+``PAD_MIN_TOKENS``) and CPUs multiply the parameter itself, the unpadded [E + 1, H] view of that
+storage; the pad rows are zeros nobody reads.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ except ImportError:  # no triton (CPU-only installs)
     softmax_topk = None
 
 ALIGN_ROWS = 8  # bf16 logits rows a multiple of 16 bytes
+# Above this many tokens the GEMM runs over the padded rows: H200, 2026-11-30, 513 vs 520 rows:
+# 52.9 vs 22.8 us at T = 1,024 and 250.6 vs 32.0 us at T = 8,000 (eager, one run each)
+PAD_MIN_TOKENS = 64
 
 
 class TopKRouter(nn.Module):
@@ -52,11 +56,14 @@ class TopKRouter(nn.Module):
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int64, largest weight first;
         the shared expert's gate logit [T, 1], or None without a shared gate)."""
         e = self.weight.shape[0] - self.shared_gate
-        # on a GPU the padded storage, unless the parameter was given new storage since; on a CPU
-        # the parameter (a 16-row weight there changes the GEMM's rounding with the batch size)
-        padded = x.is_cuda and self._padded.data_ptr() == self.weight.data_ptr()
+        # the padded storage for prefill-sized batches on a GPU, unless the parameter was given new
+        # storage since; decode batches keep the parameter (at T = 1 the 520-row GEMV timed 23.3 us
+        # against 20.7), and so does a CPU (16 rows there change the rounding with the batch size)
+        padded = (
+            x.is_cuda and x.shape[0] > PAD_MIN_TOKENS and self._padded.data_ptr() == self.weight.data_ptr()
+        )
         w = self._padded if padded else self.weight
-        logits = dense(x, w)  # [T, round_up(E (+ 1), 8)]
+        logits = dense(x, w)  # [T, E (+ 1)], or that padded to a multiple of 8
         shared_logit = logits[:, e : e + 1] if self.shared_gate else None
         logits = logits[:, :e]  # a view: rows stay padded apart
         if logits.is_cuda and softmax_topk is not None:

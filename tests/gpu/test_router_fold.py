@@ -59,3 +59,26 @@ def test_fused_router_equals_the_separate_products_on_cuda(t, dtype):
     torch.testing.assert_close(weights[same], ref_w[same], atol=1e-2, rtol=1e-2)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(shared_logit, F.linear(x, router.weight[e:]), atol=tol, rtol=tol)
+
+
+@gpu
+@torch.no_grad()
+@pytest.mark.parametrize("t", [1, 64, 65, 3000])
+def test_router_over_padded_rows_equals_the_parameter(t):
+    """Above ``PAD_MIN_TOKENS`` tokens the GEMM runs over the 520-row storage; its logits, read
+    as [T, 512] and [T, 1] views 520 apart, route as the 513-row parameter's do."""
+    pytest.importorskip("triton")
+    from ft.moe.router import PAD_MIN_TOKENS, TopKRouter, route
+
+    torch.manual_seed(t)
+    with torch.device("cuda"):
+        router = TopKRouter(2048, 512, 10, True, shared_gate=True)
+    assert router._padded.is_cuda and router._padded.data_ptr() == router.weight.data_ptr()
+    router.weight.normal_(0.0, 2048**-0.5)
+    x = torch.randn(t, 2048, device="cuda", dtype=torch.float32)
+    weights, ids, shared_logit = router(x)
+    logits = F.linear(x, router.weight)
+    assert shared_logit.stride(0) == (520 if t > PAD_MIN_TOKENS else 513)
+    ref_w, ref_ids = route(logits[:, :512], 10, True)
+    assert (ids == ref_ids).float().mean() > 0.999  # fp32 GEMMs of another shape: rare near-ties
+    torch.testing.assert_close(shared_logit, logits[:, 512:], atol=1e-4, rtol=1e-4)

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from ft.config import EngineConfig
@@ -33,6 +35,7 @@ def device_memory(cfg: EngineConfig, device: torch.device) -> tuple[int, int]:
     Blocks torch's caching allocator holds but no tensor uses (an engine closed earlier in this
     process) go back to the driver first: the driver counts them used, and counting them free
     instead over-commits, since a large tensor cannot be carved from scattered cached blocks."""
+    gc.collect()  # an engine closed earlier, still held by a reference cycle
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     cap = min(total, cfg.max_gpu_memory_bytes or total)
