@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from ft.bench.roofline import decode_step_bytes
@@ -62,6 +63,21 @@ def test_bench_offline_census(tmp_path, capsys):
     times = [row[2] for row in decode["top"]]
     assert times == sorted(times, reverse=True) and all(row[1] > 0 for row in decode["top"])
     assert "aten::linear" not in [row[0] for row in decode["top"]]  # leaves only: no double counting
+
+
+def test_bench_offline_census_of_a_batch(tmp_path, capsys):
+    """--census-batch 3: the decode census counts a step of three sequences; 0 is refused."""
+    write_checkpoint(tmp_path, "qwen3_next")
+    argv = ["bench", "offline", "--config", str(tmp_path / "config.json"), "--load-format", "dummy"]
+    argv += ["--device", "cpu", "--batch-sizes", "1", "--input-len", "12", "--output-len", "3"]
+    argv += ["--prefill-lens", "", "--census"]
+    out_json = tmp_path / "bench.json"
+    assert main([*argv, "--census-batch", "3", "--output-json", str(out_json)]) == 0
+    assert "census decode (batch 3):" in capsys.readouterr().out
+    decode = json.loads(out_json.read_text())["census"][0]
+    assert decode["phase"] == "decode (batch 3)" and decode["device_ms_per_step"] > 0
+    with pytest.raises(SystemExit):
+        main([*argv, "--census-batch", "0"])
 
 
 def test_decode_bytes_count_distinct_experts(tmp_path):

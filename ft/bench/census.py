@@ -21,7 +21,7 @@ from ft.sampling_params import SamplingParams
 
 TOP = 25
 DECODE_STEPS = 4  # profiled, after one unprofiled
-CENSUS_TOKENS = DECODE_STEPS + 2  # what the decode census generates after its prompt
+CENSUS_TOKENS = DECODE_STEPS + 2  # what the decode census generates after its prompt, plus its batch
 
 
 @dataclass
@@ -68,8 +68,9 @@ def _profile(phase: str, device: torch.device, run, steps: int) -> Census:
     )
 
 
-def census(engine, input_len: int, decode_steps: int = DECODE_STEPS) -> list[Census]:
-    """Census of a batch-1 decode step (after an ``input_len`` prompt) and of one such prefill."""
+def census(engine, input_len: int, decode_steps: int = DECODE_STEPS, batch: int = 1) -> list[Census]:
+    """Census of a decode step of ``batch`` sequences (after ``input_len``-token prompts) and of
+    one such prefill."""
     runner = getattr(engine.executor, "runner", None)
     if runner is None:
         return []  # ranks in other processes: not counted here
@@ -90,16 +91,18 @@ def census(engine, input_len: int, decode_steps: int = DECODE_STEPS) -> list[Cen
 
     graphs, runner.graphs = runner.graphs, None  # eager: each kernel visible
     try:
-        rid = run(prompt(0), decode_steps + 2)
+        # the first sequences decode while the later prompts prefill: up to a token per step each
+        rids = [run(prompt(i), decode_steps + 2 + batch) for i in range(batch)]
         while any(r.num_computed_tokens < r.prompt_len for r in engine.scheduler.requests.values()):
             engine.step()
         engine.step()  # the first decode step outside the profile: first-use work
-        decode = _profile(
-            "decode (batch 1)", device, lambda: [engine.step() for _ in range(decode_steps)], decode_steps
-        )
-        engine.abort_request(rid)
-        prefill(1)  # shapes compiled and tuned outside the profile
-        return [decode, _profile(f"prefill ({input_len} tokens)", device, lambda: prefill(2), 1)]
+        live = len(engine.scheduler.requests)  # the batch, unless prefill took more steps than that
+        steps = lambda: [engine.step() for _ in range(decode_steps)]  # noqa: E731
+        decode = _profile(f"decode (batch {live})", device, steps, decode_steps)
+        for rid in rids:
+            engine.abort_request(rid)
+        prefill(batch)  # shapes compiled and tuned outside the profile
+        return [decode, _profile(f"prefill ({input_len} tokens)", device, lambda: prefill(batch + 1), 1)]
     finally:
         runner.graphs = graphs
 

@@ -126,6 +126,7 @@ def bench(
     seed: int = 0,
     compare_hf: bool = False,
     with_census: bool = False,
+    census_batch: int = 1,
 ) -> Report:
     rng = random.Random(seed)
     engine = LLMEngine(cfg)
@@ -186,7 +187,7 @@ def bench(
         res = run_batch(engine, [prompt(length)], 1)
         report.prefill[length] = length / res["wall"]
     if with_census:
-        report.census = census(engine, input_len)
+        report.census = census(engine, input_len, batch=census_batch)
     engine.shutdown()
     if compare_hf:
         report.hf = bench_hf(cfg, input_len, output_len)
@@ -287,6 +288,7 @@ def add_offline_parser(bench_sub) -> None:
     p.add_argument(
         "--census", action="store_true", help="count and time the kernels of a decode step and a prefill"
     )
+    p.add_argument("--census-batch", type=int, default=1, help="sequences in the decode step --census counts")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_offline)
 
@@ -296,8 +298,11 @@ def cmd_offline(args) -> int:
 
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
     prefill = [int(s) for s in args.prefill_lens.split(",") if s]
-    options = engine_options(args) | {"max_running_requests": max(sizes + [args.max_running_requests])}
-    census_len = args.input_len + CENSUS_TOKENS if args.census else 0
+    if args.census_batch < 1:
+        raise SystemExit(f"--census-batch must be at least 1, got {args.census_batch}")
+    running = max(sizes + [args.max_running_requests, args.census_batch if args.census else 1])
+    options = engine_options(args) | {"max_running_requests": running}
+    census_len = args.input_len + CENSUS_TOKENS + args.census_batch if args.census else 0
     longest = max([n + 1 for n in prefill] + [args.input_len + args.output_len + 1, census_len])
     options["max_model_len"] = options.get("max_model_len") or longest
     report = bench(
@@ -308,6 +313,7 @@ def cmd_offline(args) -> int:
         prefill,
         compare_hf=args.compare_hf,
         with_census=args.census,
+        census_batch=args.census_batch,
     )
     print(format_report(report))
     if args.output_json:
