@@ -25,3 +25,25 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     copy would wait for the stream). The caching host allocator keeps the pinned buffer until the
     copy has run."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def upload_lists(
+    fields: list[tuple[list, torch.dtype, tuple[int, ...]]], device: torch.device
+) -> list[torch.Tensor]:
+    """Host lists on ``device`` in one ``upload`` per dtype instead of one synchronous copy each:
+    ``(flat values, dtype, shape)`` -> a contiguous view of that shape into the uploaded buffer."""
+    flat: dict[torch.dtype, list] = {}
+    for values, dtype, shape in fields:
+        n = 1
+        for d in shape:
+            n *= d
+        assert len(values) == n, f"{len(values)} values do not fill a {shape} tensor"
+        flat.setdefault(dtype, []).extend(values)
+    buffers = {dtype: upload(torch.tensor(v, dtype=dtype), device) for dtype, v in flat.items()}
+    offsets = dict.fromkeys(buffers, 0)
+    out = []
+    for values, dtype, shape in fields:
+        start = offsets[dtype]
+        offsets[dtype] = start + len(values)
+        out.append(buffers[dtype][start : start + len(values)].view(shape))
+    return out

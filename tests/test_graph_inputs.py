@@ -48,3 +48,23 @@ def test_only_expert_kernels_that_sync_block_graph_capture(tmp_path, model_type,
     monkeypatch.setattr(ExpertBank, "graph_safe", True)
     assert graph_blockers(model, {}) == []
     assert graph_blockers(model, {"attention": object()}) == ["attention"]
+
+
+def test_upload_lists_returns_views_of_one_buffer_per_dtype():
+    from ft.utils import upload_lists
+
+    a, b, c, d = upload_lists(
+        [
+            ([1, 2, 3], torch.int64, (3,)),
+            ([4, 5, 6, 7], torch.int32, (2, 2)),
+            ([8], torch.int64, (1, 1)),
+            ([], torch.int32, (0,)),
+        ],
+        torch.device("cpu"),
+    )
+    assert a.tolist() == [1, 2, 3] and b.tolist() == [[4, 5], [6, 7]] and c.tolist() == [[8]]
+    assert d.shape == (0,) and (a.dtype, b.dtype, c.dtype) == (torch.int64, torch.int32, torch.int64)
+    assert all(x.is_contiguous() for x in (a, b, c, d))
+    assert a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()  # one int64 buffer
+    with pytest.raises(AssertionError, match="do not fill"):
+        upload_lists([([1, 2], torch.int64, (3,))], torch.device("cpu"))

@@ -32,6 +32,7 @@ from ft.moe.backends.runtime import MoePlan, MoeRuntime
 from ft.moe.backends.sizing import device_budget
 from ft.sampling_params import Logprobs
 from ft.scheduler.scheduler import HISTORY, ScheduledSeq
+from ft.utils import upload_lists
 
 
 @dataclass
@@ -213,23 +214,36 @@ class ModelRunner:
             qlens.append(n)
             ctx.append(s.start)
         width = max(len(s.block_ids) for s in seqs)
-        table = [s.block_ids + [-1] * (width - len(s.block_ids)) for s in seqs]
+        table = [b for s in seqs for b in s.block_ids + [-1] * (width - len(s.block_ids))]
+        history = [h for s in seqs for h in [-1] * (HISTORY - len(s.history)) + s.history]
         cu = [0]
         for q in qlens:
             cu.append(cu[-1] + q)
-
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=self.device)
-
+        i64, i32, t, b = torch.int64, torch.int32, len(ids), len(seqs)
+        fields = upload_lists(
+            [
+                (ids, i64, (t,)),
+                (pos, i64, (t,)),
+                (slots, i64, (t,)),
+                ([s.state_slot for s in seqs], i64, (b,)),
+                (history, i64, (b, HISTORY)),
+                (cu, i32, (b + 1,)),
+                (ctx, i32, (b,)),
+                ([c + q for c, q in zip(ctx, qlens)], i32, (b,)),
+                (table, i32, (b, width)),
+            ],
+            self.device,
+        )
+        ids_t, positions, slot_mapping, state_slots, prev, cu_t, ctx_t, seq_lens, tables = fields
         batch = ForwardBatch(
-            positions=t(pos, torch.int64),
-            cu_seqlens=t(cu, torch.int32),
-            context_lens=t(ctx, torch.int32),
-            seq_lens=t([c + q for c, q in zip(ctx, qlens)], torch.int32),
-            block_tables=t(table, torch.int32),
-            slot_mapping=t(slots, torch.int64),
-            state_slots=t([s.state_slot for s in seqs], torch.int64),
-            prev_token_ids=t([[-1] * (HISTORY - len(s.history)) + s.history for s in seqs], torch.int64),
+            positions=positions,
+            cu_seqlens=cu_t,
+            context_lens=ctx_t,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            slot_mapping=slot_mapping,
+            state_slots=state_slots,
+            prev_token_ids=prev,
             block_size=bs,
             query_lens_cpu=qlens,
             context_lens_cpu=ctx,
@@ -241,7 +255,7 @@ class ModelRunner:
         ]
         if points and self.gdn_layers:
             batch.snapshots = state_snapshots(batch, points)
-        return t(ids, torch.int64), batch
+        return ids_t, batch
 
     def _forward(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[range]]:
         """Logits for the rows that need them, and for each sequence its rows' indices in them."""

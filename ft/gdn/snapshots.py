@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ft.forward_context import ForwardBatch
+from ft.utils import upload_lists
 
 
 @dataclass(frozen=True)
@@ -53,19 +54,26 @@ def _starts(lens: list[int]) -> list[int]:
 def _sub_batch(batch: ForwardBatch, seqs: list[int], starts: list[int], lens: list[int]) -> tuple:
     """Sequences ``seqs`` restricted to tokens [start, start + len) of their chunks, as
     (ForwardBatch, the tokens' rows in ``batch``: a slice when contiguous, so no gather)."""
-    dev = batch.positions.device
     bos = _starts(batch.query_lens_cpu)
     index = [bos[i] + s + j for i, s, n in zip(seqs, starts, lens) for j in range(n)]
     ctx = [batch.context_lens_cpu[i] + s for i, s in zip(seqs, starts)]
-    cu = _starts(lens)
-    index_t = torch.tensor(index, dtype=torch.int64, device=dev)
+    b, i64, i32 = len(seqs), torch.int64, torch.int32
+    index_t, seq_t, cu, ctx_t, seq_lens = upload_lists(
+        [
+            (index, i64, (len(index),)),
+            (seqs, i64, (b,)),
+            (_starts(lens), i32, (b + 1,)),
+            (ctx, i32, (b,)),
+            ([c + n for c, n in zip(ctx, lens)], i32, (b,)),
+        ],
+        batch.positions.device,
+    )
     rows = slice(index[0], index[-1] + 1) if index == list(range(index[0], index[-1] + 1)) else index_t
-    seq_t = torch.tensor(seqs, dtype=torch.int64, device=dev)
     sub = ForwardBatch(
         positions=batch.positions.index_select(0, index_t),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
-        context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([c + n for c, n in zip(ctx, lens)], dtype=torch.int32, device=dev),
+        cu_seqlens=cu,
+        context_lens=ctx_t,
+        seq_lens=seq_lens,
         block_tables=batch.block_tables.index_select(0, seq_t),
         slot_mapping=batch.slot_mapping.index_select(0, index_t),
         state_slots=batch.state_slots.index_select(0, seq_t),
@@ -88,7 +96,7 @@ def state_snapshots(batch: ForwardBatch, points: list[SnapshotPoint]) -> StateSn
     cut = {p.seq: p.offset for p in points}
     rest = [(i, cut.get(i, 0), n - cut.get(i, 0)) for i, n in enumerate(qlens) if n > cut.get(i, 0)]
     tail, tail_index = _sub_batch(batch, *map(list, zip(*rest))) if rest else (None, None)
-    rows = torch.tensor([p.row for p in points], dtype=torch.int64, device=batch.positions.device)
+    (rows,) = upload_lists([([p.row for p in points], torch.int64, (len(points),))], batch.positions.device)
     bos = _starts(qlens)
     return StateSnapshots(points, [bos[p.seq] for p in points], rows, head, head_index, tail, tail_index)
 
