@@ -15,6 +15,12 @@ import triton.language as tl
 
 from ft.forward_context import ForwardBatch
 
+# (tokens, channels) per program of the output kernel, for decode and for longer chunks; module
+# constants so that tests/gpu/config_sweep.py can try others
+DECODE_TILE = (2, 256)
+PREFILL_TILE = (32, 128)
+NUM_WARPS = 4
+
 
 @triton.jit
 def _conv_out_kernel(
@@ -112,8 +118,7 @@ def causal_conv1d_silu(
     out = torch.empty((t, c), dtype=x.dtype, device=x.device)
     bsz = batch.cu_seqlens.shape[0] - 1
     args = (batch.cu_seqlens, batch.context_lens, batch.state_slots)
-    block_t = 2 if max_query_len == 1 else 32
-    block_c = 256 if max_query_len == 1 else 128
+    block_t, block_c = DECODE_TILE if max_query_len == 1 else PREFILL_TILE
     grid = (triton.cdiv(max_query_len, block_t), bsz, triton.cdiv(c, block_c))
     _conv_out_kernel[grid](
         x,
@@ -130,7 +135,7 @@ def causal_conv1d_silu(
         KC=kc,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
     _conv_state_kernel[(bsz, triton.cdiv(c, 128))](
         x,

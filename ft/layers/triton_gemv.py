@@ -23,6 +23,7 @@ GEMV_MAX_TOKENS = 0  # off until timed against cuBLAS on the GPU (tests/gpu/line
 MAX_M = 16  # rows of x one program pads to (one MMA tile)
 BLOCK_N = 16
 MAX_BLOCK_K = 256
+NUM_WARPS, NUM_STAGES = 4, 4  # module constants so tests/gpu/config_sweep.py can try others
 
 
 @triton.jit
@@ -68,7 +69,8 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     block_k = min(MAX_BLOCK_K, max(16, triton.next_power_of_2(k)))
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        M_P=MAX_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=4,
+        M_P=MAX_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )  # fmt: skip
     return out
 

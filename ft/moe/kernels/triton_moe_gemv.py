@@ -32,6 +32,7 @@ from ft.quant.nvfp4 import NVFP4Tensor
 BLOCK_N = 16  # weight rows per program: T=1, k=10 is 10 x 32 gate/up and 128 down programs
 MAX_BLOCK_K = 256  # input elements per step (NVFP4: 128 code bytes and 16 scale bytes of a row)
 STAGES = 4  # loads in flight per program
+NUM_WARPS = 4  # (these module constants are what tests/gpu/config_sweep.py varies)
 
 
 @triton.jit
@@ -164,15 +165,15 @@ def launch_moe_gemv(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.
     _gate_up_kernel[(t * topk, triton.cdiv(inter, BLOCK_N))](
         x, b13, s13, g13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), act.stride(0), ids.stride(0), ids.stride(1), UNFOLD,
-        TOPK=topk, FP4=fp4, EVEN_K=h % bk_up == 0, BLOCK_N=BLOCK_N, BLOCK_K=bk_up, num_warps=4,
-        num_stages=STAGES,
+        TOPK=topk, FP4=fp4, EVEN_K=h % bk_up == 0, BLOCK_N=BLOCK_N, BLOCK_K=bk_up,
+        num_warps=NUM_WARPS, num_stages=STAGES,
     )  # fmt: skip
     _down_sum_kernel[(t, triton.cdiv(h, BLOCK_N))](
         act, b2, s2, g2, out, weights, ids, h, inter,
         act.stride(0), *_strides(b2, s2, g2), out.stride(0), weights.stride(0), weights.stride(1),
         ids.stride(0), ids.stride(1), UNFOLD,
-        TOPK=topk, FP4=fp4, EVEN_K=inter % bk_down == 0, BLOCK_N=BLOCK_N, BLOCK_K=bk_down, num_warps=4,
-        num_stages=STAGES,
+        TOPK=topk, FP4=fp4, EVEN_K=inter % bk_down == 0, BLOCK_N=BLOCK_N, BLOCK_K=bk_down,
+        num_warps=NUM_WARPS, num_stages=STAGES,
     )  # fmt: skip
     return out
 

@@ -1,0 +1,284 @@
+"""Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
+
+    python tests/gpu/config_sweep.py [gemv] [moe_gemv] [grouped] [conv]      (all when none named)
+
+Each section sets its kernel's module constants to every config of a small grid, times each shape
+with ``kernel_timings.bench_series`` (a CUDA graph of calls back to back over distinct weights or
+routings, per call: a decode step's conditions), checks the output against the shipped config's,
+and prints per shape the shipped config's time, the best config and its time, and the config best
+summed over the shapes: what to write into the module. The attention sweep of 2026-11-30 (a 4.6x
+faster prefill from a tile change, docs/benchmarks.md) was this kind of table.
+
+``--dry-run`` runs the GEMV sections once on tiny shapes on the CPU under ``TRITON_INTERPRET=1``
+(one config each, a wall-clock timer; the sections whose wrappers need CUDA say so): it checks
+the script, not the kernels' speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from ft.forward_context import ForwardBatch  # noqa: E402
+from ft.gdn import triton_conv  # noqa: E402
+from ft.layers import triton_gemv  # noqa: E402
+from ft.moe.kernels import triton_moe, triton_moe_gemv, triton_w4a16  # noqa: E402
+from ft.quant.nvfp4 import NVFP4Tensor  # noqa: E402
+
+DRY = "--dry-run" in sys.argv
+DEV = "cpu" if DRY else "cuda"
+DTYPE = torch.float16 if DRY else torch.bfloat16  # the interpreter's bf16 tl.dot (dense GEMV) is not exact
+P = functools.partial
+SERIES_BYTES = 200 << 20  # weights per timed series: four times the H200's L2
+
+
+def timer(calls: list[Callable]) -> float:
+    """Microseconds per call."""
+    if DRY:
+        t0 = time.perf_counter()
+        for fn in calls:
+            fn()
+        return (time.perf_counter() - t0) / len(calls) * 1e6
+    from tests.gpu.kernel_timings import bench_series
+
+    return bench_series(calls) * 1e3
+
+
+def copies(nbytes: int) -> int:
+    return 2 if DRY else min(64, max(4, -(-SERIES_BYTES // nbytes)))
+
+
+def grid(*axes) -> list[tuple]:
+    combos = list(itertools.product(*axes))
+    return combos[:1] if DRY else combos
+
+
+def report(title: str, shipped, rows: dict[str, dict]) -> None:
+    """rows: shape -> {config tuple: us, or None when it failed or disagreed; a name: us of a
+    reference path (cuBLAS, the MMA path), shown beside the configs but not competing}."""
+    print(f"== {title} (shipped {shipped})", flush=True)
+    totals: dict = {}
+    for shape, times in rows.items():
+        ok = {c: t for c, t in times.items() if isinstance(c, tuple) and t is not None}
+        refs = "".join(f" | {c} {t:.1f} us" for c, t in times.items() if isinstance(c, str) and t)
+        for c, t in ok.items():
+            totals[c] = totals.get(c, 0.0) + t
+        best = min(ok, key=ok.get) if ok else None
+        bad = sum(1 for c, t in times.items() if isinstance(c, tuple) and t is None)
+        print(
+            f"  {shape:44s} shipped {times.get(shipped) or float('nan'):7.1f} us | best {best} "
+            f"{ok.get(best, float('nan')):7.1f} us{refs}"
+            + (f" | {bad} configs failed or disagreed" if bad else ""),
+            flush=True,
+        )
+    full = [c for c in totals if all(rows[s].get(c) is not None for s in rows)]
+    if full:
+        best = min(full, key=totals.get)
+        was = totals.get(shipped, float("nan"))
+        print(f"  best over all shapes: {best} {totals[best]:.1f} us (shipped {was:.1f})")
+
+
+def try_config(run: Callable[[], torch.Tensor], want: torch.Tensor, calls: list[Callable], tol: float):
+    try:
+        got = run()
+        if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
+            return None
+        return timer(calls)
+    except Exception as e:  # out of shared memory, registers: not a usable config
+        print(f"    failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return None
+
+
+# ---------------------------------------------------------------- dense GEMV (decode projections)
+
+
+def sweep_gemv() -> None:
+    shapes = {"in_proj 12352x2048": (12352, 2048), "attn qkv 9216x2048": (9216, 2048),
+              "out_proj 2048x4096": (2048, 4096), "router 513x2048": (513, 2048),
+              "shared gate_up 1024x2048": (1024, 2048), "shared down 2048x512": (2048, 512)}  # fmt: skip
+    if DRY:
+        shapes = {"tiny 40x64": (40, 64)}
+    mod = triton_gemv
+    shipped = (mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.NUM_STAGES)
+    configs = grid((16, 32), (128, 256, 512), (4, 8), (3, 4))
+    rows = {}
+    for m in (1, 4):
+        for name, (n, k) in shapes.items():
+            x = torch.randn(m, k, device=DEV).to(DTYPE)
+            ws = [(torch.randn(n, k, device=DEV) * k**-0.5).to(DTYPE) for _ in range(copies(n * k * 2))]
+            want = F.linear(x.float(), ws[0].float())
+            times = {"cuBLAS": None if DRY else timer([P(F.linear, x, w) for w in ws])}
+            for cfg in dict.fromkeys([shipped, *configs]):
+                mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.NUM_STAGES = cfg
+                calls = [P(mod.launch_gemv, x, w) for w in ws]
+                times[cfg] = try_config(calls[0], want, calls, 2e-2)
+            rows[f"M={m} {name}"] = times
+            print(f"  M={m} {name}: cuBLAS {times['cuBLAS'] or float('nan'):.1f} us", flush=True)
+            del ws
+    mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.NUM_STAGES = shipped
+    report("dense GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, NUM_STAGES)", shipped, rows)
+
+
+# ---------------------------------------------------------------- MoE at decode sizes
+
+
+def nvfp4_bank(e: int, n: int, k: int) -> NVFP4Tensor:
+    codes = torch.randint(0, 256, (e, n, k // 2), device=DEV, dtype=torch.uint8)
+    scales = (torch.rand(e, n, k // 16, device=DEV) * 447 + 1).to(torch.float8_e4m3fn)
+    return NVFP4Tensor(codes, scales, (torch.rand(e, n, device=DEV) + 0.5) * k**-0.5 / 760)
+
+
+def moe_problem(t: int):
+    e, inter, h, k = (16, 32, 64, 4) if DRY else (512, 512, 2048, 10)
+    banks = {
+        "bf16": (
+            (torch.randn(e, 2 * inter, h, device=DEV) * h**-0.5).to(torch.bfloat16),
+            (torch.randn(e, h, inter, device=DEV) * inter**-0.5).to(torch.bfloat16),
+        ),
+        "nvfp4": (nvfp4_bank(e, 2 * inter, h), nvfp4_bank(e, h, inter)),
+    }
+    x = torch.randn(t, h, device=DEV).to(torch.bfloat16)
+    routes = [torch.softmax(torch.randn(t, e, device=DEV), -1).topk(k, -1) for _ in range(2 if DRY else 8)]
+    return banks, x, routes
+
+
+def sweep_moe_gemv() -> None:
+    mod = triton_moe_gemv
+    shipped = (mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.STAGES)
+    configs = grid((8, 16, 32), (128, 256, 512), (4, 8), (3, 4))
+    rows = {}
+    for t in (1, 2, 4):
+        banks, x, routes = moe_problem(t)
+        for fmt, (w13, w2) in banks.items():
+            want = mod.launch_moe_gemv(x, w13, w2, *routes[0])
+            times = {}
+            if not DRY:  # the MMA path the switch chooses against
+                mma = triton_moe.fused_moe_triton if fmt == "bf16" else triton_w4a16.fused_moe_w4a16
+                saved = triton_moe.GEMV_MAX_TOKENS, triton_w4a16.GEMV_MAX_TOKENS
+                triton_moe.GEMV_MAX_TOKENS = triton_w4a16.GEMV_MAX_TOKENS = 0
+                times["MMA path"] = timer([P(mma, x, w13, w2, w, i) for w, i in routes])
+                triton_moe.GEMV_MAX_TOKENS, triton_w4a16.GEMV_MAX_TOKENS = saved
+            for cfg in dict.fromkeys([shipped, *configs]):
+                mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.STAGES = cfg
+                calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
+                times[cfg] = try_config(calls[0], want, calls, 2e-2)
+            rows[f"T={t} {fmt}"] = times
+            print(f"  T={t} {fmt}: MMA path {times.get('MMA path') or float('nan'):.1f} us", flush=True)
+    mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.STAGES = shipped
+    report("MoE GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", shipped, rows)
+
+
+def sweep_grouped() -> None:
+    """The bf16 grouped-GEMM rows of ``triton_moe.CONFIGS`` for decode batches: gate/up, then down."""
+    if DRY:
+        print("== grouped GEMM: needs CUDA (the sort kernels assert it); skipped in a dry run")
+        return
+    table = triton_moe.CONFIGS["default"]
+    saved = list(table)
+    tiles = grid((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
+    for t in (1, 16, 64):
+        banks, x, routes = moe_problem(t)
+        w13, w2 = banks["bf16"]
+        index = next(i for i, (bound, _, _) in enumerate(table) if t <= bound)
+        bound, up, down = table[index]
+        want = triton_moe.fused_moe_triton(x, w13, w2, *routes[0])
+        for which in ("up", "down"):
+            rows, shipped = {}, (up if which == "up" else down)[1:3] + (up if which == "up" else down)[4:]
+            times = {}
+            for bn, bk, w, s in dict.fromkeys([shipped, *tiles]):
+                cfg = (16, bn, bk, 1, w, s)
+                table[index] = (bound, cfg, down) if which == "up" else (bound, up, cfg)
+                calls = [P(triton_moe.fused_moe_triton, x, w13, w2, w_, i) for w_, i in routes]
+                times[(bn, bk, w, s)] = try_config(calls[0], want, calls, 2e-2)
+            table[:] = saved
+            rows[f"T={t} {which} (BLOCK_M 16)"] = times
+            report(f"grouped GEMM T={t} {which} (BLOCK_N, BLOCK_K, warps, stages)", shipped, rows)
+
+
+# ---------------------------------------------------------------- causal conv (prefill and decode)
+
+
+def conv_batch(lens: list[int]) -> ForwardBatch:
+    n = len(lens)
+    cu = [0]
+    for q in lens:
+        cu.append(cu[-1] + q)
+
+    def t(v, dtype=torch.int32):
+        return torch.tensor(v, dtype=dtype, device=DEV)
+
+    return ForwardBatch(
+        positions=t(list(range(sum(lens))), torch.int64), cu_seqlens=t(cu), context_lens=t([5] * n),
+        seq_lens=t([5 + q for q in lens]), block_tables=torch.zeros(n, 1, dtype=torch.int32, device=DEV),
+        slot_mapping=t([-1] * sum(lens), torch.int64), state_slots=t(list(range(n)), torch.int64),
+        prev_token_ids=torch.zeros(n, 0, dtype=torch.int64, device=DEV), block_size=16,
+        query_lens_cpu=list(lens), context_lens_cpu=[5] * n,
+    )  # fmt: skip
+
+
+DECODE_TILES = [(1, 256), (1, 512), (2, 256), (4, 128)]
+PREFILL_TILES = [(16, 128), (32, 128), (64, 128), (32, 256), (64, 64), (128, 64)]
+
+
+def conv_call(x, weight, state, batch, max_q) -> torch.Tensor:
+    """On a copy of the state: every config checks against the same one."""
+    return triton_conv.causal_conv1d_silu(x, weight, state.clone(), batch, max_q)
+
+
+def sweep_conv() -> None:
+    if DRY:
+        print("== causal conv: needs CUDA (its wrapper asserts it); skipped in a dry run")
+        return
+    mod = triton_conv
+    c, width = 8192, 12352  # the conv reads a column range of in_proj's output
+    cases = {"prefill 8000 x 1": [8000], "prefill 1024 x 1": [1024], "decode 1 x 64": [1] * 64}
+    weight = torch.randn(c, 4, device=DEV).to(DTYPE)
+    rows, shipped = {}, {}
+    for name, lens in cases.items():
+        decode = max(lens) == 1
+        attr = "DECODE_TILE" if decode else "PREFILL_TILE"
+        shipped[name] = (*getattr(mod, attr), mod.NUM_WARPS)
+        tiles = DECODE_TILES if decode else PREFILL_TILES
+        configs = grid(tiles, (4, 8))
+        batch = conv_batch(lens)
+        xs = [torch.randn(sum(lens), width, device=DEV).to(DTYPE)[:, :c] for _ in range(4)]
+        state = torch.randn(len(lens), c, 3, device=DEV).to(DTYPE)
+        states = [state.clone() for _ in xs]  # the timed calls update these in place
+        want = conv_call(xs[0], weight, state, batch, max(lens))
+        times = {}
+        for cfg in dict.fromkeys([shipped[name], *((*tile, w) for tile, w in configs)]):
+            setattr(mod, attr, cfg[:2])
+            mod.NUM_WARPS = cfg[2]
+            calls = [P(mod.causal_conv1d_silu, x, weight, st, batch, max(lens)) for x, st in zip(xs, states)]
+            times[cfg] = try_config(P(conv_call, xs[0], weight, state, batch, max(lens)), want, calls, 1e-2)
+        setattr(mod, attr, shipped[name][:2])
+        mod.NUM_WARPS = shipped[name][2]
+        rows[name] = times
+    for name in rows:
+        report(f"causal conv {name} (tokens, channels, warps)", shipped[name], {name: rows[name]})
+
+
+SECTIONS = {"gemv": sweep_gemv, "moe_gemv": sweep_moe_gemv, "grouped": sweep_grouped, "conv": sweep_conv}
+
+
+def main() -> None:
+    names = [a for a in sys.argv[1:] if a in SECTIONS] or list(SECTIONS)
+    print(
+        f"config sweep on {torch.cuda.get_device_name() if not DRY else 'CPU (dry run)'}: {', '.join(names)}"
+    )
+    torch.manual_seed(0)
+    for name in names:
+        SECTIONS[name]()
+
+
+if __name__ == "__main__":
+    main()
