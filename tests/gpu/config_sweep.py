@@ -184,8 +184,8 @@ def sweep_grouped() -> None:
         return
     table = triton_moe.CONFIGS["default"]
     saved = list(table)
-    tiles = grid((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
-    for t in (1, 16, 64):
+    tiles = grid((32, 64, 128), (64, 128, 256), (4,), (3, 4))
+    for t in (1, 64):
         banks, x, routes = moe_problem(t)
         w13, w2 = banks["bf16"]
         index = next(i for i, (bound, _, _) in enumerate(table) if t <= bound)
