@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -34,10 +36,7 @@ def upload_lists(
     ``(flat values, dtype, shape)`` -> a contiguous view of that shape into the uploaded buffer."""
     flat: dict[torch.dtype, list] = {}
     for values, dtype, shape in fields:
-        n = 1
-        for d in shape:
-            n *= d
-        assert len(values) == n, f"{len(values)} values do not fill a {shape} tensor"
+        assert len(values) == math.prod(shape), f"{len(values)} values do not fill a {shape} tensor"
         flat.setdefault(dtype, []).extend(values)
     buffers = {dtype: upload(torch.tensor(v, dtype=dtype), device) for dtype, v in flat.items()}
     offsets = dict.fromkeys(buffers, 0)

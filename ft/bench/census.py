@@ -21,7 +21,7 @@ from ft.sampling_params import SamplingParams
 
 TOP = 25
 DECODE_STEPS = 4  # profiled, after one unprofiled
-CENSUS_TOKENS = DECODE_STEPS + 2  # what the decode census generates after its prompt, plus its batch
+CENSUS_TOKENS = DECODE_STEPS + 2  # generated after a census prompt, plus one per sequence in its batch
 
 
 @dataclass

@@ -32,7 +32,7 @@ from ft.moe.backends.runtime import MoePlan, MoeRuntime
 from ft.moe.backends.sizing import device_budget
 from ft.sampling_params import Logprobs
 from ft.scheduler.scheduler import HISTORY, ScheduledSeq
-from ft.utils import upload_lists
+from ft.utils import cdiv, upload_lists
 
 
 @dataclass
@@ -117,17 +117,22 @@ class ModelRunner:
             print(self.moe.describe(self.plan.num_blocks * cfg.block_size), flush=True)
         self.graphs = None
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests, self.moe.max_graph_batch())
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and max_bs >= 1:
+            self.graphs = self._decode_graphs(max_bs)
+
+    def _decode_graphs(self, max_bs: int):
+        """The captured decode steps, or None, said why, when a kernel of the step cannot be captured."""
         blockers = graph_blockers(self.model, {"attention": self.attention, "gdn": self.gdn})
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph and max_bs >= 1 and blockers:
+        if blockers:
             more = f" and {len(blockers) - 3} more" if len(blockers) > 3 else ""
             print(f"ft: CUDA graphs off, decode runs eagerly: {', '.join(blockers[:3])}{more} not graph-safe")
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph and max_bs >= 1 and not blockers:
-            from ft.engine.cuda_graph import CudaGraphRunner
-            from ft.moe.backends.graph_split import SegmentedGraphRunner
+            return None
+        from ft.engine.cuda_graph import CudaGraphRunner
+        from ft.moe.backends.graph_split import SegmentedGraphRunner
 
-            max_len = cfg.max_model_len or mc.max_position_embeddings
-            graphs = SegmentedGraphRunner if self.moe.splits_graphs else CudaGraphRunner
-            self.graphs = graphs(self, max_bs, -(-max_len // cfg.block_size))
+        max_len = self.cfg.max_model_len or self.mc.max_position_embeddings
+        graphs = SegmentedGraphRunner if self.moe.splits_graphs else CudaGraphRunner
+        return graphs(self, max_bs, cdiv(max_len, self.cfg.block_size))
 
     def close(self) -> None:
         """Drop the CUDA graphs, which hold this runner: without the cycle the runner, its weights
