@@ -32,13 +32,13 @@ from ft.forward_context import ForwardBatch  # noqa: E402
 from ft.gdn import triton_conv  # noqa: E402
 from ft.layers import triton_gemv  # noqa: E402
 from ft.moe.kernels import triton_moe, triton_moe_gemv, triton_w4a16  # noqa: E402
-from ft.quant.nvfp4 import NVFP4Tensor  # noqa: E402
+from tests.gpu.kernel_timings import bench_series, routings, series_copies  # noqa: E402
+from tests.nvfp4.test_w4a16_gpu import random_bank  # noqa: E402
 
 DRY = "--dry-run" in sys.argv
 DEV = "cpu" if DRY else "cuda"
 DTYPE = torch.float16 if DRY else torch.bfloat16  # the interpreter's bf16 tl.dot (dense GEMV) is not exact
 P = functools.partial
-SERIES_BYTES = 200 << 20  # weights per timed series: four times the H200's L2
 
 
 def timer(calls: list[Callable]) -> float:
@@ -48,13 +48,11 @@ def timer(calls: list[Callable]) -> float:
         for fn in calls:
             fn()
         return (time.perf_counter() - t0) / len(calls) * 1e6
-    from tests.gpu.kernel_timings import bench_series
-
     return bench_series(calls) * 1e3
 
 
 def copies(nbytes: int) -> int:
-    return 2 if DRY else min(64, max(4, -(-SERIES_BYTES // nbytes)))
+    return 2 if DRY else series_copies(nbytes)
 
 
 def grid(*axes) -> list[tuple]:
@@ -131,23 +129,18 @@ def sweep_gemv() -> None:
 # ---------------------------------------------------------------- MoE at decode sizes
 
 
-def nvfp4_bank(e: int, n: int, k: int) -> NVFP4Tensor:
-    codes = torch.randint(0, 256, (e, n, k // 2), device=DEV, dtype=torch.uint8)
-    scales = (torch.rand(e, n, k // 16, device=DEV) * 447 + 1).to(torch.float8_e4m3fn)
-    return NVFP4Tensor(codes, scales, (torch.rand(e, n, device=DEV) + 0.5) * k**-0.5 / 760)
-
-
 def moe_problem(t: int):
     e, inter, h, k = (16, 32, 64, 4) if DRY else (512, 512, 2048, 10)
+    gen = torch.Generator(device=DEV).manual_seed(t)
     banks = {
         "bf16": (
             (torch.randn(e, 2 * inter, h, device=DEV) * h**-0.5).to(torch.bfloat16),
             (torch.randn(e, h, inter, device=DEV) * inter**-0.5).to(torch.bfloat16),
         ),
-        "nvfp4": (nvfp4_bank(e, 2 * inter, h), nvfp4_bank(e, h, inter)),
+        "nvfp4": (random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)),
     }
     x = torch.randn(t, h, device=DEV).to(torch.bfloat16)
-    routes = [torch.softmax(torch.randn(t, e, device=DEV), -1).topk(k, -1) for _ in range(2 if DRY else 8)]
+    routes = routings(t, e, k, n=2 if DRY else 8, device=DEV)
     return banks, x, routes
 
 

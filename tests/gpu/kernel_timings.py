@@ -15,6 +15,7 @@ import sys
 import torch
 
 HBM, FLOPS = 4.22e12, 783e12
+SERIES_BYTES = 200 << 20  # weights per timed series: four times the H200's 50 MB L2
 
 
 def bench(fn, iters: int = 50, graph: bool = False) -> float:
@@ -68,9 +69,14 @@ def bench_series(calls, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def routings(t: int, e: int, k: int, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def series_copies(nbytes: int) -> int:
+    """Distinct weights of ``nbytes`` each for one ``bench_series``: over SERIES_BYTES in all."""
+    return min(64, max(4, -(-SERIES_BYTES // nbytes)))
+
+
+def routings(t: int, e: int, k: int, n: int = 8, device="cuda") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` random (weights, ids) [T, k] routings: consecutive calls hit different experts."""
-    return [torch.softmax(torch.randn(t, e, device="cuda"), -1).topk(k, -1) for _ in range(n)]
+    return [torch.softmax(torch.randn(t, e, device=device), -1).topk(k, -1) for _ in range(n)]
 
 
 def moe_rows():

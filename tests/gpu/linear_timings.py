@@ -18,9 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ft.layers.triton_gemv import gemv  # noqa: E402
-from tests.gpu.kernel_timings import HBM, bench_series  # noqa: E402
-
-SERIES_BYTES = 200 << 20  # weights per series: four times the H200's 50 MB L2
+from tests.gpu.kernel_timings import HBM, bench_series, series_copies  # noqa: E402
 
 SHAPES = {  # (N, K) of one rank's weight, bf16
     "qwen3-next in_proj (qkvz+ba)": (12352, 2048),
@@ -41,7 +39,7 @@ def main() -> None:
         all_win = True
         for name, (n, k) in SHAPES.items():
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            copies = min(64, max(4, -(-SERIES_BYTES // (n * k * 2))))
+            copies = series_copies(n * k * 2)
             ws = [(torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16) for _ in range(copies)]
             cublas = bench_series([lambda x=x, w=w: F.linear(x, w) for w in ws]) * 1e3
             ours = bench_series([lambda x=x, w=w: gemv(x, w) for w in ws]) * 1e3

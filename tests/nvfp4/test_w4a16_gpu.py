@@ -15,11 +15,13 @@ pytestmark = pytest.mark.gpu
 
 
 def random_bank(e: int, n: int, k: int, gen: torch.Generator) -> NVFP4Tensor:
-    """Random codes, fp8 scales and per-row globals, scaled so that rows have norm ~1."""
-    codes = torch.randint(0, 256, (e, n, k // 2), generator=gen, device="cuda", dtype=torch.uint8)
-    scales = (torch.rand(e, n, k // 16, generator=gen, device="cuda") * 447 + 1).to(torch.float8_e4m3fn)
+    """Random codes, fp8 scales and per-row globals, scaled so that rows have norm ~1, on the
+    generator's device."""
+    dev = gen.device
+    codes = torch.randint(0, 256, (e, n, k // 2), generator=gen, device=dev, dtype=torch.uint8)
+    scales = (torch.rand(e, n, k // 16, generator=gen, device=dev) * 447 + 1).to(torch.float8_e4m3fn)
     # |e2m1| has rms ~2.9, the scales ~260: globals near k^-0.5 / 760, varying per row
-    globals_ = (torch.rand(e, n, generator=gen, device="cuda") + 0.5) * k**-0.5 / 760
+    globals_ = (torch.rand(e, n, generator=gen, device=dev) + 0.5) * k**-0.5 / 760
     return NVFP4Tensor(codes, scales, globals_)
 
 
