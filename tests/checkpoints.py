@@ -103,3 +103,17 @@ def write_checkpoint(path, model_type: str, seed: int = 0, weight_scale: float =
     model = make_hf_model(model_type, seed, weight_scale, **overrides)
     model.save_pretrained(str(path))
     return model
+
+
+def family_checkpoints(seed: int, **options):
+    """A module-scoped fixture: ``write_checkpoint`` of each model family (qwen3_next, qwen3_moe)
+    into its own directory, with ``seed`` and ``options``."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
+    def ckpt(request, tmp_path_factory):
+        path = tmp_path_factory.mktemp(request.param)
+        write_checkpoint(path, request.param, seed=seed, **options)
+        return path
+
+    return ckpt

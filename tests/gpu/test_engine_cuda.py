@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ft import LLM, SamplingParams
-from tests.checkpoints import write_checkpoint
+from tests.checkpoints import family_checkpoints, write_checkpoint
 from tests.test_prefix_cache import SHARED, assert_same, run
 
 pytestmark = pytest.mark.gpu
@@ -21,11 +21,7 @@ def generate(path, **options):
         return llm.generate(PROMPTS, params)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
-def ckpt(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(path, request.param, seed=12)
-    return path
+ckpt = family_checkpoints(seed=12)
 
 
 @pytest.fixture(scope="module")

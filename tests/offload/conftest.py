@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoints import write_checkpoint
+from tests.checkpoints import family_checkpoints
 from tests.offload.equality import generate
 
-
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
-def ckpt(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(path, request.param, seed=21)
-    return path
+ckpt = family_checkpoints(seed=21)
 
 
 @pytest.fixture(scope="module")

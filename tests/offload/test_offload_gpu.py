@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ft import LLM, SamplingParams
-from tests.checkpoints import write_checkpoint
+from tests.checkpoints import family_checkpoints, write_checkpoint
 from tests.nvfp4.modelopt_ckpt import write_nvfp4_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -57,11 +57,7 @@ def max_logprob_diff(a, b, decode: bool = True) -> float:
     return err
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
-def ckpt(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(path, request.param, seed=31, weight_scale=0.8)
-    return path
+ckpt = family_checkpoints(seed=31, weight_scale=0.8)
 
 
 def test_fp32_offload_equals_resident_exactly(ckpt):
