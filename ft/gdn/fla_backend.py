@@ -4,7 +4,8 @@
   ``conv_state`` slot pool in place;
 - ``delta_rule``: fla's ``chunk_gated_delta_rule`` (varlen through ``cu_seqlens``) when any
   sequence brings more than ``RECURRENT_MAX_TOKENS`` tokens, ``fused_recurrent_gated_delta_rule``
-  otherwise (varlen, or one token per sequence for pure decode).
+  otherwise (varlen, or one token per sequence for pure decode). The model calls it only for
+  longer sequences: ``gated_delta_rule`` below runs short ones itself.
   Initial states are gathered from ``ssm_state[state_slots]`` (zeros where ``context_lens == 0``),
   final states scattered back; q and k are l2-normalised inside fla and q is scaled by dk^-0.5.
 
@@ -12,9 +13,11 @@ fla keeps the state as ``[N, Hv, dk, dv]`` fp32, the same layout as our pool, so
 It is not a training path (no backward) and supports only what fla supports (dk, dv <= 256).
 
 ``gated_delta_rule`` takes the mixer's raw parts instead (conv output, b, a) and fuses around
-fla: a pure decode step is one kernel of ours (``triton_decode.gdn_decode``: gates, l2norm and
-the in-place state update, no gather, scatter or copies); otherwise the gates are one kernel
-(``gdn_gates``) and the rest is ``delta_rule``.
+fla: a decode step, or a batch of sequences of at most ``RECURRENT_MAX_TOKENS`` tokens (a
+prefix-cache snapshot's tail, small chunks), is one kernel of ours
+(``triton_decode.gdn_recurrent``: gates, l2norm and the in-place state update, no gather,
+scatter or copies; fla's recurrent path is about nine launches and its wrapper); otherwise the
+gates are one kernel (``gdn_gates``) and the rest is fla's chunked ``delta_rule``.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import torch
 
 from ft.forward_context import ForwardBatch
 from ft.gdn.triton_conv import causal_conv1d_silu
-from ft.gdn.triton_decode import gdn_decode, gdn_gates
+from ft.gdn.triton_decode import gdn_gates, gdn_recurrent
 from ft.utils import upload
 
 CHUNK = 64  # tokens per chunk of fla's chunked gated delta rule (its default)
-# Batches whose sequences are all this short run fla's fused recurrent kernel (one launch, tokens
-# in order) instead of the chunked one (~10 launches and its chunk layout): the tail pass of a
-# prefix-cache snapshot (at most a block) and small chunks. Not timed on the GPU yet.
+# Batches whose sequences are all this short run a recurrent kernel (tokens in order: ours from
+# ``gated_delta_rule``, fla's fused one from ``delta_rule``) instead of the chunked one (~10
+# launches and its chunk layout): the tail pass of a prefix-cache snapshot (at most a block) and
+# small chunks. Not timed on the GPU yet.
 RECURRENT_MAX_TOKENS = 16
 
 
@@ -67,8 +71,8 @@ class FlaGDN:
         """mixed [T, 2·Hk·dk + Hv·dv] (conv output), b and a [T, Hv] -> o [T, Hv, dv]: the gates
         beta = sigmoid(b), g = -exp(A_log) · softplus(a + dt_bias), then ``delta_rule``."""
         t = mixed.shape[0]
-        if _is_decode(t, batch):
-            return gdn_decode(mixed, b, a, A_log, dt_bias, ssm_state, batch)
+        if _is_decode(t, batch) or max(batch.query_lens_cpu) <= RECURRENT_MAX_TOKENS:
+            return gdn_recurrent(mixed, b, a, A_log, dt_bias, ssm_state, batch)
         hv, dk, dv = ssm_state.shape[1:]
         key = (mixed.shape[1] - hv * dv) // 2
         q, k, v = mixed.split([key, key, hv * dv], dim=-1)

@@ -1,8 +1,9 @@
 """Gated DeltaNet in Triton where many tiny kernels would cost more than the maths: decode, and the
 gates of the chunked path.
 
-``gdn_decode`` is a whole decode step (B sequences of one token) in one launch. A program owns
-one (sequence, value head h, BV columns of the state) and computes in fp32
+``gdn_recurrent`` is a whole decode step (B sequences of one token), or a batch of short
+sequences, in one launch. A program owns one (sequence, value head h, BV columns of the state)
+and computes in fp32, for each of its sequence's tokens in order
 
     beta = sigmoid(b);  g = -exp(A_log) · softplus(a + dt_bias)
     q = q / sqrt(|q|² + 1e-6) · dk^-0.5;  k = k / sqrt(|k|² + 1e-6)     (key head h // (Hv/Hk))
@@ -16,7 +17,8 @@ are ordinary fresh rows; a row with a negative slot touches no state and gets o 
 
 ``gdn_gates`` computes g and beta [T, Hv] in fp32 in one launch for the chunked (prefill) path.
 
-Not a general recurrence: one token per sequence, dk and dv up to 256.
+Not a general recurrence: a program walks its sequence token by token, which suits decode and
+sequences of a few tokens (``fla_backend.RECURRENT_MAX_TOKENS``), not prefill; dk and dv up to 256.
 """
 
 from __future__ import annotations
@@ -43,13 +45,32 @@ def _gates(b, a, A_log, dt_bias):
 
 
 @triton.jit
-def _decode_kernel(
+def _token(mixed, b, a, o, s, t, i_h, i_hk, g_scale, dt_h, kk, vv, mk, mv, s_mt, s_bt, s_bh, s_at, s_ah,
+           s_ot, s_oh, scale, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):  # fmt: skip
+    """One token of one sequence: the state tile s [BK, BV] after it; its output row stored."""
+    row = mixed + t * s_mt  # [q (Hk·dk) | k (Hk·dk) | v (Hv·dv)]
+    q = tl.load(row + i_hk * DK + kk, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(row + (HK + i_hk) * DK + kk, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(row + 2 * HK * DK + i_h * DV + vv, mask=mv, other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q) + 1e-6) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+    g, beta = _gates(tl.load(b + t * s_bt + i_h * s_bh), tl.load(a + t * s_at + i_h * s_ah), g_scale, dt_h)
+    s = s * tl.exp(g)
+    u = beta * (v - tl.sum(s * k[:, None], 0))  # [BV]
+    s += k[:, None] * u[None, :]
+    tl.store(o + t * s_ot + i_h * s_oh + vv, tl.sum(s * q[:, None], 0).to(o.dtype.element_ty), mask=mv)
+    return s
+
+
+@triton.jit
+def _recurrent_kernel(
     mixed,
     b,
     a,
     A_log,
     dt_bias,
     state,
+    cu_seqlens,
     context_lens,
     state_slots,
     o,
@@ -70,44 +91,44 @@ def _decode_kernel(
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
+    if VARLEN:  # sequence i_b owns rows cu_seqlens[i_b] .. cu_seqlens[i_b + 1]
+        bos = tl.load(cu_seqlens + i_b).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_b + 1).to(tl.int64)
+    else:  # decode: row i_b, told from shapes alone
+        bos = i_b
+        eos = i_b + 1
     kk = tl.arange(0, BK)
     vv = i_v * BV + tl.arange(0, BV)
     mk, mv = kk < DK, vv < DV
-    p_o = o + i_b * s_ot + i_h * s_oh + vv
     slot = tl.load(state_slots + i_b).to(tl.int64)
     if slot < 0:
-        tl.store(p_o, tl.zeros([BV], tl.float32).to(o.dtype.element_ty), mask=mv)
+        for t in range(bos, eos):
+            tl.store(
+                o + t * s_ot + i_h * s_oh + vv, tl.zeros([BV], tl.float32).to(o.dtype.element_ty), mask=mv
+            )
         return
     has_ctx = tl.load(context_lens + i_b) > 0
-
-    row = mixed + i_b * s_mt  # [q (Hk·dk) | k (Hk·dk) | v (Hv·dv)]
     i_hk = i_h // (HV // HK)
-    q = tl.load(row + i_hk * DK + kk, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(row + (HK + i_hk) * DK + kk, mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(row + 2 * HK * DK + i_h * DV + vv, mask=mv, other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q) + 1e-6) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-    g, beta = _gates(
-        tl.load(b + i_b * s_bt + i_h * s_bh),
-        tl.load(a + i_b * s_at + i_h * s_ah),
-        tl.load(A_log + i_h),
-        tl.load(dt_bias + i_h),
-    )
-
+    g_scale, dt_h = tl.load(A_log + i_h), tl.load(dt_bias + i_h)
     p_s = state + slot * s_ss + i_h * s_sh + kk[:, None] * s_sk + vv[None, :]
     live = mk[:, None] & mv[None, :]
-    s = tl.load(p_s, mask=live & has_ctx, other=0.0) * tl.exp(g)  # [BK, BV]
-    u = beta * (v - tl.sum(s * k[:, None], 0))  # [BV]
-    s += k[:, None] * u[None, :]
+    s = tl.load(p_s, mask=live & has_ctx, other=0.0)  # [BK, BV]
+    if VARLEN:
+        for t in range(bos, eos):
+            s = _token(mixed, b, a, o, s, t, i_h, i_hk, g_scale, dt_h, kk, vv, mk, mv, s_mt, s_bt, s_bh,
+                       s_at, s_ah, s_ot, s_oh, scale, HK, DK, DV)  # fmt: skip
+    else:
+        s = _token(mixed, b, a, o, s, bos, i_h, i_hk, g_scale, dt_h, kk, vv, mk, mv, s_mt, s_bt, s_bh,
+                   s_at, s_ah, s_ot, s_oh, scale, HK, DK, DV)  # fmt: skip
     tl.store(p_s, s, mask=live)
-    tl.store(p_o, tl.sum(s * q[:, None], 0).to(o.dtype.element_ty), mask=mv)
 
 
-def gdn_decode(
+def gdn_recurrent(
     mixed: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
@@ -116,10 +137,13 @@ def gdn_decode(
     ssm_state: torch.Tensor,
     batch: ForwardBatch,
 ) -> torch.Tensor:
-    """mixed [B, 2·Hk·dk + Hv·dv] (the conv output, heads in order), b and a [B, Hv] (any strides),
+    """mixed [T, 2·Hk·dk + Hv·dv] (the conv output, heads in order), b and a [T, Hv] (any strides),
     A_log and dt_bias [Hv], ssm_state [slots, Hv, dk, dv] fp32 updated in place
-    -> o [B, Hv, dv] in mixed's dtype. Head counts and sizes are read from the shapes."""
+    -> o [T, Hv, dv] in mixed's dtype. Head counts and sizes are read from the shapes. A decode
+    batch (T = B) runs a token per program; otherwise each program walks its sequence's rows
+    (``batch.cu_seqlens``) in order, which suits short sequences only."""
     n, width = mixed.shape
+    bsz = batch.state_slots.shape[0]
     hv, dk, dv = ssm_state.shape[1:]
     hk = div_even(width - hv * dv, 2 * dk, f"conv width {width} minus Hv·dv={hv * dv}, as q and k heads")
     assert hk > 0 and hv % hk == 0, f"value heads {hv} must be a multiple of key heads {hk}"
@@ -127,8 +151,9 @@ def gdn_decode(
     assert b.shape == a.shape == (n, hv), f"b {tuple(b.shape)}, a {tuple(a.shape)} must be [{n}, {hv}]"
     assert A_log.shape == dt_bias.shape == (hv,), f"A_log {A_log.shape}, dt_bias {dt_bias.shape} != [{hv}]"
     assert A_log.stride(0) == 1 and dt_bias.stride(0) == 1, "A_log and dt_bias must be contiguous"
-    assert batch.state_slots.shape == batch.context_lens.shape == (n,), (
-        f"{n} tokens but {batch.state_slots.shape[0]} state slots: not a decode batch"
+    assert batch.context_lens.shape == (bsz,) and batch.cu_seqlens.shape == (bsz + 1,), (
+        f"{bsz} state slots but {batch.context_lens.shape[0]} context lengths, "
+        f"{batch.cu_seqlens.shape[0]} sequence bounds"
     )
     assert mixed.stride(-1) == 1, "the conv output must be contiguous in its channels"
     assert ssm_state.dtype == torch.float32 and ssm_state.stride(-1) == 1, (
@@ -137,13 +162,14 @@ def gdn_decode(
     o = torch.empty(n, hv, dv, dtype=mixed.dtype, device=mixed.device)
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), max(16, 4096 // bk))  # [BK, BV] fp32 = 16 KiB, 32 regs/thread
-    _decode_kernel[(n, hv, triton.cdiv(dv, bv))](
+    _recurrent_kernel[(bsz, hv, triton.cdiv(dv, bv))](
         mixed,
         b,
         a,
         A_log,
         dt_bias,
         ssm_state,
+        batch.cu_seqlens,
         batch.context_lens,
         batch.state_slots,
         o,
@@ -159,9 +185,18 @@ def gdn_decode(
         DV=dv,
         BK=bk,
         BV=bv,
+        VARLEN=n != bsz,
         num_warps=4,
     )
     return o
+
+
+def gdn_decode(mixed, b, a, A_log, dt_bias, ssm_state, batch: ForwardBatch) -> torch.Tensor:
+    """``gdn_recurrent`` for a decode batch: one token per sequence."""
+    assert batch.state_slots.shape[0] == mixed.shape[0], (
+        f"{mixed.shape[0]} tokens but {batch.state_slots.shape[0]} state slots: not a decode batch"
+    )
+    return gdn_recurrent(mixed, b, a, A_log, dt_bias, ssm_state, batch)
 
 
 @triton.jit

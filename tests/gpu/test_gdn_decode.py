@@ -138,6 +138,40 @@ def test_decode_padded_rows():
     check_padded_rows()
 
 
+def check_recurrent(specs, hk, dk, dtype, device="cuda", seed=0):
+    """Short varlen sequences (a prefix-cache snapshot's tail, small chunks): each program walks
+    its sequence's tokens in order, from its slot (or zeros) to the slot."""
+    from ft.gdn.triton_decode import gdn_recurrent
+
+    dv, hv, n = dk, 2 * hk, len(specs)
+    gen = torch.Generator(device=device).manual_seed(seed + 2)
+    num_slots = n + 3
+    pool = 0.1 * torch.randn(num_slots, hv, dk, dv, generator=gen, device=device)
+    slots = torch.randperm(num_slots, generator=gen, device=device)[:n].tolist()
+    batch = make_batch(specs, slots, device)
+    inputs = decode_inputs(sum(q for _, q in specs), hk, dk, dv, dtype, device, seed)
+    ref_pool, got_pool = pool.clone(), pool.clone()
+    ref = reference_decode(*inputs, ref_pool, batch, hk, dk)
+    got = gdn_recurrent(*inputs, got_pool, batch)
+    assert got.shape == ref.shape and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got_pool, ref_pool, atol=1e-4, rtol=1e-4)
+    untouched = [s for s in range(num_slots) if s not in slots]
+    assert torch.equal(got_pool[untouched], pool[untouched]), "slots outside the batch changed"
+
+
+RECURRENT_SPECS = [(16, 5), (0, 16), (3, 1), (200, 9), (0, 2)]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hk, dk", [(2, 128), (4, 64)])
+def test_recurrent_varlen_matches_reference(hk, dk, dtype):
+    pytest.importorskip("triton")
+    check_recurrent(RECURRENT_SPECS, hk, dk, dtype)
+
+
 def check_gates(t, hv, device="cuda"):
     from ft.gdn.triton_decode import gdn_gates
 
@@ -219,14 +253,14 @@ def check_mixer(kind, fused_gdn, device="cuda"):
 
     ref_mixer, got_mixer = build_mixer(kind, device), build_mixer(kind, device)
     fused_calls = []
-    decode = fla_backend.gdn_decode
-    fla_backend.gdn_decode = lambda *args: fused_calls.append(1) or decode(*args)
+    decode = fla_backend.gdn_recurrent
+    fla_backend.gdn_recurrent = lambda *args: fused_calls.append(1) or decode(*args)
     try:
         with torch.inference_mode():
             ref = run_mixer(ref_mixer, TorchGDN(), MIXER_STEPS, device)
             got = run_mixer(got_mixer, fused_gdn, MIXER_STEPS, device)
     finally:
-        fla_backend.gdn_decode = decode
+        fla_backend.gdn_recurrent = decode
     assert len(fused_calls) == len(MIXER_STEPS) - 1, "decode steps did not take the fused kernel"
     for step, (r, g) in enumerate(zip(ref, got)):
         assert g.shape == r.shape and g.dtype == r.dtype
