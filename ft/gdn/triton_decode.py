@@ -191,14 +191,6 @@ def gdn_recurrent(
     return o
 
 
-def gdn_decode(mixed, b, a, A_log, dt_bias, ssm_state, batch: ForwardBatch) -> torch.Tensor:
-    """``gdn_recurrent`` for a decode batch: one token per sequence."""
-    assert batch.state_slots.shape[0] == mixed.shape[0], (
-        f"{mixed.shape[0]} tokens but {batch.state_slots.shape[0]} state slots: not a decode batch"
-    )
-    return gdn_recurrent(mixed, b, a, A_log, dt_bias, ssm_state, batch)
-
-
 @triton.jit
 def _gates_kernel(
     b, a, A_log, dt_bias, g, beta, T, HV, s_bt, s_bh, s_at, s_ah, BT: tl.constexpr, BH: tl.constexpr

@@ -80,7 +80,7 @@ def reference_decode(mixed, b, a, A_log, dt_bias, pool, batch, hk, dk):
 
 
 def check_decode(n, hk, dk, dtype, device="cuda", seed=0):
-    from ft.gdn.triton_decode import gdn_decode
+    from ft.gdn.triton_decode import gdn_recurrent
 
     dv, hv = dk, 2 * hk
     gen = torch.Generator(device=device).manual_seed(seed + 1)
@@ -93,7 +93,7 @@ def check_decode(n, hk, dk, dtype, device="cuda", seed=0):
     inputs = decode_inputs(n, hk, dk, dv, dtype, device, seed)
     ref_pool, got_pool = pool.clone(), pool.clone()
     ref = reference_decode(*inputs, ref_pool, batch, hk, dk)
-    got = gdn_decode(*inputs, got_pool, batch)
+    got = gdn_recurrent(*inputs, got_pool, batch)
     assert got.shape == (n, hv, dv) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
@@ -113,7 +113,7 @@ def test_decode_matches_reference(n, hk, dk, dtype):
 def check_padded_rows(device="cuda"):
     """CUDA-graph padding: extra rows share the scratch slot with context 0; a negative slot
     touches no state and gives o = 0. Real rows are unaffected either way."""
-    from ft.gdn.triton_decode import gdn_decode
+    from ft.gdn.triton_decode import gdn_recurrent
 
     hk, dk, real, scratch = 2, 64, 3, 7
     pool = 0.1 * torch.randn(8, 2 * hk, dk, dk, device=device)
@@ -121,7 +121,7 @@ def check_padded_rows(device="cuda"):
     batch = make_batch([(c, 1) for c in ctx], slots, device)
     inputs = decode_inputs(len(slots), hk, dk, dk, torch.bfloat16, device)
     got_pool = pool.clone()
-    got = gdn_decode(*inputs, got_pool, batch)
+    got = gdn_recurrent(*inputs, got_pool, batch)
     ref_pool = pool.clone()
     ref = reference_decode(*(x[:real] for x in inputs[:3]), *inputs[3:], ref_pool, make_batch(
         [(c, 1) for c in ctx[:real]], slots[:real], device), hk, dk)  # fmt: skip
