@@ -4,12 +4,17 @@ M <= 16, W [N, K] bf16/fp16, fp32 accumulation.
 In the batch-1 decode census of Qwen3-Next (docs/benchmarks.md) cuBLAS's one-row products take
 about 44 µs per layer for about 18 µs of weight bytes; its kernels there use tiles 64 outputs
 wide (``nvjet ... 8x64``), so a 2048-wide projection gets 32 thread blocks on a 132-SM H200. Here
-one program owns BLOCK_N = 16 output columns for every row of x and walks K in BLOCK_K steps, so
-N = 2048 is 128 programs with their loads in flight. x is padded to 16 rows inside the program
-(masked loads), so each step is one MMA; the padding costs no bytes.
+one program owns BLOCK_N output columns for every row of x and walks K in BLOCK_K steps, so
+N = 2048 is 128 programs with their loads in flight (``config``: 32-column programs for wide
+projections, 16 for narrow ones, as tests/gpu/config_sweep.py timed them on an H200). x is
+padded to 16 rows inside the program (masked loads), so each step is one MMA; the padding costs
+no bytes.
 
 ``GEMV_MAX_TOKENS`` (0: off) is where ``ft.layers.linear.dense`` sends a product here instead of
-``F.linear``; set it from tests/gpu/linear_timings.py on the GPU. Not here: bias, fp32 weights,
+``F.linear``. H200, 2026-11-30 (config_sweep, per call of a graph of calls over distinct
+weights, Qwen3-Next shapes, Triton vs cuBLAS): the six projections of a layer sum to 50.2 vs
+58.4 us at M=1 and 53.2 vs 64.8 us at M=4; cuBLAS wins only the 513-row router at M=1 (3.5 vs
+4.9 us) and qkv by 0.4 us. Not here: bias, fp32 weights,
 quantised weights, M > 16.
 """
 
@@ -19,11 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_TOKENS = 0  # off until timed against cuBLAS on the GPU (tests/gpu/linear_timings.py)
+GEMV_MAX_TOKENS = 4  # M = 5 .. 16 not timed yet
 MAX_M = 16  # rows of x one program pads to (one MMA tile)
-BLOCK_N = 16
-MAX_BLOCK_K = 256
-NUM_WARPS, NUM_STAGES = 4, 4  # module constants so tests/gpu/config_sweep.py can try others
+# (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, NUM_STAGES), module constants so config_sweep can try others:
+WIDE = (32, 256, 4, 3)  # in_proj 12352 x 2048 15.4 us, qkv 9216 x 2048 12.8 us at M=1
+NARROW = (16, 512, 4, 4)  # out_proj 2048 x 4096 8.8 us, shared expert 1024 x 2048 5.1 us at M=1
+WIDE_N = 4096  # output columns from which a projection takes WIDE
+
+
+def config(n: int) -> tuple[int, int, int, int]:
+    return WIDE if n >= WIDE_N else NARROW
 
 
 @triton.jit
@@ -66,11 +76,12 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_k = min(MAX_BLOCK_K, max(16, triton.next_power_of_2(k)))
-    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
+    block_n, max_block_k, num_warps, num_stages = config(n)
+    block_k = min(max_block_k, max(16, triton.next_power_of_2(k)))
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        M_P=MAX_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        M_P=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return out
 

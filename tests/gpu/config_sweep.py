@@ -62,8 +62,10 @@ def grid(*axes) -> list[tuple]:
 
 def report(title: str, shipped, rows: dict[str, dict]) -> None:
     """rows: shape -> {config tuple: us, or None when it failed or disagreed; a name: us of a
-    reference path (cuBLAS, the MMA path), shown beside the configs but not competing}."""
-    print(f"== {title} (shipped {shipped})", flush=True)
+    reference path (cuBLAS, the MMA path), shown beside the configs but not competing}. shipped:
+    the module's config, or shape -> config where the module picks one per shape."""
+    per_shape = shipped if isinstance(shipped, dict) else dict.fromkeys(rows, shipped)
+    print(f"== {title} (shipped {sorted(set(per_shape.values()))})", flush=True)
     totals: dict = {}
     for shape, times in rows.items():
         ok = {c: t for c, t in times.items() if isinstance(c, tuple) and t is not None}
@@ -73,7 +75,7 @@ def report(title: str, shipped, rows: dict[str, dict]) -> None:
         best = min(ok, key=ok.get) if ok else None
         bad = sum(1 for c, t in times.items() if isinstance(c, tuple) and t is None)
         print(
-            f"  {shape:44s} shipped {times.get(shipped) or float('nan'):7.1f} us | best {best} "
+            f"  {shape:44s} shipped {times.get(per_shape[shape]) or float('nan'):7.1f} us | best {best} "
             f"{ok.get(best, float('nan')):7.1f} us{refs}"
             + (f" | {bad} configs failed or disagreed" if bad else ""),
             flush=True,
@@ -81,7 +83,7 @@ def report(title: str, shipped, rows: dict[str, dict]) -> None:
     full = [c for c in totals if all(rows[s].get(c) is not None for s in rows)]
     if full:
         best = min(full, key=totals.get)
-        was = totals.get(shipped, float("nan"))
+        was = sum(rows[s].get(per_shape[s]) or float("nan") for s in rows)
         print(f"  best over all shapes: {best} {totals[best]:.1f} us (shipped {was:.1f})")
 
 
@@ -106,23 +108,24 @@ def sweep_gemv() -> None:
     if DRY:
         shapes = {"tiny 40x64": (40, 64)}
     mod = triton_gemv
-    shipped = (mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.NUM_STAGES)
+    saved = mod.WIDE, mod.NARROW
     configs = grid((16, 32), (128, 256, 512), (4, 8), (3, 4))
-    rows = {}
+    rows, shipped = {}, {}
     for m in (1, 4):
         for name, (n, k) in shapes.items():
             x = torch.randn(m, k, device=DEV).to(DTYPE)
             ws = [(torch.randn(n, k, device=DEV) * k**-0.5).to(DTYPE) for _ in range(copies(n * k * 2))]
             want = F.linear(x.float(), ws[0].float())
             times = {"cuBLAS": None if DRY else timer([P(F.linear, x, w) for w in ws])}
-            for cfg in dict.fromkeys([shipped, *configs]):
-                mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.NUM_STAGES = cfg
+            shipped[f"M={m} {name}"] = mod.config(n)
+            for cfg in dict.fromkeys([mod.config(n), *configs]):
+                mod.WIDE = mod.NARROW = cfg
                 calls = [P(mod.launch_gemv, x, w) for w in ws]
                 times[cfg] = try_config(calls[0], want, calls, 2e-2)
+                mod.WIDE, mod.NARROW = saved
             rows[f"M={m} {name}"] = times
             print(f"  M={m} {name}: cuBLAS {times['cuBLAS'] or float('nan'):.1f} us", flush=True)
             del ws
-    mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.NUM_STAGES = shipped
     report("dense GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, NUM_STAGES)", shipped, rows)
 
 
@@ -146,9 +149,9 @@ def moe_problem(t: int):
 
 def sweep_moe_gemv() -> None:
     mod = triton_moe_gemv
-    shipped = (mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.STAGES)
+    saved = mod.BF16, mod.NVFP4
     configs = grid((8, 16, 32), (128, 256, 512), (4, 8), (3, 4))
-    rows = {}
+    rows, shipped = {}, {}
     for t in (1, 2, 4):
         banks, x, routes = moe_problem(t)
         for fmt, (w13, w2) in banks.items():
@@ -160,13 +163,14 @@ def sweep_moe_gemv() -> None:
                 triton_moe.GEMV_MAX_TOKENS = triton_w4a16.GEMV_MAX_TOKENS = 0
                 times["MMA path"] = timer([P(mma, x, w13, w2, w, i) for w, i in routes])
                 triton_moe.GEMV_MAX_TOKENS, triton_w4a16.GEMV_MAX_TOKENS = saved
-            for cfg in dict.fromkeys([shipped, *configs]):
-                mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.STAGES = cfg
+            shipped[f"T={t} {fmt}"] = saved[fmt == "nvfp4"]
+            for cfg in dict.fromkeys([saved[fmt == "nvfp4"], *configs]):
+                mod.BF16 = mod.NVFP4 = cfg
                 calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
                 times[cfg] = try_config(calls[0], want, calls, 2e-2)
+                mod.BF16, mod.NVFP4 = saved
             rows[f"T={t} {fmt}"] = times
             print(f"  T={t} {fmt}: MMA path {times.get('MMA path') or float('nan'):.1f} us", flush=True)
-    mod.BLOCK_N, mod.MAX_BLOCK_K, mod.NUM_WARPS, mod.STAGES = shipped
     report("MoE GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", shipped, rows)
 
 

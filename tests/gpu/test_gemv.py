@@ -25,7 +25,7 @@ def operands(m: int, n: int, k: int, seed: int, dtype=torch.bfloat16):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 16])
 @pytest.mark.parametrize(
-    "n,k", [(12352, 2048), (2048, 4096), (513, 2048), (1024, 2048), (2048, 512), (70, 300)]
+    "n,k", [(12352, 2048), (2048, 4096), (513, 2048), (1024, 2048), (2048, 512), (70, 300), (4104, 300)]
 )
 def test_gemv_equals_fp32_product_and_cublas(m, n, k, dtype):
     pytest.importorskip("triton")

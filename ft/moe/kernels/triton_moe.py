@@ -23,11 +23,13 @@ import triton.language as tl
 
 from ft.moe.kernels.triton_combine import sum_topk
 
-# Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding, two
-# launches), as timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
 ALIGN_BLOCK = 1024  # pairs per program of the multi-program sort (prefill sizes)
-# H200, 2026-11-30: the GEMV path is no faster here (36.8 vs 36.0 us at T=1, 52.8 vs 49.0 at T=2).
-GEMV_MAX_TOKENS = 0
+# Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding, two
+# launches).
+# H200, 2026-11-30, 02:50 UTC (tests/gpu/config_sweep.py, per call of a graph of calls over 8
+# routings, with the GEMV's tiles from that sweep): 28.1 vs 30.7 us at T=1, 40.2 vs 48.5 at T=2,
+# 70.0 vs 84.7 at T=4.
+GEMV_MAX_TOKENS = 4
 
 
 @triton.jit
