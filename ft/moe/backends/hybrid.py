@@ -34,6 +34,7 @@ class HybridBackend(OffloadBackend):
     def __call__(self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not (capturing() or (decode_only() and len(x) <= HYBRID_MAX_TOKENS)):
             return super().__call__(bank, x, weights, ids)
+        self._take_ahead()  # nothing is staged for a batch this small; drop a stale group
         pred = self._predict(x)
         y_cpu = torch.empty_like(x)  # [T, H] the misses' sum, filled on the host
         split_point(lambda: self._split_work(bank, x, weights, ids, pred, y_cpu))

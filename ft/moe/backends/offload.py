@@ -24,6 +24,15 @@ computes). A group runs the kernel on the pairs (token, k) routed into it, k = 1
 into an fp32 accumulator. Prefill never inserts into the cache (a long prompt would flush the
 decode working set); its accesses still count for the policy.
 
+Streaming ahead: a batch with at least ``AHEAD_PAIRS`` (token, k) pairs per expert routes to
+nearly every expert of every layer, so the next layer's host-only experts are needed before its
+router says so. Once a layer has queued its last group, the free staging buffer is filled with the
+next layer's first group (the host-only experts it is predicted to use most: the prefetch
+router's picks, else the policy's use counts), so the copy engine keeps streaming through that
+layer's attention or GDN mixer and its router instead of idling until the router's ids reach the
+host. The next layer computes the staged experts that its routing hits and streams the rest; an
+expert staged but not routed to costs its copy, never a result.
+
 CUDA graphs: the host work sits behind ``split_point`` (``graph_split.py``), so a captured decode
 step breaks at each MoE layer to make the batch's experts resident, then replays the kernel,
 which reads the device table. The engine graphs only batch sizes whose experts are sure to fit
@@ -47,6 +56,8 @@ from ft.moe.backends.prefetch import Prefetch
 from ft.moe.backends.transfer import Transfer
 from ft.utils import upload
 
+AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's first group early
+
 
 class Staging:
     """Two device buffers of ``rows`` expert rows, shared by the layers of a rank (one runs at a
@@ -64,6 +75,16 @@ class Staging:
 
 
 @dataclass
+class Ahead:
+    """A first group staged for ``backend`` before its router ran."""
+
+    backend: OffloadBackend
+    experts: np.ndarray
+    buf: int
+    ready: torch.cuda.Event | None
+
+
+@dataclass
 class Shared:
     """What the offloading layers of one rank share: the copy engine, staging, the step count."""
 
@@ -71,6 +92,9 @@ class Shared:
     staging: Staging | None
     hit_d2d: bool
     maps: list  # every layer's SlotMap, to start a step on all of them at once
+    next_buf: int = 0  # the staging buffer the next group goes to (they alternate)
+    ahead: Ahead | None = None  # the next layer's first group, staged early
+    ahead_used: int = 0  # groups staged ahead and then computed (tests read it)
     step: int = 0
     tokens: int = 0  # tokens through the first MoE layer (for bytes per token)
     cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU (hybrid, cpu)
@@ -110,9 +134,11 @@ class OffloadBackend:
         self.store, self.cache, self.shared, self.first = store, cache, shared, first
         self.map = cache.map if cache is not None else None
         self.prefetch: Prefetch | None = None  # the next MoE layer's, when prefetching
+        self.next: OffloadBackend | None = None  # the next MoE layer's backend (streaming ahead)
 
     # ---- entry
     def __call__(self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        ahead = self._take_ahead()
         pred = self._predict(x)
         if capturing():
             split_point(lambda: self._resolve(ids, pred))
@@ -123,7 +149,7 @@ class OffloadBackend:
         if decode_only() and self.map.fits(experts):
             self._make_resident(experts, pred_h)
             return self._cached(bank, x, weights, ids)
-        return self._stream(bank, x, weights, ids_h, experts, pred_h)
+        return self._stream(bank, x, weights, ids_h, experts, pred_h, ahead)
 
     # ---- host side (eager, or at a graph break)
     def _predict(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -134,6 +160,12 @@ class OffloadBackend:
         both = ids if pred is None else torch.cat([ids, pred], dim=1)
         h = both.cpu().numpy()  # the one synchronisation of the layer
         return h[:, :k], (None if pred is None else h[:, k:])
+
+    def _take_ahead(self) -> Ahead | None:
+        """The group staged for this layer, if any; any other is dropped (a forward that stopped
+        between the two layers: its buffer may be refilled before that layer runs again)."""
+        ahead, self.shared.ahead = self.shared.ahead, None
+        return ahead if ahead is not None and ahead.backend is self else None
 
     def _begin(self, num_tokens: int) -> None:
         if self.first:
@@ -178,35 +210,61 @@ class OffloadBackend:
     def _cached(self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return bank.kernel(x, *bank.kernel_weights(self.cache.tensors), weights, self.cache.slot_ids(ids))
 
-    def _stream(self, bank, x, weights, ids_h: np.ndarray, experts: np.ndarray, pred_h) -> torch.Tensor:
+    def _stream(
+        self, bank, x, weights, ids_h: np.ndarray, experts: np.ndarray, pred_h, ahead: Ahead | None
+    ) -> torch.Tensor:
         sh, st = self.shared, self.shared.staging
         hit = self.map.classify(experts)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         pairs = Pairs(ids_h, self.store.num_experts)
-        staged = experts if sh.hit_d2d else experts[~hit]
+        early = np.isin(experts, ahead.experts) if ahead is not None else np.zeros(len(experts), dtype=bool)
+        staged = experts[~early] if sh.hit_d2d else experts[~hit & ~early]
         sh.transfer.wait()  # prefetches into this layer's slots land before the hits are read
         groups = [staged[i : i + st.rows] for i in range(0, len(staged), st.rows)]
-        ready = [None] * len(groups)
-        if groups:
-            ready[0] = self._stage(groups[0], 0)  # in flight while the hits compute in place
-        if not sh.hit_d2d and hit.any():
-            resident = experts[hit]
+        ready = [None] * len(groups)  # (buffer, event) once staged: at most two at a time
+        if ahead is not None:
+            groups.insert(0, ahead.experts)
+            ready.insert(0, (ahead.buf, ahead.ready))
+            sh.ahead_used += 1
+        for g in range(min(2, len(groups))):  # in flight while the hits compute in place
+            ready[g] = ready[g] or self._stage(groups[g])
+        if not sh.hit_d2d and (hit & ~early).any():
+            resident = experts[hit & ~early]
             run_pairs(
                 bank, self.cache.tensors, x, weights, out, *pairs.of(resident, self.map.slot_of[resident])
             )
         for g, group in enumerate(groups):
-            if g + 1 < len(groups):
-                ready[g + 1] = self._stage(groups[g + 1], (g + 1) % 2)
-            sh.transfer.wait(ready[g])
-            run_pairs(bank, st.tensors[g % 2], x, weights, out, *pairs.of(group))
-            st.free_after[g % 2] = sh.transfer.record_main()
+            buf, event = ready[g]
+            sh.transfer.wait(event)
+            run_pairs(bank, st.tensors[buf], x, weights, out, *pairs.of(group))
+            st.free_after[buf] = sh.transfer.record_main()
+            if g + 2 < len(groups):
+                ready[g + 2] = self._stage(groups[g + 2])
+        if len(x) * weights.shape[1] >= AHEAD_PAIRS * self.store.num_experts:
+            self._stage_ahead(pred_h)
         self._prefetch_next(pred_h)
         return out.to(x.dtype)
 
-    def _stage(self, group: np.ndarray, buf: int) -> torch.cuda.Event | None:
-        """Copy a group of experts into staging buffer ``buf``: resident ones device-to-device
-        (``hit_d2d``), the others from the host store."""
+    def _stage_ahead(self, pred_h: np.ndarray | None) -> None:
+        """Stage the next layer's likeliest host-only experts into the free staging buffer."""
+        nxt = self.next
+        if nxt is None or nxt.map is None:
+            return
+        e = nxt.store.num_experts
+        host_only = np.nonzero(~nxt.map.resident(np.arange(e)))[0]
+        if len(host_only) == 0:
+            return
+        use = nxt.map.freq if pred_h is None else np.bincount(pred_h.reshape(-1), minlength=e)
+        group = np.sort(host_only[np.argsort(-use[host_only], kind="stable")][: self.shared.staging.rows])
+        buf, ready = nxt._stage(group)
+        self.shared.ahead = Ahead(nxt, group, buf, ready)
+
+    def _stage(self, group: np.ndarray) -> tuple[int, torch.cuda.Event | None]:
+        """Copy a group of experts into the next staging buffer; returns the buffer and the event
+        its reader waits on. Resident experts go device-to-device (``hit_d2d``), the others from
+        the host store."""
         st, tr = self.shared.staging, self.shared.transfer
+        buf, self.shared.next_buf = self.shared.next_buf, 1 - self.shared.next_buf
         rows = np.arange(len(group))
         on_device = self.map.resident(group)
         after = st.free_after[buf]
@@ -221,7 +279,7 @@ class OffloadBackend:
             self.store.rows(group[~on_device]).tolist(),
             after=after,
         )
-        return ev_h2d if ev_h2d is not None else ev_d2d  # one stream: the later covers both
+        return buf, (ev_h2d if ev_h2d is not None else ev_d2d)  # one stream: the later covers both
 
 
 def run_pairs(bank, tensors, x, weights, out, sel: np.ndarray, rows: np.ndarray) -> None:
