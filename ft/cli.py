@@ -71,6 +71,11 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="prefill: copy resident experts device-to-device into staging instead of using them in place",
     )
+    g.add_argument(
+        "--moe-stream-ahead",
+        action="store_true",
+        help="long batches: stage the next layer's first group of experts before its router runs",
+    )
     g.add_argument("--moe-staging-experts", type=int, default=None, help="experts per prefill staging buffer")
     g.add_argument(
         "--dummy-routing-skew",
@@ -112,6 +117,7 @@ ENGINE_KEYS = (
     "static_experts",
     "moe_prefetch",
     "moe_prefill_hit_d2d",
+    "moe_stream_ahead",
     "moe_staging_experts",
     "dummy_routing_skew",
 )

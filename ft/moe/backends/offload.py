@@ -24,14 +24,15 @@ computes). A group runs the kernel on the pairs (token, k) routed into it, k = 1
 into an fp32 accumulator. Prefill never inserts into the cache (a long prompt would flush the
 decode working set); its accesses still count for the policy.
 
-Streaming ahead: a batch with at least ``AHEAD_PAIRS`` (token, k) pairs per expert routes to
-nearly every expert of every layer, so the next layer's host-only experts are needed before its
-router says so. Once a layer has queued its last group, the free staging buffer is filled with the
-next layer's first group (the host-only experts it is predicted to use most: the prefetch
-router's picks, else the policy's use counts), so the copy engine keeps streaming through that
-layer's attention or GDN mixer and its router instead of idling until the router's ids reach the
-host. The next layer computes the staged experts that its routing hits and streams the rest; an
-expert staged but not routed to costs its copy, never a result.
+Streaming ahead (``--moe-stream-ahead``; off by default until measured on a GPU): a batch with
+at least ``AHEAD_PAIRS`` (token, k) pairs per expert routes to nearly every expert of every
+layer, so the next layer's host-only experts are needed before its router says so. Once a layer
+has queued its last group, the free staging buffer is filled with the next layer's first group
+(the host-only experts it is predicted to use most: the prefetch router's picks, else the
+policy's use counts), so the copy engine keeps streaming through that layer's attention or GDN
+mixer and its router instead of idling until the router's ids reach the host. The next layer
+computes the staged experts that its routing hits and streams the rest; an expert staged but not
+routed to costs its copy, never a result.
 
 CUDA graphs: the host work sits behind ``split_point`` (``graph_split.py``), so a captured decode
 step breaks at each MoE layer to make the batch's experts resident, then replays the kernel,
@@ -92,6 +93,7 @@ class Shared:
     staging: Staging | None
     hit_d2d: bool
     maps: list  # every layer's SlotMap, to start a step on all of them at once
+    stream_ahead: bool = False  # --moe-stream-ahead
     next_buf: int = 0  # the staging buffer the next group goes to (they alternate)
     ahead: Ahead | None = None  # the next layer's first group, staged early
     ahead_used: int = 0  # groups staged ahead and then computed (tests read it)
@@ -240,7 +242,7 @@ class OffloadBackend:
             st.free_after[buf] = sh.transfer.record_main()
             if g + 2 < len(groups):
                 ready[g + 2] = self._stage(groups[g + 2])
-        if len(x) * weights.shape[1] >= AHEAD_PAIRS * self.store.num_experts:
+        if sh.stream_ahead and len(x) * weights.shape[1] >= AHEAD_PAIRS * self.store.num_experts:
             self._stage_ahead(pred_h)
         self._prefetch_next(pred_h)
         return out.to(x.dtype)

@@ -155,7 +155,9 @@ class MoeRuntime:
                 policy = cfg.expert_cache_policy
                 self.caches = [ExpertCache(layout, SlotMap(e, slots, policy), self.device) for _ in blocks]
         maps = [c.map for c in self.caches]
-        self.shared = Shared(Transfer(self.device), staging, cfg.moe_prefill_hit_d2d, maps)
+        self.shared = Shared(
+            Transfer(self.device), staging, cfg.moe_prefill_hit_d2d, maps, cfg.moe_stream_ahead
+        )
         for i, (block, store) in enumerate(zip(blocks, self.stores)):
             if self.name == "cpu":
                 backend = CpuBackend(store, self.shared, first=i == 0)
