@@ -28,10 +28,10 @@ ALIGN_BLOCK = 1024  # pairs per program of the multi-program sort (prefill sizes
 # launches).
 # H200, 2026-11-30, 02:50 UTC (tests/gpu/config_sweep.py, per call of a graph of calls over 8
 # routings, with the GEMV's tiles from that sweep): 28.1 vs 30.7 us at T=1, 40.2 vs 48.5 at T=2,
-# 70.0 vs 84.7 at T=4. Still off: with it on (4), the offload backend's bf16 greedy tokens left
-# the resident backend's (tests/offload/test_offload_gpu.py): a decode batch that streams runs
-# each (token, k) pair alone and rounds its term to bf16, as this MMA path does, while the GEMV
-# sums a token's k terms in fp32 and rounds once. Turn it on with the GEMV rounding each term.
+# 70.0 vs 84.7 at T=4. Still off: the one GPU run with it on (4) failed
+# test_bf16_offload_with_graphed_decode_equals_resident (its message lost to a timeout). Likely
+# cause: a decode batch that streams runs each (token, k) pair alone and rounds its term to bf16,
+# as this MMA path does, while the GEMV sums a token's k terms in fp32 and rounds once.
 GEMV_MAX_TOKENS = 0
 
 
