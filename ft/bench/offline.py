@@ -9,8 +9,9 @@ at ``input_len`` (median of 5), and prefill tok/s of one long prompt per ``--pre
 When experts are offloaded (``--moe-backend offload|hybrid|cpu``), each row also gives the decode
 steps' expert-cache hit rate, the expert bytes copied host -> device per generated token, and
 the PCIe floor: a decode step can be no faster than its copied bytes over the measured pinned
-host -> device bandwidth plus its HBM roofline time. Run with ``--dummy-routing-skew`` and
-``--expert-cache-policy`` to get the skewed-routing and policy rows.
+host -> device bandwidth plus its HBM roofline time. ``--dummy-routing-skews 0,1`` and
+``--expert-cache-policies lru,lfu`` measure every combination on one loaded model (the engine
+switches in place, ``LLMEngine.set_moe_variant``), one report each.
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ def bench(
     compare_hf: bool = False,
     with_census: bool = False,
     census_batch: int = 1,
-) -> Report:
+    variants: list[tuple[float, str]] | None = None,
+) -> list[Report]:
+    """One report per (routing skew, cache policy) of ``variants`` (default: the config's own),
+    measured in that order on one engine."""
     rng = random.Random(seed)
     engine = LLMEngine(cfg)
     vocab = engine.model_config.vocab_size
@@ -142,25 +146,43 @@ def bench(
     meta = build_model(engine.model_config, TPInfo(0, cfg.tp_size), "meta", dtype)
     act_bytes = torch.tensor([], dtype=dtype).element_size()
     device = cfg.resolved_device
-    report = Report(
-        cfg.model_path,
-        torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        measure_bandwidth(device) / 1e9,
-    )
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    hbm_gb_s = measure_bandwidth(device) / 1e9
+    h2d_gb_s = None
     moe = engine.plan.moe
     offloaded = moe is not None and moe.backend != "gpu"
-    if moe is not None and moe.layers:
-        report.moe = {
-            "backend": moe.backend,
-            "residency": moe.slots / moe.experts if offloaded else 1.0,
-            "slots_per_layer": moe.slots,
-            "experts_per_layer": moe.experts,
-            "policy": moe.policy,
-            "prefetch": moe.prefetch,
-            "routing_skew": cfg.dummy_routing_skew,
-        }
-        if offloaded and device.type == "cuda":
-            report.moe["h2d_gb_s"] = measure_h2d() / 1e9
+    if offloaded and device.type == "cuda":
+        h2d_gb_s = measure_h2d() / 1e9
+    reports = []
+    for skew, policy in variants or [(cfg.dummy_routing_skew, cfg.expert_cache_policy)]:
+        engine.set_moe_variant(policy, skew)
+        report = Report(cfg.model_path, name, hbm_gb_s)
+        moe = engine.plan.moe
+        if moe is not None and moe.layers:
+            report.moe = {
+                "backend": moe.backend,
+                "residency": moe.slots / moe.experts if offloaded else 1.0,
+                "slots_per_layer": moe.slots,
+                "experts_per_layer": moe.experts,
+                "policy": moe.policy,
+                "prefetch": moe.prefetch,
+                "routing_skew": skew,
+            }
+            if h2d_gb_s:
+                report.moe["h2d_gb_s"] = h2d_gb_s
+        measure(engine, report, meta, act_bytes, prompt, batch_sizes, input_len, output_len, prefill_lens)
+        if with_census:
+            report.census = census(engine, input_len, batch=census_batch)
+        reports.append(report)
+    engine.shutdown()
+    if compare_hf:
+        reports[0].hf = bench_hf(cfg, input_len, output_len)
+    return reports
+
+
+def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, batch_sizes: list[int],
+            input_len: int, output_len: int, prefill_lens: list[int]) -> None:  # fmt: skip
+    """Fill ``report``: single stream, TTFT, a row per batch size, prefill rates."""
     run_batch(engine, [prompt(min(input_len, 32))], 4)  # warm-up: autotuning, allocator
     single = run_batch(engine, [prompt(input_len)], output_len + 1)
     report.single_stream_tok_s = output_len / (single["wall"] - single["first"])
@@ -186,12 +208,6 @@ def bench(
         run_batch(engine, [prompt(length)], 1)  # warm-up
         res = run_batch(engine, [prompt(length)], 1)
         report.prefill[length] = length / res["wall"]
-    if with_census:
-        report.census = census(engine, input_len, batch=census_batch)
-    engine.shutdown()
-    if compare_hf:
-        report.hf = bench_hf(cfg, input_len, output_len)
-    return report
 
 
 def bench_hf(cfg: EngineConfig, input_len: int, output_len: int) -> dict[str, float]:
@@ -267,11 +283,11 @@ def format_report(r: Report) -> str:
     return "\n".join(lines + format_census(r.census))
 
 
-def to_json(r: Report) -> str:
+def as_dict(r: Report) -> dict:
     d = asdict(r)
     for row, src in zip(d["rows"], r.rows):
         row["ratio"] = src.ratio
-    return json.dumps(d, indent=2)
+    return d
 
 
 def add_offline_parser(bench_sub) -> None:
@@ -289,7 +305,17 @@ def add_offline_parser(bench_sub) -> None:
         "--census", action="store_true", help="count and time the kernels of a decode step and a prefill"
     )
     p.add_argument("--census-batch", type=int, default=1, help="sequences in the decode step --census counts")
-    p.add_argument("--output-json", default=None)
+    p.add_argument(
+        "--expert-cache-policies",
+        default=None,
+        help="offload: measure each of these policies (e.g. lru,lfu) on the one loaded model",
+    )
+    p.add_argument(
+        "--dummy-routing-skews",
+        default=None,
+        help="with --load-format dummy: measure each routing skew (e.g. 0,1) on the one loaded model",
+    )
+    p.add_argument("--output-json", default=None, help="the report; a list of them for several variants")
     p.set_defaults(func=cmd_offline)
 
 
@@ -298,14 +324,19 @@ def cmd_offline(args) -> int:
 
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
     prefill = [int(s) for s in args.prefill_lens.split(",") if s]
+    skews = [float(s) for s in (args.dummy_routing_skews or "").split(",") if s] or [args.dummy_routing_skew]
+    policies = [s for s in (args.expert_cache_policies or "").split(",") if s] or [args.expert_cache_policy]
+    variants = [(skew, policy) for skew in skews for policy in policies]
     if args.census_batch < 1:
         raise SystemExit(f"--census-batch must be at least 1, got {args.census_batch}")
     running = max(sizes + [args.max_running_requests, args.census_batch if args.census else 1])
     options = engine_options(args) | {"max_running_requests": running}
+    # the engine loads with the first variant and switches in place to the others
+    options |= {"dummy_routing_skew": skews[0], "expert_cache_policy": policies[0]}
     census_len = args.input_len + CENSUS_TOKENS + args.census_batch if args.census else 0
     longest = max([n + 1 for n in prefill] + [args.input_len + args.output_len + 1, census_len])
     options["max_model_len"] = options.get("max_model_len") or longest
-    report = bench(
+    reports = bench(
         EngineConfig(**options),
         sizes,
         args.input_len,
@@ -314,9 +345,11 @@ def cmd_offline(args) -> int:
         compare_hf=args.compare_hf,
         with_census=args.census,
         census_batch=args.census_batch,
+        variants=variants,
     )
-    print(format_report(report))
+    print("\n\n".join(format_report(r) for r in reports))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            f.write(to_json(report))
+            dicts = [as_dict(r) for r in reports]
+            json.dump(dicts[0] if len(dicts) == 1 else dicts, f, indent=2)
     return 0

@@ -8,7 +8,7 @@ server's engine process both drive this loop.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ft.config import EngineConfig
 from ft.engine.executor import make_executor
@@ -213,6 +213,13 @@ class LLMEngine:
             s.num_preemptions,
             **self._moe_stats(),
         )
+
+    def set_moe_variant(self, policy: str | None = None, routing_skew: float | None = None) -> None:
+        """Switch every rank's expert-cache policy and (dummy weights) routing skew in place; for
+        ``ft bench offline``, which measures several variants on one loaded model."""
+        self.executor.set_moe_variant(policy, routing_skew)
+        if policy is not None and self.plan.moe is not None:
+            self.plan = replace(self.plan, moe=replace(self.plan.moe, policy=policy))
 
     def _moe_stats(self) -> dict:
         moe = self.plan.moe

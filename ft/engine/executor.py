@@ -40,6 +40,9 @@ class InProcessExecutor:
     def moe_stats(self) -> dict:
         return self.runner.moe.stats()
 
+    def set_moe_variant(self, policy: str | None, routing_skew: float | None) -> None:
+        self.runner.set_moe_variant(policy, routing_skew)
+
     def shutdown(self) -> None:
         if self.runner is not None:
             self.runner.close()
@@ -69,6 +72,10 @@ def _worker_main(rank: int, cfg: EngineConfig, mc: ModelConfig, init_method: str
                 break
             if cmd == "moe_stats":  # asked of the first rank only
                 conn.send(("ok", runner.moe.stats()))
+                continue
+            if cmd == "moe_variant":  # every rank switches, so all keep routing alike
+                runner.set_moe_variant(*payload)
+                conn.send(("ok", None))
                 continue
             result = runner.execute(payload)
             if rank == 0:
@@ -158,6 +165,12 @@ class MultiprocExecutor:
         except (BrokenPipeError, OSError):
             pass
         return self._recv(0, "ok")
+
+    def set_moe_variant(self, policy: str | None, routing_skew: float | None) -> None:
+        for conn in self.conns:
+            conn.send(("moe_variant", (policy, routing_skew)))
+        for rank in range(len(self.conns)):
+            self._recv(rank, "ok")
 
     def shutdown(self, graceful: bool = True) -> None:
         for conn in self.conns:

@@ -23,7 +23,7 @@ from ft.gdn import get_gdn_backend
 from ft.gdn.snapshots import SnapshotPoint, state_snapshots
 from ft.layers.sampler import Sampler, SampleResult, top_logprobs
 from ft.models.config import ModelConfig
-from ft.models.dummy import init_dummy_weights
+from ft.models.dummy import init_dummy_weights, skew_routers
 from ft.models.loader import load_weights
 from ft.models.registry import model_class
 from ft.moe.backends import banks_on
@@ -104,6 +104,7 @@ class ModelRunner:
         self.model = build_model(mc, tp, self.device, self.dtype, self.moe.bank_device).eval()
         pools = self._plan_pools()  # first: a lean expert cache is allocated around them, at attach
         self.moe.attach_stores(self.model, pools.kv_bytes + pools.state_bytes)  # the loaders fill it
+        self.routing_skew = cfg.dummy_routing_skew
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed, cfg.dummy_routing_skew, self.device)
         else:
@@ -133,6 +134,21 @@ class ModelRunner:
         max_len = self.cfg.max_model_len or self.mc.max_position_embeddings
         graphs = SegmentedGraphRunner if self.moe.splits_graphs else CudaGraphRunner
         return graphs(self, max_bs, cdiv(max_len, self.cfg.block_size))
+
+    def set_moe_variant(self, policy: str | None = None, routing_skew: float | None = None) -> None:
+        """Switch the expert-cache policy and, with dummy weights, the routers' skew, in place, so
+        ``ft bench offline`` measures several variants on one loaded model (loading an 80B
+        offload store takes minutes). The routers are rescaled from the current skew to the new
+        one with the same popularity ranks (``ft.models.dummy.skew_routers``)."""
+        if routing_skew is not None and routing_skew != self.routing_skew:
+            if self.cfg.load_format != "dummy":
+                raise ValueError("a routing skew applies to dummy weights only (--load-format dummy)")
+            if routing_skew < 0:
+                raise ValueError(f"routing skew must be >= 0, got {routing_skew}")
+            skew_routers(self.model, routing_skew - self.routing_skew, self.cfg.seed)
+            self.routing_skew = routing_skew
+        if policy is not None:
+            self.moe.set_policy(policy)
 
     def close(self) -> None:
         """Drop the CUDA graphs, which hold this runner: without the cycle the runner, its weights

@@ -4,6 +4,8 @@ and ``ft bench offline`` reporting the offload figures."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -132,3 +134,51 @@ def test_the_cache_starts_full_with_the_host_store_experts(tmp_path):
                 if slot != cache.map.null:
                     assert torch.equal(cache.block[slot], store.block[int(store.rows([e])[0])])
             assert cache.table.tolist() == cache.map.slot_of.tolist()
+
+
+def test_bench_offline_measures_policies_and_skews_on_one_engine(tmp_path, capsys):
+    """--expert-cache-policies lru,lfu --dummy-routing-skews 0,1: four reports from one load, in
+    order (skew major), each with its own decode hit rates."""
+    write_checkpoint(tmp_path, "qwen3_moe", seed=4)
+    out_json = tmp_path / "bench.json"
+    args = ["bench", "offline", "--model", str(tmp_path), "--device", "cpu", "--dtype", "float32"]
+    args += ["--load-format", "dummy", "--batch-sizes", "1", "--input-len", "8", "--output-len", "4"]
+    args += ["--prefill-lens", "", "--moe-backend", "offload", "--expert-cache-fraction", "0.5"]
+    args += ["--expert-cache-policies", "lru,lfu", "--dummy-routing-skews", "0,1", "--num-tokens", "256"]
+    assert main([*args, "--output-json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("loading") <= 1 and out.count("ft rank 0/1: moe offload") == 1  # one engine
+    reports = json.loads(out_json.read_text())
+    got = [(r["moe"]["routing_skew"], r["moe"]["policy"]) for r in reports]
+    assert got == [(0.0, "lru"), (0.0, "lfu"), (1.0, "lru"), (1.0, "lfu")]
+    assert all(r["rows"][0]["moe_hit_rate"] is not None for r in reports)
+    assert "routing skew 1.0" in out and "policy lfu" in out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_switching_the_moe_variant_equals_loading_it(tmp_path, tp):
+    """An engine loaded with uniform routing and LRU, switched in place to skew 1 and LFU, gives
+    the outputs of an engine loaded that way (fp32, dummy weights); TP=2 switches every rank."""
+    write_checkpoint(tmp_path, "qwen3_moe", seed=4)
+    options = dict(device="cpu", dtype="float32", progress=False, load_format="dummy", tp_size=tp,
+                   moe_backend="offload", expert_cache_fraction=0.5)  # fmt: skip
+    with LLM(model=str(tmp_path), **options) as llm:
+        llm.engine.set_moe_variant("lfu", 1.0)
+        switched = llm.generate(PROMPTS, PARAMS)
+        assert llm.engine.plan.moe.policy == "lfu"
+        if tp == 1:
+            maps = [c.map for c in llm.engine.executor.runner.moe.caches]
+            assert all(m.policy == "lfu" for m in maps)
+    with LLM(model=str(tmp_path), expert_cache_policy="lfu", dummy_routing_skew=1.0, **options) as llm:
+        loaded = llm.generate(PROMPTS, PARAMS)
+    with LLM(model=str(tmp_path), **options) as llm:
+        uniform = llm.generate(PROMPTS, PARAMS)
+    assert_close(switched, loaded)  # dummy weights are drawn per rank: compare at the same TP
+    assert any(a.logprobs != b.logprobs for a, b in zip(uniform, loaded))  # the skew changed the routing
+
+
+def test_a_routing_skew_needs_dummy_weights(tmp_path):
+    write_checkpoint(tmp_path, "qwen3_moe", seed=4)
+    llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False, moe_backend="offload")
+    with llm, pytest.raises(ValueError, match="dummy weights only"):
+        llm.engine.set_moe_variant(None, 1.0)

@@ -65,6 +65,22 @@ def test_lfu_keeps_the_frequent_expert_that_lru_would_evict():
     assert run("lfu") == [True, False, True]
 
 
+def test_a_policy_switch_starts_the_use_counts_afresh():
+    """After ``set_policy("lfu")`` the counts of the LRU phase are gone: the expert popular
+    before the switch is evicted like any other, once the new phase's uses outweigh it."""
+    m = SlotMap(8, 2, "lru")
+    for step in range(1, 6):
+        ensure(m, [0], step=step)  # 0 popular under LRU
+    m.set_policy("lfu")
+    assert m.policy == "lfu" and not m.freq.any()
+    ensure(m, [1], step=6)
+    ensure(m, [1], step=7)  # 1 now counts more than 0, which has no count left
+    ensure(m, [2], step=8)
+    assert m.resident(np.array([0, 1, 2])).tolist() == [False, True, True]
+    with pytest.raises(ValueError, match="expert cache policy 'mru'"):
+        m.set_policy("mru")
+
+
 def test_pinned_slots_are_never_evicted_mid_step():
     m = SlotMap(8, 2)
     ensure(m, [3, 4], step=1)

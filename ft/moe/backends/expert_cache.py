@@ -54,10 +54,14 @@ class SlotCounts:
     prefetch_hits: int = 0  # hits on a prefetched expert before any other use
 
 
+def check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"expert cache policy {policy!r} (known: {', '.join(POLICIES)})")
+
+
 class SlotMap:
     def __init__(self, num_experts: int, num_slots: int, policy: str = "lru", static: int = 0) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"expert cache policy {policy!r} (known: {', '.join(POLICIES)})")
+        check_policy(policy)
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"expert cache slots: {num_slots} not in [1, {num_experts}]")
         if not 0 <= static < num_slots:
@@ -93,6 +97,14 @@ class SlotMap:
         """Whether a batch's distinct ``experts`` can all be resident at once: the static ones
         always are, the others need a dynamic slot each."""
         return int((np.asarray(experts) >= self.static).sum()) <= self.num_dynamic
+
+    def set_policy(self, policy: str) -> None:
+        """Switch the eviction policy of a running cache (``ft bench offline`` compares policies on
+        one loaded model). The decayed use counts start afresh, so LFU does not inherit the
+        previous measurement's popularity; what is resident stays."""
+        check_policy(policy)
+        self.policy = policy
+        self.freq[:] = 0.0
 
     def begin_step(self, step: int) -> None:
         self.step = step

@@ -25,7 +25,7 @@ in advance, and ``allocate`` reuses them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -212,6 +212,11 @@ class MoeRuntime:
         if self.name == "hybrid":
             return HYBRID_MAX_TOKENS
         return (self.plan.slots - self.plan.static) // self.mc.num_experts_per_tok
+
+    def set_policy(self, policy: str) -> None:
+        for cache in self.caches:
+            cache.map.set_policy(policy)
+        self.plan = replace(self.plan, policy=policy)
 
     # ---- reporting
     def describe(self, kv_tokens: int) -> str:
