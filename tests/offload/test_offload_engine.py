@@ -182,3 +182,20 @@ def test_a_routing_skew_needs_dummy_weights(tmp_path):
     llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False, moe_backend="offload")
     with llm, pytest.raises(ValueError, match="dummy weights only"):
         llm.engine.set_moe_variant(None, 1.0)
+
+
+def test_bench_reads_the_moe_counters_twice_a_run(tmp_path):
+    """Reading the MoE counters resolves every layer's copy timings: read around every decode step,
+    their cost was inside the single-stream wall time. run_batch reads them twice per run and
+    still reports the decode steps' hit rate and copied bytes."""
+    from ft.bench.offline import run_batch
+
+    write_checkpoint(tmp_path, "qwen3_moe", seed=4)
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False,
+             moe_backend="offload", expert_cache_fraction=0.5) as llm:  # fmt: skip
+        engine, reads = llm.engine, []
+        real = engine.stats
+        engine.stats = lambda: reads.append(1) or real()
+        res = run_batch(engine, [[5, 17, 3, 88], [30, 1, 64]], output_len=8)
+    assert len(res["decode_steps"]) == 7 and len(reads) == 2
+    assert 0 <= res["hit_rate"] <= 1 and res["h2d_per_token"] >= 0
