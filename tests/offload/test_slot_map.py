@@ -52,6 +52,16 @@ def test_lru_evicts_the_least_recently_used():
     assert m.counts.evictions == 1 and m.slot_of[2] == m.null
 
 
+def test_lru_ties_go_to_the_lowest_slot():
+    """After the start-up fill every slot has the same last use: the misses take the lowest
+    unpinned dynamic slots, in slot order (a partition of the keys must choose as a stable sort)."""
+    m = SlotMap(16, 8, "lru", static=2)
+    m.warm()  # experts 2..7 in slots 2..7, all at tick 0
+    ensure(m, [3], step=1)  # a hit: slot 3 is now the most recent
+    copies = ensure(m, [9, 12], step=2)
+    assert copies == [(9, 2), (12, 4)]
+
+
 def test_lfu_keeps_the_frequent_expert_that_lru_would_evict():
     def run(policy):
         m = SlotMap(8, 2, policy)

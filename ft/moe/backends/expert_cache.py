@@ -137,7 +137,9 @@ class SlotMap:
         self.last_use[self.slot_of[experts[hit]]] = self.tick  # predicted: keep them a while
         missing = experts[~hit]
         cand = self._candidates()
-        cand = cand[~np.isin(self.expert_in[cand], experts)]
+        predicted = np.zeros(self.num_experts + 1, dtype=bool)  # [E + 1]: index -1 (empty) stays False
+        predicted[experts] = True
+        cand = cand[~predicted[self.expert_in[cand]]]
         n = min(len(missing), len(cand))
         if n == 0:
             return []
@@ -187,7 +189,10 @@ class SlotMap:
         if len(empty) >= n:
             return empty[:n]
         if self.policy == "lru":
-            order = np.argsort(self.last_use[cand], kind="stable")
+            # the n oldest, ties to the lower slot: a partition of unique keys, then a sort of n
+            key = self.last_use[cand] * (self.num_slots + 1) + cand
+            order = np.argpartition(key, n - 1)[:n] if n < len(cand) else np.arange(len(cand))
+            order = order[np.argsort(key[order])]
         else:
             holder = self.expert_in[cand]
             freq = np.where(holder >= 0, self.freq[np.maximum(holder, 0)], -1.0)
