@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -35,8 +36,16 @@ READY = re.compile(r"ready at (http://\S+)")
 
 
 def make_model_dir(path: Path, model_type: str = "qwen3_next", seed: int = 0) -> Path:
-    """A random checkpoint whose eos is the tokenizer's <|im_end|>, with the tokenizer beside it."""
-    write_checkpoint(path, model_type, seed=seed, vocab_size=VOCAB_SIZE, eos_token_id=eos_token_id())
+    """A random checkpoint whose eos is the tokenizer's <|im_end|>, with the tokenizer beside it
+    (qwen4_exp: the spec reference's tiny checkpoint; the others: transformers')."""
+    if model_type == "qwen4_exp":
+        from tests.reference.qwen4_exp_ckpt import tiny_qwen4_exp_config, write_qwen4_exp_checkpoint
+
+        write_qwen4_exp_checkpoint(path, tiny_qwen4_exp_config(vocab_size=VOCAB_SIZE), seed=seed)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(config | {"eos_token_id": eos_token_id()}))
+    else:
+        write_checkpoint(path, model_type, seed=seed, vocab_size=VOCAB_SIZE, eos_token_id=eos_token_id())
     write_tokenizer(path)
     return path
 
