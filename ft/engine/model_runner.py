@@ -217,8 +217,11 @@ class ModelRunner:
         """Copy GDN state rows src -> dst in every GDN layer (restoring snapshots)."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        n = len(pairs)
+        src, dst = upload_lists(
+            [([p[0] for p in pairs], torch.int64, (n,)), ([p[1] for p in pairs], torch.int64, (n,))],
+            self.device,
+        )
         for m in self.gdn_layers:
             m.conv_state[dst] = m.conv_state[src]
             m.ssm_state[dst] = m.ssm_state[src]

@@ -14,8 +14,7 @@ no bytes.
 ``F.linear``. H200, 2026-11-30 (config_sweep, per call of a graph of calls over distinct
 weights, Qwen3-Next shapes, Triton vs cuBLAS): the six projections of a layer sum to 50.2 vs
 58.4 us at M=1 and 53.2 vs 64.8 us at M=4; cuBLAS wins only the 513-row router at M=1 (3.5 vs
-4.9 us) and qkv by 0.4 us. Not here: bias, fp32 weights,
-quantised weights, M > 16.
+4.9 us) and qkv by 0.4 us. Not here: bias, fp32 weights, quantised weights, M > 16.
 """
 
 from __future__ import annotations

@@ -85,6 +85,10 @@ class SlotMap:
     def resident(self, experts: np.ndarray) -> np.ndarray:
         return self.slot_of[experts] != self.null
 
+    def absent(self) -> np.ndarray:
+        """The experts not resident, ascending."""
+        return np.flatnonzero(self.slot_of == self.null)
+
     @property
     def num_resident(self) -> int:
         return int((self.expert_in >= 0).sum())  # static ones included
@@ -153,7 +157,7 @@ class SlotMap:
         """Fill the empty dynamic slots with the lowest-numbered experts not resident: a start-up
         fill, so the first requests find the residency the plan reports. Counts no use."""
         empty = self.static + np.nonzero(self.expert_in[self.static :] < 0)[0]
-        experts = np.nonzero(self.slot_of == self.null)[0][: len(empty)]
+        experts = self.absent()[: len(empty)]
         return self._insert(experts, empty[: len(experts)])
 
     def classify(self, experts: np.ndarray) -> np.ndarray:

@@ -220,7 +220,8 @@ class OffloadBackend:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         pairs = Pairs(ids_h, self.store.num_experts)
         early = np.isin(experts, ahead.experts) if ahead is not None else np.zeros(len(experts), dtype=bool)
-        staged = experts[~early] if sh.hit_d2d else experts[~hit & ~early]
+        in_place = np.zeros_like(hit) if sh.hit_d2d else hit & ~early  # resident, used in their slots
+        staged = experts[~early & ~in_place]
         sh.transfer.wait()  # prefetches into this layer's slots land before the hits are read
         groups = [staged[i : i + st.rows] for i in range(0, len(staged), st.rows)]
         ready = [None] * len(groups)  # (buffer, event) once staged: at most two at a time
@@ -230,8 +231,8 @@ class OffloadBackend:
             sh.ahead_used += 1
         for g in range(min(2, len(groups))):  # in flight while the hits compute in place
             ready[g] = ready[g] or self._stage(groups[g])
-        if not sh.hit_d2d and (hit & ~early).any():
-            resident = experts[hit & ~early]
+        if in_place.any():
+            resident = experts[in_place]
             run_pairs(
                 bank, self.cache.tensors, x, weights, out, *pairs.of(resident, self.map.slot_of[resident])
             )
@@ -252,11 +253,12 @@ class OffloadBackend:
         nxt = self.next
         if nxt is None or nxt.map is None:
             return
-        e = nxt.store.num_experts
-        host_only = np.nonzero(~nxt.map.resident(np.arange(e)))[0]
+        host_only = nxt.map.absent()
         if len(host_only) == 0:
             return
-        use = nxt.map.freq if pred_h is None else np.bincount(pred_h.reshape(-1), minlength=e)
+        use = (
+            nxt.map.freq if pred_h is None else np.bincount(pred_h.reshape(-1), minlength=nxt.map.num_experts)
+        )
         group = np.sort(host_only[np.argsort(-use[host_only], kind="stable")][: self.shared.staging.rows])
         buf, ready = nxt._stage(group)
         self.shared.ahead = Ahead(nxt, group, buf, ready)

@@ -166,8 +166,8 @@ class MoeRuntime:
                 backend = cls(store, self.caches[i], self.shared, first=i == 0)
             block.backend = backend
             self.backends.append(backend)
-        for backend, nxt in zip(self.backends, self.backends[1:]):
-            if self.name != "cpu":  # streaming ahead (offload, hybrid): the next layer's first group
+        if self.name != "cpu":  # streaming ahead (offload, hybrid): the next layer's first group
+            for backend, nxt in zip(self.backends, self.backends[1:]):
                 backend.next = nxt
         for backend in self.backends:  # fill every cache at start-up: copies on the side stream
             if getattr(backend, "cache", None) is not None:
