@@ -83,7 +83,46 @@ def check_silu_and_mul() -> None:
         torch.testing.assert_close(got.float(), ref, atol=1e-6, rtol=rtol)
 
 
-@pytest.mark.parametrize("check", ["check_router", "check_sums", "check_silu_and_mul"])
+def pairs_one_at_a_time(gemv, x, w13, w2, weights, ids) -> torch.Tensor:
+    """What the offload backend's streaming does: each (token, slot) pair alone (k = 1), its
+    term summed into an fp32 row in slot order, rounded once."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for j in range(ids.shape[1]):
+        out += gemv(x, w13, w2, weights[:, j : j + 1], ids[:, j : j + 1]).float()
+    return out.to(x.dtype)
+
+
+def check_moe_gemv_pairs() -> None:
+    """The MoE GEMV rounds each pair's weighted term before summing a token's k terms, so a batch
+    computed a pair at a time and summed in the same order gives the same bits as one call;
+    a term-rounding bug (one rounding of the whole sum) fails this within a few rows."""
+    from ft.moe.kernels.triton_moe_gemv import launch_moe_gemv
+    from tests.nvfp4.test_w4a16_gpu import random_bank
+
+    gen = torch.Generator().manual_seed(0)
+    e, inter, h, t = 8, 48, 64, 3
+    for k, fmt in ((2, "fp16"), (4, "fp16"), (3, "nvfp4")):
+        if fmt == "nvfp4":
+            w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+            x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        else:
+            w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h**-0.5).half()
+            w2 = (torch.randn(e, h, inter, generator=gen) * inter**-0.5).half()
+            x = torch.randn(t, h, generator=gen).half()
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        weights = torch.rand(t, k, generator=gen) / k
+        whole = launch_moe_gemv(x, w13, w2, weights, ids).float()
+        pairs = pairs_one_at_a_time(launch_moe_gemv, x, w13, w2, weights, ids).float()
+        if fmt == "nvfp4":  # bf16: the interpreter truncates the final rounding, torch rounds
+            torch.testing.assert_close(whole, pairs, atol=0, rtol=2**-7)
+        else:
+            assert torch.equal(whole, pairs), k
+
+
+CHECKS = ["check_router", "check_sums", "check_silu_and_mul", "check_moe_gemv_pairs"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
 def test_kernel_under_the_interpreter(check):
     code = f"from tests.test_moe_fusions_interp import {check}; {check}()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}

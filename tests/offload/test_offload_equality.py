@@ -92,3 +92,24 @@ def test_a_long_batch_streams_the_next_layers_experts_ahead(ckpt, refs, d2d, ahe
         layers = llm.engine.stats().moe_layers
     assert_same(outs, refs[8192])
     assert shared.ahead_used == (layers - 1 if ahead else 0)  # each layer after the first, once
+
+
+def test_streamed_pairs_take_their_batchs_kernel_path(ckpt):
+    """Every kernel call of a streamed batch is told the batch's size (``batch_tokens``), so a GPU
+    kernel that picks GEMV or MMA by size picks for the pairs what it picks for the batch."""
+    from ft.moe.backends.runtime import moe_blocks
+
+    with engine(ckpt, moe_backend="offload", expert_cache_fraction=0.25, moe_staging_experts=2) as llm:
+        calls = []
+        for block in moe_blocks(llm.engine.executor.runner.model):
+            bank, real = block.experts, block.experts.kernel
+
+            def spy(x, *args, batch_tokens=None, real=real):
+                calls.append((len(x), batch_tokens))
+                return real(x, *args, batch_tokens=batch_tokens)
+
+            bank.kernel = spy
+        llm.generate([list(range(1, 25))], SamplingParams(max_tokens=1, temperature=0.0))
+    streamed = [c for c in calls if c[1] is not None]
+    assert streamed and all(tokens == 24 for _, tokens in streamed)
+    assert any(rows < 24 for rows, _ in streamed)  # parts of the batch, told its size

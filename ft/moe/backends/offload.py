@@ -289,8 +289,9 @@ class OffloadBackend:
 def run_pairs(bank, tensors, x, weights, out, sel: np.ndarray, rows: np.ndarray) -> None:
     """out[t] += the pairs ``sel`` (token * k + j) run on ``tensors``' rows ``rows``, k = 1 each.
 
-    Each expert sees the same tokens, in the same order, as in one call over the whole batch, so
-    its rows of the result are the same; only the order of a token's k terms in ``out`` may differ.
+    Each expert sees the same tokens, in the same order, as in one call over the whole batch, and
+    the kernel takes the batch's path (``batch_tokens``), so its rows of the result are the same;
+    only the order of a token's k terms in ``out`` may differ.
     """
     if len(sel) == 0:
         return
@@ -299,5 +300,5 @@ def run_pairs(bank, tensors, x, weights, out, sel: np.ndarray, rows: np.ndarray)
     tok = sel_d // k
     rows_d = upload(torch.from_numpy(np.ascontiguousarray(rows)), x.device).unsqueeze(1)  # [P, 1]
     pair_w = weights.reshape(-1)[sel_d].unsqueeze(1)  # [P, 1]
-    y = bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows_d)
+    y = bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows_d, batch_tokens=len(x))
     out.index_add_(0, tok, y.float())

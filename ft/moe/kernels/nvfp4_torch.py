@@ -15,10 +15,16 @@ from ft.quant.nvfp4 import NVFP4Tensor, dequantize
 
 
 def fused_moe_nvfp4_ref(
-    x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    batch_tokens: int | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 codes [E, 2I, H/2], scales [E, 2I, H/16], globals [E, 2I]; w2 codes
-    [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H]."""
+    [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H].
+    One path at every size, so ``batch_tokens`` changes nothing."""
     e, two_i, half_h = w13.weight.shape
     assert half_h * 2 == x.shape[-1], f"w13 codes {tuple(w13.weight.shape)} do not fit x {tuple(x.shape)}"
     assert w2.weight.shape == (e, x.shape[-1], two_i // 4), (

@@ -7,9 +7,15 @@ import torch.nn.functional as F
 
 
 def fused_moe_ref(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    batch_tokens: int | None = None,
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H]."""
+    """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H].
+    One path at every size, so ``batch_tokens`` changes nothing."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w13.shape[1] // 2
     for e in torch.unique(ids).tolist():

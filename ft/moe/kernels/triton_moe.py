@@ -28,11 +28,11 @@ ALIGN_BLOCK = 1024  # pairs per program of the multi-program sort (prefill sizes
 # launches).
 # H200, 2026-11-30, 02:50 UTC (tests/gpu/config_sweep.py, per call of a graph of calls over 8
 # routings, with the GEMV's tiles from that sweep): 28.1 vs 30.7 us at T=1, 40.2 vs 48.5 at T=2,
-# 70.0 vs 84.7 at T=4. Still off: the one GPU run with it on (4) failed
-# test_bf16_offload_with_graphed_decode_equals_resident (its message lost to a timeout). Likely
-# cause: a decode batch that streams runs each (token, k) pair alone and rounds its term to bf16,
-# as this MMA path does, while the GEMV sums a token's k terms in fp32 and rounds once.
-GEMV_MAX_TOKENS = 0
+# 70.0 vs 84.7 at T=4. A GPU run with it on failed test_bf16_offload_with_graphed_decode_equals_
+# resident (message lost to a timeout), most likely because the GEMV then summed a token's k terms
+# unrounded while a streamed batch rounds each pair's term; the GEMV now rounds each term and a
+# streamed batch takes its batch's path (``batch_tokens``). NOT yet re-run on a GPU.
+GEMV_MAX_TOKENS = 4
 
 
 @triton.jit
@@ -295,11 +295,17 @@ def check_operands(
 
 
 def fused_moe_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    batch_tokens: int | None = None,
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H]."""
+    """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H].
+    ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it."""
     t, h = x.shape
-    if 0 < t <= GEMV_MAX_TOKENS:
+    if t > 0 and 0 < (batch_tokens or t) <= GEMV_MAX_TOKENS:
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports this module
 
         return fused_moe_gemv(x, w13, w2, weights, ids)

@@ -13,10 +13,12 @@ The first launch runs one program per (pair, BLOCK_N rows of I); the second one 
 (token, BLOCK_N rows of H), walking its k experts and their K chunks as one flat loop, so the
 loads of consecutive experts are in flight together and the sum over k needs no third kernel
 and no [T*k, H] buffer. Dot products are fp32 multiply-accumulates of BLOCK_K-wide chunks kept
-per lane and reduced once with ``tl.sum`` (no ``tl.dot``). ``act`` is rounded to bf16 as in the
-MMA paths; ``out`` is summed over k in fp32 and rounded once, where the MMA paths round each
-pair's term to bf16 first. Not here: large T (an expert hit by many tokens is read once per
-token here, once per tile there), fp16 activations with NVFP4, W4A4.
+per lane and reduced once per expert with ``tl.sum`` (no ``tl.dot``). As in the MMA paths,
+``act`` is rounded to bf16 and so is each pair's weighted term, and ``out`` sums a token's k
+terms in fp32 and rounds once: a batch computed a pair at a time (the offload backend's
+streaming, k = 1 per call) and summed in fp32 gives the same bits as one call, exactly for
+k = 2 and up to the fp32 order of the terms beyond. Not here: large T (an expert hit by many
+tokens is read once per token here, once per tile there), fp16 activations with NVFP4, W4A4.
 """
 
 from __future__ import annotations
@@ -117,22 +119,27 @@ def _down_sum_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     steps = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one slot's per-lane partial dot products
+    total = tl.zeros([BLOCK_N], tl.float32)
     for i in range(0, TOPK * steps):  # one flat loop over (slot, K chunk): loads pipeline across experts
         slot = i // steps
         k0 = (i % steps) * BLOCK_K
         e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
-        scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
-        if FP4:
-            row_scale = tl.load(b_global + e * s_ge + n, mask=nmask, other=0.0) * (scale * unfold)
-        else:
-            row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
         a_row = act + (tok * TOPK + slot) * s_at
         w = _rows(
             b + e * s_be, b_scale + e * s_se, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K
         )
-        acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K) * row_scale[:, None]
-    tl.store(out + tok * s_ot + n, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=nmask)
+        acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+        if i % steps == steps - 1:  # the slot's last chunk: its term, weighted and rounded
+            scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
+            if FP4:
+                row_scale = tl.load(b_global + e * s_ge + n, mask=nmask, other=0.0) * (scale * unfold)
+            else:
+                row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
+            term = tl.sum(acc, axis=1) * row_scale
+            total += term.to(out.dtype.element_ty).to(tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    tl.store(out + tok * s_ot + n, total.to(out.dtype.element_ty), mask=nmask)
 
 
 def _bank(w) -> tuple:

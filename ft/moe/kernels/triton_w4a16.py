@@ -233,12 +233,18 @@ def check_operands(
 
 
 def fused_moe_w4a16(
-    x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    batch_tokens: int | None = None,
 ) -> torch.Tensor:
     """x [T, H] bf16; w13 codes [E, 2I, H/2], scales [E, 2I, H/16], globals [E, 2I] (gate rows then
-    up rows); w2 codes [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H]."""
+    up rows); w2 codes [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H].
+    ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it."""
     t, h = x.shape
-    if 0 < t <= GEMV_MAX_TOKENS:
+    if t > 0 and 0 < (batch_tokens or t) <= GEMV_MAX_TOKENS:
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports _decode from here
 
         return fused_moe_gemv(x, w13, w2, weights, ids)
