@@ -39,12 +39,16 @@ def capturing() -> bool:
     return _CAPTURE is not None
 
 
-def split_point(fn: Callable[[], None]) -> None:
-    """Run ``fn`` now, or, while a segmented graph is being captured, at this point of each replay."""
+def split_point(fn: Callable[[], Callable[[], None] | None]) -> Callable[[], None] | None:
+    """Run ``fn`` now, or, while a segmented graph is being captured, at this point of each replay.
+
+    ``fn`` may return more host work that the next kernels need not wait for (the next layer's
+    prefetch): a replay runs it right after launching the next segment, so it overlaps the GPU;
+    run now, it is returned, for the caller to run after its own launches."""
     if _CAPTURE is None:
-        fn()
-    else:
-        _CAPTURE.split(fn)
+        return fn()
+    _CAPTURE.split(fn)
+    return None
 
 
 class SegmentedGraph:
@@ -80,10 +84,12 @@ class SegmentedGraph:
         self._begin()
 
     def replay(self) -> None:
+        later = None
         for i, graph in enumerate(self.graphs):
             graph.replay()
-            if i < len(self.breaks):
-                self.breaks[i]()
+            if later is not None:  # the last break's deferred work, while this segment runs
+                later()
+            later = self.breaks[i]() if i < len(self.breaks) else None
 
 
 class SegmentedGraphRunner(CudaGraphRunner):

@@ -43,6 +43,7 @@ which reads the device table. The engine graphs only batch sizes whose experts a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,14 +144,16 @@ class OffloadBackend:
         ahead = self._take_ahead()
         pred = self._predict(x)
         if capturing():
-            split_point(lambda: self._resolve(ids, pred))
+            split_point(lambda: self._resolve(ids, pred))  # its prefetch runs after the next segment's launch
             return self._cached(bank, x, weights, ids)
         ids_h, pred_h = self._to_host(ids, pred)
         self._begin(len(x))
         experts = unique(ids_h, self.store.num_experts)
         if decode_only() and self.map.fits(experts):
-            self._make_resident(experts, pred_h)
-            return self._cached(bank, x, weights, ids)
+            prefetch = self._make_resident(experts, pred_h)
+            out = self._cached(bank, x, weights, ids)
+            prefetch()
+            return out
         return self._stream(bank, x, weights, ids_h, experts, pred_h, ahead)
 
     # ---- host side (eager, or at a graph break)
@@ -176,7 +179,7 @@ class OffloadBackend:
             for m in self.shared.maps:
                 m.begin_step(self.shared.step)
 
-    def _resolve(self, ids: torch.Tensor, pred: torch.Tensor | None) -> None:
+    def _resolve(self, ids: torch.Tensor, pred: torch.Tensor | None) -> Callable[[], None]:
         ids_h, pred_h = self._to_host(ids, pred)
         self._begin(len(ids_h))
         experts = unique(ids_h, self.store.num_experts)
@@ -186,23 +189,32 @@ class OffloadBackend:
                 f"{self.map.num_slots} cache slots ({self.map.static} static) of a layer hold: "
                 "the graph batch-size cap is wrong"
             )
-        self._make_resident(experts, pred_h)
+        return self._make_resident(experts, pred_h)
 
-    def _make_resident(self, experts: np.ndarray, pred_h: np.ndarray | None) -> None:
+    def _make_resident(self, experts: np.ndarray, pred_h: np.ndarray | None) -> Callable[[], None]:
+        """Fetch the misses and write the table; returns the next layer's prefetch, for the caller
+        to run once this layer's kernel is launched (the host work then overlaps the GPU's)."""
         copies = self.map.ensure(experts)
         if copies is None:
             raise RuntimeError(f"{len(experts)} experts do not fit {self.map.num_slots} unpinned slots")
         self.copy_in(copies)
         self.cache.publish()
         self.shared.transfer.wait()  # this layer's copies and any prefetch into its slots
-        self._prefetch_next(pred_h)
+        if pred_h is None:
+            return _nothing
+        # The host has just read this step's ids, so no kernel that read a slot the prefetch may
+        # refill is still running: its copies wait for this point of the stream, not for the
+        # kernel launched meanwhile.
+        now = self.shared.transfer.record_main()
+        return lambda: self.prefetch.start(pred_h, after=now)
 
-    def copy_in(self, copies: list[tuple[int, int]]) -> None:
-        """Copy (expert, slot) pairs from the host store into this layer's cache."""
+    def copy_in(self, copies: list[tuple[int, int]], after: torch.cuda.Event | None = None) -> None:
+        """Copy (expert, slot) pairs from the host store into this layer's cache (after ``after``
+        on the main stream, by default after everything issued there so far)."""
         if copies:
             experts, slots = zip(*copies)
             rows = self.store.rows(np.array(experts)).tolist()
-            self.shared.transfer.issue(self.cache.block, list(slots), self.store.block, rows)
+            self.shared.transfer.issue(self.cache.block, list(slots), self.store.block, rows, after=after)
 
     def _prefetch_next(self, pred_h: np.ndarray | None) -> None:
         if pred_h is not None:
@@ -284,6 +296,10 @@ class OffloadBackend:
             after=after,
         )
         return buf, (ev_h2d if ev_h2d is not None else ev_d2d)  # one stream: the later covers both
+
+
+def _nothing() -> None:
+    pass
 
 
 def run_pairs(bank, tensors, x, weights, out, sel: np.ndarray, rows: np.ndarray) -> None:

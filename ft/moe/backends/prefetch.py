@@ -26,10 +26,10 @@ class Prefetch:
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(x)[1]  # [T, k] the next layer's experts, were its input x
 
-    def start(self, predicted: np.ndarray) -> None:
+    def start(self, predicted: np.ndarray, after: torch.cuda.Event | None = None) -> None:
         nxt = self.backend
         experts = unique(predicted, nxt.map.num_experts)
         # A prefill chunk predicts about every expert: inserting them would only evict others the
         # next layer's stream needs (twice the bytes over PCIe) and flush the decode working set.
         if nxt.map.fits(experts):
-            nxt.copy_in(nxt.map.prefetch(experts))
+            nxt.copy_in(nxt.map.prefetch(experts), after=after)
