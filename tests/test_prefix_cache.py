@@ -101,7 +101,67 @@ def test_radix_cache_lru_eviction_keeps_held_blocks():
     assert cache.evict(5) == [11, 10]  # leaves first, least recent first; c is held
     assert cache.match([1, 2]) == [] and cache.num_evictable == 0
     slot = cache.take_snapshot_slot()
-    c.snapshot = slot
+    cache.attach_snapshot(c, slot)
     assert cache.take_snapshot_slot() is None  # the only snapshot belongs to a held node
     cache.release([c])
     assert cache.take_snapshot_slot() == slot and c.snapshot is None
+
+
+def _walk(cache: RadixCache):
+    stack, out = list(cache.root.children.values()), []
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        out.append(n)
+    return out
+
+
+def test_radix_cache_bookkeeping_matches_a_walk_of_the_tree():
+    """Random requests over shared prefixes: after every operation the tracked eviction
+    candidates, unreferenced count and snapshot holders equal what a walk of the tree finds; each
+    evicted block was, when taken, the least recent unreferenced leaf (lower block on ties), and
+    each snapshot slot taken back came from the least recent unreferenced holder."""
+    import random
+
+    rng, cache = random.Random(3), RadixCache(block_size=2, num_snapshots=3)
+    held, next_block, evictions = [], iter(range(10**6)), 0
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.45:  # a request: hit what is cached, then add its own blocks, snapshot its last
+            tokens = [rng.randrange(3) for _ in range(2 * rng.randrange(1, 6))]
+            path = cache.match(tokens)
+            cache.acquire(path)
+            parent = path[-1] if path else cache.root
+            for i in range(len(path), len(tokens) // 2):
+                node = cache.insert(parent, tuple(tokens[2 * i : 2 * i + 2]), next(next_block))
+                if node is None:
+                    break
+                path.append(node)
+                parent = node
+            if path and path[-1].snapshot is None and rng.random() < 0.5:
+                idle = [n for n in _walk(cache) if n.snapshot is not None and n.ref == 0]
+                victim = min(idle, key=lambda n: (n.last_use, -n.depth), default=None)
+                full = not cache._free_snapshots
+                slot = cache.take_snapshot_slot()
+                if full and victim is not None:  # the least recent idle one (deeper on ties) gave its slot
+                    assert victim.snapshot is None and slot is not None
+                if slot is not None:
+                    cache.attach_snapshot(path[-1], slot)
+            held.append(path)
+        elif op < 0.8 and held:
+            cache.release(held.pop(rng.randrange(len(held))))
+        else:
+            for _ in range(rng.randrange(1, 4)):
+                leaves = [n for n in _walk(cache) if n.ref == 0 and not n.children]
+                want = min(leaves, key=lambda n: (n.last_use, n.block)).block if leaves else None
+                got = cache.evict(1)
+                assert got == ([want] if leaves else [])
+                evictions += bool(got)
+        nodes = _walk(cache)
+        assert cache._leaves == {n for n in nodes if n.ref == 0 and not n.children}
+        assert cache.num_evictable == sum(n.ref == 0 for n in nodes) and cache.num_nodes == len(nodes)
+        assert cache._snapshotted == {n for n in nodes if n.snapshot is not None}
+        assert all(n.ref >= c.ref for n in nodes for c in n.children.values())
+        slots = [n.snapshot for n in cache._snapshotted] + cache._free_snapshots
+        assert sorted(slots) == [0, 1, 2]
+    assert evictions > 100 and cache.num_nodes > 10

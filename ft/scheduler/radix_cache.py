@@ -14,6 +14,7 @@ token (the GDN layers save it mid-chunk, ``ft.gdn.snapshots``).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -31,12 +32,21 @@ class Node:
 
 
 class RadixCache:
+    """The tree plus what eviction needs kept up to date as nodes are held, released, added and
+    dropped, so that neither eviction nor a snapshot slot walks the tree: the unreferenced leaves
+    (the eviction candidates), the nodes holding snapshots and the count of unreferenced nodes.
+    A request holds every node of its path, so a node's ``ref`` is at least each child's: an
+    unreferenced node heads an unreferenced subtree, all of it evictable leaf by leaf."""
+
     def __init__(self, block_size: int, num_snapshots: int = 0) -> None:
         self.block_size = block_size
         self.root = Node((), -1, None, 0)
         self._clock = itertools.count(1)
         self._free_snapshots = list(range(num_snapshots - 1, -1, -1))
+        self._leaves: set[Node] = set()  # ref 0, no children
+        self._snapshotted: set[Node] = set()  # snapshot is not None
         self.num_nodes = 0
+        self.num_evictable = 0  # nodes with ref 0
 
     def _keys(self, tokens: list[int], num_blocks: int):
         bs = self.block_size
@@ -55,6 +65,9 @@ class RadixCache:
 
     def acquire(self, nodes: list[Node]) -> None:
         for n in nodes:
+            if n.ref == 0:
+                self.num_evictable -= 1
+                self._leaves.discard(n)
             n.ref += 1
 
     def release(self, nodes: list[Node]) -> None:
@@ -63,6 +76,10 @@ class RadixCache:
             n.ref -= 1
             n.last_use = now
             assert n.ref >= 0, "prefix-cache node released more often than acquired"
+            if n.ref == 0:
+                self.num_evictable += 1
+                if not n.children:
+                    self._leaves.add(n)
 
     def insert(self, parent: Node, key: tuple[int, ...], block: int) -> Node | None:
         """Add ``block`` as the child of ``parent`` for ``key``, held once by the caller.
@@ -71,57 +88,48 @@ class RadixCache:
             return None
         node = Node(key, block, parent, parent.depth + 1, ref=1, last_use=next(self._clock))
         parent.children[key] = node
+        self._leaves.discard(parent)
         self.num_nodes += 1
         return node
 
     # ---- eviction
-    def _evictable_leaves(self) -> list[Node]:
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            if n.children:
-                stack.extend(n.children.values())
-            elif n.ref == 0:
-                out.append(n)
-        return out
-
     def evict(self, num_blocks: int) -> list[int]:
-        """Drop up to ``num_blocks`` unreferenced leaves, least recently used first; their blocks."""
+        """Drop up to ``num_blocks`` unreferenced leaves, least recently used first (then the
+        lower block; a parent left childless joins the candidates); their blocks. Costs the
+        candidates, not the tree: with the pool full, each decode step's new block evicts one."""
+        heap = [(n.last_use, n.block, n) for n in self._leaves]  # blocks are unique: no node compares
+        heapq.heapify(heap)
         freed: list[int] = []
-        while len(freed) < num_blocks:
-            leaves = sorted(self._evictable_leaves(), key=lambda n: n.last_use)
-            if not leaves:
-                break
-            for n in leaves[: num_blocks - len(freed)]:
-                del n.parent.children[n.key]
-                self.num_nodes -= 1
-                freed.append(n.block)
-                if n.snapshot is not None:
-                    self._free_snapshots.append(n.snapshot)
+        while heap and len(freed) < num_blocks:
+            n = heapq.heappop(heap)[2]
+            parent = n.parent
+            del parent.children[n.key]
+            self._leaves.discard(n)
+            self.num_nodes -= 1
+            self.num_evictable -= 1
+            freed.append(n.block)
+            if n.snapshot is not None:
+                self._snapshotted.discard(n)
+                self._free_snapshots.append(n.snapshot)
+            if parent is not self.root and parent.ref == 0 and not parent.children:
+                self._leaves.add(parent)
+                heapq.heappush(heap, (parent.last_use, parent.block, parent))
         return freed
 
-    @property
-    def num_evictable(self) -> int:
-        count, stack = 0, list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            count += n.ref == 0
-        return count
-
     # ---- GDN state snapshots
+    def attach_snapshot(self, node: Node, slot: int) -> None:
+        node.snapshot = slot
+        self._snapshotted.add(node)
+
     def take_snapshot_slot(self) -> int | None:
-        """A free snapshot slot, dropping the least recently used unreferenced snapshot if needed."""
+        """A free snapshot slot, dropping the least recently used unreferenced snapshot if needed
+        (of equally recent ones, the deepest: shorter prefixes are shared more)."""
         if not self._free_snapshots:
-            held, stack = [], list(self.root.children.values())
-            while stack:
-                n = stack.pop()
-                stack.extend(n.children.values())
-                if n.snapshot is not None and n.ref == 0:
-                    held.append(n)
+            held = [n for n in self._snapshotted if n.ref == 0]
             if not held:
                 return None
-            victim = min(held, key=lambda n: n.last_use)
+            victim = min(held, key=lambda n: (n.last_use, -n.depth))
+            self._snapshotted.discard(victim)
             self._free_snapshots.append(victim.snapshot)
             victim.snapshot = None
         return self._free_snapshots.pop()

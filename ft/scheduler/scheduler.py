@@ -238,7 +238,7 @@ class Scheduler:
             depth = (seq.start + seq.snapshot_len) // bs
             node = req.cache_nodes[depth - 1] if len(req.cache_nodes) >= depth else None
             if node is not None and node.snapshot is None:
-                node.snapshot = seq.snapshot_to
+                self.cache.attach_snapshot(node, seq.snapshot_to)
             else:
                 self.cache.give_back_snapshot(seq.snapshot_to)
 
