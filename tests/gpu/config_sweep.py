@@ -132,8 +132,13 @@ def sweep_gemv() -> None:
 # ---------------------------------------------------------------- MoE at decode sizes
 
 
+# E, I, H, top-k of the MoE sections: Qwen3-Next's by default; FT_SWEEP_MOE=128,768,2048,8 for Qwen3-30B
+MOE_SHAPE = tuple(int(v) for v in os.environ.get("FT_SWEEP_MOE", "512,512,2048,10").split(","))
+MOE_FORMATS = os.environ.get("FT_SWEEP_FORMATS", "bf16,nvfp4").split(",")
+
+
 def moe_problem(t: int):
-    e, inter, h, k = (16, 32, 64, 4) if DRY else (512, 512, 2048, 10)
+    e, inter, h, k = (16, 32, 64, 4) if DRY else MOE_SHAPE
     gen = torch.Generator(device=DEV).manual_seed(t)
     banks = {
         "bf16": (
@@ -155,14 +160,16 @@ def sweep_moe_gemv() -> None:
     for t in (1, 2, 4):
         banks, x, routes = moe_problem(t)
         for fmt, (w13, w2) in banks.items():
+            if fmt not in MOE_FORMATS:
+                continue
             want = mod.launch_moe_gemv(x, w13, w2, *routes[0])
             times = {}
             if not DRY:  # the MMA path the switch chooses against
                 mma = triton_moe.fused_moe_triton if fmt == "bf16" else triton_w4a16.fused_moe_w4a16
-                saved = triton_moe.GEMV_MAX_TOKENS, triton_w4a16.GEMV_MAX_TOKENS
+                switches = triton_moe.GEMV_MAX_TOKENS, triton_w4a16.GEMV_MAX_TOKENS
                 triton_moe.GEMV_MAX_TOKENS = triton_w4a16.GEMV_MAX_TOKENS = 0
                 times["MMA path"] = timer([P(mma, x, w13, w2, w, i) for w, i in routes])
-                triton_moe.GEMV_MAX_TOKENS, triton_w4a16.GEMV_MAX_TOKENS = saved
+                triton_moe.GEMV_MAX_TOKENS, triton_w4a16.GEMV_MAX_TOKENS = switches
             shipped[f"T={t} {fmt}"] = saved[fmt == "nvfp4"]
             for cfg in dict.fromkeys([saved[fmt == "nvfp4"], *configs]):
                 mod.BF16 = mod.NVFP4 = cfg
@@ -179,7 +186,7 @@ def sweep_grouped() -> None:
     if DRY:
         print("== grouped GEMM: needs CUDA (the sort kernels assert it); skipped in a dry run")
         return
-    table = triton_moe.CONFIGS["default"]
+    table = triton_moe.CONFIGS["E128" if MOE_SHAPE[0] <= 128 else "default"]  # as pick_config chooses
     saved = list(table)
     tiles = grid((32, 64, 128), (64, 128, 256), (4,), (3, 4))
     for t in (1, 64):
