@@ -85,6 +85,9 @@ def test_dispatch_by_token_count(fmt, monkeypatch):
         x, w13, w2, weights, ids = problem(fmt, t, 64, 128, 256, 4, seed=t)
         assert mma(x, w13, w2, weights, ids).shape == (t, 256)
     assert calls == [4], f"only T <= GEMV_MAX_TOKENS should take the GEMV path, got calls for T in {calls}"
+    if fmt == "bf16":  # experts wider than GEMV_MAX_INTER (Qwen3-30B's I=768) keep the MMA path
+        x, w13, w2, weights, ids = problem(fmt, 1, 64, module.GEMV_MAX_INTER + 256, 256, 4, seed=9)
+        assert mma(x, w13, w2, weights, ids).shape == (1, 256) and calls == [4]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

@@ -25,14 +25,19 @@ from ft.moe.kernels.triton_combine import sum_topk
 
 ALIGN_BLOCK = 1024  # pairs per program of the multi-program sort (prefill sizes)
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding, two
-# launches).
-# H200, 2026-11-30, 02:50 UTC (tests/gpu/config_sweep.py, per call of a graph of calls over 8
-# routings, with the GEMV's tiles from that sweep): 28.1 vs 30.7 us at T=1, 40.2 vs 48.5 at T=2,
-# 70.0 vs 84.7 at T=4. A GPU run with it on failed test_bf16_offload_with_graphed_decode_equals_
-# resident (message lost to a timeout), most likely because the GEMV then summed a token's k terms
-# unrounded while a streamed batch rounds each pair's term; the GEMV now rounds each term and a
-# streamed batch takes its batch's path (``batch_tokens``). NOT yet re-run on a GPU.
+# launches), for experts of at most GEMV_MAX_INTER intermediate rows; wider experts keep the MMA path.
+# H200, 2026-11-30 (tests/gpu/config_sweep.py, per call of a graph of calls over 8 routings):
+# E=512, I=512, top-10 (02:50 UTC): GEMV 28.1 vs MMA 30.7 us at T=1, 40.2 vs 48.5 at T=2, 70.0 vs
+# 84.7 at T=4; E=128, I=768, top-8 (Qwen3-30B, 05:05 UTC): 35.0 vs 30.9, 48.6 vs 48.6, 87.6 vs 80.6.
+# The GEMV rounds each pair's term as the MMA path does, and a streamed offload batch takes its
+# batch's path (``batch_tokens``): the bf16 offload-vs-resident GPU tests pass with it on (05:00 UTC).
 GEMV_MAX_TOKENS = 4
+GEMV_MAX_INTER = 512
+
+
+def takes_gemv(tokens: int, inter: int) -> bool:
+    """Whether a call of ``tokens`` tokens (its batch's) over experts of ``inter`` rows takes the GEMV."""
+    return 0 < tokens <= GEMV_MAX_TOKENS and inter <= GEMV_MAX_INTER
 
 
 @triton.jit
@@ -305,7 +310,7 @@ def fused_moe_triton(
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H].
     ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it."""
     t, h = x.shape
-    if t > 0 and 0 < (batch_tokens or t) <= GEMV_MAX_TOKENS:
+    if t > 0 and takes_gemv(batch_tokens or t, w2.shape[-1]):
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports this module
 
         return fused_moe_gemv(x, w13, w2, weights, ids)
