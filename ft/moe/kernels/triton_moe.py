@@ -28,9 +28,9 @@ ALIGN_BLOCK = 1024  # pairs per program of the multi-program sort (prefill sizes
 # launches), for experts of at most GEMV_MAX_INTER intermediate rows; wider experts keep the MMA path.
 # H200, 2026-11-30 (tests/gpu/config_sweep.py, per call of a graph of calls over 8 routings):
 # E=512, I=512, top-10 (02:50 UTC): GEMV 28.1 vs MMA 30.7 us at T=1, 40.2 vs 48.5 at T=2, 70.0 vs
-# 84.7 at T=4; E=128, I=768, top-8 (Qwen3-30B, 05:05 UTC): 35.0 vs 30.9, 48.6 vs 48.6, 87.6 vs 80.6.
+# 84.7 at T=4; E=128, I=768, top-8 (Qwen3-30B, 04:39 UTC): 35.0 vs 30.9, 48.6 vs 48.6, 87.6 vs 80.6.
 # The GEMV rounds each pair's term as the MMA path does, and a streamed offload batch takes its
-# batch's path (``batch_tokens``): the bf16 offload-vs-resident GPU tests pass with it on (05:00 UTC).
+# batch's path (``batch_tokens``): the bf16 offload-vs-resident GPU tests pass with it on (04:20 UTC).
 GEMV_MAX_TOKENS = 4
 GEMV_MAX_INTER = 512
 

@@ -30,8 +30,9 @@ UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
 # timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
 # H200, 2026-11-30, 02:50 UTC (tests/gpu/config_sweep.py, with the GEMV's tiles from that sweep):
-# 31.4 vs 46.4 us at T=1, 54.2 vs 73.1 at T=2; at T=4 98.5 (another tile) vs 105.5. T = 3, 4 stay
-# on this path until the GEMV rounds each term as this path does (see triton_moe.GEMV_MAX_TOKENS).
+# 31.4 vs 46.4 us at T=1, 54.2 vs 73.1 at T=2; at T=4 98.5 (another tile) vs 105.5. The GEMV now
+# rounds each pair's term as this path does (see triton_moe.GEMV_MAX_TOKENS), so T = 3, 4 could go
+# either way; they stay here until timed with the shipped tile.
 GEMV_MAX_TOKENS = 2
 
 
