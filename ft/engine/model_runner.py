@@ -295,7 +295,11 @@ class ModelRunner:
             first = end - len(s.token_ids) + 1 if s.prompt_targets else end
             rows.append(range(len(flat), len(flat) + end - first + 1))
             flat.extend(range(first, end + 1))
-        return self.model.compute_logits(hidden[flat]), rows
+        if len(flat) == len(seqs):  # each sequence's last row: from cu_seqlens, no host-to-device copy
+            index = batch.cu_seqlens[1:].long() - 1
+        else:  # a pageable list would block the host until the forward has run
+            index = upload_lists([(flat, torch.int64, (len(flat),))], hidden.device)[0]
+        return self.model.compute_logits(hidden.index_select(0, index)), rows
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult] | None:
