@@ -165,3 +165,12 @@ def test_radix_cache_bookkeeping_matches_a_walk_of_the_tree():
         slots = [n.snapshot for n in cache._snapshotted] + cache._free_snapshots
         assert sorted(slots) == [0, 1, 2]
     assert evictions > 100 and cache.num_nodes > 10
+
+
+def test_request_token_slices_equal_slices_of_all_tokens():
+    req = Request("a", [5, 6, 7, 8], PARAMS)
+    req.output_token_ids += [9, 10, 11]
+    every = req.all_token_ids
+    for start in range(len(every) + 1):
+        for stop in range(start, len(every) + 1):
+            assert req.tokens(start, stop) == every[start:stop], (start, stop)

@@ -42,6 +42,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without building the whole list first (a decode step
+        asks for one token of a sequence thousands long)."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -185,7 +185,7 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start : start + n]
+        tokens = req.tokens(start, start + n)
         targets = None
         if req.wants_prompt_logprobs:
             targets = req.prompt_token_ids[start + 1 : min(start + n + 1, req.prompt_len)]
@@ -206,7 +206,7 @@ class Scheduler:
             params=req.params,
             output_index=len(req.output_token_ids),
             prompt_targets=targets,
-            history=req.all_token_ids[max(0, start - HISTORY) : start],
+            history=req.tokens(max(0, start - HISTORY), start),
             restore_from=restore,
             snapshot_to=snapshot,
             snapshot_len=at if snapshot is not None else 0,
@@ -225,10 +225,9 @@ class Scheduler:
         if self.cache is None:
             return
         bs = self.blocks.block_size
-        tokens = req.all_token_ids
         parent = req.cache_nodes[-1] if req.cache_nodes else self.cache.root
         for i in range(len(req.cache_nodes), 0 if req.cache_stopped else req.num_computed_tokens // bs):
-            node = self.cache.insert(parent, tuple(tokens[i * bs : (i + 1) * bs]), req.block_ids[i])
+            node = self.cache.insert(parent, tuple(req.tokens(i * bs, (i + 1) * bs)), req.block_ids[i])
             if node is None:
                 req.cache_stopped = True
                 break
