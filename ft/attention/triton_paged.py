@@ -104,16 +104,18 @@ def paged_decode(q, kv_cache, block_tables, seq_lens, scale: float, num_splits: 
     return out
 
 
-def _extend_config(dtype: torch.dtype, d: int, max_query_len: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the extend kernel. 16-bit heads of 128 or more take 128 (or,
-    for short queries, 64) query rows against 64 keys: on an H200 (2026-11-30, 16 q / 2 kv heads of
-    256, causal, one sequence) 1.60 ms for 8,000 tokens (327 TFLOPS) against 7.37 ms with 32 x 32,
-    and 0.090 against 0.201 ms for 1,024; torch's varlen_attn (FlashAttention 2) took 1.82 and
-    0.082 ms. fp32 and smaller heads keep the untimed smaller tiles."""
+def _extend_config(dtype: torch.dtype, d: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the extend kernel. 16-bit heads of 128 or more
+    take 128 (or, for short queries, 64) query rows against 64 keys, 2 stages: on an H200
+    (2026-11-30, 16 q / 2 kv heads of 256, causal, one sequence) 1.60 ms for 8,000 tokens (327
+    TFLOPS) against 7.37 ms with 32 x 32, and 0.090 against 0.201 ms for 1,024; torch's varlen_attn
+    (FlashAttention 2) took 1.82 and 0.082 ms. Heads of 128 (Qwen3-30B) were not swept: its 8k
+    prefill spends half its kernel time here (``config_sweep.py extend``). fp32 and smaller heads
+    keep the untimed smaller tiles."""
     if dtype != torch.float32 and d >= 128:
-        return (128 if max_query_len >= 128 else 64), 64, 8
+        return (128 if max_query_len >= 128 else 64), 64, 8, 2
     block_m = 64 if d <= 128 and dtype != torch.float32 else 32
-    return block_m, (64 if d <= 64 else 32), (8 if d >= 128 else 4)
+    return block_m, (64 if d <= 64 else 32), (8 if d >= 128 else 4), 2
 
 
 def paged_extend(q, kv_cache, block_tables, cu_seqlens, context_lens, max_query_len: int, scale: float):
@@ -121,14 +123,14 @@ def paged_extend(q, kv_cache, block_tables, cu_seqlens, context_lens, max_query_
     q = _rows(q)
     _, hq, d = q.shape
     hkv = kv_cache.shape[3]
-    block_m, block_n, warps = _extend_config(q.dtype, d, max_query_len)
+    block_m, block_n, warps, stages = _extend_config(q.dtype, d, max_query_len)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(max_query_len, block_m), cu_seqlens.shape[0] - 1, hq)
     extend_kernel[grid](
         q, kv_cache[0], kv_cache[1], block_tables, cu_seqlens, context_lens, out, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(kv_cache),
         block_tables.stride(0), REP=hq // hkv, D=d, PAGE=kv_cache.shape[2], BLOCK_M=block_m,
-        BLOCK_N=block_n, PREC=_prec(q.dtype), num_warps=warps, num_stages=2,
+        BLOCK_N=block_n, PREC=_prec(q.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

@@ -1,6 +1,9 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
-    python tests/gpu/config_sweep.py [gemv] [moe_gemv] [grouped] [conv]      (all when none named)
+    python tests/gpu/config_sweep.py [gemv] [moe_gemv] [grouped] [conv] [extend]   (all when none named)
+
+Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b, FT_SWEEP_MOE=E,I,H,k (Qwen3-30B:
+128,768,2048,8), FT_SWEEP_ATTN=Hq,Hkv,d (Qwen3-30B: 32,4,128).
 
 Each section sets its kernel's module constants to every config of a small grid, times each shape
 with ``kernel_timings.bench_series`` (a CUDA graph of calls back to back over distinct weights or
@@ -25,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -105,6 +109,9 @@ def sweep_gemv() -> None:
     shapes = {"in_proj 12352x2048": (12352, 2048), "attn qkv 9216x2048": (9216, 2048),
               "out_proj 2048x4096": (2048, 4096), "router 513x2048": (513, 2048),
               "shared gate_up 1024x2048": (1024, 2048), "shared down 2048x512": (2048, 512)}  # fmt: skip
+    if os.environ.get("FT_SWEEP_GEMV") == "qwen3_30b":  # q 4096 + k 512 + v 512, o, router
+        shapes = {"qkv 5120x2048": (5120, 2048), "o_proj 2048x4096": (2048, 4096),
+                  "router 128x2048": (128, 2048)}  # fmt: skip
     if DRY:
         shapes = {"tiny 40x64": (40, 64)}
     mod = triton_gemv
@@ -271,7 +278,46 @@ def sweep_conv() -> None:
         report(f"causal conv {name} (tokens, channels, warps)", shipped[name], {name: rows[name]})
 
 
-SECTIONS = {"gemv": sweep_gemv, "moe_gemv": sweep_moe_gemv, "grouped": sweep_grouped, "conv": sweep_conv}
+# ---------------------------------------------------------------- prefill attention (extend kernel)
+
+ATTN_HEADS = tuple(int(v) for v in os.environ.get("FT_SWEEP_ATTN", "16,2,256").split(","))  # Hq, Hkv, d
+
+
+def sweep_extend() -> None:
+    """``triton_paged._extend_config`` for one causal prompt of 1,024 and 8,000 tokens (no
+    context), against torch's SDPA in fp32 for the check and beside it in bf16 for the time."""
+    from ft.attention import triton_paged
+
+    hq, hkv, d = (4, 2, 32) if DRY else ATTN_HEADS
+    page, saved = 16, triton_paged._extend_config
+    configs = grid((64, 128), (32, 64, 128), (4, 8), (2, 3))
+    rows, shipped = {}, {}
+    for t in (40,) if DRY else (1024, 8000):
+        q, k, v = (torch.randn(t, h, d, device=DEV).to(DTYPE) for h in (hq, hkv, hkv))
+        blocks = triton.cdiv(t, page)
+        cache = torch.zeros(2, blocks, page, hkv, d, device=DEV, dtype=DTYPE)
+        triton_paged.store_kv(cache, k, v, torch.arange(t, device=DEV))
+        table = torch.arange(blocks, device=DEV, dtype=torch.int32)[None]
+        cu = torch.tensor([0, t], device=DEV, dtype=torch.int32)
+        ctx = torch.zeros(1, device=DEV, dtype=torch.int32)
+        call = P(triton_paged.paged_extend, q, cache, table, cu, ctx, t, d**-0.5)
+        heads = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        want = F.scaled_dot_product_attention(*(h.float() for h in heads), is_causal=True, enable_gqa=True)
+        want = want[0].transpose(0, 1)
+        name = f"{t} tokens, {hq}/{hkv} heads of {d}"
+        shipped[name] = saved(DTYPE, d, t)
+        sdpa = P(F.scaled_dot_product_attention, *heads, is_causal=True, enable_gqa=True)
+        times = {"SDPA bf16": timer([sdpa])}
+        for cfg in dict.fromkeys([shipped[name], *configs]):
+            triton_paged._extend_config = lambda dtype, d_, m, cfg=cfg: cfg
+            times[cfg] = try_config(call, want, [call], 2e-2)
+            triton_paged._extend_config = saved
+        rows[name] = times
+    report("extend attention (BLOCK_M, BLOCK_N, warps, stages)", shipped, rows)
+
+
+SECTIONS = {"gemv": sweep_gemv, "moe_gemv": sweep_moe_gemv, "grouped": sweep_grouped, "conv": sweep_conv,
+            "extend": sweep_extend}  # fmt: skip
 
 
 def main() -> None:
