@@ -36,8 +36,10 @@ def test_misses_fill_empty_slots_then_hits_are_counted():
     copies = ensure(m, [1, 5], step=1)
     assert sorted(e for e, _ in copies) == [1, 5] and len({s for _, s in copies}) == 2
     assert (m.counts.hits, m.counts.misses, m.counts.evictions) == (0, 2, 0)
-    assert ensure(m, [5, 1], step=2) == []
+    m.dirty = False  # as after the device table was written
+    assert ensure(m, [5, 1], step=2) == [] and m.prefetch(np.array([1])) == []
     assert (m.counts.hits, m.counts.misses) == (2, 2)
+    assert not m.dirty  # nothing moved: the device table is not rewritten
     assert m.num_resident == 2 and m.resident(np.array([1, 5, 2])).tolist() == [True, True, False]
 
 

@@ -121,9 +121,13 @@ class SlotMap:
         are unpinned (then nothing is evicted or counted; the hits stay pinned).
         """
         experts = np.asarray(experts, dtype=np.int64)
-        hit = self.resident(experts)
-        self.pin_step[self.slot_of[experts[hit]]] = self.step  # hits are never victims
+        slots = self.slot_of[experts]
+        hit = slots != self.null
+        self.pin_step[slots[hit]] = self.step  # hits are never victims
         missing = experts[~hit]
+        if len(missing) == 0:  # a decode layer, most often: nothing to choose, insert or publish
+            self._count_use(experts, hit)
+            return []
         victims = self._victims(len(missing), self._candidates())
         if victims is None:
             return None
@@ -136,10 +140,13 @@ class SlotMap:
         """Insert what is not resident as far as unpinned slots allow, evicting none of ``experts``;
         pins nothing, counts no use (a prediction is not a use)."""
         experts = np.asarray(experts, dtype=np.int64)
-        hit = self.resident(experts)
+        slots = self.slot_of[experts]
+        hit = slots != self.null
         self.tick += 1
-        self.last_use[self.slot_of[experts[hit]]] = self.tick  # predicted: keep them a while
+        self.last_use[slots[hit]] = self.tick  # predicted: keep them a while
         missing = experts[~hit]
+        if len(missing) == 0:
+            return []
         cand = self._candidates()
         predicted = np.zeros(self.num_experts + 1, dtype=bool)  # [E + 1]: index -1 (empty) stays False
         predicted[experts] = True
@@ -176,10 +183,13 @@ class SlotMap:
         self.freq[experts] += 1.0
         slots = self.slot_of[experts[hit]]
         self.last_use[slots] = self.tick
-        self.counts.hits += int(hit.sum())
-        self.counts.misses += int((~hit).sum())
-        self.counts.prefetch_hits += int(self.prefetched[slots].sum())
-        self.prefetched[slots] = False
+        hits = int(np.count_nonzero(hit))
+        self.counts.hits += hits
+        self.counts.misses += len(experts) - hits
+        was_prefetched = self.prefetched[slots]
+        if was_prefetched.any():
+            self.counts.prefetch_hits += int(np.count_nonzero(was_prefetched))
+            self.prefetched[slots] = False
 
     def _candidates(self) -> np.ndarray:
         """Slots that may be filled now: dynamic and not pinned for this step."""
