@@ -1,4 +1,5 @@
-"""The MoE block's Triton kernels run by Triton's interpreter on CPU tensors.
+"""The MoE block's Triton kernels, and the attention's q/k norm + rope, run by Triton's interpreter
+on CPU tensors.
 
 Skipped where triton is not installed (CPU CI); ``tests/gpu/test_moe_fusions.py`` checks the
 compiled kernels on a GPU. The interpreter is chosen when a kernel is decorated, so each check
@@ -119,7 +120,39 @@ def check_moe_gemv_pairs() -> None:
             assert torch.equal(whole, pairs), k
 
 
-CHECKS = ["check_router", "check_sums", "check_silu_and_mul", "check_moe_gemv_pairs"]
+def check_qk_norm_rope() -> None:
+    """The q/k norm + rope kernel, a head per program (decode sizes) and eight (prefill), equals
+    the torch path: norm, round, rotate; partial rotary, zero-centred weights, a head count
+    that leaves the last group of eight part empty. fp32 to rounding; the two layouts alike."""
+    from ft.layers import triton_rope
+    from ft.layers.norm import RMSNorm
+    from ft.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(1)
+    for t, (hq, hkv, d, rot, zc) in [
+        (3, (5, 2, 64, 32, True)),
+        (70, (5, 2, 64, 32, True)),
+        (64, (6, 1, 32, 32, False)),
+    ]:
+        rope = RotaryEmbedding(d, rot, 1e6)
+        norms = [RMSNorm(d, 1e-6, zc) for _ in range(2)]
+        for n in norms:
+            n.weight.data = torch.randn(d, generator=gen) * 0.2 + (0.0 if zc else 1.0)
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen) * 2
+        q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+        positions = torch.randint(0, 100_000, (t,), generator=gen)
+        args = (positions, q, k, norms[0].weight, norms[1].weight, rope.inv_freq, 1e-6, zc)
+        got = triton_rope.qk_norm_rope(*args)
+        want = rope(positions, norms[0](q), norms[1](k))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        triton_rope.PREFILL_TOKENS = 10**9  # the same call a head per program
+        for g, o in zip(got, triton_rope.qk_norm_rope(*args)):
+            assert torch.equal(g, o), t
+        triton_rope.PREFILL_TOKENS = 64
+
+
+CHECKS = ["check_router", "check_sums", "check_silu_and_mul", "check_moe_gemv_pairs", "check_qk_norm_rope"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
