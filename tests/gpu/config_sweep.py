@@ -3,7 +3,8 @@
     python tests/gpu/config_sweep.py [gemv] [moe_gemv] [grouped] [conv] [extend]   (all when none named)
 
 Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b, FT_SWEEP_MOE=E,I,H,k (Qwen3-30B:
-128,768,2048,8), FT_SWEEP_ATTN=Hq,Hkv,d (Qwen3-30B: 32,4,128).
+128,768,2048,8), FT_SWEEP_ATTN=Hq,Hkv,d (Qwen3-30B: 32,4,128); FT_SWEEP_GROUPED_T=1024,8192 times
+the grouped GEMM at prefill sizes.
 
 Each section sets its kernel's module constants to every config of a small grid, times each shape
 with ``kernel_timings.bench_series`` (a CUDA graph of calls back to back over distinct weights or
@@ -188,31 +189,35 @@ def sweep_moe_gemv() -> None:
     report("MoE GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", shipped, rows)
 
 
+GROUPED_T = [int(v) for v in os.environ.get("FT_SWEEP_GROUPED_T", "1,64").split(",")]  # e.g. 1024,8192
+
+
 def sweep_grouped() -> None:
-    """The bf16 grouped-GEMM rows of ``triton_moe.CONFIGS`` for decode batches: gate/up, then down."""
+    """The bf16 grouped-GEMM rows of ``triton_moe.CONFIGS`` (gate/up, then down) at the token
+    counts of FT_SWEEP_GROUPED_T: decode rows keep BLOCK_M 16 and sweep the rest, prefill rows
+    (T > 64) sweep BLOCK_M too. Configs are (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)."""
     if DRY:
         print("== grouped GEMM: needs CUDA (the sort kernels assert it); skipped in a dry run")
         return
     table = triton_moe.CONFIGS["E128" if MOE_SHAPE[0] <= 128 else "default"]  # as pick_config chooses
     saved = list(table)
-    tiles = grid((32, 64, 128), (64, 128, 256), (4,), (3, 4))
-    for t in (1, 64):
+    decode = [(16, bn, bk, 1, w, s) for bn, bk, w, s in grid((32, 64, 128), (64, 128, 256), (4,), (3, 4))]
+    tiles = grid((64, 128), (64, 128), (32, 64), (4, 8), (3, 4))
+    prefill = [(bm, bn, bk, 8, w, s) for bm, bn, bk, w, s in tiles]
+    for t in GROUPED_T:
         banks, x, routes = moe_problem(t)
         w13, w2 = banks["bf16"]
         index = next(i for i, (bound, _, _) in enumerate(table) if t <= bound)
         bound, up, down = table[index]
         want = triton_moe.fused_moe_triton(x, w13, w2, *routes[0])
         for which in ("up", "down"):
-            rows, shipped = {}, (up if which == "up" else down)[1:3] + (up if which == "up" else down)[4:]
-            times = {}
-            for bn, bk, w, s in dict.fromkeys([shipped, *tiles]):
-                cfg = (16, bn, bk, 1, w, s)
+            shipped, times = up if which == "up" else down, {}
+            for cfg in dict.fromkeys([shipped, *(decode if t <= 64 else prefill)]):
                 table[index] = (bound, cfg, down) if which == "up" else (bound, up, cfg)
                 calls = [P(triton_moe.fused_moe_triton, x, w13, w2, w_, i) for w_, i in routes]
-                times[(bn, bk, w, s)] = try_config(calls[0], want, calls, 2e-2)
+                times[cfg] = try_config(calls[0], want, calls, 2e-2)
             table[:] = saved
-            rows[f"T={t} {which} (BLOCK_M 16)"] = times
-            report(f"grouped GEMM T={t} {which} (BLOCK_N, BLOCK_K, warps, stages)", shipped, rows)
+            report(f"grouped GEMM T={t} {which}", shipped, {f"T={t} {which}": times})
 
 
 # ---------------------------------------------------------------- causal conv (prefill and decode)
