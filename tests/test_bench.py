@@ -63,6 +63,22 @@ def test_bench_offline_census(tmp_path, capsys):
     times = [row[2] for row in decode["top"]]
     assert times == sorted(times, reverse=True) and all(row[1] > 0 for row in decode["top"])
     assert "aten::linear" not in [row[0] for row in decode["top"]]  # leaves only: no double counting
+    assert decode["allreduce_ms_per_step"] == 0  # one rank: nothing to reduce
+
+
+def test_bench_offline_census_at_tp2_counts_the_all_reduces(tmp_path, capsys):
+    """At TP=2 the first rank profiles itself in its own process: the census still counts a step,
+    and the all-reduces (gloo's operators here, NCCL's kernels on GPUs) are reported apart."""
+    write_checkpoint(tmp_path, "qwen3_next", num_key_value_heads=4)
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "offline", "--config", str(tmp_path / "config.json"), "--load-format", "dummy"]
+    argv += ["--device", "cpu", "--batch-sizes", "1", "--input-len", "12", "--output-len", "3", "--tp-size"]
+    assert main([*argv, "2", "--prefill-lens", "", "--census", "--output-json", str(out_json)]) == 0
+    assert "all-reduce" in capsys.readouterr().out
+    decode, prefill = json.loads(out_json.read_text())["census"]
+    assert decode["kernels_per_step"] > 10 and decode["allreduce_ms_per_step"] > 0
+    assert any("allreduce" in row[0] for row in decode["top"])
+    assert prefill["allreduce_ms_per_step"] > 0
 
 
 def test_bench_offline_census_of_a_batch(tmp_path, capsys):

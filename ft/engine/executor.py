@@ -43,6 +43,9 @@ class InProcessExecutor:
     def set_moe_variant(self, policy: str | None, routing_skew: float | None) -> None:
         self.runner.set_moe_variant(policy, routing_skew)
 
+    def profile(self, action: str) -> dict | None:
+        return self.runner.profile(action)
+
     def shutdown(self) -> None:
         if self.runner is not None:
             self.runner.close()
@@ -76,6 +79,9 @@ def _worker_main(rank: int, cfg: EngineConfig, mc: ModelConfig, init_method: str
             if cmd == "moe_variant":  # every rank switches, so all keep routing alike
                 runner.set_moe_variant(*payload)
                 conn.send(("ok", None))
+                continue
+            if cmd == "profile":  # every rank goes eager alike; the first returns its kernels
+                conn.send(("ok", runner.profile(payload)))
                 continue
             result = runner.execute(payload)
             if rank == 0:
@@ -167,10 +173,16 @@ class MultiprocExecutor:
         return self._recv(0, "ok")
 
     def set_moe_variant(self, policy: str | None, routing_skew: float | None) -> None:
+        self._every_rank("moe_variant", (policy, routing_skew))
+
+    def profile(self, action: str) -> dict | None:
+        """``ModelRunner.profile`` on every rank; the first rank's result."""
+        return self._every_rank("profile", action)[0]
+
+    def _every_rank(self, cmd: str, payload) -> list:
         for conn in self.conns:
-            conn.send(("moe_variant", (policy, routing_skew)))
-        for rank in range(len(self.conns)):
-            self._recv(rank, "ok")
+            conn.send((cmd, payload))
+        return [self._recv(rank, "ok") for rank in range(len(self.conns))]
 
     def shutdown(self, graceful: bool = True) -> None:
         for conn in self.conns:

@@ -150,6 +150,22 @@ class ModelRunner:
         if policy is not None:
             self.moe.set_policy(policy)
 
+    def profile(self, action: str) -> dict | None:
+        """``begin``: decode runs eagerly (each kernel visible) and this process's kernels are
+        profiled; ``end``: graphs back, and the first rank returns what ran (``ft.bench.census``)."""
+        from ft.bench.census import KernelProfile
+
+        if action == "begin":
+            self._graphs_off, self.graphs = self.graphs, None
+            self._profile = KernelProfile(self.device)
+            self._profile.begin()
+            return None
+        if action != "end":
+            raise ValueError(f"profile action {action!r} (known: begin, end)")
+        got = self._profile.end()
+        self.graphs, self._profile = self._graphs_off, None
+        return got if self.tp.is_first else None
+
     def close(self) -> None:
         """Drop the CUDA graphs, which hold this runner: without the cycle the runner, its weights
         and pools go as soon as the executor lets go, not at the next cyclic collection."""
