@@ -1,0 +1,129 @@
+"""Where a layer's time goes in a batch-1 offload decode step (not a test):
+
+    python tests/gpu/profile_offload_decode.py CONFIG LAYERS CACHE_FRACTION [OUT.log]
+
+Builds the config cut to LAYERS layers with dummy weights and the offload backend at the given
+expert-cache fraction, decodes after a 1k prompt, and prints per decode step the host time of
+each part of the graph breaks (ids to the host, slot decisions, copy issue, the next layer's
+prefetch, segment replays), the step's wall time, and, from ``torch.profiler``, its kernel and
+copy time. At batch 1 the PCIe floor is the copies; what the wall has beyond them and the
+kernels is host time at the breaks. ``DEV=cpu`` runs it on the CPU (a smoke test)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from ft.config import EngineConfig  # noqa: E402
+from ft.engine.engine import LLMEngine  # noqa: E402
+from ft.moe.backends import expert_cache, offload, prefetch  # noqa: E402
+from ft.sampling_params import SamplingParams  # noqa: E402
+
+DEVICE = os.environ.get("DEV", "cuda")
+PARTS = [
+    (offload.OffloadBackend, "_resolve"),  # a break: all below but the prefetch and replays
+    (offload.OffloadBackend, "_to_host"),  # reading the ids: waits for the segment
+    (offload.OffloadBackend, "_make_resident"),
+    (offload.OffloadBackend, "copy_in"),
+    (expert_cache.SlotMap, "ensure"),
+    (expert_cache.SlotMap, "prefetch"),
+    (prefetch.Prefetch, "start"),  # the next layer's prefetch, after the next segment's launch
+]
+if DEVICE == "cuda":
+    PARTS.append((torch.cuda.CUDAGraph, "replay"))
+
+
+def timed(parts):
+    """Wrap each (class, method) to add its wall time and calls into the returned counters."""
+    seconds, calls = collections.Counter(), collections.Counter()
+    for cls, name in parts:
+        fn, key = getattr(cls, name), f"{cls.__name__}.{name}"
+
+        def wrapper(*args, _fn=fn, _key=key, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                seconds[_key] += time.perf_counter() - t0
+                calls[_key] += 1
+
+        setattr(cls, name, wrapper)
+    return seconds, calls
+
+
+def main() -> None:
+    src, layers, fraction = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    out = Path(sys.argv[4]) if len(sys.argv) > 4 else None
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        if out:
+            with out.open("a") as f:
+                print(line, file=f)
+
+    cfg = json.loads(Path(src).read_text()) | {"num_hidden_layers": layers}
+    path = f"/tmp/ft_cut_{layers}.json"
+    Path(path).write_text(json.dumps(cfg))
+    seconds, calls = timed(PARTS)
+    engine = LLMEngine(EngineConfig(
+        config_file=path, load_format="dummy", device=DEVICE, num_tokens=20000, max_running_requests=8,
+        max_model_len=4096, progress=False, moe_backend="offload", expert_cache_fraction=fraction,
+    ))  # fmt: skip
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    vocab, steps = cfg["vocab_size"], 40
+    params = SamplingParams(max_tokens=steps + 10, temperature=0.0, ignore_eos=True)
+    for seed in range(2):
+        engine.add_request([(seed * 7919 + i * 31) % vocab for i in range(1024)], params)
+        for _ in range(6):  # the prefill and the first decode steps
+            engine.step()
+        seconds.clear()
+        calls.clear()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = (time.perf_counter() - t0) / steps
+        log(f"== run {seed}: {layers} layers, cache fraction {fraction}: decode step {wall * 1e3:.2f} ms "
+            f"({1 / wall:.1f} tok/s), {wall / layers * 1e6:.0f} us a layer")  # fmt: skip
+        for key in sorted(seconds, key=seconds.get, reverse=True):
+            per_call = seconds[key] / max(calls[key], 1) * 1e6
+            log(f"  {key:34s} {seconds[key] / steps * 1e3:8.3f} ms a step  "
+                f"{calls[key] / steps:6.1f} calls  {per_call:7.1f} us a call")  # fmt: skip
+        while engine.has_unfinished_requests():
+            engine.step()
+    s = engine.stats()
+    log(f"hits {s.moe_hits}, misses {s.moe_misses}, prefetched {s.moe_prefetched}, "
+        f"prefetch hits {s.moe_prefetch_hits}, {s.moe_bytes_h2d / 1e9:.2f} GB copied")  # fmt: skip
+    if DEVICE == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        engine.add_request([(i * 37 + 5) % vocab for i in range(1024)], params)
+        for _ in range(6):
+            engine.step()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(4):
+                engine.step()
+            sync()
+            wall = (time.perf_counter() - t0) / 4
+        busy = collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                busy["copies" if "Memcpy" in e.name else "kernels"] += e.device_time
+        log(f"profiled decode step: wall {wall * 1e3:.2f} ms, kernels {busy['kernels'] / 4e3:.2f} ms, "
+            f"copies {busy['copies'] / 4e3:.2f} ms")  # fmt: skip
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
