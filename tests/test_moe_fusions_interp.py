@@ -152,7 +152,41 @@ def check_qk_norm_rope() -> None:
         triton_rope.PREFILL_TOKENS = 64
 
 
-CHECKS = ["check_router", "check_sums", "check_silu_and_mul", "check_moe_gemv_pairs", "check_qk_norm_rope"]
+def check_moe_gemv_shared_pair() -> None:
+    """The shared expert as one more pair of each token (``launch_moe_gemv(..., shared=...)``) is
+    bit for bit the same call with the shared expert appended to the bank and routed to every
+    token with weight sigmoid(logit) (logits whose sigmoid is exact: 0, 30, -100), in fp16; and
+    within fp16 error of the unfused block (routed sum + sigmoid · shared expert's MLP)."""
+    from ft.moe.kernels.triton_moe_gemv import launch_moe_gemv
+
+    gen = torch.Generator().manual_seed(2)
+    e, inter, h, t, k = 8, 48, 64, 3, 3
+    w13 = (torch.randn(e + 1, 2 * inter, h, generator=gen) * h**-0.5).half()
+    w2 = (torch.randn(e + 1, h, inter, generator=gen) * inter**-0.5).half()
+    x = torch.randn(t, h, generator=gen).half()
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen) / k
+    logit = torch.tensor([[0.0], [30.0], [-100.0]]).half()
+    fused = launch_moe_gemv(x, w13[:e], w2[:e], weights, ids, shared=(w13[e], w2[e], logit))
+    gate = 1 / (1 + torch.exp(-logit.float()))  # 0.5, 1, 0 exactly
+    as_routed = launch_moe_gemv(
+        x, w13, w2, torch.cat([weights, gate], 1), torch.cat([ids, torch.full((t, 1), e)], 1)
+    )
+    assert torch.equal(fused, as_routed)
+    routed = launch_moe_gemv(x, w13[:e], w2[:e], weights, ids).float()
+    hid = x.float() @ w13[e].float().T
+    mlp = (F.silu(hid[:, :inter]) * hid[:, inter:]).half().float() @ w2[e].float().T
+    torch.testing.assert_close(fused.float(), routed + gate * mlp, atol=2e-3, rtol=1e-2)
+
+
+CHECKS = [
+    "check_router",
+    "check_sums",
+    "check_silu_and_mul",
+    "check_moe_gemv_pairs",
+    "check_moe_gemv_shared_pair",
+    "check_qk_norm_rope",
+]
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -28,10 +28,11 @@ from ft.moe.nvfp4_bank import NVFP4ExpertBank
 from ft.moe.router import TopKRouter
 
 try:  # fused kernels instead of 2-3 elementwise ones each; used for tensors on a GPU
+    from ft.moe.kernels import triton_moe, triton_moe_gemv
     from ft.moe.kernels.triton_combine import gated_add as fused_gated_add
     from ft.moe.kernels.triton_combine import silu_and_mul as fused_silu_and_mul
 except ImportError:  # no triton (CPU-only installs)
-    fused_gated_add = fused_silu_and_mul = None
+    fused_gated_add = fused_silu_and_mul = triton_moe = triton_moe_gemv = None
 
 BANKS = {"bf16": BF16ExpertBank, "nvfp4": NVFP4ExpertBank}
 
@@ -89,10 +90,30 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids, shared_logit = self.gate(x)  # shared_logit [T, 1] when there is a shared expert
+        if self._shared_as_pair(x):  # one pair more per token in the routed GEMV's two launches
+            mlp = self.shared_expert
+            shared = (mlp.gate_up_proj.weight, mlp.down_proj.weight, shared_logit)
+            y = triton_moe_gemv.fused_moe_gemv(x, *self.experts.kernel_weights(), weights, ids, shared)
+            return all_reduce(y, self.tp)
         y = self.backend(self.experts, x, weights, ids)
         if self.shared_expert is not None:
             y = gated_add(y, shared_logit, self.shared_expert.partial(x))
         return all_reduce(y, self.tp)
+
+    def _shared_as_pair(self, x: torch.Tensor) -> bool:
+        """Whether the shared expert runs inside the routed experts' GEMV
+        (``triton_moe_gemv.SHARED_AS_PAIR``): a decode-sized batch on a GPU, resident bf16 experts
+        on the Triton kernel, and a shared expert as wide as a routed one on this rank."""
+        if triton_moe_gemv is None or not triton_moe_gemv.SHARED_AS_PAIR or self.shared_expert is None:
+            return False
+        w2 = self.experts.kernel_weights()[1]
+        return (
+            x.is_cuda
+            and type(self.backend) is ResidentBackend
+            and self.experts.kernel is triton_moe.fused_moe_triton
+            and triton_moe.takes_gemv(len(x), w2.shape[-1])
+            and self.shared_expert.down_proj.weight.shape == w2.shape[1:]
+        )
 
 
 def gated_add(y: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,7 @@ def test_silu_and_mul(t, inter, dtype):
     torch.testing.assert_close(got, F.silu(h[:, :inter]) * h[:, inter:])  # the unfused torch form
 
 
-def build_block(device: str, dtype: torch.dtype, seed: int = 0, e: int = 64, k: int = 8):
+def build_block(device: str, dtype: torch.dtype, seed: int = 0, e: int = 64, k: int = 8, shared: int = 256):
     """A Qwen3-Next-shaped SparseMoeBlock (H=256, I=128, shared I=256) with random weights."""
     from ft.distributed import TPInfo, tp_context
     from ft.moe.block import SparseMoeBlock
@@ -140,7 +140,7 @@ def build_block(device: str, dtype: torch.dtype, seed: int = 0, e: int = 64, k: 
     torch.set_default_dtype(dtype)  # the bank picks its kernel for the default dtype
     try:
         with tp_context(TPInfo(0, 1)), torch.device(device):
-            block = SparseMoeBlock(256, e, k, 128, True, shared_intermediate_size=256)
+            block = SparseMoeBlock(256, e, k, 128, True, shared_intermediate_size=shared)
     finally:
         torch.set_default_dtype(previous)
     gen = torch.Generator().manual_seed(seed)
@@ -185,4 +185,31 @@ def test_block_fused_kernels_match_the_unfused_torch_path_in_bf16(t, monkeypatch
     same = (fused_ids.sort(-1).values == block.gate(x)[1].sort(-1).values).all(-1)
     assert same.float().mean() > 0.9
     err = ((fused - unfused).float()[same].norm() / unfused.float()[same].norm()).item()
+    assert err < 1e-2, f"T={t}: relative error {err:.3g}"
+
+
+@gpu
+@torch.no_grad()
+@pytest.mark.parametrize("t", [1, 4])
+def test_block_runs_a_shared_expert_as_wide_as_a_routed_one_inside_the_gemv(t, monkeypatch):
+    """With ``triton_moe_gemv.SHARED_AS_PAIR`` on, a decode-sized batch runs the shared expert as
+    one more pair of the routed GEMV (one call, given the shared expert), within bf16 error of
+    its own four launches."""
+    pytest.importorskip("triton")
+    from ft.moe.kernels import triton_moe_gemv
+
+    block = build_block("cuda", torch.bfloat16, shared=128)
+    x = torch.randn(t, 256, device="cuda").to(torch.bfloat16)
+    separate = block(x)
+    calls, real = [], triton_moe_gemv.fused_moe_gemv
+
+    def spy(*args):
+        calls.append(len(args) > 5 and args[5] is not None)
+        return real(*args)
+
+    monkeypatch.setattr(triton_moe_gemv, "fused_moe_gemv", spy)
+    monkeypatch.setattr(triton_moe_gemv, "SHARED_AS_PAIR", True)
+    paired = block(x)
+    assert calls == [True]
+    err = ((paired - separate).float().norm() / separate.float().norm()).item()
     assert err < 1e-2, f"T={t}: relative error {err:.3g}"

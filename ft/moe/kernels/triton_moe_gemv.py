@@ -38,6 +38,13 @@ from ft.quant.nvfp4 import NVFP4Tensor
 # T=1 (MMA path 46.4). T=1, k=10 with BLOCK_N 8 is 10 x 64 gate/up and 256 down programs.
 BF16 = (8, 512, 4, 4)
 NVFP4 = (8, 512, 8, 4)
+# A bf16 block's shared expert as one more pair of each token in these two launches, instead of
+# its own four (gate/up GEMV, SiLU, down GEMV, gated add: ~12 us of a Qwen3-Next decode layer in
+# the census, where the shared expert's I equals the routed one's). Its term is then rounded like
+# a routed pair's and summed with them in fp32, where the unfused block rounds the shared output
+# and adds it to the rounded routed sum: a bf16-ulp difference. Off until timed on a GPU (the
+# block asks ``ft.moe.block.SparseMoeBlock``); NOT yet run on one.
+SHARED_AS_PAIR = False
 
 
 @triton.jit
@@ -79,20 +86,27 @@ def _inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x, b, b_scale, b_global, act, topk_ids, N, K,
+    x, b, b_scale, b_global, shared_b, act, topk_ids, N, K,
     s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_at, s_it, s_ik, unfold,
-    TOPK: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below)
+    # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
+    # with SHARED, slot TOPK of each token is the shared expert (shared_b, bf16 rows of the bank's stride)
     p = tl.program_id(0)
-    tok = p // TOPK
-    e = tl.load(topk_ids + tok * s_it + (p % TOPK) * s_ik).to(tl.int64)
+    tok = p // (TOPK + SHARED)
+    slot = p % (TOPK + SHARED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     x_row = x + tok.to(tl.int64) * s_xt
     gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums, reduced after the loop
     up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    b_e, s_e = b + e * s_be, b_scale + e * s_se
+    if SHARED and slot == TOPK:
+        e = tl.zeros([], tl.int64)
+        b_e, s_e = shared_b, shared_b
+    else:
+        e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+        b_e, s_e = b + e * s_be, b_scale + e * s_se
     for k0 in range(0, K, BLOCK_K):
         xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
         gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
@@ -110,28 +124,36 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_sum_kernel(
-    act, b, b_scale, b_global, out, topk_w, topk_ids, N, K,
-    s_at, s_be, s_bn, s_se, s_sn, s_ge, s_ot, s_wt, s_wk, s_it, s_ik, unfold,
-    TOPK: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    act, b, b_scale, b_global, shared_b, shared_logit, out, topk_w, topk_ids, N, K,
+    s_at, s_be, s_bn, s_se, s_sn, s_ge, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]
+    # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]; with SHARED,
+    # slot TOPK is the shared expert (shared_b) weighted by sigmoid(shared_logit[tok])
     tok = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one slot's per-lane partial dot products
     total = tl.zeros([BLOCK_N], tl.float32)
-    for i in range(0, TOPK * steps):  # one flat loop over (slot, K chunk): loads pipeline across experts
+    for i in range(0, (TOPK + SHARED) * steps):  # one flat loop over (slot, K chunk): loads pipeline
         slot = i // steps
         k0 = (i % steps) * BLOCK_K
-        e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
-        a_row = act + (tok * TOPK + slot) * s_at
-        w = _rows(
-            b + e * s_be, b_scale + e * s_se, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K
-        )
+        if SHARED and slot == TOPK:
+            e = tl.zeros([], tl.int64)
+            b_e, s_e = shared_b, shared_b
+        else:
+            e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+            b_e, s_e = b + e * s_be, b_scale + e * s_se
+        a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
+        w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
         acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
         if i % steps == steps - 1:  # the slot's last chunk: its term, weighted and rounded
-            scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
+            if SHARED and slot == TOPK:
+                scale = tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
+            else:
+                scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
             if FP4:
                 row_scale = tl.load(b_global + e * s_ge + n, mask=nmask, other=0.0) * (scale * unfold)
             else:
@@ -153,10 +175,14 @@ def _strides(b, scale, glob) -> tuple:
     return b.stride(0), b.stride(1), scale.stride(0), scale.stride(1), glob.stride(0)
 
 
-def launch_moe_gemv(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def launch_moe_gemv(
+    x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, shared: tuple | None = None
+) -> torch.Tensor:
     """Checks and launches without the device check (the Triton interpreter runs it on CPU
     tensors): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] bf16 tensors or NVFP4 stacks;
-    weights/ids [T, k] -> [T, H]."""
+    weights/ids [T, k] -> [T, H]. ``shared``: (gate_up [2I, H], down [H, I], logit [T, 1]) of a
+    bf16 shared expert with the routed experts' I, computed as one more pair of each token,
+    weighted by sigmoid(logit) (``SHARED_AS_PAIR``)."""
     t, h = x.shape
     check = check_operands if isinstance(w13, NVFP4Tensor) else check_bf16_operands
     _, inter, topk = check(x, w13, w2, weights, ids)
@@ -167,31 +193,43 @@ def launch_moe_gemv(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    act = torch.empty(t * topk, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     b13, s13, g13, fp4 = _bank(w13)
     b2, s2, g2, _ = _bank(w2)
+    sb13, sb2, logit = (b13, b2, weights) if shared is None else shared
+    if shared is not None:
+        assert not fp4, "a shared expert rides along bf16 banks only"
+        assert sb13.shape == (2 * inter, h) and sb2.shape == (h, inter), (
+            f"shared expert {tuple(sb13.shape)}, {tuple(sb2.shape)} does not fit the bank's I={inter}, H={h}"
+        )
+        assert sb13.dtype == sb2.dtype == x.dtype, f"shared expert {sb13.dtype}, activations {x.dtype}"
+        rows = (sb13.stride(0), sb2.stride(0)) == (b13.stride(1), b2.stride(1))
+        same = rows and sb13.stride(1) == sb2.stride(1) == 1
+        assert same and logit.numel() == t, "shared rows must be contiguous with the bank's row stride"
+    pairs = topk + (shared is not None)
+    act = torch.empty(t * pairs, inter, dtype=x.dtype, device=x.device)  # [T*(k+shared), I]
     block_n, max_block_k, num_warps, stages = NVFP4 if fp4 else BF16
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     bk_down = min(max_block_k, max(32, triton.next_power_of_2(inter)))
-    _gate_up_kernel[(t * topk, triton.cdiv(inter, block_n))](
-        x, b13, s13, g13, act, ids, inter, h,
+    flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, BLOCK_N=block_n)
+    _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
+        x, b13, s13, g13, sb13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), act.stride(0), ids.stride(0), ids.stride(1), UNFOLD,
-        TOPK=topk, FP4=fp4, EVEN_K=h % bk_up == 0, BLOCK_N=block_n, BLOCK_K=bk_up,
-        num_warps=num_warps, num_stages=stages,
+        **flags, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, num_warps=num_warps, num_stages=stages,
     )  # fmt: skip
     _down_sum_kernel[(t, triton.cdiv(h, block_n))](
-        act, b2, s2, g2, out, weights, ids, h, inter,
+        act, b2, s2, g2, sb2, logit, out, weights, ids, h, inter,
         act.stride(0), *_strides(b2, s2, g2), out.stride(0), weights.stride(0), weights.stride(1),
-        ids.stride(0), ids.stride(1), UNFOLD,
-        TOPK=topk, FP4=fp4, EVEN_K=inter % bk_down == 0, BLOCK_N=block_n, BLOCK_K=bk_down,
-        num_warps=num_warps, num_stages=stages,
+        ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
+        **flags, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=num_warps, num_stages=stages,
     )  # fmt: skip
     return out
 
 
-def fused_moe_gemv(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def fused_moe_gemv(
+    x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, shared: tuple | None = None
+) -> torch.Tensor:
     """``launch_moe_gemv`` on CUDA tensors. Graph-capturable: the grid comes from shapes, the
     experts are read on the device."""
     w = w13.weight if isinstance(w13, NVFP4Tensor) else w13
     assert x.is_cuda and w.device == x.device == ids.device, "fused_moe_gemv needs CUDA tensors on one device"
-    return launch_moe_gemv(x, w13, w2, weights, ids)
+    return launch_moe_gemv(x, w13, w2, weights, ids, shared)
