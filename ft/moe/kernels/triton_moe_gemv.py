@@ -43,7 +43,9 @@ NVFP4 = (8, 512, 8, 4)
 # the census, where the shared expert's I equals the routed one's). Its term is then rounded like
 # a routed pair's and summed with them in fp32, where the unfused block rounds the shared output
 # and adds it to the rounded routed sum: a bf16-ulp difference. Off until timed on a GPU (the
-# block asks ``ft.moe.block.SparseMoeBlock``); NOT yet run on one.
+# block asks ``ft.moe.block.SparseMoeBlock``); NOT yet run on one. Only resident experts take it:
+# before turning it on, check tests/offload/test_offload_gpu.py's bf16 offload-equals-resident
+# tests (the offload backends keep the four launches, so the two now round the shared term apart).
 SHARED_AS_PAIR = False
 
 
