@@ -155,8 +155,9 @@ def check_qk_norm_rope() -> None:
 def check_moe_gemv_shared_pair() -> None:
     """The shared expert as one more pair of each token (``launch_moe_gemv(..., shared=...)``) is
     bit for bit the same call with the shared expert appended to the bank and routed to every
-    token with weight sigmoid(logit) (logits whose sigmoid is exact: 0, 30, -100), in fp16; and
-    within fp16 error of the unfused block (routed sum + sigmoid · shared expert's MLP)."""
+    token with weight sigmoid(logit) (logits whose sigmoid is exact: 0, 30, -100), in fp16, and
+    within fp16 error of the unfused block (routed sum + sigmoid · shared expert's MLP); beside
+    an NVFP4 bank, the routed pairs and the shared term each alone, summed in fp32."""
     from ft.moe.kernels.triton_moe_gemv import launch_moe_gemv
 
     gen = torch.Generator().manual_seed(2)
@@ -177,6 +178,17 @@ def check_moe_gemv_shared_pair() -> None:
     hid = x.float() @ w13[e].float().T
     mlp = (F.silu(hid[:, :inter]) * hid[:, inter:]).half().float() @ w2[e].float().T
     torch.testing.assert_close(fused.float(), routed + gate * mlp, atol=2e-3, rtol=1e-2)
+    # beside an NVFP4 bank (bf16 activations, so to the interpreter's bf16 truncation): the pairs
+    # one at a time, then the shared term as a one-expert bf16 call, summed in fp32
+    from tests.nvfp4.test_w4a16_gpu import random_bank
+
+    q13, q2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+    xb, s13, s2, lb = x.bfloat16(), w13[e].bfloat16(), w2[e].bfloat16(), logit.bfloat16()
+    fused = launch_moe_gemv(xb, q13, q2, weights, ids, shared=(s13, s2, lb)).float()
+    alone = launch_moe_gemv(xb, s13[None], s2[None], gate, torch.zeros(t, 1, dtype=torch.long)).float()
+    for j in range(k):
+        alone += launch_moe_gemv(xb, q13, q2, weights[:, j : j + 1], ids[:, j : j + 1]).float()
+    torch.testing.assert_close(fused, alone.bfloat16().float(), atol=0, rtol=2**-7)
 
 
 CHECKS = [

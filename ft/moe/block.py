@@ -11,7 +11,9 @@ experts, so an NVFP4 bank quantises bf16 experts while loading and a bf16 bank r
 Where the experts live is the block's ``backend`` (``ft.moe.backends``): resident in the bank
 unless the engine attaches an offloading one; either way it returns the routed partial sum.
 On a GPU the SwiGLU activation and the gated add of the shared expert are one Triton kernel
-each (``ft.moe.kernels.triton_combine``), computed in fp32 and rounded once.
+each (``ft.moe.kernels.triton_combine``), computed in fp32 and rounded once; with
+``triton_moe_gemv.SHARED_AS_PAIR`` a decode-sized batch runs the shared expert inside the routed
+experts' GEMV instead, as one more pair of each token.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from ft.moe.nvfp4_bank import NVFP4ExpertBank
 from ft.moe.router import TopKRouter
 
 try:  # fused kernels instead of 2-3 elementwise ones each; used for tensors on a GPU
-    from ft.moe.kernels import triton_moe, triton_moe_gemv
+    from ft.moe.kernels import triton_moe, triton_moe_gemv, triton_w4a16
     from ft.moe.kernels.triton_combine import gated_add as fused_gated_add
     from ft.moe.kernels.triton_combine import silu_and_mul as fused_silu_and_mul
 except ImportError:  # no triton (CPU-only installs)
-    fused_gated_add = fused_silu_and_mul = triton_moe = triton_moe_gemv = None
+    fused_gated_add = fused_silu_and_mul = triton_moe = triton_moe_gemv = triton_w4a16 = None
 
 BANKS = {"bf16": BF16ExpertBank, "nvfp4": NVFP4ExpertBank}
 
@@ -102,17 +104,22 @@ class SparseMoeBlock(nn.Module):
 
     def _shared_as_pair(self, x: torch.Tensor) -> bool:
         """Whether the shared expert runs inside the routed experts' GEMV
-        (``triton_moe_gemv.SHARED_AS_PAIR``): a decode-sized batch on a GPU, resident bf16 experts
-        on the Triton kernel, and a shared expert as wide as a routed one on this rank."""
+        (``triton_moe_gemv.SHARED_AS_PAIR``): a batch the bank's Triton kernel hands its GEMV, on
+        a GPU, resident experts, and a shared expert as wide as a routed one on this rank."""
         if triton_moe_gemv is None or not triton_moe_gemv.SHARED_AS_PAIR or self.shared_expert is None:
             return False
-        w2 = self.experts.kernel_weights()[1]
+        bank, t = self.experts, len(x)
+        if bank.kernel is triton_moe.fused_moe_triton:
+            gemv = triton_moe.takes_gemv(t, bank.local_inter)
+        else:
+            gemv = bank.kernel is triton_w4a16.fused_moe_w4a16 and 0 < t <= triton_w4a16.GEMV_MAX_TOKENS
+        down = self.shared_expert.down_proj.weight
         return (
-            x.is_cuda
+            gemv
+            and x.is_cuda
             and type(self.backend) is ResidentBackend
-            and self.experts.kernel is triton_moe.fused_moe_triton
-            and triton_moe.takes_gemv(len(x), w2.shape[-1])
-            and self.shared_expert.down_proj.weight.shape == w2.shape[1:]
+            and down.shape == (bank.hidden_size, bank.local_inter)
+            and down.dtype == x.dtype
         )
 
 

@@ -67,6 +67,27 @@ def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_shared_expert_as_one_more_pair(fmt, t):
+    """A bf16 shared expert beside a bf16 or NVFP4 bank, run as one more pair of each token: the
+    routed call plus sigmoid(logit) · the shared expert's MLP, within bf16 error."""
+    pytest.importorskip("triton")
+    from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
+
+    x, w13, w2, weights, ids = problem(fmt, t, 512, 512, 2048, 10, seed=t)
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    s13 = (torch.randn(1024, 2048, generator=gen, device="cuda") * 2048**-0.5).to(torch.bfloat16)
+    s2 = (torch.randn(2048, 512, generator=gen, device="cuda") * 512**-0.5).to(torch.bfloat16)
+    logit = torch.randn(t, 1, generator=gen, device="cuda").to(torch.bfloat16)
+    got = fused_moe_gemv(x, w13, w2, weights, ids, shared=(s13, s2, logit))
+    hid = x.float() @ s13.float().T
+    mlp = (torch.nn.functional.silu(hid[:, :512]) * hid[:, 512:]) @ s2.float().T
+    want = fused_moe_gemv(x, w13, w2, weights, ids).float() + torch.sigmoid(logit.float()) * mlp
+    err = rel_err(got, want)
+    assert err < 2e-2, f"{fmt} T={t}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_dispatch_by_token_count(fmt, monkeypatch):
     pytest.importorskip("triton")
     from ft.moe.kernels import triton_moe_gemv

@@ -38,11 +38,12 @@ from ft.quant.nvfp4 import NVFP4Tensor
 # T=1 (MMA path 46.4). T=1, k=10 with BLOCK_N 8 is 10 x 64 gate/up and 256 down programs.
 BF16 = (8, 512, 4, 4)
 NVFP4 = (8, 512, 8, 4)
-# A bf16 block's shared expert as one more pair of each token in these two launches, instead of
-# its own four (gate/up GEMV, SiLU, down GEMV, gated add: ~12 us of a Qwen3-Next decode layer in
-# the census, where the shared expert's I equals the routed one's). Its term is then rounded like
-# a routed pair's and summed with them in fp32, where the unfused block rounds the shared output
-# and adds it to the rounded routed sum: a bf16-ulp difference. Off until timed on a GPU (the
+# A block's (bf16) shared expert as one more pair of each token in these two launches, beside a
+# bf16 or NVFP4 bank, instead of its own four (gate/up GEMV, SiLU, down GEMV, gated add: ~12 us of
+# a Qwen3-Next decode layer in the census, where the shared expert's I equals the routed one's).
+# Its term is then rounded like a routed pair's and summed with them in fp32, where the unfused
+# block rounds the shared output and adds it to the rounded routed sum: a bf16-ulp difference.
+# Off until timed on a GPU (the
 # block asks ``ft.moe.block.SparseMoeBlock``); NOT yet run on one. Only resident experts take it:
 # before turning it on, check tests/offload/test_offload_gpu.py's bf16 offload-equals-resident
 # tests (the offload backends keep the four launches, so the two now round the shared term apart).
@@ -79,6 +80,12 @@ def _rows(b, scale, n, k0, s_bn, s_sn, nmask, K, FP4: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
+def _plain_rows(b, n, k0, s_bn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # rows of a 16-bit weight (a shared expert's, beside a bank of either format) as fp32 [BN, BK]
+    return _rows(b, b, n, k0, s_bn, s_bn, nmask, K, False, EVEN_K, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
 def _inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     kk = tl.arange(0, BLOCK_K)
     if EVEN_K:
@@ -89,12 +96,12 @@ def _inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(
     x, b, b_scale, b_global, shared_b, act, topk_ids, N, K,
-    s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_at, s_it, s_ik, unfold,
+    s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
-    # with SHARED, slot TOPK of each token is the shared expert (shared_b, bf16 rows of the bank's stride)
+    # with SHARED, slot TOPK of each token is the shared expert: bf16 rows shared_b, row stride s_hn
     p = tl.program_id(0)
     tok = p // (TOPK + SHARED)
     slot = p % (TOPK + SHARED)
@@ -103,23 +110,30 @@ def _gate_up_kernel(
     x_row = x + tok.to(tl.int64) * s_xt
     gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums, reduced after the loop
     up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if SHARED and slot == TOPK:
-        e = tl.zeros([], tl.int64)
-        b_e, s_e = shared_b, shared_b
+    is_shared = False
+    if SHARED:  # static: without a shared expert only the routed branch below is compiled
+        is_shared = slot == TOPK
+    if is_shared:
+        for k0 in range(0, K, BLOCK_K):
+            xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
+            gate += _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
+            up += _plain_rows(shared_b, n + N, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
+        g = tl.sum(gate, axis=1)
+        u = tl.sum(up, axis=1)
     else:
         e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
         b_e, s_e = b + e * s_be, b_scale + e * s_se
-    for k0 in range(0, K, BLOCK_K):
-        xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-        gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
-        # the up rows sit N rows below the gate rows of the same expert
-        up += _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
-    g = tl.sum(gate, axis=1)
-    u = tl.sum(up, axis=1)
-    if FP4:
-        g_ptr = b_global + e * s_ge + n
-        g *= tl.load(g_ptr, mask=nmask, other=0.0) * unfold
-        u *= tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold
+        for k0 in range(0, K, BLOCK_K):
+            xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
+            gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+            # the up rows sit N rows below the gate rows of the same expert
+            up += _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+        g = tl.sum(gate, axis=1)
+        u = tl.sum(up, axis=1)
+        if FP4:
+            g_ptr = b_global + e * s_ge + n
+            g *= tl.load(g_ptr, mask=nmask, other=0.0) * unfold
+            u *= tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold
     out = g * tl.sigmoid(g) * u
     tl.store(act + p.to(tl.int64) * s_at + n, out.to(act.dtype.element_ty), mask=nmask)
 
@@ -127,35 +141,29 @@ def _gate_up_kernel(
 @triton.jit
 def _down_sum_kernel(
     act, b, b_scale, b_global, shared_b, shared_logit, out, topk_w, topk_ids, N, K,
-    s_at, s_be, s_bn, s_se, s_sn, s_ge, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
+    s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]; with SHARED,
-    # slot TOPK is the shared expert (shared_b) weighted by sigmoid(shared_logit[tok])
+    # then the shared expert's term (bf16 rows shared_b, stride s_hn) weighted by sigmoid(logit[tok])
     tok = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one slot's per-lane partial dot products
     total = tl.zeros([BLOCK_N], tl.float32)
-    for i in range(0, (TOPK + SHARED) * steps):  # one flat loop over (slot, K chunk): loads pipeline
+    for i in range(0, TOPK * steps):  # one flat loop over (slot, K chunk): loads pipeline across experts
         slot = i // steps
         k0 = (i % steps) * BLOCK_K
-        if SHARED and slot == TOPK:
-            e = tl.zeros([], tl.int64)
-            b_e, s_e = shared_b, shared_b
-        else:
-            e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
-            b_e, s_e = b + e * s_be, b_scale + e * s_se
+        e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
         a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
-        w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+        w = _rows(
+            b + e * s_be, b_scale + e * s_se, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K
+        )
         acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
         if i % steps == steps - 1:  # the slot's last chunk: its term, weighted and rounded
-            if SHARED and slot == TOPK:
-                scale = tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
-            else:
-                scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
+            scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
             if FP4:
                 row_scale = tl.load(b_global + e * s_ge + n, mask=nmask, other=0.0) * (scale * unfold)
             else:
@@ -163,6 +171,13 @@ def _down_sum_kernel(
             term = tl.sum(acc, axis=1) * row_scale
             total += term.to(out.dtype.element_ty).to(tl.float32)
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if SHARED:  # the shared expert's term last, rounded like a routed pair's
+        a_row = act + (tok * (TOPK + 1) + TOPK) * s_at
+        for k0 in range(0, K, BLOCK_K):
+            w = _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
+            acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+        gate = tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
+        total += (tl.sum(acc, axis=1) * gate).to(out.dtype.element_ty).to(tl.float32)
     tl.store(out + tok * s_ot + n, total.to(out.dtype.element_ty), mask=nmask)
 
 
@@ -183,8 +198,9 @@ def launch_moe_gemv(
     """Checks and launches without the device check (the Triton interpreter runs it on CPU
     tensors): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] bf16 tensors or NVFP4 stacks;
     weights/ids [T, k] -> [T, H]. ``shared``: (gate_up [2I, H], down [H, I], logit [T, 1]) of a
-    bf16 shared expert with the routed experts' I, computed as one more pair of each token,
-    weighted by sigmoid(logit) (``SHARED_AS_PAIR``)."""
+    shared expert in the activations' dtype with the routed experts' I (beside bf16 or NVFP4
+    routed experts), computed as one more pair of each token, weighted by sigmoid(logit), its
+    term added after the routed ones (``SHARED_AS_PAIR``)."""
     t, h = x.shape
     check = check_operands if isinstance(w13, NVFP4Tensor) else check_bf16_operands
     _, inter, topk = check(x, w13, w2, weights, ids)
@@ -197,16 +213,13 @@ def launch_moe_gemv(
         return out
     b13, s13, g13, fp4 = _bank(w13)
     b2, s2, g2, _ = _bank(w2)
-    sb13, sb2, logit = (b13, b2, weights) if shared is None else shared
+    sb13, sb2, logit = (x, x, weights) if shared is None else shared  # unread without a shared expert
     if shared is not None:
-        assert not fp4, "a shared expert rides along bf16 banks only"
         assert sb13.shape == (2 * inter, h) and sb2.shape == (h, inter), (
             f"shared expert {tuple(sb13.shape)}, {tuple(sb2.shape)} does not fit the bank's I={inter}, H={h}"
         )
         assert sb13.dtype == sb2.dtype == x.dtype, f"shared expert {sb13.dtype}, activations {x.dtype}"
-        rows = (sb13.stride(0), sb2.stride(0)) == (b13.stride(1), b2.stride(1))
-        same = rows and sb13.stride(1) == sb2.stride(1) == 1
-        assert same and logit.numel() == t, "shared rows must be contiguous with the bank's row stride"
+        assert sb13.stride(1) == sb2.stride(1) == 1 and logit.numel() == t, "rows contiguous, a logit a token"
     pairs = topk + (shared is not None)
     act = torch.empty(t * pairs, inter, dtype=x.dtype, device=x.device)  # [T*(k+shared), I]
     block_n, max_block_k, num_warps, stages = NVFP4 if fp4 else BF16
@@ -215,12 +228,14 @@ def launch_moe_gemv(
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, BLOCK_N=block_n)
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         x, b13, s13, g13, sb13, act, ids, inter, h,
-        x.stride(0), *_strides(b13, s13, g13), act.stride(0), ids.stride(0), ids.stride(1), UNFOLD,
+        x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
+        UNFOLD,
         **flags, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, num_warps=num_warps, num_stages=stages,
     )  # fmt: skip
     _down_sum_kernel[(t, triton.cdiv(h, block_n))](
         act, b2, s2, g2, sb2, logit, out, weights, ids, h, inter,
-        act.stride(0), *_strides(b2, s2, g2), out.stride(0), weights.stride(0), weights.stride(1),
+        act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
+        weights.stride(1),
         ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
         **flags, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=num_warps, num_stages=stages,
     )  # fmt: skip
