@@ -174,6 +174,14 @@ def check_moe_gemv_shared_pair() -> None:
         x, w13, w2, torch.cat([weights, gate], 1), torch.cat([ids, torch.full((t, 1), e)], 1)
     )
     assert torch.equal(fused, as_routed)
+    # a streamed batch: each routed pair alone, then the shared term alone (k = 0, as the offload
+    # backend's ``shared_pair_alone``), summed in fp32 in that order and rounded once
+    none = torch.zeros(t, 0, dtype=torch.long)
+    streamed = torch.zeros(t, h)
+    for j in range(k):
+        streamed += launch_moe_gemv(x, w13[:e], w2[:e], weights[:, j : j + 1], ids[:, j : j + 1]).float()
+    streamed += launch_moe_gemv(x, w13[e:], w2[e:], none.float(), none, (w13[e], w2[e], logit)).float()
+    assert torch.equal(streamed.half(), fused)
     routed = launch_moe_gemv(x, w13[:e], w2[:e], weights, ids).float()
     hid = x.float() @ w13[e].float().T
     mlp = (F.silu(hid[:, :inter]) * hid[:, inter:]).half().float() @ w2[e].float().T

@@ -95,8 +95,7 @@ class SparseMoeBlock(nn.Module):
         if self._shared_as_pair(x):  # one pair more per token in the routed GEMV's two launches
             mlp = self.shared_expert
             shared = (mlp.gate_up_proj.weight, mlp.down_proj.weight, shared_logit)
-            y = triton_moe_gemv.fused_moe_gemv(x, *self.experts.kernel_weights(), weights, ids, shared)
-            return all_reduce(y, self.tp)
+            return all_reduce(self.backend(self.experts, x, weights, ids, shared), self.tp)
         y = self.backend(self.experts, x, weights, ids)
         if self.shared_expert is not None:
             y = gated_add(y, shared_logit, self.shared_expert.partial(x))
@@ -105,7 +104,8 @@ class SparseMoeBlock(nn.Module):
     def _shared_as_pair(self, x: torch.Tensor) -> bool:
         """Whether the shared expert runs inside the routed experts' GEMV
         (``triton_moe_gemv.SHARED_AS_PAIR``): a batch the bank's Triton kernel hands its GEMV, on
-        a GPU, resident experts, and a shared expert as wide as a routed one on this rank."""
+        a GPU, a backend that takes it (resident and offload: the hybrid and CPU ones compute
+        misses on the CPU), and a shared expert as wide as a routed one on this rank."""
         if triton_moe_gemv is None or not triton_moe_gemv.SHARED_AS_PAIR or self.shared_expert is None:
             return False
         bank, t = self.experts, len(x)
@@ -117,7 +117,7 @@ class SparseMoeBlock(nn.Module):
         return (
             gemv
             and x.is_cuda
-            and type(self.backend) is ResidentBackend
+            and getattr(self.backend, "shared_pair", False)
             and down.shape == (bank.hidden_size, bank.local_inter)
             and down.dtype == x.dtype
         )

@@ -80,6 +80,29 @@ def test_bf16_offload_with_graphed_decode_equals_resident(ckpt):
     assert s.moe_copy_seconds > 0 and s.moe_pcie_gb_s > 0
 
 
+def test_bf16_offload_equals_resident_with_the_shared_expert_as_a_pair(tmp_path, monkeypatch):
+    """With ``triton_moe_gemv.SHARED_AS_PAIR`` on, both backends run a decode batch's shared
+    expert inside the routed GEMV (offload: on the slot rows, or as one more term after streamed
+    pairs), so the greedy tokens stay the resident ones."""
+    from ft.moe.block import SparseMoeBlock
+    from ft.moe.kernels import triton_moe_gemv
+
+    taken, decide = [], SparseMoeBlock._shared_as_pair
+
+    def counted(self, x):
+        taken.append(decide(self, x))
+        return taken[-1]
+
+    monkeypatch.setattr(triton_moe_gemv, "SHARED_AS_PAIR", True)
+    monkeypatch.setattr(SparseMoeBlock, "_shared_as_pair", counted)
+    write_checkpoint(tmp_path, "qwen3_next", seed=31, weight_scale=0.8)  # shared I = routed I
+    want, _ = generate(tmp_path, dtype="bfloat16", moe_backend="gpu")
+    got, info = generate(tmp_path, dtype="bfloat16", **OFFLOAD)
+    assert info["graphed"] and info["stats"].moe_misses > 0 and any(taken)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max_logprob_diff(got, want) < 2e-2
+
+
 def test_graphed_offload_decode_equals_eager(ckpt):
     graphed, info = generate(ckpt, dtype="bfloat16", **OFFLOAD)
     eager, eager_info = generate(ckpt, dtype="bfloat16", disable_cuda_graph=True, **OFFLOAD)

@@ -30,6 +30,7 @@ HYBRID_MAX_TOKENS = 16
 
 class HybridBackend(OffloadBackend):
     name = "hybrid"
+    shared_pair = False  # the CPU computes the misses: the block keeps its shared expert apart
 
     def __call__(self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not (capturing() or (decode_only() and len(x) <= HYBRID_MAX_TOKENS)):

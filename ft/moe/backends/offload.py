@@ -58,6 +58,11 @@ from ft.moe.backends.prefetch import Prefetch
 from ft.moe.backends.transfer import Transfer
 from ft.utils import upload
 
+try:  # a block's shared expert as one more GEMV pair (``triton_moe_gemv.SHARED_AS_PAIR``), on a GPU
+    from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv, shared_pair_alone
+except ImportError:  # no triton: the block never asks for it
+    fused_moe_gemv = shared_pair_alone = None
+
 AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's first group early
 
 
@@ -140,21 +145,25 @@ class OffloadBackend:
         self.next: OffloadBackend | None = None  # the next MoE layer's backend (streaming ahead)
 
     # ---- entry
-    def __call__(self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    shared_pair = True  # takes the block's shared expert as one more GEMV pair (``SparseMoeBlock``)
+
+    def __call__(
+        self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: tuple | None = None
+    ) -> torch.Tensor:
         ahead = self._take_ahead()
         pred = self._predict(x)
         if capturing():
             split_point(lambda: self._resolve(ids, pred))  # its prefetch runs after the next segment's launch
-            return self._cached(bank, x, weights, ids)
+            return self._cached(bank, x, weights, ids, shared)
         ids_h, pred_h = self._to_host(ids, pred)
         self._begin(len(x))
         experts = unique(ids_h, self.store.num_experts)
         if decode_only() and self.map.fits(experts):
             prefetch = self._make_resident(experts, pred_h)
-            out = self._cached(bank, x, weights, ids)
+            out = self._cached(bank, x, weights, ids, shared)
             prefetch()
             return out
-        return self._stream(bank, x, weights, ids_h, experts, pred_h, ahead)
+        return self._stream(bank, x, weights, ids_h, experts, pred_h, ahead, shared)
 
     # ---- host side (eager, or at a graph break)
     def _predict(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -221,11 +230,24 @@ class OffloadBackend:
             self.prefetch.start(pred_h)
 
     # ---- device side
-    def _cached(self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return bank.kernel(x, *bank.kernel_weights(self.cache.tensors), weights, self.cache.slot_ids(ids))
+    def _cached(
+        self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared=None
+    ) -> torch.Tensor:
+        tensors, slots = bank.kernel_weights(self.cache.tensors), self.cache.slot_ids(ids)
+        if shared is not None:  # the resident backend's call, on the slot rows
+            return fused_moe_gemv(x, *tensors, weights, slots, shared)
+        return bank.kernel(x, *tensors, weights, slots)
 
     def _stream(
-        self, bank, x, weights, ids_h: np.ndarray, experts: np.ndarray, pred_h, ahead: Ahead | None
+        self,
+        bank,
+        x,
+        weights,
+        ids_h: np.ndarray,
+        experts: np.ndarray,
+        pred_h,
+        ahead: Ahead | None,
+        shared=None,
     ) -> torch.Tensor:
         sh, st = self.shared, self.shared.staging
         hit = self.map.classify(experts)
@@ -255,6 +277,8 @@ class OffloadBackend:
             st.free_after[buf] = sh.transfer.record_main()
             if g + 2 < len(groups):
                 ready[g + 2] = self._stage(groups[g + 2])
+        if shared is not None:  # its term, as the fused call adds it after the routed ones
+            out += shared_pair_alone(x, shared).float()
         if sh.stream_ahead and len(x) * weights.shape[1] >= AHEAD_PAIRS * self.store.num_experts:
             self._stage_ahead(pred_h)
         self._prefetch_next(pred_h)

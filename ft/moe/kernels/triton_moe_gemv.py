@@ -43,10 +43,9 @@ NVFP4 = (8, 512, 8, 4)
 # a Qwen3-Next decode layer in the census, where the shared expert's I equals the routed one's).
 # Its term is then rounded like a routed pair's and summed with them in fp32, where the unfused
 # block rounds the shared output and adds it to the rounded routed sum: a bf16-ulp difference.
-# Off until timed on a GPU (the
-# block asks ``ft.moe.block.SparseMoeBlock``); NOT yet run on one. Only resident experts take it:
-# before turning it on, check tests/offload/test_offload_gpu.py's bf16 offload-equals-resident
-# tests (the offload backends keep the four launches, so the two now round the shared term apart).
+# Off until timed on a GPU (the block, ``ft.moe.block.SparseMoeBlock``, asks; the resident and
+# offload backends take it, the hybrid and CPU ones keep the four launches); NOT yet run on one:
+# tests/offload/test_offload_gpu.py and tests/gpu/test_moe_*.py have tests with it on.
 SHARED_AS_PAIR = False
 
 
@@ -250,3 +249,11 @@ def fused_moe_gemv(
     w = w13.weight if isinstance(w13, NVFP4Tensor) else w13
     assert x.is_cuda and w.device == x.device == ids.device, "fused_moe_gemv needs CUDA tensors on one device"
     return launch_moe_gemv(x, w13, w2, weights, ids, shared)
+
+
+def shared_pair_alone(x: torch.Tensor, shared: tuple) -> torch.Tensor:
+    """The shared expert's term alone, rounded as in a call with routed pairs (no routed pair:
+    k = 0): what a batch whose routed pairs are streamed in groups adds to their fp32 sum."""
+    s13, s2, _ = shared
+    none = torch.zeros(x.shape[0], 0, dtype=torch.long, device=x.device)
+    return fused_moe_gemv(x, s13[None], s2[None], none.float(), none, shared)
