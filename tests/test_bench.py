@@ -46,6 +46,7 @@ def test_bench_offline_cli(tmp_path, capsys):
     assert [r["batch"] for r in report["rows"]] == [1, 3]
     assert all(r["decode_tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in report["rows"])
     assert report["prefill"]["24"] > 0 and report["ttft_ms"] > 0
+    assert len(report["ttft_runs_ms"]) == 5 and sorted(report["ttft_runs_ms"])[2] == report["ttft_ms"]
 
 
 def test_bench_offline_census(tmp_path, capsys):

@@ -56,6 +56,7 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     single_stream_tok_s: float = 0.0
     ttft_ms: float = 0.0
+    ttft_runs_ms: list[float] = field(default_factory=list)  # the five runs the median is of, in order
     prefill: dict[int, float] = field(default_factory=dict)
     hf: dict[str, float] = field(default_factory=dict)
     moe: dict = field(default_factory=dict)  # backend, residency, policy, ... and h2d_gb_s measured
@@ -193,9 +194,8 @@ def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, bat
     run_batch(engine, [prompt(min(input_len, 32))], 4)  # warm-up: autotuning, allocator
     single = run_batch(engine, [prompt(input_len)], output_len + 1)
     report.single_stream_tok_s = output_len / (single["wall"] - single["first"])
-    report.ttft_ms = 1e3 * statistics.median(
-        run_batch(engine, [prompt(input_len)], 1)["wall"] for _ in range(5)
-    )
+    report.ttft_runs_ms = [1e3 * run_batch(engine, [prompt(input_len)], 1)["wall"] for _ in range(5)]
+    report.ttft_ms = statistics.median(report.ttft_runs_ms)
     for n in batch_sizes:
         run_batch(engine, [prompt(input_len) for _ in range(n)], 2)  # warm-up: kernels tuned for these shapes
         res = run_batch(engine, [prompt(input_len) for _ in range(n)], output_len)
@@ -250,7 +250,8 @@ def bench_hf(cfg: EngineConfig, input_len: int, output_len: int) -> dict[str, fl
 def format_report(r: Report) -> str:
     lines = [
         f"model {r.model} on {r.device}; measured memory bandwidth {r.hbm_gb_s:,.0f} GB/s",
-        f"single-stream decode: {r.single_stream_tok_s:,.1f} tok/s   TTFT: {r.ttft_ms:,.1f} ms",
+        f"single-stream decode: {r.single_stream_tok_s:,.1f} tok/s   TTFT: {r.ttft_ms:,.1f} ms"
+        + (f" (runs {', '.join(f'{t:,.1f}' for t in r.ttft_runs_ms)})" if r.ttft_runs_ms else ""),
     ]
     for length, rate in r.prefill.items():
         lines.append(f"prefill {length} tokens: {rate:,.0f} tok/s")
