@@ -2,8 +2,9 @@
 
 A backend is a callable ``backend(bank, x, weights, ids) -> [T, H]`` (this rank's partial sum of
 the routed experts) held by each ``SparseMoeBlock``; the block adds its shared expert and does
-the one reduce. The bank keeps the format (bf16, NVFP4) and the kernel; the backend keeps the
-placement:
+the one reduce. A backend with ``shared_pair`` also takes ``shared=(gate_up, down, logit)`` and
+returns the shared expert's term in the sum (``triton_moe_gemv.SHARED_AS_PAIR``). The bank keeps
+the format (bf16, NVFP4) and the kernel; the backend keeps the placement:
 
 - ``gpu``      every expert resident on the device, the kernel reads the bank (``gpu.py``).
 - ``offload``  experts in a pinned host store, a per-layer GPU slot cache with an LRU or

@@ -137,6 +137,7 @@ class Pairs:
 
 class OffloadBackend:
     name = "offload"
+    shared_pair = True  # takes the block's shared expert as one more GEMV pair (``SparseMoeBlock``)
 
     def __init__(self, store: HostStore, cache: ExpertCache | None, shared: Shared, first: bool) -> None:
         self.store, self.cache, self.shared, self.first = store, cache, shared, first
@@ -145,8 +146,6 @@ class OffloadBackend:
         self.next: OffloadBackend | None = None  # the next MoE layer's backend (streaming ahead)
 
     # ---- entry
-    shared_pair = True  # takes the block's shared expert as one more GEMV pair (``SparseMoeBlock``)
-
     def __call__(
         self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: tuple | None = None
     ) -> torch.Tensor:
