@@ -15,7 +15,6 @@ import collections
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,19 +24,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
+from tests.gpu.profiling import logger  # noqa: E402
 
 DEVICE = os.environ.get("DEV", "cuda")
 CUDA = DEVICE == "cuda"
 
 
 def main() -> None:
-    out = Path(sys.argv[2]) if len(sys.argv) > 2 else None
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-        if out:
-            with out.open("a") as f:
-                print(line, file=f)
+    log = logger(sys.argv[2] if len(sys.argv) > 2 else None)
 
     engine = LLMEngine(EngineConfig(
         config_file=sys.argv[1], load_format="dummy", device=DEVICE, num_tokens=100000,

@@ -12,11 +12,9 @@ kernels is host time at the breaks. ``DEV=cpu`` runs it on the CPU (a smoke test
 from __future__ import annotations
 
 import collections
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -26,6 +24,7 @@ from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.moe.backends import expert_cache, offload, prefetch  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
+from tests.gpu.profiling import cut_config, logger  # noqa: E402
 
 DEVICE = os.environ.get("DEV", "cuda")
 PARTS = [
@@ -61,17 +60,8 @@ def timed(parts):
 
 def main() -> None:
     src, layers, fraction = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    out = Path(sys.argv[4]) if len(sys.argv) > 4 else None
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-        if out:
-            with out.open("a") as f:
-                print(line, file=f)
-
-    cfg = json.loads(Path(src).read_text()) | {"num_hidden_layers": layers}
-    path = f"/tmp/ft_cut_{layers}.json"
-    Path(path).write_text(json.dumps(cfg))
+    log = logger(sys.argv[4] if len(sys.argv) > 4 else None)
+    path, cfg = cut_config(src, layers)
     seconds, calls = timed(PARTS)
     engine = LLMEngine(EngineConfig(
         config_file=path, load_format="dummy", device=DEVICE, num_tokens=20000, max_running_requests=8,

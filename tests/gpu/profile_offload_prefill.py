@@ -12,11 +12,9 @@ host-to-device bandwidth; the full 80B streamed at 58% on 2026-11-30."""
 from __future__ import annotations
 
 import collections
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -26,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
+from tests.gpu.profiling import cut_config, logger  # noqa: E402
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -41,17 +40,8 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def main() -> None:
     src, layers, fraction = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 8000
-    out = Path(sys.argv[5]) if len(sys.argv) > 5 else None
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-        if out:
-            with out.open("a") as f:
-                print(line, file=f)
-
-    cfg = json.loads(Path(src).read_text()) | {"num_hidden_layers": layers}
-    path = f"/tmp/ft_cut_{layers}.json"
-    Path(path).write_text(json.dumps(cfg))
+    log = logger(sys.argv[5] if len(sys.argv) > 5 else None)
+    path, cfg = cut_config(src, layers)
     engine = LLMEngine(EngineConfig(
         config_file=path, load_format="dummy", device="cuda", num_tokens=max(40000, tokens + 16),
         max_running_requests=8, max_model_len=tokens + 16, progress=False, moe_backend="offload",
