@@ -10,12 +10,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ft.layers.pdl import wait_for_previous
+
 
 @triton.jit
 def store_kv_kernel(
     k, v, k_cache, v_cache, slots, s_kt, s_kh, s_vt, s_vh, s_cb, s_cs, s_ch,
     HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slots + t)
     if slot < 0:  # padding row
@@ -57,7 +61,9 @@ def decode_kernel(
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     # one program = one sequence x one kv head (its REP query heads packed as rows) x one KV split
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -95,8 +101,17 @@ def decode_kernel(
 
 @triton.jit
 def combine_kernel(
-    part_o, part_lse, out, s_ot, s_oh, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
+    part_o,
+    part_lse,
+    out,
+    s_ot,
+    s_oh,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS)

@@ -21,6 +21,7 @@ import triton
 
 from ft.attention.triton_kernels import combine_kernel, decode_kernel, extend_kernel, store_kv_kernel
 from ft.forward_context import ForwardBatch
+from ft.layers.pdl import pdl_args
 
 LOG2E = 1.4426950408889634
 
@@ -59,7 +60,7 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     _, _, page, hkv, d = kv_cache.shape
     store_kv_kernel[(k.shape[0],)](
         k, v, kv_cache[0], kv_cache[1], slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *_cache_strides(kv_cache), HKV=hkv, D=d, PAGE=page, HP=triton.next_power_of_2(hkv),
+        *_cache_strides(kv_cache), HKV=hkv, D=d, PAGE=page, HP=triton.next_power_of_2(hkv), **pdl_args(k),
     )  # fmt: skip
 
 
@@ -95,11 +96,20 @@ def paged_decode(q, kv_cache, block_tables, seq_lens, scale: float, num_splits: 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(kv_cache),
         block_tables.stride(0), REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), D=d,
         PAGE=kv_cache.shape[2], BLOCK_N=block_n, SPLITS=splits, PREC=_prec(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_args(q),
     )  # fmt: skip
     if splits > 1:
         combine_kernel[(bsz, hq)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, SPLITS=splits, num_warps=4
+            part_o,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HQ=hq,
+            D=d,
+            SPLITS=splits,
+            num_warps=4,
+            **pdl_args(out),
         )
     return out
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ft.forward_context import ForwardBatch
+from ft.layers.pdl import pdl_args, wait_for_previous
 
 # (tokens, channels) per program of the output kernel, for decode and for longer chunks; module
 # constants so that tests/gpu/config_sweep.py can try others
@@ -40,7 +41,9 @@ def _conv_out_kernel(
     KC: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     tb = tl.program_id(0)
     b = tl.program_id(1)
     cb = tl.program_id(2)
@@ -81,7 +84,9 @@ def _conv_state_kernel(
     KC: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     cb = tl.program_id(1)
     bos = tl.load(cu_seqlens + b).to(tl.int64)
@@ -136,6 +141,7 @@ def causal_conv1d_silu(
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         num_warps=NUM_WARPS,
+        **pdl_args(x),
     )
     _conv_state_kernel[(bsz, triton.cdiv(c, 128))](
         x,
@@ -149,5 +155,6 @@ def causal_conv1d_silu(
         KP=triton.next_power_of_2(max(kc - 1, 1)),
         BLOCK_C=128,
         num_warps=4,
+        **pdl_args(x),
     )
     return out

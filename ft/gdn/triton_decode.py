@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ft.forward_context import ForwardBatch
+from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.utils import div_even
 
 
@@ -92,7 +93,9 @@ def _recurrent_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     VARLEN: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -187,6 +190,7 @@ def gdn_recurrent(
         BV=bv,
         VARLEN=n != bsz,
         num_warps=4,
+        **pdl_args(mixed),
     )
     return o
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.layers.pdl import pdl_args, wait_for_previous
+
 GEMV_MAX_TOKENS = 4  # M = 5 .. 16 not timed yet
 MAX_M = 16  # rows of x one program pads to (one MMA tile)
 # (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, NUM_STAGES), module constants so config_sweep can try others:
@@ -39,7 +41,9 @@ def config(n: int) -> tuple[int, int, int, int]:
 def _gemv_kernel(
     x, w, out, M, N, K, s_xm, s_wn, s_om,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_P)
     kk = tl.arange(0, BLOCK_K)
@@ -80,7 +84,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         M_P=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl_args(x),
     )  # fmt: skip
     return out
 

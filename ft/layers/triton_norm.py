@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.layers.pdl import pdl_args, wait_for_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -36,7 +38,9 @@ def _rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     HAS_RES: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
@@ -90,6 +94,7 @@ def rms_norm(
             HAS_RES=residual is not None,
             BLOCK_D=block,
             num_warps=min(16, max(1, block // 256)),
+            **pdl_args(x2),
         )
     if residual is None:
         return out.view(x.shape)
@@ -113,7 +118,9 @@ def _gated_rms_norm_kernel(
     ROUND_MID: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     # ROWS rows per program; row n is (t, h) = divmod(n, H) of the [T, H, D] views
     n = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     t, h = n // H, n % H
@@ -168,5 +175,6 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
             ROWS=per_program,
             BLOCK_D=block,
             num_warps=4,
+            **pdl_args(x3),
         )
     return out

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.layers.pdl import pdl_args, wait_for_previous
+
 
 @triton.jit
 def _qk_norm_rope_kernel(
@@ -46,7 +48,9 @@ def _qk_norm_rope_kernel(
     ZERO_CENTERED: tl.constexpr,
     HEADS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     # one program = HEADS heads of one token, numbered query heads first, then key heads
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
@@ -116,15 +120,26 @@ def qk_norm_rope(
             q, k, q_weight, k_weight, positions, inv_freq.contiguous(), q_out, k_out, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             HQ=hq, HKV=hkv, D=d, ROT=rot, ZERO_CENTERED=zero_centered, HEADS=heads,
-            BLOCK_D=triton.next_power_of_2(d), num_warps=warps, enable_fp_fusion=False,
+            BLOCK_D=triton.next_power_of_2(d), num_warps=warps, enable_fp_fusion=False, **pdl_args(q),
         )  # fmt: skip
     return q_out, k_out
 
 
 @triton.jit
 def _sigmoid_gate_kernel(
-    x, g, out, s_xt, s_xh, s_gt, s_gh, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr
+    x,
+    g,
+    out,
+    s_xt,
+    s_xh,
+    s_gt,
+    s_gh,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -145,6 +160,6 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if t > 0:
         _sigmoid_gate_kernel[(t, h)](
             x, gate, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
-            H=h, D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2,
+            H=h, D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2, **pdl_args(x),
         )  # fmt: skip
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.layers.pdl import pdl_args, wait_for_previous
+
 BLOCK = 1024  # columns per program: a decode row of H = 2048 is two programs
 
 
@@ -36,7 +38,9 @@ def _sum_topk_kernel(
     K: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
@@ -50,7 +54,8 @@ def _sum_topk_kernel(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, N, s_x, s_o, BLOCK_N: tl.constexpr):
+def _silu_and_mul_kernel(x, out, N, s_x, s_o, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = n < N
@@ -94,6 +99,7 @@ def launch_sum_topk(
             HAS_SHARED=shared is not None,
             BLOCK_H=min(BLOCK, triton.next_power_of_2(h)),
             num_warps=4,
+            **pdl_args(y),
         )
     return out
 
@@ -122,7 +128,7 @@ def launch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(BLOCK, triton.next_power_of_2(n))
     if x2.shape[0] > 0:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, out, n, x2.stride(0), out.stride(0), BLOCK_N=block, num_warps=4
+            x2, out, n, x2.stride(0), out.stride(0), BLOCK_N=block, num_warps=4, **pdl_args(x2)
         )
     return out.view(*x.shape[:-1], n)
 

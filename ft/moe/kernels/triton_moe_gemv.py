@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
 from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode, check_operands
 from ft.quant.nvfp4 import NVFP4Tensor
@@ -98,7 +99,9 @@ def _gate_up_kernel(
     s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
     # with SHARED, slot TOPK of each token is the shared expert: bf16 rows shared_b, row stride s_hn
     p = tl.program_id(0)
@@ -143,7 +146,9 @@ def _down_sum_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]; with SHARED,
     # then the shared expert's term (bf16 rows shared_b, stride s_hn) weighted by sigmoid(logit[tok])
     tok = tl.program_id(0).to(tl.int64)
@@ -229,7 +234,7 @@ def launch_moe_gemv(
         x, b13, s13, g13, sb13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
         UNFOLD,
-        **flags, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, num_warps=num_warps, num_stages=stages,
+        **flags, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, num_warps=num_warps, num_stages=stages, **pdl_args(x),
     )  # fmt: skip
     _down_sum_kernel[(t, triton.cdiv(h, block_n))](
         act, b2, s2, g2, sb2, logit, out, weights, ids, h, inter,
@@ -237,6 +242,7 @@ def launch_moe_gemv(
         weights.stride(1),
         ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
         **flags, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=num_warps, num_stages=stages,
+        **pdl_args(act),
     )  # fmt: skip
     return out
 

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.layers.pdl import pdl_args, wait_for_previous
+
 MAX_EXPERTS = 4096  # one row lives in one program's registers
 MAX_TOP_K = 64  # the k passes are unrolled
 
@@ -39,7 +41,9 @@ def _softmax_topk_kernel(
     K_P: tl.constexpr,
     E_P: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P)
     x = tl.load(logits + row * s_l + e, mask=e < E, other=-float("inf")).to(tl.float32)  # [E_P]
@@ -91,6 +95,7 @@ def launch_softmax_topk(
             E_P=e_p,
             RENORMALIZE=renormalize,
             num_warps=max(1, min(8, e_p // 512)),  # E <= 512: one warp, reductions are shuffles
+            **pdl_args(logits),
         )
     return weights, ids
 

@@ -1,0 +1,41 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels.
+
+A kernel launched with PDL may be scheduled while the kernel before it in the stream is still
+finishing: its programs start, wait (``griddepcontrol.wait``) until that kernel's memory is
+visible, then run, so the launch latency between two small kernels overlaps the first one's tail.
+A decode step is hundreds of kernels of a few microseconds each (docs/benchmarks.md), so the gap
+at each boundary is a share of the step worth removing. Every kernel that takes part waits first
+thing, before any load or store, so nothing it reads or writes can race the kernel before it;
+kernels that do not take part launch as usual. CUDA graphs keep the launch attribute.
+
+``ENABLED`` is off until timed on a GPU (NOT yet run on one): ``pdl_args`` then passes
+``USE_PDL=False`` and no launch attribute, which is the kernels' behaviour before this module.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = False
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """The launch keywords for a kernel on ``t``'s device: its ``USE_PDL`` and the launch option."""
+    on = ENABLED and t.is_cuda and _capability(t.device.index or 0) >= (9, 0)
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_for_previous(USE_PDL: tl.constexpr):
+    # the first statement of a kernel that takes part: the previous kernel's writes are visible after
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
