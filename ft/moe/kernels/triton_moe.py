@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_combine import sum_topk
 
 ALIGN_BLOCK = 1024  # pairs per program of the multi-program sort (prefill sizes)
@@ -66,7 +67,9 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     # c[rows] = f(a[rows] @ b[e].T) for one BLOCK_M run of (token, k) pairs that share expert e
     pid = tl.program_id(0)
     num_m = tl.cdiv(EM, BLOCK_M)
@@ -167,7 +170,9 @@ def _blocks_and_padding(
 def _align_kernel(
     ids, sorted_ids, block_expert, num_padded, N, EM,
     E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     # one program does the whole sort for small T*k (decode): one launch instead of a dozen
     ex = tl.arange(0, E_P)
     c = tl.arange(0, CHUNK)
@@ -236,7 +241,9 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, small: in
     num_padded = torch.empty(1, dtype=torch.int64, device=ids.device)
     shape = dict(E=num_experts, E_P=triton.next_power_of_2(num_experts), BM=block_m, CHUNK=32, FILL=1024)
     if n <= small:
-        _align_kernel[(1,)](flat, sorted_ids, block_expert, num_padded, n, em, **shape, num_warps=8)
+        _align_kernel[(1,)](
+            flat, sorted_ids, block_expert, num_padded, n, em, **shape, num_warps=8, **pdl_args(flat)
+        )
         return sorted_ids, block_expert, num_padded
     counts, next_row = torch.zeros(2, num_experts, dtype=torch.int32, device=ids.device)
     grid = (triton.cdiv(n, ALIGN_BLOCK),)
@@ -278,6 +285,7 @@ def _launch(a, b, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, 
         GROUP_M=group_m,
         num_warps=warps,
         num_stages=stages,
+        **pdl_args(a),
     )
 
 

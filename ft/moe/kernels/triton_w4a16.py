@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_combine import sum_topk
 from ft.moe.kernels.triton_moe import align_by_expert, pick_config
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
@@ -81,7 +82,9 @@ def _w4a16_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    wait_for_previous(USE_PDL)
     # c[rows] = f(g[e] · (a[rows] @ W[e].T)) for one BLOCK_M run of (token, k) pairs sharing expert e
     pid = tl.program_id(0)
     num_m = tl.cdiv(EM, BLOCK_M)
@@ -195,6 +198,7 @@ def _launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_to
         GROUP_M=group_m,
         num_warps=warps,
         num_stages=stages,
+        **pdl_args(a),
     )
 
 
