@@ -8,8 +8,8 @@ at each boundary is a share of the step worth removing. Every kernel that takes 
 thing, before any load or store, so nothing it reads or writes can race the kernel before it;
 kernels that do not take part launch as usual. CUDA graphs keep the launch attribute.
 
-``ENABLED`` is off until timed on a GPU (NOT yet run on one): ``pdl_args`` then passes
-``USE_PDL=False`` and no launch attribute, which is the kernels' behaviour before this module.
+``ENABLED`` is off until timed on a GPU (NOT yet run on one): ``pdl_args`` then passes nothing,
+and the kernels' ``USE_PDL=False`` default compiles no wait: their behaviour before this module.
 """
 
 from __future__ import annotations
@@ -28,10 +28,15 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+_OFF: dict = {}  # the kernels' defaults: USE_PDL=False, no launch attribute, nothing for Triton to bind
+
+
 def pdl_args(t: torch.Tensor) -> dict:
-    """The launch keywords for a kernel on ``t``'s device: its ``USE_PDL`` and the launch option."""
-    on = ENABLED and t.is_cuda and _capability(t.device.index or 0) >= (9, 0)
-    return {"USE_PDL": on, "launch_pdl": on}
+    """The launch keywords for a kernel on ``t``'s device: its ``USE_PDL`` and the launch option
+    when PDL is on there, none otherwise (the eager prefill path launches ~800 kernels a step)."""
+    if ENABLED and t.is_cuda and _capability(t.device.index or 0) >= (9, 0):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return _OFF
 
 
 @triton.jit
