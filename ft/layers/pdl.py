@@ -21,6 +21,10 @@ import triton
 import triton.language as tl
 
 ENABLED = False
+# With ENABLED: also let the next kernel launch as soon as this one has waited (each kernel still
+# waits for its own predecessor), instead of when this one's programs exit. More overlap, but the
+# early programs hold SM slots while they wait: a kernel of several waves may lose to it.
+EARLY = False
 
 
 @functools.cache
@@ -35,12 +39,15 @@ def pdl_args(t: torch.Tensor) -> dict:
     """The launch keywords for a kernel on ``t``'s device: its ``USE_PDL`` and the launch option
     when PDL is on there, none otherwise (the eager prefill path launches ~800 kernels a step)."""
     if ENABLED and t.is_cuda and _capability(t.device.index or 0) >= (9, 0):
-        return {"USE_PDL": True, "launch_pdl": True}
+        return {"USE_PDL": 2 if EARLY else 1, "launch_pdl": True}
     return _OFF
 
 
 @triton.jit
 def wait_for_previous(USE_PDL: tl.constexpr):
     # the first statement of a kernel that takes part: the previous kernel's writes are visible after
+    # (USE_PDL 1), and with 2 the next kernel may launch from here on (``EARLY``)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+    if USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()

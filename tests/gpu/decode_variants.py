@@ -3,10 +3,11 @@
     python tests/gpu/decode_variants.py CONFIG [OUT.log]
 
 Switches (module constants, off on main until timed): ``triton_moe_gemv.SHARED_AS_PAIR`` (the
-shared expert inside the routed MoE GEMV) and ``ft.layers.pdl.ENABLED`` (programmatic dependent
-launch). For each combination the decode graphs are captured again (the switches are read when
-kernels are traced), then a 1,024-token prompt decodes 256 tokens; the line gives tokens per
-second over the decode (TTFT excluded) and the greedy tokens' agreement with the first variant.
+shared expert inside the routed MoE GEMV) and ``ft.layers.pdl.ENABLED`` / ``EARLY`` (programmatic
+dependent launch: off, wait only, wait and trigger the next launch early). For each combination
+the decode graphs are captured again (the switches are read when kernels are traced), then a
+1,024-token prompt decodes 256 tokens; the line gives tokens per second over the decode (TTFT
+excluded) and the greedy tokens' agreement with the first variant.
 Loading a model once instead of once per variant saves most of a device run."""
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     prompt = [(i * 7919 + 13) % vocab for i in range(1024)]
     first = None
-    for shared, early in itertools.product((False, True), (False, True)):
-        triton_moe_gemv.SHARED_AS_PAIR, pdl.ENABLED = shared, early
+    for shared, mode in itertools.product((False, True), ("off", "wait", "early")):
+        triton_moe_gemv.SHARED_AS_PAIR, pdl.ENABLED, pdl.EARLY = shared, mode != "off", mode == "early"
         runner.graphs = None
         torch.cuda.empty_cache()
         runner.graphs = runner._decode_graphs(min(8, runner.cfg.cuda_graph_max_bs))
@@ -56,7 +57,7 @@ def main() -> None:
             tokens = outs[0].token_ids
         first = first or tokens
         same = sum(a == b for a, b in zip(tokens, first)) / len(first)
-        log(f"SHARED_AS_PAIR={shared!s:5} PDL={early!s:5}: {rates[-1]:7.1f} tok/s batch-1 decode "
+        log(f"SHARED_AS_PAIR={shared!s:5} PDL={mode:5}: {rates[-1]:7.1f} tok/s batch-1 decode "
             f"(first run {rates[0]:.1f}), greedy tokens as the first variant's: {same:.0%}")  # fmt: skip
     engine.shutdown()
 

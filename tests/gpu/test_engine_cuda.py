@@ -109,7 +109,9 @@ def test_programmatic_dependent_launch_changes_no_result(ckpt, monkeypatch):
         monkeypatch.setattr(pdl, "ENABLED", False)
         plain = generate(ckpt, device="cuda", dtype="bfloat16", **options)
         monkeypatch.setattr(pdl, "ENABLED", True)
-        early = generate(ckpt, device="cuda", dtype="bfloat16", **options)
-        for a, b in zip(early, plain):
-            assert a.token_ids == b.token_ids
-            assert a.logprobs == b.logprobs and a.prompt_logprobs == b.prompt_logprobs
+        for trigger in (False, True):  # the next kernel launched when this one has waited, or at its end
+            monkeypatch.setattr(pdl, "EARLY", trigger)
+            early = generate(ckpt, device="cuda", dtype="bfloat16", **options)
+            for a, b in zip(early, plain):
+                assert a.token_ids == b.token_ids
+                assert a.logprobs == b.logprobs and a.prompt_logprobs == b.prompt_logprobs
