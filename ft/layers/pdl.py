@@ -8,23 +8,27 @@ at each boundary is a share of the step worth removing. Every kernel that takes 
 thing, before any load or store, so nothing it reads or writes can race the kernel before it;
 kernels that do not take part launch as usual. CUDA graphs keep the launch attribute.
 
-``ENABLED`` is off until timed on a GPU (NOT yet run on one): ``pdl_args`` then passes nothing,
-and the kernels' ``USE_PDL=False`` default compiles no wait: their behaviour before this module.
+``ENABLED`` (``FT_PDL=1``) is off until timed on a GPU (NOT yet run on one): ``pdl_args`` then
+passes nothing, and the kernels' ``USE_PDL=False`` default compiles no wait: their behaviour
+before this module.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = False
-# With ENABLED: also let the next kernel launch as soon as this one has waited (each kernel still
-# waits for its own predecessor), instead of when this one's programs exit. More overlap, but the
-# early programs hold SM slots while they wait: a kernel of several waves may lose to it.
-EARLY = False
+# FT_PDL=1 (or "wait") turns it on for a process and the tensor-parallel ranks it spawns.
+ENABLED = os.environ.get("FT_PDL", "") in ("1", "wait", "early")
+# With ENABLED (FT_PDL=early): also let the next kernel launch as soon as this one has waited
+# (each kernel still waits for its own predecessor), instead of when this one's programs exit.
+# More overlap, but the early programs hold SM slots while they wait: a kernel of several waves
+# may lose to it.
+EARLY = os.environ.get("FT_PDL", "") == "early"
 
 
 @functools.cache

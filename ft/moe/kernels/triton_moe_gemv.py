@@ -23,6 +23,8 @@ tokens is read once per token here, once per tile there), fp16 activations with 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -47,7 +49,7 @@ NVFP4 = (8, 512, 8, 4)
 # Off until timed on a GPU (the block, ``ft.moe.block.SparseMoeBlock``, asks; the resident and
 # offload backends take it, the hybrid and CPU ones keep the four launches); NOT yet run on one:
 # tests/offload/test_offload_gpu.py and tests/gpu/test_moe_*.py have tests with it on.
-SHARED_AS_PAIR = False
+SHARED_AS_PAIR = os.environ.get("FT_SHARED_AS_PAIR", "") == "1"  # for a process and the ranks it spawns
 
 
 @triton.jit
