@@ -103,7 +103,18 @@ class ExpertBank(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the routed experts for x [T, H]."""
-        return self.kernel(x, *self.kernel_weights(), weights, ids)
+        return self.run(x, weights, ids)
+
+    def run(self, x, weights, ids, tensors: Mapping[str, torch.Tensor] | None = None, shared=None):
+        """The kernel on ``tensors`` (default: the bank's own; a backend passes its cache slots).
+        With ``shared`` (gate_up, down, logit) the MoE GEMV also computes the block's shared
+        expert, as one more pair of each token (``triton_moe_gemv.SHARED_AS_PAIR``)."""
+        w13, w2 = self.kernel_weights(tensors)
+        if shared is None:
+            return self.kernel(x, w13, w2, weights, ids)
+        from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # a GPU path: triton is there
+
+        return fused_moe_gemv(x, w13, w2, weights, ids, shared)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -108,14 +108,12 @@ class SparseMoeBlock(nn.Module):
         misses on the CPU), and a shared expert as wide as a routed one on this rank."""
         if triton_moe_gemv is None or not triton_moe_gemv.SHARED_AS_PAIR or self.shared_expert is None:
             return False
-        bank, t = self.experts, len(x)
-        if bank.kernel is triton_moe.fused_moe_triton:
-            gemv = triton_moe.takes_gemv(t, bank.local_inter)
-        else:
-            gemv = bank.kernel is triton_w4a16.fused_moe_w4a16 and 0 < t <= triton_w4a16.GEMV_MAX_TOKENS
-        down = self.shared_expert.down_proj.weight
+        bank, down = self.experts, self.shared_expert.down_proj.weight
+        kernels = {triton_moe.fused_moe_triton: triton_moe, triton_w4a16.fused_moe_w4a16: triton_w4a16}
+        module = kernels.get(bank.kernel)  # the kernel's module, and in it its own GEMV dispatch rule
         return (
-            gemv
+            module is not None
+            and module.takes_gemv(len(x), bank.local_inter)
             and x.is_cuda
             and getattr(self.backend, "shared_pair", False)
             and down.shape == (bank.hidden_size, bank.local_inter)

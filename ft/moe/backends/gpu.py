@@ -16,8 +16,4 @@ class ResidentBackend:
     def __call__(
         self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: tuple | None = None
     ) -> torch.Tensor:
-        if shared is not None:
-            from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
-
-            return fused_moe_gemv(x, *bank.kernel_weights(), weights, ids, shared)
-        return bank.kernel(x, *bank.kernel_weights(), weights, ids)
+        return bank.run(x, weights, ids, shared=shared)

@@ -59,9 +59,9 @@ from ft.moe.backends.transfer import Transfer
 from ft.utils import upload
 
 try:  # a block's shared expert as one more GEMV pair (``triton_moe_gemv.SHARED_AS_PAIR``), on a GPU
-    from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv, shared_pair_alone
+    from ft.moe.kernels.triton_moe_gemv import shared_pair_alone
 except ImportError:  # no triton: the block never asks for it
-    fused_moe_gemv = shared_pair_alone = None
+    shared_pair_alone = None
 
 AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's first group early
 
@@ -232,10 +232,7 @@ class OffloadBackend:
     def _cached(
         self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared=None
     ) -> torch.Tensor:
-        tensors, slots = bank.kernel_weights(self.cache.tensors), self.cache.slot_ids(ids)
-        if shared is not None:  # the resident backend's call, on the slot rows
-            return fused_moe_gemv(x, *tensors, weights, slots, shared)
-        return bank.kernel(x, *tensors, weights, slots)
+        return bank.run(x, weights, self.cache.slot_ids(ids), self.cache.tensors, shared)  # on the slot rows
 
     def _stream(
         self,

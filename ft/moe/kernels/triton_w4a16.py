@@ -37,6 +37,11 @@ UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
 GEMV_MAX_TOKENS = 2
 
 
+def takes_gemv(tokens: int, inter: int) -> bool:
+    """Whether a call of ``tokens`` tokens (its batch's) takes the GEMV (any ``inter``, as timed)."""
+    return 0 < tokens <= GEMV_MAX_TOKENS
+
+
 @triton.jit
 def _decode(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # packed uint8 [BN, BK/2] (element 2i in the low nibble), scale uint8 [BN, BK/16] (e4m3 bits)
@@ -249,7 +254,7 @@ def fused_moe_w4a16(
     up rows); w2 codes [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H].
     ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it."""
     t, h = x.shape
-    if t > 0 and 0 < (batch_tokens or t) <= GEMV_MAX_TOKENS:
+    if t > 0 and takes_gemv(batch_tokens or t, w2.weight.shape[-1] * 2):
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports _decode from here
 
         return fused_moe_gemv(x, w13, w2, weights, ids)
