@@ -32,7 +32,7 @@ from ft.moe.backends.runtime import MoePlan, MoeRuntime
 from ft.moe.backends.sizing import device_budget
 from ft.sampling_params import Logprobs
 from ft.scheduler.scheduler import HISTORY, ScheduledSeq
-from ft.utils import cdiv, upload_lists
+from ft.utils import cdiv, upload, upload_lists
 
 
 @dataclass
@@ -314,7 +314,7 @@ class ModelRunner:
         if len(flat) == len(seqs):  # each sequence's last row: from cu_seqlens, no host-to-device copy
             index = batch.cu_seqlens[1:].long() - 1
         else:  # a pageable list would block the host until the forward has run
-            index = upload_lists([(flat, torch.int64, (len(flat),))], hidden.device)[0]
+            index = upload(torch.tensor(flat, dtype=torch.int64), hidden.device)
         return self.model.compute_logits(hidden.index_select(0, index)), rows
 
     @torch.inference_mode()
