@@ -51,6 +51,40 @@ def test_bf16_logprobs_within_tolerance(ckpt, cpu_ref):
     assert gpu < 2 * cpu + 0.05, (gpu, cpu)
 
 
+def max_decode_logprob_error(outs, ref) -> float:
+    """The largest gap between two runs' log-probs of the tokens they both generated, up to the
+    first token where the two runs part (after it they decode different sequences)."""
+    err = 0.0
+    for got, want in zip(outs, ref):
+        for a, b, g, w in zip(got.token_ids, want.token_ids, got.logprobs, want.logprobs):
+            if a != b:
+                break
+            err = max(err, abs(g[a] - w[a]))
+    return err
+
+
+def test_shared_expert_inside_the_gemv_stays_within_bf16_tolerance(ckpt, cpu_ref, monkeypatch):
+    """With ``triton_moe_gemv.SHARED_AS_PAIR`` (decode batches run the shared expert as one more
+    pair of the routed GEMV), bf16 decode log-probs stray from the fp32 reference no more than
+    they do with the shared expert's own launches; graphed and eager."""
+    from ft.moe.block import SparseMoeBlock
+    from ft.moe.kernels import triton_moe_gemv
+
+    taken, decide = [], SparseMoeBlock._shared_as_pair
+    monkeypatch.setattr(
+        SparseMoeBlock, "_shared_as_pair", lambda self, x: taken.append(decide(self, x)) or taken[-1]
+    )
+    for options in ({}, {"disable_cuda_graph": True}):
+        monkeypatch.setattr(triton_moe_gemv, "SHARED_AS_PAIR", False)
+        apart = max_decode_logprob_error(generate(ckpt, device="cuda", dtype="bfloat16", **options), cpu_ref)
+        monkeypatch.setattr(triton_moe_gemv, "SHARED_AS_PAIR", True)
+        taken.clear()
+        paired = max_decode_logprob_error(generate(ckpt, device="cuda", dtype="bfloat16", **options), cpu_ref)
+        if not any(taken):
+            pytest.skip("this family has no shared expert")
+        assert paired < 2 * apart + 0.05, (options, paired, apart)
+
+
 def test_cuda_graph_decode_equals_eager(ckpt):
     eager = generate(ckpt, device="cuda", dtype="float32", disable_cuda_graph=True)
     graphed = generate(ckpt, device="cuda", dtype="float32")
