@@ -8,9 +8,10 @@ at each boundary is a share of the step worth removing. Every kernel that takes 
 thing, before any load or store, so nothing it reads or writes can race the kernel before it;
 kernels that do not take part launch as usual. CUDA graphs keep the launch attribute.
 
-``ENABLED`` (``FT_PDL=1``) is off until timed on a GPU (NOT yet run on one): ``pdl_args`` then
-passes nothing, and the kernels' ``USE_PDL=False`` default compiles no wait: their behaviour
-before this module.
+On by default, in its ``EARLY`` mode (timed on an H200, docs/benchmarks.md 2026-11-30 06:00 UTC:
+batch-1 decode of the 24-layer Qwen3-Next 411.8 -> 431.6 tok/s, same tokens bit for bit).
+``FT_PDL=0`` turns it off for a process and the ranks it spawns (``FT_PDL=wait``: wait only):
+``pdl_args`` then passes nothing, and the kernels' ``USE_PDL=False`` default compiles no wait.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-# FT_PDL=1 (or "wait") turns it on for a process and the tensor-parallel ranks it spawns.
-ENABLED = os.environ.get("FT_PDL", "") in ("1", "wait", "early")
+_MODE = os.environ.get("FT_PDL", "early")  # for a process and the tensor-parallel ranks it spawns
+if _MODE not in ("0", "off", "1", "wait", "early"):
+    raise ValueError(f"FT_PDL={_MODE!r}: expected 0 (off), wait, or early (the default)")
+ENABLED = _MODE in ("1", "wait", "early")
 # With ENABLED (FT_PDL=early): also let the next kernel launch as soon as this one has waited
 # (each kernel still waits for its own predecessor), instead of when this one's programs exit.
 # More overlap, but the early programs hold SM slots while they wait: a kernel of several waves
 # may lose to it.
-EARLY = os.environ.get("FT_PDL", "") == "early"
+EARLY = _MODE == "early"
 
 
 @functools.cache

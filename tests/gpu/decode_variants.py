@@ -2,7 +2,7 @@
 
     python tests/gpu/decode_variants.py CONFIG [OUT.log]
 
-Switches (module constants, off on main until timed): ``triton_moe_gemv.SHARED_AS_PAIR`` (the
+Switches (module constants, on by default since timed here): ``triton_moe_gemv.SHARED_AS_PAIR`` (the
 shared expert inside the routed MoE GEMV) and ``ft.layers.pdl.ENABLED`` / ``EARLY`` (programmatic
 dependent launch: off, wait only, wait and trigger the next launch early). For each combination
 the decode graphs are captured again (the switches are read when kernels are traced), then a

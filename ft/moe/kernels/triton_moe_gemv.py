@@ -46,10 +46,12 @@ NVFP4 = (8, 512, 8, 4)
 # a Qwen3-Next decode layer in the census, where the shared expert's I equals the routed one's).
 # Its term is then rounded like a routed pair's and summed with them in fp32, where the unfused
 # block rounds the shared output and adds it to the rounded routed sum: a bf16-ulp difference.
-# Off until timed on a GPU (the block, ``ft.moe.block.SparseMoeBlock``, asks; the resident and
-# offload backends take it, the hybrid and CPU ones keep the four launches); NOT yet run on one:
-# tests/offload/test_offload_gpu.py and tests/gpu/test_moe_*.py have tests with it on.
-SHARED_AS_PAIR = os.environ.get("FT_SHARED_AS_PAIR", "") == "1"  # for a process and the ranks it spawns
+# On (the block, ``ft.moe.block.SparseMoeBlock``, asks; the resident and offload backends take it,
+# the hybrid and CPU ones keep the four launches): 24-layer Qwen3-Next batch-1 decode 411.8 ->
+# 436.3 tok/s on an H200 (docs/benchmarks.md, 2026-11-30 06:00 UTC); bf16 decode log-probs as
+# close to fp32 as without (tests/gpu/test_engine_cuda.py). FT_SHARED_AS_PAIR=0 turns it off for a
+# process and the ranks it spawns.
+SHARED_AS_PAIR = os.environ.get("FT_SHARED_AS_PAIR", "1") != "0"
 
 
 @triton.jit
