@@ -121,14 +121,18 @@ def test_cuda_device_is_used():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tp2_on_two_gpus_equals_the_cpu_reference(ckpt, cpu_ref):
+def test_tp2_on_two_gpus_equals_one_gpu_and_the_cpu_tokens(ckpt, cpu_ref):
     """Two ranks over NCCL, each on its own GPU, CUDA graphs with the all-reduces inside: fp32
-    greedy tokens equal the CPU's and log-probs stay within reduction-order noise; bf16 strays
-    from fp32 no more than one GPU's bf16 does."""
+    greedy tokens equal the CPU's, log-probs equal one GPU's within reduction-order noise, and
+    bf16 strays from fp32 no more than one GPU's bf16 does. One GPU is the log-prob reference
+    because Triton's fp32 dots round their inputs to tf32: on a GPU, TP=1 and TP=2 alike sit
+    ~1e-2 from the CPU's fp32 log-probs (0.0144 at TP=2 on an H200, 2026-11-30), while the ranks'
+    shards change only the order of fp32 sums."""
     got = generate(ckpt, device="cuda", dtype="float32", tp_size=2)
+    one = generate(ckpt, device="cuda", dtype="float32")
     for g, w in zip(got, cpu_ref):
         assert g.token_ids == w.token_ids
-    assert max_prompt_logprob_error(got, cpu_ref) < 1e-3
+    assert max_prompt_logprob_error(got, one) < 1e-3
     tp2 = max_prompt_logprob_error(generate(ckpt, device="cuda", dtype="bfloat16", tp_size=2), cpu_ref)
     tp1 = max_prompt_logprob_error(generate(ckpt, device="cuda", dtype="bfloat16"), cpu_ref)
     assert tp2 < 2 * tp1 + 0.05, (tp2, tp1)
