@@ -124,10 +124,11 @@ def test_cuda_device_is_used():
 def test_tp2_on_two_gpus_equals_one_gpu_and_the_cpu_tokens(ckpt, cpu_ref):
     """Two ranks over NCCL, each on its own GPU, CUDA graphs with the all-reduces inside: fp32
     greedy tokens equal the CPU's, log-probs equal one GPU's within reduction-order noise, and
-    bf16 strays from fp32 no more than one GPU's bf16 does. One GPU is the log-prob reference
-    because Triton's fp32 dots round their inputs to tf32: on a GPU, TP=1 and TP=2 alike sit
-    ~1e-2 from the CPU's fp32 log-probs (0.0144 at TP=2 on an H200, 2026-11-30), while the ranks'
-    shards change only the order of fp32 sums."""
+    bf16 strays from fp32 no more than one GPU's bf16 does. One GPU is the log-prob reference:
+    Triton's fp32 dots round their inputs to tf32, and TP=2 sat 0.0144 from the CPU's fp32
+    log-probs on the H200 pair (2026-11-30; TP=1's gap was not measured), while the ranks'
+    shards change only the order of fp32 sums. Not yet passed on a GPU: its first run hit the
+    200 s limit on a cold Triton cache."""
     got = generate(ckpt, device="cuda", dtype="float32", tp_size=2)
     one = generate(ckpt, device="cuda", dtype="float32")
     for g, w in zip(got, cpu_ref):
