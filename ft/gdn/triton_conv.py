@@ -3,11 +3,16 @@
 Two launches: the first computes ``silu(conv(x))`` reading the last Kc-1 inputs of each sequence
 from ``conv_state[slot]`` (zeros when the sequence has no context); the second, ordered after it
 on the stream, overwrites ``conv_state[slot]`` with the new last Kc-1 inputs. Splitting them keeps
-the in-place update race-free without a per-sequence serial loop. Same contract as
-``TorchGDN.conv``; it is not a general conv (no bias, no strides, no dilation).
+the in-place update race-free without a per-sequence serial loop. A decode batch (one token per
+sequence) can take one launch instead (``DECODE_ONE_LAUNCH``): a program owns its (sequence,
+channel block) alone, loads the history, waits at a barrier for its threads' loads, then shifts
+the history in place. Same contract as ``TorchGDN.conv``; it is not a general conv (no bias, no
+strides, no dilation).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -21,6 +26,9 @@ from ft.layers.pdl import pdl_args, wait_for_previous
 DECODE_TILE = (2, 256)
 PREFILL_TILE = (32, 128)
 NUM_WARPS = 4
+# Decode in one launch (``_conv_decode_kernel``) instead of two: 18 launches fewer per step of the
+# 24-layer Qwen3-Next. Off until timed on a GPU (NOT yet run on one); FT_CONV_DECODE_ONE_LAUNCH=1.
+DECODE_ONE_LAUNCH = os.environ.get("FT_CONV_DECODE_ONE_LAUNCH", "0") == "1"
 
 
 @triton.jit
@@ -105,6 +113,55 @@ def _conv_state_kernel(
     tl.store(base + m[None, :], tl.where(from_x, xin.to(hin.dtype), hin), mask=live)
 
 
+@triton.jit
+def _conv_decode_kernel(
+    x,
+    w,
+    conv_state,
+    context_lens,
+    state_slots,
+    out,
+    C,
+    s_xt,
+    s_ot,
+    s_wc,
+    s_ss,
+    s_sc,
+    KC: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    # one token of sequence b: out = silu(sum_j w[:, j] · [history | x][:, j]), then the history
+    # shifted by one (its columns 1 .. Kc-2, then x), in place: the same sums, in the same order and
+    # rounding, as ``_conv_out_kernel`` then ``_conv_state_kernel``
+    wait_for_previous(USE_PDL)
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = tl.arange(0, KP)
+    cmask = c < C
+    has_hist = tl.load(context_lens + b) > 0
+    slot = tl.load(state_slots + b).to(tl.int64)
+    base = conv_state + slot * s_ss + c[:, None] * s_sc
+    live = cmask[:, None] & (m < KC - 1)[None, :]  # [BC, KP]
+    hist = tl.load(base + m[None, :], mask=live & has_hist, other=0.0)
+    ahead = tl.load(base + m[None, :] + 1, mask=live & (m < KC - 2)[None, :] & has_hist, other=0.0)
+    xin = tl.load(x + b * s_xt + c, mask=cmask, other=0.0)  # [BC]
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for j in tl.static_range(KC):
+        wj = tl.load(w + c * s_wc + j, mask=cmask, other=0.0).to(tl.float32)
+        if j == KC - 1:
+            v = xin.to(tl.float32)
+        else:  # column j of the history (a sum of one value and zeros: exact)
+            v = tl.sum(tl.where(m[None, :] == j, hist.to(x.dtype.element_ty).to(tl.float32), 0.0), 1)
+        acc += v * wj
+    y = acc * tl.sigmoid(acc)
+    tl.store(out + b * s_ot + c, y.to(out.dtype.element_ty), mask=cmask)
+    tl.debug_barrier()  # every thread's history loads are done before any column is overwritten
+    shifted = tl.where((m == KC - 2)[None, :], xin[:, None].to(hist.dtype), ahead)
+    tl.store(base + m[None, :], shifted, mask=live)
+
+
 def causal_conv1d_silu(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -122,6 +179,13 @@ def causal_conv1d_silu(
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty((t, c), dtype=x.dtype, device=x.device)
     bsz = batch.cu_seqlens.shape[0] - 1
+    if DECODE_ONE_LAUNCH and max_query_len == 1 and t == bsz:
+        _conv_decode_kernel[(bsz, triton.cdiv(c, DECODE_TILE[1]))](
+            x, weight, conv_state, batch.context_lens, batch.state_slots, out, c, x.stride(0),
+            out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), KC=kc,
+            KP=triton.next_power_of_2(kc), BLOCK_C=DECODE_TILE[1], num_warps=NUM_WARPS, **pdl_args(x),
+        )  # fmt: skip
+        return out
     args = (batch.cu_seqlens, batch.context_lens, batch.state_slots)
     block_t, block_c = DECODE_TILE if max_query_len == 1 else PREFILL_TILE
     grid = (triton.cdiv(max_query_len, block_t), bsz, triton.cdiv(c, block_c))

@@ -276,3 +276,35 @@ def test_mixer_decode_fla_equals_torch(kind):
     from ft.gdn.fla_backend import FlaGDN
 
     check_mixer(kind, FlaGDN())
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_conv_decode_in_one_launch_equals_two(n, monkeypatch):
+    """``triton_conv.DECODE_ONE_LAUNCH``: a decode batch's conv and history shift in one kernel
+    give the two kernels' bits (bf16, Qwen3-Next's 8,192 channels), eagerly and replayed from a
+    CUDA graph, for sequences with and without context."""
+    pytest.importorskip("triton")
+    from ft.gdn import triton_conv
+
+    c, kc = 8192, 4
+    batch = make_batch([(i % 3, 1) for i in range(n)], list(range(n - 1, -1, -1)), "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, c, generator=gen, device="cuda").to(torch.bfloat16)
+    weight = torch.randn(c, kc, generator=gen, device="cuda").to(torch.bfloat16)
+    state = torch.randn(n + 2, c, kc - 1, generator=gen, device="cuda").to(torch.bfloat16)
+    results = []
+    for one in (False, True):
+        monkeypatch.setattr(triton_conv, "DECODE_ONE_LAUNCH", one)
+        st = state.clone()
+        results.append((triton_conv.causal_conv1d_silu(x, weight, st, batch, 1), st))
+    (two_out, two_state), (one_out, one_state) = results
+    assert torch.equal(one_out, two_out) and torch.equal(one_state, two_state)
+    st = state.clone()
+    triton_conv.causal_conv1d_silu(x, weight, st.clone(), batch, 1)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_conv.causal_conv1d_silu(x, weight, st, batch, 1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, two_out) and torch.equal(st, two_state)
