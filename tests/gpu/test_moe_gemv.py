@@ -126,3 +126,25 @@ def test_cuda_graph_replays_new_tokens_and_experts(fmt):
         a.copy_(b)
     graph.replay()
     assert torch.equal(out, fused_moe_gemv(x2, w13, w2, weights2, ids2))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("t, inter", [(1, 512), (4, 512), (2, 768)])
+def test_ids_ahead_gives_the_same_bits(fmt, t, inter, monkeypatch):
+    """``triton_moe_gemv.IDS_AHEAD`` (the down kernel's expert ids and weights picked from
+    registers) changes no bit, with the shared expert as a pair and without."""
+    from ft.moe.kernels import triton_moe_gemv as mod
+
+    x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    shared = (
+        (torch.randn(2 * inter, 2048, generator=gen, device="cuda") * 2048**-0.5).to(torch.bfloat16),
+        (torch.randn(2048, inter, generator=gen, device="cuda") * inter**-0.5).to(torch.bfloat16),
+        torch.randn(t, 1, generator=gen, device="cuda").to(torch.bfloat16),
+    )
+    for pair in (None, shared):
+        outs = []
+        for ahead in (False, True):
+            monkeypatch.setattr(mod, "IDS_AHEAD", ahead)
+            outs.append(mod.fused_moe_gemv(x, w13, w2, weights, ids, pair))
+        assert torch.equal(outs[0], outs[1]), pair is not None

@@ -52,6 +52,13 @@ NVFP4 = (8, 512, 8, 4)
 # close to fp32 as without (tests/gpu/test_engine_cuda.py). FT_SHARED_AS_PAIR=0 turns it off for a
 # process and the ranks it spawns.
 SHARED_AS_PAIR = os.environ.get("FT_SHARED_AS_PAIR", "1") != "0"
+# The down kernel walks a token's k experts in one loop whose weight addresses come from a load
+# of the expert id inside the loop; if Triton's pipeliner does not run that chain ahead, each
+# expert costs two dependent memory round trips, which would explain the down kernel's ~1/3 of
+# its byte floor in the census (docs/benchmarks.md). With IDS_AHEAD the ids and routing weights
+# are loaded as one vector before the loop and picked from registers. Same arithmetic, same bits.
+# Off until timed on a GPU (NOT yet run on one): tests/gpu/config_sweep.py moe_gemv times both.
+IDS_AHEAD = os.environ.get("FT_MOE_GEMV_IDS_AHEAD", "0") == "1"
 
 
 @triton.jit
@@ -149,7 +156,7 @@ def _down_sum_kernel(
     act, b, b_scale, b_global, shared_b, shared_logit, out, topk_w, topk_ids, N, K,
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IDS_AHEAD: tl.constexpr = False, TOPK_P: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
@@ -161,17 +168,27 @@ def _down_sum_kernel(
     steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one slot's per-lane partial dot products
     total = tl.zeros([BLOCK_N], tl.float32)
+    js = tl.arange(0, TOPK_P)
+    if IDS_AHEAD:  # the token's experts and weights in registers before the loop (``IDS_AHEAD``)
+        all_e = tl.load(topk_ids + tok * s_it + js * s_ik, mask=js < TOPK, other=0).to(tl.int64)
+        all_w = tl.load(topk_w + tok * s_wt + js * s_wk, mask=js < TOPK, other=0.0).to(tl.float32)
     for i in range(0, TOPK * steps):  # one flat loop over (slot, K chunk): loads pipeline across experts
         slot = i // steps
         k0 = (i % steps) * BLOCK_K
-        e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+        if IDS_AHEAD:  # one value and zeros summed: exact
+            e = tl.sum(tl.where(js == slot, all_e, 0), 0)
+        else:
+            e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
         a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
         w = _rows(
             b + e * s_be, b_scale + e * s_se, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K
         )
         acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
         if i % steps == steps - 1:  # the slot's last chunk: its term, weighted and rounded
-            scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
+            if IDS_AHEAD:
+                scale = tl.sum(tl.where(js == slot, all_w, 0.0), 0)
+            else:
+                scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
             if FP4:
                 row_scale = tl.load(b_global + e * s_ge + n, mask=nmask, other=0.0) * (scale * unfold)
             else:
@@ -245,8 +262,8 @@ def launch_moe_gemv(
         act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
         weights.stride(1),
         ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
-        **flags, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=num_warps, num_stages=stages,
-        **pdl_args(act),
+        **flags, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, IDS_AHEAD=IDS_AHEAD,
+        TOPK_P=triton.next_power_of_2(max(topk, 1)), num_warps=num_warps, num_stages=stages, **pdl_args(act),
     )  # fmt: skip
     return out
 

@@ -1,10 +1,11 @@
-"""The Gated DeltaNet's Triton conv kernels run by Triton's interpreter on CPU tensors.
+"""Kernel variants behind decode switches (off until timed on a GPU) against the paths they
+replace, run by Triton's interpreter on CPU tensors.
 
 Skipped where triton is not installed (CPU CI). The interpreter is chosen when a kernel is
 decorated, so each check runs in a fresh process with ``TRITON_INTERPRET=1``, under ``python -O``
 because the wrappers assert CUDA tensors (so the checks raise explicitly instead of asserting).
 Exact rounding is checked in fp16 and fp32 (the interpreter truncates to bf16).
-``tests/gpu/test_kernels.py`` checks the compiled kernels on a GPU.
+``tests/gpu/test_gdn_decode.py`` and ``tests/gpu/test_moe_gemv.py`` check the compiled kernels on a GPU.
 """
 
 from __future__ import annotations
@@ -63,12 +64,48 @@ def check_conv_decode_one_launch() -> None:
         require(err < bound, f"{dtype}: output off the reference by {err}")
 
 
-CHECKS = ["check_conv_decode_one_launch"]
+def check_moe_gemv_ids_ahead() -> None:
+    """``triton_moe_gemv.IDS_AHEAD`` (the down kernel picks expert ids and weights from registers)
+    gives the same bits as loading them in the loop: bf16-free formats (fp16 and NVFP4 with fp16
+    arithmetic checked exactly), k = 0 (the shared term alone), 1, 3 and 10, I over one K chunk
+    and over several, with and without a shared expert."""
+    from ft.moe.kernels import triton_moe_gemv as mod
+    from tests.nvfp4.test_w4a16_gpu import random_bank
+
+    gen = torch.Generator().manual_seed(1)
+    e, h, t = 12, 64, 3
+    for k, inter, fmt, shared in ((10, 48, "fp16", False), (3, 640, "fp16", True), (1, 32, "nvfp4", False),
+                                  (3, 48, "nvfp4", True), (0, 48, "fp16", True)):  # fmt: skip
+        if fmt == "nvfp4":
+            w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+            dtype = torch.bfloat16
+        else:
+            w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h**-0.5).half()
+            w2 = (torch.randn(e, h, inter, generator=gen) * inter**-0.5).half()
+            dtype = torch.float16
+        x = torch.randn(t, h, generator=gen).to(dtype)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        weights = torch.rand(t, k, generator=gen) / max(k, 1)
+        pair = None
+        if shared:
+            pair = (
+                (torch.randn(2 * inter, h, generator=gen) * h**-0.5).to(dtype),
+                (torch.randn(h, inter, generator=gen) * inter**-0.5).to(dtype),
+                torch.randn(t, 1, generator=gen).to(dtype),
+            )
+        outs = []
+        for ahead in (False, True):
+            mod.IDS_AHEAD = ahead
+            outs.append(mod.launch_moe_gemv(x, w13, w2, weights, ids, pair))
+        require(torch.equal(outs[0], outs[1]), f"k={k} I={inter} {fmt} shared={shared}: results differ")
+
+
+CHECKS = ["check_conv_decode_one_launch", "check_moe_gemv_ids_ahead"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernel_under_the_interpreter(check):
-    code = f"from tests.test_gdn_interp import {check}; {check}()"
+    code = f"from tests.test_decode_switches_interp import {check}; {check}()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(
         [sys.executable, "-O", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
