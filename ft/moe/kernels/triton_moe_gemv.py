@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
-from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode, check_operands
+from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode_f32, check_operands
 from ft.quant.nvfp4 import NVFP4Tensor
 
 # (BLOCK_N weight rows per program, MAX_BLOCK_K input elements per step, NUM_WARPS, STAGES of
@@ -77,7 +77,9 @@ def _rows(b, scale, n, k0, s_bn, s_sn, nmask, K, FP4: tl.constexpr, EVEN_K: tl.c
         else:  # K is a multiple of 16, so whole bytes and whole scale blocks are in or out
             bmask = nmask[:, None] & (kb[None, :] < (K - k0) // 2)
             smask = nmask[:, None] & (ks[None, :] < (K - k0) // 16)
-        w = _decode(
+        # fp32 straight from the codes: the products are exact in bf16 too, so skipping the
+        # bf16 rounding the MMA path needs changes no bit
+        w = _decode_f32(
             tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
         )
     else:

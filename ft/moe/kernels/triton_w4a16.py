@@ -45,14 +45,21 @@ def takes_gemv(tokens: int, inter: int) -> bool:
 @triton.jit
 def _decode(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # packed uint8 [BN, BK/2] (element 2i in the low nibble), scale uint8 [BN, BK/16] (e4m3 bits)
-    # -> bf16 [BN, BK] holding e2m1 · scale · 2^-22, exactly
+    # -> bf16 [BN, BK] holding e2m1 · scale · 2^-22, exactly (at most 6 significant bits)
+    return _decode_f32(packed, scale, BLOCK_N, BLOCK_K).to(tl.bfloat16)
+
+
+@triton.jit
+def _decode_f32(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # ``_decode`` in fp32, for callers that multiply in fp32 (the GEMV): the same values, one
+    # rounding to bf16 and one widening back fewer per element
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K])
     value = ((codes & 7).to(tl.int16) << 9) | ((codes & 8).to(tl.int16) << 12)
     value = value.to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 · 2^-14
     s = ((scale & 0x7F).to(tl.int16) << 7) | ((scale & 0x80).to(tl.int16) << 8)
     s = s.to(tl.float16, bitcast=True).to(tl.float32)  # e4m3 · 2^-8
     s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // 16, 16]), [BLOCK_N, BLOCK_K])
-    return (value * s).to(tl.bfloat16)
+    return value * s
 
 
 @triton.jit
