@@ -47,12 +47,17 @@ def reference(fmt: str, x, w13, w2, weights, ids):
     return fused_moe_ref(x.float(), w13[hit].float(), w2[hit].float(), weights, local)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "nvfp4-groups"])
 @pytest.mark.parametrize("inter", [512, 256, 48])
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16])
 def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
+    """``nvfp4-groups``: NVFP4 with ``triton_moe_gemv.FP4_GROUPS`` (a block's sum scaled once)."""
     pytest.importorskip("triton")
+    from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
+
+    monkeypatch.setattr(triton_moe_gemv, "FP4_GROUPS", fmt == "nvfp4-groups")
+    fmt = fmt.removesuffix("-groups")
 
     x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + inter)
     got = fused_moe_gemv(x, w13, w2, weights, ids)

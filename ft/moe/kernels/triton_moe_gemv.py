@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
-from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode_f32, check_operands
+from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode_f32, check_operands, e2m1, e4m3
 from ft.quant.nvfp4 import NVFP4Tensor
 
 # (BLOCK_N weight rows per program, MAX_BLOCK_K input elements per step, NUM_WARPS, STAGES of
@@ -59,6 +59,13 @@ SHARED_AS_PAIR = os.environ.get("FT_SHARED_AS_PAIR", "1") != "0"
 # are loaded as one vector before the loop and picked from registers. Same arithmetic, same bits.
 # Off until timed on a GPU (NOT yet run on one): tests/gpu/config_sweep.py moe_gemv times both.
 IDS_AHEAD = os.environ.get("FT_MOE_GEMV_IDS_AHEAD", "0") == "1"
+# NVFP4 banks: with FP4_GROUPS a step's codes stay [BN, BK/16, 8] bytes, low and high nibbles
+# multiply the inputs' even and odd elements, and each 16-element block's sum takes its scale once,
+# instead of interleaving the nibbles and broadcasting the scales to [BN, BK] (a join and two
+# reshapes, and a scale multiply an element). The NVFP4 GEMV runs at about 1/7 of its byte floor
+# (docs/benchmarks.md), so per-element work is the suspect. Scaling a block's sum instead of each
+# product changes fp32 rounding (not the format's values). Off until timed (NOT yet run on a GPU).
+FP4_GROUPS = os.environ.get("FT_MOE_GEMV_FP4_GROUPS", "0") == "1"
 
 
 @triton.jit
@@ -93,6 +100,35 @@ def _rows(b, scale, n, k0, s_bn, s_sn, nmask, K, FP4: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
+def _fp4_inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    # inputs k0 .. k0+BK as the even and odd elements of each 16-element block, fp32 [BK/16, 8] each
+    idx = k0 + tl.arange(0, BLOCK_K // 16)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
+    if EVEN_K:
+        return tl.load(a_row + idx).to(tl.float32), tl.load(a_row + idx + 1).to(tl.float32)
+    live = idx < K  # K is a multiple of 16: a block is wholly in or out
+    even = tl.load(a_row + idx, mask=live, other=0.0).to(tl.float32)
+    return even, tl.load(a_row + idx + 1, mask=live, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fp4_blocks(b, scale, n, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # NVFP4 rows n of one expert times inputs k0 .. k0+BK, one fp32 sum per 16-element block with
+    # its scale applied: [BN, BK/16] (without the global, · 2^-22 as ``_decode``)
+    g = tl.arange(0, BLOCK_K // 16)
+    byte = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8]
+    rows = n[:, None].to(tl.int64)
+    bmask = nmask[:, None, None]
+    smask = nmask[:, None]
+    if not EVEN_K:
+        bmask = bmask & (g[:, None] * 16 < K - k0)[None, :, :]
+        smask = smask & (g * 16 < K - k0)[None, :]
+    packed = tl.load(b + rows[:, :, None] * s_bn + byte[None, :, :], mask=bmask, other=0)  # [BN, G, 8]
+    block = tl.sum(e2m1(packed & 0xF) * even[None, :, :] + e2m1(packed >> 4) * odd[None, :, :], 2)
+    return block * e4m3(tl.load(scale + rows * s_sn + (k0 // 16 + g)[None, :], mask=smask, other=0))
+
+
+@triton.jit
 def _plain_rows(b, n, k0, s_bn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # rows of a 16-bit weight (a shared expert's, beside a bank of either format) as fp32 [BN, BK]
     return _rows(b, b, n, k0, s_bn, s_bn, nmask, K, False, EVEN_K, BLOCK_N, BLOCK_K)
@@ -111,7 +147,7 @@ def _gate_up_kernel(
     x, b, b_scale, b_global, shared_b, act, topk_ids, N, K,
     s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4_GROUPS: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
@@ -138,13 +174,27 @@ def _gate_up_kernel(
     else:
         e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
         b_e, s_e = b + e * s_be, b_scale + e * s_se
-        for k0 in range(0, K, BLOCK_K):
-            xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-            gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
-            # the up rows sit N rows below the gate rows of the same expert
-            up += _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
-        g = tl.sum(gate, axis=1)
-        u = tl.sum(up, axis=1)
+        if FP4 and FP4_GROUPS:
+            gate16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+            up16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                even, odd = _fp4_inputs(x_row, k0, K, EVEN_K, BLOCK_K)
+                gate16 += _fp4_blocks(
+                    b_e, s_e, n, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K
+                )
+                up16 += _fp4_blocks(
+                    b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K
+                )
+            g = tl.sum(gate16, axis=1)
+            u = tl.sum(up16, axis=1)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
+                gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+                # the up rows sit N rows below the gate rows of the same expert
+                up += _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+            g = tl.sum(gate, axis=1)
+            u = tl.sum(up, axis=1)
         if FP4:
             g_ptr = b_global + e * s_ge + n
             g *= tl.load(g_ptr, mask=nmask, other=0.0) * unfold
@@ -159,7 +209,7 @@ def _down_sum_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IDS_AHEAD: tl.constexpr = False, TOPK_P: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = False,
+    FP4_GROUPS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]; with SHARED,
@@ -169,6 +219,7 @@ def _down_sum_kernel(
     nmask = n < N
     steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one slot's per-lane partial dot products
+    acc16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)  # the same, a sum per block (FP4_GROUPS)
     total = tl.zeros([BLOCK_N], tl.float32)
     js = tl.arange(0, TOPK_P)
     if IDS_AHEAD:  # the token's experts and weights in registers before the loop (``IDS_AHEAD``)
@@ -182,10 +233,15 @@ def _down_sum_kernel(
         else:
             e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
         a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
-        w = _rows(
-            b + e * s_be, b_scale + e * s_se, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K
-        )
-        acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+        if FP4 and FP4_GROUPS:
+            even, odd = _fp4_inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+            acc16 += _fp4_blocks(b + e * s_be, b_scale + e * s_se, n, k0, s_bn, s_sn, nmask, K, even, odd,
+                                 EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+        else:
+            w = _rows(
+                b + e * s_be, b_scale + e * s_se, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K
+            )
+            acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
         if i % steps == steps - 1:  # the slot's last chunk: its term, weighted and rounded
             if IDS_AHEAD:
                 scale = tl.sum(tl.where(js == slot, all_w, 0.0), 0)
@@ -195,9 +251,13 @@ def _down_sum_kernel(
                 row_scale = tl.load(b_global + e * s_ge + n, mask=nmask, other=0.0) * (scale * unfold)
             else:
                 row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
-            term = tl.sum(acc, axis=1) * row_scale
+            if FP4 and FP4_GROUPS:
+                term = tl.sum(acc16, axis=1) * row_scale
+                acc16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+            else:
+                term = tl.sum(acc, axis=1) * row_scale
+                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             total += term.to(out.dtype.element_ty).to(tl.float32)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if SHARED:  # the shared expert's term last, rounded like a routed pair's
         a_row = act + (tok * (TOPK + 1) + TOPK) * s_at
         for k0 in range(0, K, BLOCK_K):
@@ -257,7 +317,8 @@ def launch_moe_gemv(
         x, b13, s13, g13, sb13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
         UNFOLD,
-        **flags, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, num_warps=num_warps, num_stages=stages, **pdl_args(x),
+        **flags, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, FP4_GROUPS=fp4 and FP4_GROUPS, num_warps=num_warps,
+        num_stages=stages, **pdl_args(x),
     )  # fmt: skip
     _down_sum_kernel[(t, triton.cdiv(h, block_n))](
         act, b2, s2, g2, sb2, logit, out, weights, ids, h, inter,
@@ -265,7 +326,8 @@ def launch_moe_gemv(
         weights.stride(1),
         ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
         **flags, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, IDS_AHEAD=IDS_AHEAD,
-        TOPK_P=triton.next_power_of_2(max(topk, 1)), num_warps=num_warps, num_stages=stages, **pdl_args(act),
+        TOPK_P=triton.next_power_of_2(max(topk, 1)), FP4_GROUPS=fp4 and FP4_GROUPS, num_warps=num_warps,
+        num_stages=stages, **pdl_args(act),
     )  # fmt: skip
     return out
 

@@ -54,12 +54,23 @@ def _decode_f32(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # ``_decode`` in fp32, for callers that multiply in fp32 (the GEMV): the same values, one
     # rounding to bf16 and one widening back fewer per element
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K])
+    s = tl.reshape(tl.broadcast_to(e4m3(scale)[:, :, None], [BLOCK_N, BLOCK_K // 16, 16]), [BLOCK_N, BLOCK_K])
+    return e2m1(codes) * s
+
+
+@triton.jit
+def e2m1(codes):
+    # 4-bit codes (uint8, any shape) -> fp32 e2m1 values · 2^-14: the code's 3 magnitude bits placed
+    # as an fp16's exponent and top mantissa bit, its sign bit as the fp16's
     value = ((codes & 7).to(tl.int16) << 9) | ((codes & 8).to(tl.int16) << 12)
-    value = value.to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 · 2^-14
+    return value.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3(scale):
+    # e4m3 bits (uint8, any shape) -> fp32 values · 2^-8, placed in an fp16 the same way
     s = ((scale & 0x7F).to(tl.int16) << 7) | ((scale & 0x80).to(tl.int16) << 8)
-    s = s.to(tl.float16, bitcast=True).to(tl.float32)  # e4m3 · 2^-8
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // 16, 16]), [BLOCK_N, BLOCK_K])
-    return value * s
+    return s.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
