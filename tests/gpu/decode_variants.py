@@ -1,18 +1,19 @@
-"""Batch-1 decode with each combination of the kernel switches, on one loaded model (not a test):
+"""Batch-1 decode with kernel switches turned on one at a time, on one loaded model (not a test):
 
-    python tests/gpu/decode_variants.py CONFIG [OUT.log]
+    python tests/gpu/decode_variants.py CONFIG [OUT.log] [--nvfp4] [module:SWITCH ...]
 
-Switches (module constants, on by default since timed here): ``triton_moe_gemv.SHARED_AS_PAIR`` (the
-shared expert inside the routed MoE GEMV) and ``ft.layers.pdl.ENABLED`` / ``EARLY`` (programmatic
-dependent launch: off, wait only, wait and trigger the next launch early). For each combination
-the decode graphs are captured again (the switches are read when kernels are traced), then a
-1,024-token prompt decodes 256 tokens; the line gives tokens per second over the decode (TTFT
-excluded) and the greedy tokens' agreement with the first variant.
+A switch is a module-level boolean read when a kernel is launched or traced (the default list,
+``SWITCHES``, holds the ones still off on main until timed). The first row runs the defaults,
+then each switch alone, then all of them together. For each row the decode graphs are captured
+again, then a 1,024-token prompt decodes 256 tokens; the line gives tokens per second over the
+decode (TTFT excluded) and the greedy tokens' agreement with the first row (a switch that changes
+rounding changes tokens on a random-weight model: judge it by its accuracy test, not by this).
+``--nvfp4`` quantises the experts while loading (switches of the NVFP4 kernels).
 Loading a model once instead of once per variant saves most of a device run."""
 
 from __future__ import annotations
 
-import itertools
+import importlib
 import os
 import sys
 import time
@@ -23,24 +24,44 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
-from ft.layers import pdl  # noqa: E402
-from ft.moe.kernels import triton_moe_gemv  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profiling import logger  # noqa: E402
 
+SWITCHES = [
+    "ft.gdn.triton_conv:DECODE_ONE_LAUNCH",
+    "ft.moe.kernels.triton_moe_gemv:IDS_AHEAD",
+    "ft.moe.kernels.triton_moe_gemv:FP4_GROUPS",
+]
+
+
+def resolve(spec: str) -> tuple[object, str]:
+    module, name = spec.split(":")
+    mod = importlib.import_module(module)
+    if not isinstance(getattr(mod, name, None), bool):
+        raise SystemExit(f"{spec}: not a boolean switch of {module}")
+    return mod, name
+
 
 def main() -> None:
-    log = logger(sys.argv[2] if len(sys.argv) > 2 else None)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    config, out = args[0], (args[1] if len(args) > 1 and ":" not in args[1] else None)
+    specs = [a for a in args[1:] if ":" in a] or SWITCHES
+    switches = [resolve(s) for s in specs]
+    log = logger(out)
     engine = LLMEngine(EngineConfig(
-        config_file=sys.argv[1], load_format="dummy", device="cuda", num_tokens=20000, max_model_len=2048,
+        config_file=config, load_format="dummy", device="cuda", num_tokens=20000, max_model_len=2048,
         max_running_requests=8, progress=False,
+        quantize_experts="nvfp4" if "--nvfp4" in sys.argv else None,
     ))  # fmt: skip
     runner = engine.executor.runner
     vocab = engine.model_config.vocab_size
     prompt = [(i * 7919 + 13) % vocab for i in range(1024)]
+    defaults = [getattr(mod, name) for mod, name in switches]
+    rows = [("defaults", [])] + [(s, [i]) for i, s in enumerate(specs)] + [("all of them", range(len(specs)))]
     first = None
-    for shared, mode in itertools.product((False, True), ("off", "wait", "early")):
-        triton_moe_gemv.SHARED_AS_PAIR, pdl.ENABLED, pdl.EARLY = shared, mode != "off", mode == "early"
+    for label, on in rows:
+        for i, (mod, name) in enumerate(switches):
+            setattr(mod, name, True if i in on else defaults[i])
         runner.graphs = None
         torch.cuda.empty_cache()
         runner.graphs = runner._decode_graphs(min(8, runner.cfg.cuda_graph_max_bs))
@@ -57,8 +78,8 @@ def main() -> None:
             tokens = outs[0].token_ids
         first = first or tokens
         same = sum(a == b for a, b in zip(tokens, first)) / len(first)
-        log(f"SHARED_AS_PAIR={shared!s:5} PDL={mode:5}: {rates[-1]:7.1f} tok/s batch-1 decode "
-            f"(first run {rates[0]:.1f}), greedy tokens as the first variant's: {same:.0%}")  # fmt: skip
+        log(f"{label:50}: {rates[-1]:7.1f} tok/s batch-1 decode (first run {rates[0]:.1f}), "
+            f"greedy tokens as the first row's: {same:.0%}")  # fmt: skip
     engine.shutdown()
 
 
