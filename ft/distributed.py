@@ -60,9 +60,29 @@ def try_get_tp_info() -> TPInfo | None:
     return _TP
 
 
+_ALL_REDUCES: list[tuple[tuple[int, ...], torch.dtype]] | None = None
+
+
+@contextlib.contextmanager
+def recording_all_reduces() -> Iterator[list[tuple[tuple[int, ...], torch.dtype]]]:
+    """Note the shape and dtype of every all-reduce ``all_reduce`` makes while active, in order
+    (``ft bench offline --census`` times the same sequence with the ranks in step). The reduces
+    themselves are unchanged; one rank makes none, so notes none."""
+    global _ALL_REDUCES
+    if _ALL_REDUCES is not None:
+        raise RuntimeError("already recording all-reduces; recordings do not nest")
+    _ALL_REDUCES = calls = []
+    try:
+        yield calls
+    finally:
+        _ALL_REDUCES = None
+
+
 def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``tp`` in place; a no-op on one rank."""
     if tp.size > 1:
+        if _ALL_REDUCES is not None:
+            _ALL_REDUCES.append((tuple(x.shape), x.dtype))
         dist.all_reduce(x, group=tp.group)
     return x
 

@@ -65,21 +65,39 @@ def test_bench_offline_census(tmp_path, capsys):
     assert times == sorted(times, reverse=True) and all(row[1] > 0 for row in decode["top"])
     assert "aten::linear" not in [row[0] for row in decode["top"]]  # leaves only: no double counting
     assert decode["allreduce_ms_per_step"] == 0  # one rank: nothing to reduce
+    assert decode["allreduce_in_step"] == [] and "all-reduce" not in printed
 
 
 def test_bench_offline_census_at_tp2_counts_the_all_reduces(tmp_path, capsys):
     """At TP=2 the first rank profiles itself in its own process: the census still counts a step,
-    and the all-reduces (gloo's operators here, NCCL's kernels on GPUs) are reported apart."""
+    and the all-reduces (gloo's operators here, NCCL's kernels on GPUs) are reported apart. The
+    decode step's all-reduces are also timed alone, ranks in step, for the counted batch and for
+    the bench's largest, as a share of the decode step the bench measured."""
     write_checkpoint(tmp_path, "qwen3_next", num_key_value_heads=4)
+    config = json.loads((tmp_path / "config.json").read_text())
     out_json = tmp_path / "bench.json"
     argv = ["bench", "offline", "--config", str(tmp_path / "config.json"), "--load-format", "dummy"]
-    argv += ["--device", "cpu", "--batch-sizes", "1", "--input-len", "12", "--output-len", "3", "--tp-size"]
+    argv += ["--device", "cpu", "--batch-sizes", "1,3", "--input-len", "12", "--output-len", "3", "--tp-size"]
     assert main([*argv, "2", "--prefill-lens", "", "--census", "--output-json", str(out_json)]) == 0
-    assert "all-reduce" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "all-reduce kernels" in printed and "includes waiting for the slower rank" in printed
     decode, prefill = json.loads(out_json.read_text())["census"]
     assert decode["kernels_per_step"] > 10 and decode["allreduce_ms_per_step"] > 0
     assert any("allreduce" in row[0] for row in decode["top"])
-    assert prefill["allreduce_ms_per_step"] > 0
+    assert prefill["allreduce_ms_per_step"] > 0 and prefill["allreduce_in_step"] == []
+    # a decode step reduces the vocab-parallel embedding, then in every layer the token mixer's
+    # row-parallel output projection (attention or GDN) and the MoE block's routed + shared sum
+    per_step = 1 + 2 * config["num_hidden_layers"]
+    hidden = config["hidden_size"]
+    one, wide = decode["allreduce_in_step"]
+    assert (one["batch"], one["count"], one["scaled"], one["timed"]) == (1, per_step, False, "eager")
+    assert one["messages"] == [[[1, hidden], "fp32", per_step]]
+    assert one["bytes_per_step"] == per_step * hidden * 4
+    assert one["ms_per_step"] > 0 and one["step_ms"] > 0 and one["step_share"] > 0
+    assert (wide["batch"], wide["count"], wide["scaled"]) == (3, per_step, True)
+    assert wide["messages"] == [[[3, hidden], "fp32", per_step]] and wide["ms_per_step"] > 0
+    assert f"all-reduce in step: {per_step} x [1, {hidden}] fp32" in printed
+    assert f"all-reduce in a batch-3 step: {per_step} x [3, {hidden}] fp32" in printed
 
 
 def test_bench_offline_census_of_a_batch(tmp_path, capsys):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from ft import LLM, SamplingParams
+from ft.distributed import TPInfo, all_reduce, recording_all_reduces
 from ft.engine.executor import WorkerError
 from tests.checkpoints import write_checkpoint
 
@@ -66,3 +68,13 @@ def test_checkpoint_error_on_a_rank_is_reported(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(WorkerError, match=r"missing tensor 'model\.layers\.1\.mlp\.gate\.weight'"):
         LLM(model=str(tmp_path), tp_size=2, device="cpu", dtype="float32", progress=False)
+
+
+def test_all_reduce_recording_notes_only_real_reduces_and_does_not_nest():
+    """The census's record of a step's all-reduces: one rank reduces nothing, so notes nothing."""
+    with recording_all_reduces() as calls:
+        x = torch.ones(2, 3)
+        assert all_reduce(x, TPInfo(0, 1)) is x and x.sum() == 6
+        with pytest.raises(RuntimeError, match="do not nest"), recording_all_reduces():
+            pass
+    assert calls == []

@@ -180,7 +180,8 @@ def bench(
                 report.moe["h2d_gb_s"] = h2d_gb_s
         measure(engine, report, meta, act_bytes, prompt, batch_sizes, input_len, output_len, prefill_lens)
         if with_census:
-            report.census = census(engine, input_len, batch=census_batch)
+            steps = {row.batch: 1e3 * row.batch / row.decode_tok_s for row in report.rows}
+            report.census = census(engine, input_len, batch=census_batch, decode_step_ms=steps)
         reports.append(report)
     engine.shutdown()
     if compare_hf:

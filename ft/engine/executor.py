@@ -43,8 +43,8 @@ class InProcessExecutor:
     def set_moe_variant(self, policy: str | None, routing_skew: float | None) -> None:
         self.runner.set_moe_variant(policy, routing_skew)
 
-    def profile(self, action: str) -> dict | None:
-        return self.runner.profile(action)
+    def profile(self, action: str, calls: list | None = None) -> dict | float | None:
+        return self.runner.profile(action, calls)
 
     def shutdown(self) -> None:
         if self.runner is not None:
@@ -80,8 +80,8 @@ def _worker_main(rank: int, cfg: EngineConfig, mc: ModelConfig, init_method: str
                 runner.set_moe_variant(*payload)
                 conn.send(("ok", None))
                 continue
-            if cmd == "profile":  # every rank goes eager alike; the first returns its kernels
-                conn.send(("ok", runner.profile(payload)))
+            if cmd == "profile":  # every rank alike (eager steps, timed all-reduces); the first answers
+                conn.send(("ok", runner.profile(*payload)))
                 continue
             result = runner.execute(payload)
             if rank == 0:
@@ -175,9 +175,9 @@ class MultiprocExecutor:
     def set_moe_variant(self, policy: str | None, routing_skew: float | None) -> None:
         self._every_rank("moe_variant", (policy, routing_skew))
 
-    def profile(self, action: str) -> dict | None:
+    def profile(self, action: str, calls: list | None = None) -> dict | float | None:
         """``ModelRunner.profile`` on every rank; the first rank's result."""
-        return self._every_rank("profile", action)[0]
+        return self._every_rank("profile", (action, calls))[0]
 
     def _every_rank(self, cmd: str, payload) -> list:
         for conn in self.conns:

@@ -150,18 +150,23 @@ class ModelRunner:
         if policy is not None:
             self.moe.set_policy(policy)
 
-    def profile(self, action: str) -> dict | None:
+    def profile(self, action: str, calls: list | None = None) -> dict | float | None:
         """``begin``: decode runs eagerly (each kernel visible) and this process's kernels are
-        profiled; ``end``: graphs back, and the first rank returns what ran (``ft.bench.census``)."""
-        from ft.bench.census import KernelProfile
+        profiled; ``end``: graphs back, and the first rank returns what ran; ``all_reduces``:
+        every rank times the all-reduces ``calls`` (shape, dtype) with the ranks in step, and the
+        first returns the milliseconds (``ft.bench.census``)."""
+        from ft.bench.census import KernelProfile, time_all_reduces
 
         if action == "begin":
             self._graphs_off, self.graphs = self.graphs, None
             self._profile = KernelProfile(self.device)
             self._profile.begin()
             return None
+        if action == "all_reduces":
+            ms = time_all_reduces(calls, self.tp.group, self.device)
+            return ms if self.tp.is_first else None
         if action != "end":
-            raise ValueError(f"profile action {action!r} (known: begin, end)")
+            raise ValueError(f"profile action {action!r} (known: begin, end, all_reduces)")
         got = self._profile.end()
         self.graphs, self._profile = self._graphs_off, None
         return got if self.tp.is_first else None
