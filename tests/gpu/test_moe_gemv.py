@@ -135,9 +135,10 @@ def test_cuda_graph_replays_new_tokens_and_experts(fmt):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t, inter", [(1, 512), (4, 512), (2, 768)])
-def test_ids_ahead_gives_the_same_bits(fmt, t, inter, monkeypatch):
+def test_loop_variants_give_the_same_bits(fmt, t, inter, monkeypatch):
     """``triton_moe_gemv.IDS_AHEAD`` (the down kernel's expert ids and weights picked from
-    registers) changes no bit, with the shared expert as a pair and without."""
+    registers) and ``PIPELINE`` (the loops' loads run ahead) change no bit, alone or together,
+    with the shared expert as a pair and without."""
     from ft.moe.kernels import triton_moe_gemv as mod
 
     x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t)
@@ -149,7 +150,8 @@ def test_ids_ahead_gives_the_same_bits(fmt, t, inter, monkeypatch):
     )
     for pair in (None, shared):
         outs = []
-        for ahead in (False, True):
+        for ahead, pipeline in ((False, False), (True, False), (False, True), (True, True)):
             monkeypatch.setattr(mod, "IDS_AHEAD", ahead)
+            monkeypatch.setattr(mod, "PIPELINE", pipeline)
             outs.append(mod.fused_moe_gemv(x, w13, w2, weights, ids, pair))
-        assert torch.equal(outs[0], outs[1]), pair is not None
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), pair is not None

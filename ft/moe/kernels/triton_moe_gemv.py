@@ -66,6 +66,12 @@ IDS_AHEAD = os.environ.get("FT_MOE_GEMV_IDS_AHEAD", "0") == "1"
 # (docs/benchmarks.md), so per-element work is the suspect. Scaling a block's sum instead of each
 # product changes fp32 rounding (not the format's values). Off until timed (NOT yet run on a GPU).
 FP4_GROUPS = os.environ.get("FT_MOE_GEMV_FP4_GROUPS", "0") == "1"
+# The kernels' loops as ``tl.range(..., num_stages=STAGES)``: Triton pipelines only the loads that
+# feed a ``tl.dot`` from the launch's num_stages, and these kernels have none (compiled for sm_90
+# they take 128 bytes of shared memory: no load buffered ahead), so each step's loads wait for
+# the last one's; a loop's own num_stages asks the pipeliner to run most loads STAGES-1 steps
+# ahead. Off until timed (NOT yet run on a GPU); FT_MOE_GEMV_PIPELINE=1. Same arithmetic, same bits.
+PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "0") == "1"
 
 
 @triton.jit
@@ -148,7 +154,7 @@ def _gate_up_kernel(
     s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4_GROUPS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -165,7 +171,7 @@ def _gate_up_kernel(
     if SHARED:  # static: without a shared expert only the routed branch below is compiled
         is_shared = slot == TOPK
     if is_shared:
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
             xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
             gate += _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
             up += _plain_rows(shared_b, n + N, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
@@ -177,7 +183,7 @@ def _gate_up_kernel(
         if FP4 and FP4_GROUPS:
             gate16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
             up16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
                 even, odd = _fp4_inputs(x_row, k0, K, EVEN_K, BLOCK_K)
                 gate16 += _fp4_blocks(
                     b_e, s_e, n, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K
@@ -188,7 +194,7 @@ def _gate_up_kernel(
             g = tl.sum(gate16, axis=1)
             u = tl.sum(up16, axis=1)
         else:
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
                 xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
                 gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
                 # the up rows sit N rows below the gate rows of the same expert
@@ -209,7 +215,7 @@ def _down_sum_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IDS_AHEAD: tl.constexpr = False, TOPK_P: tl.constexpr = 1,
-    FP4_GROUPS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    FP4_GROUPS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]; with SHARED,
@@ -225,7 +231,8 @@ def _down_sum_kernel(
     if IDS_AHEAD:  # the token's experts and weights in registers before the loop (``IDS_AHEAD``)
         all_e = tl.load(topk_ids + tok * s_it + js * s_ik, mask=js < TOPK, other=0).to(tl.int64)
         all_w = tl.load(topk_w + tok * s_wt + js * s_wk, mask=js < TOPK, other=0.0).to(tl.float32)
-    for i in range(0, TOPK * steps):  # one flat loop over (slot, K chunk): loads pipeline across experts
+    # one flat loop over (slot, K chunk), so that with LOOP_STAGES > 1 loads pipeline across experts
+    for i in tl.range(0, TOPK * steps, num_stages=LOOP_STAGES):
         slot = i // steps
         k0 = (i % steps) * BLOCK_K
         if IDS_AHEAD:  # one value and zeros summed: exact
@@ -260,7 +267,7 @@ def _down_sum_kernel(
             total += term.to(out.dtype.element_ty).to(tl.float32)
     if SHARED:  # the shared expert's term last, rounded like a routed pair's
         a_row = act + (tok * (TOPK + 1) + TOPK) * s_at
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
             w = _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
             acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
         gate = tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
@@ -318,7 +325,7 @@ def launch_moe_gemv(
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
         UNFOLD,
         **flags, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, FP4_GROUPS=fp4 and FP4_GROUPS, num_warps=num_warps,
-        num_stages=stages, **pdl_args(x),
+        num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
     _down_sum_kernel[(t, triton.cdiv(h, block_n))](
         act, b2, s2, g2, sb2, logit, out, weights, ids, h, inter,
@@ -327,7 +334,7 @@ def launch_moe_gemv(
         ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
         **flags, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, IDS_AHEAD=IDS_AHEAD,
         TOPK_P=triton.next_power_of_2(max(topk, 1)), FP4_GROUPS=fp4 and FP4_GROUPS, num_warps=num_warps,
-        num_stages=stages, **pdl_args(act),
+        num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(act),
     )  # fmt: skip
     return out
 
