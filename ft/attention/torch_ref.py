@@ -1,13 +1,20 @@
 """Reference paged attention in plain PyTorch: one sequence at a time, fp32 softmax.
 
-Exact and slow; it is the oracle for the GPU kernels and the path on CPU.
+Exact and slow; it is the oracle for the GPU kernels and the path on CPU. Given the layer's
+``QKNormGate`` it keeps the Triton backend's contract by composition (norms and rope, then the
+cache write and attention, then the gate); it fuses nothing.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ft.forward_context import ForwardBatch
+
+if TYPE_CHECKING:
+    from ft.layers.attention import QKNormGate
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -59,7 +66,12 @@ def causal_attention(
 class TorchAttention:
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k, v, kv_cache, batch: ForwardBatch, scale: float, around: QKNormGate | None = None
+    ) -> torch.Tensor:
+        if around is not None:
+            q, k = around.norm_rope(q, k)
+            return around.apply_gate(self.forward(q, k, v, kv_cache, batch, scale))
         write_kv(kv_cache, k, v, batch.slot_mapping)
         out = torch.empty_like(q)
         start = 0

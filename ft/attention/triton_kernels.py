@@ -3,6 +3,9 @@
 Keys are gathered through the block table one BLOCK_N tile at a time (a tile may span pages), and
 softmax runs online in fp32 and base 2 (``qk_scale`` already carries log2(e)). ``PREC`` is the
 ``tl.dot`` input precision: "ieee" for fp32 inputs, "tf32" (the default, unused for 16-bit) else.
+With ``GATE`` the decode kernels end in the output gate, out · sigmoid(gate) for the [B, Hq, d]
+gate view of the projection, rounded as ``ft.layers.triton_rope.sigmoid_gate`` would round it
+after them: in the combine, or in the decode kernel when there is one split.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ft.layers.pdl import wait_for_previous
+from ft.layers.triton_rope import gate_rounded
 
 
 @triton.jit
@@ -57,10 +61,10 @@ def _attend_tile(
 
 @triton.jit
 def decode_kernel(
-    q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, qk_scale,
-    s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
+    q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse, gate, qk_scale,
+    s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt, s_gt, s_gh,
     REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
@@ -90,8 +94,12 @@ def decode_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (or a padded row with seq_len 0)
     o = acc / l_safe[:, None]
     if SPLITS == 1:
+        o = o.to(out.dtype.element_ty)
+        if GATE:
+            g = tl.load(gate + b * s_gt + heads[:, None] * s_gh + d[None, :], mask=rmask[:, None], other=0.0)
+            o = gate_rounded(o, g)
         dst = out + b * s_ot + heads[:, None] * s_oh + d[None, :]
-        tl.store(dst, o.to(out.dtype.element_ty), mask=rmask[:, None])
+        tl.store(dst, o, mask=rmask[:, None])
     else:
         row = (b * (tl.num_programs(1) * REP) + heads) * SPLITS + split  # into [B, Hq, SPLITS]
         tl.store(part_o + row[:, None] * D + d[None, :], o, mask=rmask[:, None])
@@ -101,16 +109,10 @@ def decode_kernel(
 
 @triton.jit
 def combine_kernel(
-    part_o,
-    part_lse,
-    out,
-    s_ot,
-    s_oh,
-    HQ: tl.constexpr,
-    D: tl.constexpr,
-    SPLITS: tl.constexpr,
+    part_o, part_lse, out, gate, s_ot, s_oh, s_gt, s_gh,
+    HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, GATE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-):
+):  # fmt: skip
     wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -123,7 +125,10 @@ def combine_kernel(
     o = tl.load(part_o + (base + sp)[:, None] * D + d[None, :])  # [SPLITS, D]
     total = tl.sum(w, 0)
     o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # padded rows (seq_len 0) -> 0
-    tl.store(out + b * s_ot + h * s_oh + d, o.to(out.dtype.element_ty))
+    o = o.to(out.dtype.element_ty)
+    if GATE:
+        o = gate_rounded(o, tl.load(gate + b * s_gt + h * s_gh + d))
+    tl.store(out + b * s_ot + h * s_oh + d, o)
 
 
 @triton.jit

@@ -1,11 +1,16 @@
 """Paged causal GQA attention on the GPU: wrappers around ``triton_kernels`` and the backend.
 
 Same contract as ``torch_ref.TorchAttention``: write the new k/v at ``batch.slot_mapping`` (slot -1
-is padding), then attend causally over each sequence's cached keys through ``batch.block_tables``.
+is padding), then attend causally over each sequence's cached keys through ``batch.block_tables``;
+with the layer's ``QKNormGate`` (``around``), norm and rotate q/k first and gate the output after.
 Decode (one query per sequence) is split-KV / flash-decoding: each (sequence, kv head) is cut into
 a fixed number of KV splits chosen from shapes, merged by a small combine kernel. It reads only
 device tensors and shapes, so it can be captured in a CUDA graph; the extend path (prefill chunks
 with prior context, mixed with decodes) plans its grid from the host query lengths.
+
+With ``FUSED_DECODE`` a decode step given ``around`` runs as two launches (three with splits):
+the q/k norm + rope kernel also writes k' and v to the cache (no ``store_kv``), and the gate is
+applied where the attention output is written (no gate kernel). Bit for bit the unfused step.
 
 It is not a general flash-attention: no sliding window, sinks or alibi; head_dim a power of two in
 [16, 256]; page size a power of two >= 16; bf16, fp16 or fp32.
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -22,8 +29,19 @@ import triton
 from ft.attention.triton_kernels import combine_kernel, decode_kernel, extend_kernel, store_kv_kernel
 from ft.forward_context import ForwardBatch
 from ft.layers.pdl import pdl_args
+from ft.layers.triton_rope import qk_norm_rope_store
+
+if TYPE_CHECKING:
+    from ft.layers.attention import QKNormGate
 
 LOG2E = 1.4426950408889634
+# Decode steps of QK-normed layers with the cache write inside the norm + rope kernel and the
+# gate inside the attention kernels: no ``store_kv`` launch, and with an output gate (Qwen3-Next)
+# no gate launch either, so two launches fewer an attention layer (one for Qwen3-30B).
+# OFF until timed on a GPU: written and checked under the Triton interpreter only, never yet run
+# on one (tests/gpu/test_fused_layers.py holds the bf16 and CUDA-graph checks for that session).
+# FT_FUSED_ATTN_DECODE=1 turns it on for a process and the ranks it spawns.
+FUSED_DECODE = os.environ.get("FT_FUSED_ATTN_DECODE", "0") == "1"
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -77,10 +95,14 @@ def num_splits_for(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     return max(1, min(want, tiles, 32))
 
 
-def paged_decode(q, kv_cache, block_tables, seq_lens, scale: float, num_splits: int | None = None):
-    """One query per sequence: q [B, Hq, d], seq_lens [B] (with the new token) -> [B, Hq, d]."""
+def paged_decode(q, kv_cache, block_tables, seq_lens, scale: float, num_splits: int | None = None, gate=None):
+    """One query per sequence: q [B, Hq, d], seq_lens [B] (with the new token) -> [B, Hq, d],
+    times sigmoid(gate) for a gate [B, Hq, d] (a view, last dim contiguous)."""
     q = _rows(q)
     bsz, hq, d = q.shape
+    if gate is not None:
+        assert gate.shape == q.shape and gate.dtype == q.dtype, f"gate {tuple(gate.shape)} {gate.dtype}"
+        assert gate.stride(-1) == 1, "gate rows must be contiguous in the head dim"
     hkv = kv_cache.shape[3]
     rep = hq // hkv
     block_n = 64 if d <= 128 else 32
@@ -91,26 +113,19 @@ def paged_decode(q, kv_cache, block_tables, seq_lens, scale: float, num_splits: 
     if splits > 1:
         part_o = torch.empty(bsz, hq, splits, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(bsz, hq, splits, dtype=torch.float32, device=q.device)
+    g, g_strides = (out, (0, 0)) if gate is None else (gate, (gate.stride(0), gate.stride(1)))
     decode_kernel[(bsz, hkv, splits)](
-        q, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, part_o, part_lse, scale * LOG2E,
+        q, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, part_o, part_lse, g, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(kv_cache),
-        block_tables.stride(0), REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), D=d,
+        block_tables.stride(0), *g_strides, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), D=d,
         PAGE=kv_cache.shape[2], BLOCK_N=block_n, SPLITS=splits, PREC=_prec(q.dtype),
-        num_warps=4, num_stages=2, **pdl_args(q),
+        GATE=gate is not None and splits == 1, num_warps=4, num_stages=2, **pdl_args(q),
     )  # fmt: skip
     if splits > 1:
         combine_kernel[(bsz, hq)](
-            part_o,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            HQ=hq,
-            D=d,
-            SPLITS=splits,
-            num_warps=4,
-            **pdl_args(out),
-        )
+            part_o, part_lse, out, g, out.stride(0), out.stride(1), *g_strides, HQ=hq, D=d,
+            SPLITS=splits, GATE=gate is not None, num_warps=4, **pdl_args(out),
+        )  # fmt: skip
     return out
 
 
@@ -145,14 +160,37 @@ def paged_extend(q, kv_cache, block_tables, cu_seqlens, context_lens, max_query_
     return out
 
 
+def fused_decode(
+    q, k, v, kv_cache, batch: ForwardBatch, scale: float, around: QKNormGate, num_splits: int | None = None
+) -> torch.Tensor:
+    """A decode step of a QK-normed layer from the raw q/k/v views: norms, rope and the cache
+    write in one kernel, then attention with the gate applied as it is written (no device check:
+    the interpreter runs it on CPU tensors)."""
+    qn, kn = around.q_norm, around.k_norm
+    q = qk_norm_rope_store(
+        around.positions, q, k, v, qn.weight, kn.weight, around.rotary.inv_freq.float(), qn.eps,
+        qn.zero_centered, kv_cache, batch.slot_mapping,
+    )  # fmt: skip
+    return paged_decode(q, kv_cache, batch.block_tables, batch.seq_lens, scale, num_splits, around.gate)
+
+
 class TritonAttention:
     name = "triton"
     graph_safe = True  # decode reads device tensors only
 
-    def forward(self, q, k, v, kv_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k, v, kv_cache, batch: ForwardBatch, scale: float, around: QKNormGate | None = None
+    ) -> torch.Tensor:
+        decode = q.shape[0] == batch.seq_lens.shape[0]  # one token per sequence, told from shapes alone
+        if around is not None:
+            if decode and FUSED_DECODE and around.rotary.rotary_dim > 0:
+                _check(q, k, v, kv_cache)
+                return fused_decode(q, k, v, kv_cache, batch, scale, around)
+            q, k = around.norm_rope(q, k)
+            return around.apply_gate(self.forward(q, k, v, kv_cache, batch, scale))
         _check(q, k, v, kv_cache)
         store_kv(kv_cache, k, v, batch.slot_mapping)
-        if q.shape[0] == batch.seq_lens.shape[0]:  # one token per sequence, told from shapes alone
+        if decode:
             return paged_decode(q, kv_cache, batch.block_tables, batch.seq_lens, scale)
         max_q = max(batch.query_lens_cpu)
         return paged_extend(

@@ -5,6 +5,11 @@ decoder stack (GDN and attention layers) run both ways.
 The torch path is the same module with its fused hook switched off, so both sides see the same
 tensors. bf16 must agree to a couple of ulps (the rounding points are the torch ones; only fp32
 reduction order and cos/sin/exp ulps differ), fp32 to a few fp32 ulps. Marked ``gpu``.
+
+The fused attention decode step (``triton_paged.FUSED_DECODE``: the cache write inside the q/k
+norm + rope kernel, the gate inside the attention kernels) is held to the unfused Triton step bit
+for bit instead, cache and output, eager and in a CUDA graph, and an engine's tokens and log-probs
+with it on to those with it off.
 """
 
 from __future__ import annotations
@@ -147,6 +152,94 @@ def test_qk_norm_rope_and_gate(torch_path, dtype, t, shape):
         assert_ulp_close(got, want)
 
 
+def attention_layer(shape, dtype: torch.dtype, hidden: int = 256) -> attention_module.QKNormAttention:
+    """A QK-normed attention layer built as the engine builds one (parameters in ``dtype``, the
+    rotary frequencies fp32), every parameter random."""
+    from ft.distributed import TPInfo, tp_context
+
+    d, rot, hq, hkv, output_gate, zc = shape
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with tp_context(TPInfo(0, 1)), torch.device("cuda"):
+            layer = attention_module.QKNormAttention(hidden, hq, hkv, d, rot, 1e7, 1e-6, zc, output_gate)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.dim() < 2:
+                p.copy_(torch.randn(p.shape) * 0.2 + (0.0 if zc else 1.0))
+            else:
+                p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
+    return layer
+
+
+def count_calls(monkeypatch, targets) -> list[str]:
+    """Wrap each (module, name) so that a call appends its name to the list returned."""
+    calls: list[str] = []
+    for module, name in targets:
+        fn = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw)
+        )
+    return calls
+
+
+@gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("splits", [1, 4, None], ids=["1split", "4splits", "auto"])
+# fp16 beside bf16: both take the 16-bit kernels' tiles (fp32 heads of 256 were never tried here)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", ATTENTION, ids=["next", "qwen3-30b", "tiny"])
+def test_fused_attention_decode_step(monkeypatch, shape, dtype, splits, graph):
+    """A decode step of the layer with ``FUSED_DECODE`` leaves the same KV cache and returns the
+    same output as without, bit for bit: five real sequences (one at context 0) and two padding
+    rows (slot -1), KV splits as chosen or forced; the unfused launches are not made."""
+    pytest.importorskip("triton")
+    from ft.attention import triton_paged
+    from ft.forward_context import ForwardContext, forward_context
+    from tests.test_attention_fusions_interp import PAGE, decode_batch
+
+    torch.manual_seed(0)
+    d, hkv = shape[0], shape[3]
+    layer = attention_layer(shape, dtype)
+    batch, num_blocks = decode_batch([0, 5, 37, 300, 1000], 2, torch.Generator().manual_seed(1), "cuda")
+    x = rand(batch.seq_lens.shape[0], 256, dtype=dtype)
+    cache = rand(2, num_blocks, PAGE, hkv, d, dtype=dtype)
+    if splits is not None:
+        monkeypatch.setattr(triton_paged, "num_splits_for", lambda *a: splits)
+    targets = [
+        (triton_paged, "store_kv"),
+        (triton_paged, "fused_decode"),
+        (attention_module, "fused_sigmoid_gate"),
+    ]
+    calls = count_calls(monkeypatch, targets)
+
+    def step():
+        with forward_context(ForwardContext(batch, triton_paged.TritonAttention(), None)):
+            return layer(batch.positions, x)
+
+    monkeypatch.setattr(triton_paged, "FUSED_DECODE", False)
+    with torch.no_grad():
+        layer.kv_cache = want_cache = cache.clone()
+        want = step()
+        assert calls == ["store_kv"] + (["fused_sigmoid_gate"] if layer.output_gate else []), calls
+        calls.clear()
+        monkeypatch.setattr(triton_paged, "FUSED_DECODE", True)
+        layer.kv_cache = got_cache = cache.clone()
+        got = step()
+        if graph:  # captured after the eager step (which compiled the kernels), replayed on a fresh cache
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = step()
+            got_cache.copy_(cache)
+            g.replay()
+        torch.cuda.synchronize()
+    assert calls == ["fused_decode"] * (2 if graph else 1), calls
+    assert torch.equal(got_cache, want_cache), "the fused step wrote a different KV cache"
+    assert got.dtype == want.dtype and torch.equal(got, want), (got - want).abs().max()
+
+
 def tiny_stack(dtype):
     """A Qwen3-Next-shaped DecoderModel (GDN, attention, GDN, attention) with dense MLPs."""
     from ft.distributed import TPInfo, tp_context
@@ -247,3 +340,29 @@ def test_decoder_stack(torch_path, dtype):
         want = run()
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert rel < (1e-2 if dtype == torch.bfloat16 else 1e-4), rel
+
+
+@gpu
+def test_fused_attention_decode_changes_no_token(tmp_path, monkeypatch):
+    """A tiny Qwen3-Next (gated attention heads of 16, rotary on a quarter) generates the same
+    tokens and log-probs in bf16 with ``FUSED_DECODE`` as without, graphed and eager."""
+    pytest.importorskip("triton")
+    from ft import LLM, SamplingParams
+    from ft.attention import triton_paged
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint(tmp_path, "qwen3_next", seed=4)
+    prompts = [[5, 17, 3, 88, 41, 9, 2, 60, 33, 71, 12, 50, 7], [30, 1, 64, 19], list(range(1, 40))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    calls = count_calls(monkeypatch, [(triton_paged, "fused_decode")])
+    for options in ({}, {"disable_cuda_graph": True}):
+        runs = []
+        for fused in (False, True):
+            monkeypatch.setattr(triton_paged, "FUSED_DECODE", fused)
+            calls.clear()
+            with LLM(model=str(tmp_path), progress=False, device="cuda", dtype="bfloat16", **options) as llm:
+                runs.append(llm.generate(prompts, params))
+            assert bool(calls) == fused, (options, fused, len(calls))
+        for a, b in zip(*runs):
+            assert a.token_ids == b.token_ids, options
+            assert a.logprobs == b.logprobs, options

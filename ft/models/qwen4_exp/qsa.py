@@ -23,7 +23,7 @@ from torch import nn
 
 from ft.attention.qsa_torch import block_sparse_attention
 from ft.forward_context import ForwardBatch, get_forward_context
-from ft.layers.attention import QKNormAttention
+from ft.layers.attention import QKNormAttention, QKNormGate
 from ft.layers.linear import ReplicatedLinear
 from ft.layers.norm import RMSNorm
 from ft.models.config import ModelConfig
@@ -126,7 +126,11 @@ class QSAAttention(QKNormAttention):
     def extra_paged_caches(self) -> dict[str, tuple[int, ...]]:
         return {"index_keys": (self.indexer.head_dim,)}
 
-    def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, around: QKNormGate
+    ) -> torch.Tensor:
         batch = get_forward_context().batch
         masks = self.indexer.select(x, self.index_keys, batch, self.block_size, self.local_blocks, self.topk)
-        return block_sparse_attention(q, k, v, self.kv_cache, batch, self.scale, masks, self.block_size)
+        q, k = around.norm_rope(q, k)
+        out = block_sparse_attention(q, k, v, self.kv_cache, batch, self.scale, masks, self.block_size)
+        return around.apply_gate(out)
