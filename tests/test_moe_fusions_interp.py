@@ -1,5 +1,5 @@
-"""The MoE block's Triton kernels, and the attention's q/k norm + rope, run by Triton's interpreter
-on CPU tensors.
+"""The MoE block's Triton kernels, the attention's q/k norm + rope, the split-K dense GEMV and the
+router GEMV with its top-k epilogue, run by Triton's interpreter on CPU tensors.
 
 Skipped where triton is not installed (CPU CI); ``tests/gpu/test_moe_fusions.py`` checks the
 compiled kernels on a GPU. The interpreter is chosen when a kernel is decorated, so each check
@@ -9,7 +9,9 @@ rounds to nearest, so exact rounding is checked in fp16 and fp32 only.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-    pytest.mark.slow,  # the interpreter runs a program at a time: ~30 s in all
+    pytest.mark.slow,  # the interpreter runs a program at a time: ~1 min in all
 ]
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,8 +201,139 @@ def check_moe_gemv_shared_pair() -> None:
     torch.testing.assert_close(fused, alone.bfloat16().float(), atol=0, rtol=2**-7)
 
 
+@contextlib.contextmanager
+def programs_shuffled(seed: int):
+    """Each launch's programs in a random order: the interpreter runs them one at a time in grid
+    order, so without this the split-K kernels' last ticket always falls to the last split."""
+    from triton.runtime import interpreter
+
+    builder, gen, order = interpreter.interpreter_builder, torch.Generator().manual_seed(seed), []
+    real = builder.set_grid_idx
+
+    def set_grid_idx(x: int, y: int, z: int) -> None:
+        _, gy, gz = builder.grid_dim
+        i = (x * gy + y) * gz + z
+        if i == 0:  # a new launch
+            order[:] = torch.randperm(math.prod(builder.grid_dim), generator=gen).tolist()
+        j = order[i]
+        real(j // (gy * gz), j // gz % gy, j % gz)
+
+    builder.set_grid_idx = set_grid_idx
+    try:
+        yield
+    finally:
+        del builder.set_grid_idx  # the class's method again
+
+
+def check_split_k_gemv() -> None:
+    """The split-K GEMV (``launch_gemv(x, w, splits)``): on integer operands, whose fp32 sums are
+    exact in any order, it equals the product rounded once to fp16, bit for bit; on random ones it
+    is within an fp16 ulp of it, the same bits on a second call and with its programs run in a
+    random order (the partials are summed in split order, not finishing order), and it leaves
+    every ticket counter at zero. M = 1..4, 1..8 splits, N and K off the block sizes."""
+    from ft.layers import triton_gemv
+
+    gen = torch.Generator().manual_seed(3)
+    cases = [
+        (40, 64, 1, 1),
+        (70, 300, 3, 3),
+        (100, 1000, 2, 5),
+        (33, 700, 4, 7),
+        (1030, 512, 1, 2),
+        (16, 2000, 4, 8),
+        (513, 2048, 4, 8),
+        (24, 4104, 2, 6),
+        (70, 300, 1, 4),
+    ]  # (N, K, M, splits)
+    planned = set()
+    for n, k, m, splits in cases:
+        plan = triton_gemv.plan(n, k, splits)
+        planned.add(plan.splits)
+        xi = torch.randint(-3, 4, (m, k), generator=gen).half()
+        wi = torch.randint(-3, 4, (n, k), generator=gen).half()
+        exact = (xi.float() @ wi.float().T).half()  # |sums| < 2^24: exact in fp32, rounded once
+        assert torch.equal(triton_gemv.launch_gemv(xi, wi, splits), exact), (n, k, m, splits)
+        x = torch.randn(m, k, generator=gen).half()
+        w = (torch.randn(n, k, generator=gen) * k**-0.5).half()
+        got = triton_gemv.launch_gemv(x, w, splits)
+        ref = x.double() @ w.double().T
+        assert got.shape == (m, n) and got.dtype == torch.float16
+        torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=2**-10)  # an fp16 ulp
+        assert torch.equal(triton_gemv.launch_gemv(x, w, splits), got), "a second call differs"
+        with programs_shuffled(n + k):
+            assert torch.equal(triton_gemv.launch_gemv(x, w, splits), got), "order changed the bits"
+        assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
+    assert planned == set(range(1, 9)), planned
+    cpu = torch.device("cpu")  # taken for 132 SMs: about two programs per SM
+    shapes = {(2048, 4096): 2, (513, 2048): 8, (1024, 2048): 4, (12352, 2048): 1, (9216, 2048): 1}
+    assert {s: triton_gemv.balanced_splits(*s, cpu) for s in shapes} == shapes
+    triton_gemv.SPLIT_K = False
+    assert triton_gemv.splits_for(513, 2048, cpu) == 1, "SPLIT_K off splits nothing"
+
+
+def exact_router_operands(t: int, e: int, h: int, shared_gate: bool, seed: int, dtype=torch.float16):
+    """x [T, H], w [E (+ 1), H] (exact in fp16 and bf16) whose expert logits are the tie-free k/64
+    of ``tie_free_logits`` in any order of summation, and those logits [T, E]: token t's are the
+    fractions k/64 mod 1 from input column t plus the whole parts from column H/2 + t, two K splits."""
+    torch.manual_seed(seed)
+    logits = tie_free_logits(t, e, torch.float32)  # [T, E]
+    whole = torch.floor(logits)
+    x, w = torch.zeros(t, h), torch.zeros(e + shared_gate, h)
+    rows = torch.arange(t)
+    x[rows, rows] = x[rows, h // 2 + rows] = 1.0
+    w[:e, :t], w[:e, h // 2 : h // 2 + t] = (logits - whole).T, whole.T
+    if shared_gate:
+        w[e] = torch.randn(h) * h**-0.5
+    return x.to(dtype), w.to(dtype), logits
+
+
+def check_fused_router() -> None:
+    """The router GEMV with its top-k softmax epilogue (``launch_router_topk``) equals
+    ``launch_gemv`` with the same splits then ``launch_softmax_topk``: the same ids, the weights
+    to 1e-6, the gate logit (the last weight row) the same bits; on exact tie-free logits also
+    ``route``'s ids. Qwen3-Next's 512 experts + gate, top-10, and 128 experts, top-8, no gate;
+    1..4 tokens, programs in a random order, the ticket counters zero after."""
+    from ft.layers import triton_gemv
+    from ft.moe.kernels.triton_router import launch_softmax_topk
+    from ft.moe.kernels.triton_router_gemv import launch_router_topk
+    from ft.moe.router import route
+
+    gen = torch.Generator().manual_seed(4)
+    for (e, k, gate), t, h, renormalize in (
+        ((512, 10, True), 1, 2048, True),
+        ((512, 10, True), 2, 512, False),
+        ((512, 10, True), 3, 512, True),
+        ((512, 10, True), 4, 2048, True),
+        ((128, 8, False), 1, 512, True),
+        ((128, 8, False), 2, 300, True),
+        ((128, 8, False), 3, 512, False),
+        ((128, 8, False), 4, 1000, True),
+    ):
+        x = torch.randn(t, h, generator=gen).half()
+        w = (torch.randn(e + gate, h, generator=gen) * h**-0.5).half()
+        splits = triton_gemv.balanced_splits(e + gate, h, x.device)
+        with programs_shuffled(t * e):
+            weights, ids, shared = launch_router_topk(x, w, k, renormalize, gate)
+        logits = triton_gemv.launch_gemv(x, w, splits)
+        ref_w, ref_ids = launch_softmax_topk(logits[:, :e], k, renormalize)
+        assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids), (e, t)
+        torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-6)
+        if gate:
+            assert shared.shape == (t, 1) and shared.dtype == x.dtype and torch.equal(shared, logits[:, e:])
+        else:
+            assert shared is None
+        assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
+        x, w, exact = exact_router_operands(t, e, h, gate, seed=t + e)
+        weights, ids, _ = launch_router_topk(x, w, k, renormalize, gate)
+        ref_w, ref_ids = route(exact, k, renormalize)
+        assert torch.equal(ids, ref_ids), (e, t)
+        torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-6)
+
+
 CHECKS = [
     "check_router",
+    "check_split_k_gemv",
+    "check_fused_router",
     "check_sums",
     "check_silu_and_mul",
     "check_moe_gemv_pairs",

@@ -15,9 +15,26 @@ no bytes.
 weights, Qwen3-Next shapes, Triton vs cuBLAS): the six projections of a layer sum to 50.2 vs
 58.4 us at M=1 and 53.2 vs 64.8 us at M=4; cuBLAS wins only the 513-row router at M=1 (3.5 vs
 4.9 us) and qkv by 0.4 us. Not here: bias, fp32 weights, quantised weights, M > 16.
+
+Split over K (``SPLIT_K``, off by default): out_proj's 128 programs reach 45% of HBM bandwidth
+and the router's 33 about 10% (docs/benchmarks.md), too few programs to keep 132 SMs' loads in
+flight. The split kernel's grid is (column blocks, splits); each program stores its fp32 partial
+product into a workspace [splits, M, N] and draws a ticket from its column block's counter. The
+program with the last ticket sums the partials in split order 0, 1, ... (the same bits whichever
+program finished last), writes the output and sets the counter back to 0, so the counters are
+zero between calls and across CUDA-graph replays. No program waits for another (no spinning).
+Ordering: Triton runs a scalar atomic in one thread, so a CTA barrier puts every thread's partial
+stores before that thread's acq_rel (GPU scope) ticket; the ticket reaches the other threads
+through shared memory behind a barrier, and the last program reads the partials from L2 (.cg).
+The counters are one buffer per device (``tickets``): split launches on a device must not overlap
+(one stream; with PDL every kernel still waits for its predecessor's end first thing).
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -32,9 +49,71 @@ WIDE = (32, 256, 4, 3)  # in_proj 12352 x 2048 15.4 us, qkv 9216 x 2048 12.8 us 
 NARROW = (16, 512, 4, 4)  # out_proj 2048 x 4096 8.8 us, shared expert 1024 x 2048 5.1 us at M=1
 WIDE_N = 4096  # output columns from which a projection takes WIDE
 
+# OFF until timed on a GPU: the split kernel has run only under Triton's CPU interpreter, NOT yet
+# on a GPU. FT_GEMV_SPLIT_K=1 turns it on for a process and the ranks it spawns.
+SPLIT_K = os.environ.get("FT_GEMV_SPLIT_K", "0") != "0"
+PROGRAMS_PER_SM = 2  # split until a projection has about this many programs per SM
+MAX_SPLITS = 8
+MIN_SPLIT_K = 256  # inputs one split reads at the least
+COUNTERS = 1 << 16  # tickets per device: one per column block (and one per launch for the router)
+
 
 def config(n: int) -> tuple[int, int, int, int]:
     return WIDE if n >= WIDE_N else NARROW
+
+
+@triton.jit
+def gemv_tile(
+    x, w, n, M, N, k_lo, k_hi, s_xm, s_wn,
+    M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    # x[:, k_lo:k_hi] @ w[n, k_lo:k_hi].T as fp32 [M_P, BN]; EVEN_K: every step is whole
+    m = tl.arange(0, M_P)
+    kk = tl.arange(0, BLOCK_K)
+    nmask, mmask = n < N, m < M
+    x_ptr = x + m[:, None].to(tl.int64) * s_xm + (k_lo + kk)[None, :]  # [M_P, BK]
+    w_ptr = w + n[:, None].to(tl.int64) * s_wn + (k_lo + kk)[None, :]  # [BN, BK]
+    acc = tl.zeros([M_P, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
+            wt = tl.load(w_ptr, mask=nmask[:, None], other=0.0)
+        else:
+            kmask = (kk < k_hi - k0)[None, :]
+            xt = tl.load(x_ptr, mask=mmask[:, None] & kmask, other=0.0)
+            wt = tl.load(w_ptr, mask=nmask[:, None] & kmask, other=0.0)
+        acc += tl.dot(xt, tl.trans(wt))  # [M_P, BN], fp32
+        x_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    return acc
+
+
+@triton.jit
+def split_k_sum(
+    x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn,
+    M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    # This program's partial over K_SPLIT inputs into ws[split]; returns (last, total): whether it
+    # drew its column block's last ticket, and then the partials summed in split order.
+    split = tl.program_id(1)
+    k_lo = split * K_SPLIT
+    acc = gemv_tile(x, w, n, M, N, k_lo, tl.minimum(K, k_lo + K_SPLIT), s_xm, s_wn, M_P, BLOCK_N,
+                    BLOCK_K, EVEN_K)  # fmt: skip
+    m = tl.arange(0, M_P)
+    mask = (m < M)[:, None] & (n < N)[None, :]
+    part = ws + m[:, None] * N + n[None, :]  # [M_P, BN] in one split's [M, N]
+    tl.store(part + split * M * N, acc, mask=mask)
+    # the ticket is one thread's atomic: the barrier puts every thread's stores before its release
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counters + tl.program_id(0), 1, sem="acq_rel")
+    last = ticket == SPLITS - 1
+    total = tl.zeros([M_P, BLOCK_N], tl.float32)
+    if last:  # the others' partials: past the acquire, read from L2 (.cg), not a stale L1 line
+        for s in tl.static_range(SPLITS):
+            total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(counters + tl.program_id(0), 0)  # every ticket is drawn: clean for the next call
+    return last, total
 
 
 @triton.jit
@@ -46,45 +125,115 @@ def _gemv_kernel(
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_P)
-    kk = tl.arange(0, BLOCK_K)
-    nmask, mmask = n < N, m < M
-    x_ptr = x + m[:, None].to(tl.int64) * s_xm + kk[None, :]  # [M_P, BK]
-    w_ptr = w + n[:, None].to(tl.int64) * s_wn + kk[None, :]  # [BN, BK]
-    acc = tl.zeros([M_P, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
-            wt = tl.load(w_ptr, mask=nmask[:, None], other=0.0)
-        else:
-            kmask = (kk < K - k0)[None, :]
-            xt = tl.load(x_ptr, mask=mmask[:, None] & kmask, other=0.0)
-            wt = tl.load(w_ptr, mask=nmask[:, None] & kmask, other=0.0)
-        acc += tl.dot(xt, tl.trans(wt))  # [M_P, BN], fp32
-        x_ptr += BLOCK_K
-        w_ptr += BLOCK_K
+    acc = gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
     o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]
-    tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
 
 
-def launch_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K], w [N, K] -> [M, N] in x's dtype; checks and launches without the device check
-    (the Triton interpreter runs it on CPU tensors)."""
+@triton.jit
+def _gemv_split_k_kernel(
+    x, w, out, ws, counters, M, N, K, K_SPLIT, s_xm, s_wn, s_om,
+    M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    wait_for_previous(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    last, total = split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P, BLOCK_N,
+                              BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
+    if last:
+        m = tl.arange(0, M_P)
+        o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]
+        tl.store(o_ptr, total.to(out.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def balanced_splits(n: int, k: int, device: torch.device) -> int:
+    """K splits that give an [N, K] product about PROGRAMS_PER_SM programs per SM."""
+    blocks = triton.cdiv(n, config(n)[0])
+    return max(1, min(MAX_SPLITS, PROGRAMS_PER_SM * _sms(device) // blocks, k // MIN_SPLIT_K))
+
+
+def splits_for(n: int, k: int, device: torch.device) -> int:
+    """The K splits ``launch_gemv`` takes for an [N, K] weight: 1 (no split) unless ``SPLIT_K``."""
+    return balanced_splits(n, k, device) if SPLIT_K else 1
+
+
+class Plan(NamedTuple):
+    """A launch's tiles: splits of K_SPLIT inputs (a multiple of BLOCK_K; the last may be short)."""
+
+    blocks: int  # column blocks of BLOCK_N
+    block_n: int
+    block_k: int
+    k_split: int
+    splits: int
+    even_k: bool
+    num_warps: int
+    num_stages: int
+
+
+def plan(n: int, k: int, splits: int) -> Plan:
+    """Tiles for ``splits`` splits of K; the largest BLOCK_K that keeps that many, else fewer."""
+    block_n, max_block_k, num_warps, num_stages = config(n)
+    block_k = min(max_block_k, max(16, triton.next_power_of_2(triton.cdiv(k, splits))))
+    while True:
+        k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
+        if triton.cdiv(k, k_split) == splits or block_k == 16:
+            break
+        block_k //= 2
+    blocks = triton.cdiv(n, block_n)
+    return Plan(blocks, block_n, block_k, k_split, triton.cdiv(k, k_split), k % block_k == 0, num_warps,
+                num_stages)  # fmt: skip
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def tickets(device: torch.device) -> torch.Tensor:
+    """The device's zeroed int32 counters, made on first use (an eager call, before any capture:
+    a buffer made inside a capture would live in the graph's pool)."""
+    if device not in _TICKETS:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        assert not capturing, "the first split-K launch on a device must run eagerly, before capture"
+        _TICKETS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # zeroed before any stream draws a ticket
+    return _TICKETS[device]
+
+
+def check_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M <= MAX_M, K] and w [N, K] of one bf16/fp16 dtype, with unit inner strides."""
     m, k = x.shape
-    n, kw = w.shape
     shapes = f"x {tuple(x.shape)} and w {tuple(w.shape)}: need [M <= {MAX_M}, K] and [N, K]"
-    assert kw == k and 0 < m <= MAX_M, shapes
+    assert w.dim() == 2 and w.shape[1] == k and 0 < m <= MAX_M, shapes
     assert x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16), (
         f"x and w must share a bf16/fp16 dtype, got {x.dtype} and {w.dtype}"
     )
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w = w if w.stride(-1) == 1 else w.contiguous()
+    return x if x.stride(-1) == 1 else x.contiguous(), w if w.stride(-1) == 1 else w.contiguous()
+
+
+def launch_gemv(x: torch.Tensor, w: torch.Tensor, splits: int = 0) -> torch.Tensor:
+    """x [M, K], w [N, K] -> [M, N] in x's dtype, over ``splits`` K splits (0: ``splits_for``);
+    checks and launches without the device check (the Triton interpreter runs it on CPU tensors)."""
+    x, w = check_operands(x, w)
+    (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, max_block_k, num_warps, num_stages = config(n)
-    block_k = min(max_block_k, max(16, triton.next_power_of_2(k)))
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        M_P=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(x),
+    p = plan(n, k, splits or splits_for(n, k, x.device))
+    common = dict(M_P=MAX_M, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_K=p.even_k,
+                  num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x))  # fmt: skip
+    if p.splits == 1:
+        _gemv_kernel[(p.blocks,)](
+            x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), **common
+        )  # fmt: skip
+        return out
+    assert p.blocks <= COUNTERS and p.splits * m * n < 2**31, f"N={n} x M={m} too large to split"
+    ws = torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device)  # the partials
+    _gemv_split_k_kernel[(p.blocks, p.splits)](
+        x, w, out, ws, tickets(x.device), m, n, k, p.k_split, x.stride(0), w.stride(0), out.stride(0),
+        SPLITS=p.splits, **common,
     )  # fmt: skip
     return out
 

@@ -7,7 +7,10 @@ GEMM of its own is two kernels and their launch gaps per layer).
 
 ``route`` is the reference in torch ops; on a GPU the router runs ``triton_router.softmax_topk``,
 one kernel with the same results (ids equal, weights to fp32 rounding) instead of about six.
-Both read the first E columns of the logits as a strided view, without a copy.
+Both read the first E columns of the logits as a strided view, without a copy. With
+``triton_router_gemv.FUSED_ROUTER`` on (off by default, not yet timed on a GPU) a decode batch's
+GEMV and top-k are one launch instead: logits rounded once to x's dtype as ``dense``'s (the
+same bits when ``dense`` splits K the same way, ``triton_gemv.SPLIT_K``), the same top-k maths.
 
 The weight's storage is padded to a multiple of ``ALIGN_ROWS`` rows (513 -> 520 for Qwen3-Next),
 so the logits' rows are 16-byte aligned: with a 513-wide output cuBLAS falls back to an unaligned
@@ -26,9 +29,10 @@ from ft.layers.loading import new_param
 from ft.utils import round_up
 
 try:  # one fused kernel instead of softmax, top-k, sum and divide; used for tensors on a GPU
+    from ft.moe.kernels import triton_router_gemv
     from ft.moe.kernels.triton_router import softmax_topk
 except ImportError:  # no triton (CPU-only installs)
-    softmax_topk = None
+    softmax_topk = triton_router_gemv = None
 
 ALIGN_ROWS = 8  # bf16 logits rows a multiple of 16 bytes
 # Above this many tokens the GEMM runs over the padded rows: H200, 2026-11-30, 513 vs 520 rows:
@@ -55,6 +59,9 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int64, largest weight first;
         the shared expert's gate logit [T, 1], or None without a shared gate)."""
+        fused = triton_router_gemv
+        if fused is not None and fused.takes_fused(x, self.weight):  # a decode batch: one launch
+            return fused.router_topk(x, self.weight, self.top_k, self.renormalize, self.shared_gate)
         e = self.weight.shape[0] - self.shared_gate
         # the padded storage for prefill-sized batches on a GPU, unless the parameter was given new
         # storage since; decode batches keep the parameter (at T = 1 the 520-row GEMV timed 23.3 us

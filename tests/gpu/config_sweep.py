@@ -1,10 +1,11 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
-    python tests/gpu/config_sweep.py [gemv] [moe_gemv] [grouped] [conv] [extend]   (all when none named)
+    python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [grouped] [conv] [extend]
 
-Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b, FT_SWEEP_MOE=E,I,H,k (Qwen3-30B:
-128,768,2048,8), FT_SWEEP_ATTN=Hq,Hkv,d (Qwen3-30B: 32,4,128); FT_SWEEP_GROUPED_T=1024,8192 times
-the grouped GEMM at prefill sizes.
+(all sections when none is named). Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b,
+FT_SWEEP_MOE=E,I,H,k (Qwen3-30B: 128,768,2048,8; also the router section's E, H, k),
+FT_SWEEP_ATTN=Hq,Hkv,d (Qwen3-30B: 32,4,128); FT_SWEEP_GROUPED_T=1024,8192 times the grouped GEMM
+at prefill sizes; FT_SWEEP_SPLITS=1,2,4,8 the K splits the split-K GEMV and fused router sections try.
 
 Each section sets its kernel's module constants to every config of a small grid, times each shape
 with ``kernel_timings.bench_series`` (a CUDA graph of calls back to back over distinct weights or
@@ -36,9 +37,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from ft.forward_context import ForwardBatch  # noqa: E402
 from ft.gdn import triton_conv  # noqa: E402
 from ft.layers import triton_gemv  # noqa: E402
-from ft.moe.kernels import triton_moe, triton_moe_gemv, triton_w4a16  # noqa: E402
+from ft.moe.kernels import triton_moe, triton_moe_gemv, triton_router, triton_router_gemv, triton_w4a16  # noqa: E402
 from tests.gpu.kernel_timings import bench_series, routings, series_copies  # noqa: E402
 from tests.nvfp4.test_w4a16_gpu import random_bank  # noqa: E402
+from tests.test_moe_fusions_interp import exact_router_operands  # noqa: E402
 
 DRY = "--dry-run" in sys.argv
 DEV = "cpu" if DRY else "cuda"
@@ -135,6 +137,73 @@ def sweep_gemv() -> None:
             print(f"  M={m} {name}: cuBLAS {times['cuBLAS'] or float('nan'):.1f} us", flush=True)
             del ws
     report("dense GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, NUM_STAGES)", shipped, rows)
+
+
+# ---------------------------------------------------------------- split-K GEMV and the fused router
+
+SPLITS = [int(v) for v in os.environ.get("FT_SWEEP_SPLITS", "1,2,3,4,6,8,12,16").split(",")]
+
+
+def sweep_split_k() -> None:
+    """``triton_gemv``'s split-K kernel (``SPLIT_K``: off until timed here) at M = 1, 2, 4 over
+    FT_SWEEP_SPLITS (1: the unsplit kernel; a config is the splits ``plan`` makes of a request),
+    beside cuBLAS. Shipped: what ``balanced_splits`` takes with the switch on."""
+    shapes = {"out_proj 2048x4096": (2048, 4096), "router 513x2048": (513, 2048),
+              "in_proj 12352x2048": (12352, 2048), "attn qkv 9216x2048": (9216, 2048)}  # fmt: skip
+    if DRY:
+        shapes = {"tiny 40x512": (40, 512)}
+    mod = triton_gemv
+    rows, shipped = {}, {}
+    for m in (1, 2, 4):
+        for name, (n, k) in shapes.items():
+            x = torch.randn(m, k, device=DEV).to(DTYPE)
+            ws = [(torch.randn(n, k, device=DEV) * k**-0.5).to(DTYPE) for _ in range(copies(n * k * 2))]
+            want = F.linear(x.float(), ws[0].float())
+            key = f"M={m} {name}"
+            times = {"cuBLAS": None if DRY else timer([P(F.linear, x, w) for w in ws])}
+            shipped[key] = (mod.plan(n, k, mod.balanced_splits(n, k, x.device)).splits,)
+            for s in dict.fromkeys([shipped[key][0], *(mod.plan(n, k, s).splits for s in SPLITS)]):
+                calls = [P(mod.launch_gemv, x, w, s) for w in ws]
+                times[(s,)] = try_config(calls[0], want, calls, 2e-2)
+            rows[key] = times
+            del ws
+    report("split-K GEMV (splits; 1: the unsplit kernel)", shipped, rows)
+
+
+def gemv_then_topk(x, w, product, e: int, k: int):
+    return triton_router.launch_softmax_topk(product(x, w)[:, :e], k, True)
+
+
+def first_of(fn, *args, **kwargs):
+    return fn(*args, **kwargs)[0]
+
+
+def sweep_router() -> None:
+    """The fused router (``triton_router_gemv``, ``FUSED_ROUTER``: off until timed here) at T = 1,
+    2, 4 over FT_SWEEP_SPLITS, beside the two launches it replaces: the unsplit GEMV (``dense``'s
+    path) or cuBLAS, then ``softmax_topk``. E, H, k from FT_SWEEP_MOE; the shared expert's gate
+    row with 512 experts (Qwen3-Next). Each config's weights are checked on tie-free exact logits."""
+    e, _, h, k = (16, 0, 64, 4) if DRY else MOE_SHAPE
+    gate, n = e == 512, e + (e == 512)
+    unsplit = P(triton_gemv.launch_gemv, splits=1)
+    rows, shipped = {}, {}
+    for t in (1, 2, 4):
+        x = torch.randn(t, h, device=DEV).to(DTYPE)
+        ws = [(torch.randn(n, h, device=DEV) * h**-0.5).to(DTYPE) for _ in range(copies(n * h * 2))]
+        xe, we, exact = (a.to(DEV) for a in exact_router_operands(t, e, h, gate, seed=t, dtype=DTYPE))
+        want = triton_router.launch_softmax_topk(exact, k, True)[0]
+        key = f"T={t} E={e} k={k} H={h}"
+        times = {"GEMV + softmax_topk": timer([P(gemv_then_topk, x, w, unsplit, e, k) for w in ws])}
+        if not DRY:
+            times["cuBLAS + softmax_topk"] = timer([P(gemv_then_topk, x, w, F.linear, e, k) for w in ws])
+        shipped[key] = (triton_gemv.plan(n, h, triton_gemv.balanced_splits(n, h, x.device)).splits,)
+        for s in dict.fromkeys([shipped[key][0], *(triton_gemv.plan(n, h, s).splits for s in SPLITS)]):
+            fused = P(triton_router_gemv.launch_router_topk, top_k=k, renormalize=True, shared_gate=gate)
+            calls = [P(fused, x, w, splits=s) for w in ws]
+            times[(s,)] = try_config(P(first_of, fused, xe, we, splits=s), want, calls, 1e-5)
+        rows[key] = times
+        del ws
+    report("fused router GEMV + top-k (splits)", shipped, rows)
 
 
 # ---------------------------------------------------------------- MoE at decode sizes
@@ -321,8 +390,8 @@ def sweep_extend() -> None:
     report("extend attention (BLOCK_M, BLOCK_N, warps, stages)", shipped, rows)
 
 
-SECTIONS = {"gemv": sweep_gemv, "moe_gemv": sweep_moe_gemv, "grouped": sweep_grouped, "conv": sweep_conv,
-            "extend": sweep_extend}  # fmt: skip
+SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router, "moe_gemv": sweep_moe_gemv,
+            "grouped": sweep_grouped, "conv": sweep_conv, "extend": sweep_extend}  # fmt: skip
 
 
 def main() -> None:

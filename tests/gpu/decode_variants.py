@@ -30,7 +30,11 @@ from tests.gpu.profiling import logger  # noqa: E402
 SWITCHES = [
     "ft.gdn.triton_conv:DECODE_ONE_LAUNCH",
     "ft.moe.kernels.triton_moe_gemv:IDS_AHEAD",
+    "ft.moe.kernels.triton_moe_gemv:PIPELINE",
     "ft.moe.kernels.triton_moe_gemv:FP4_GROUPS",
+    "ft.layers.triton_gemv:SPLIT_K",
+    "ft.moe.kernels.triton_router_gemv:FUSED_ROUTER",
+    "ft.attention.triton_paged:FUSED_DECODE",
 ]
 
 

@@ -1,6 +1,8 @@
 """The Triton GEMV for decode-sized dense products equals the fp32 product within bf16 rounding and
 agrees with cuBLAS on the GPU (marker ``gpu``): Qwen3-Next's projection shapes, K and N tails,
-1..16 rows, strided rows, the dispatch in ``ft.layers.linear.dense`` and CUDA-graph capture."""
+1..16 rows, strided rows, the dispatch in ``ft.layers.linear.dense`` and CUDA-graph capture; the
+split-K kernel (``SPLIT_K``) within bf16 rounding of the unsplit one, the same bits call after call
+and replay after replay."""
 
 from __future__ import annotations
 
@@ -68,3 +70,52 @@ def test_cuda_graph_replays_new_inputs():
     x.copy_(x2)
     graph.replay()
     assert torch.equal(out, gemv(x2, w))
+
+
+SPLIT_SHAPES = [(2048, 4096), (513, 2048), (12352, 2048), (9216, 2048), (1024, 2048), (70, 300)]
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("n,k", SPLIT_SHAPES)
+def test_split_k_equals_the_unsplit_gemv(m, n, k, monkeypatch):
+    """With ``SPLIT_K`` on, ``gemv`` splits K as ``splits_for`` says (the shapes that have enough
+    programs stay whole) and ``launch_gemv`` as told: within bf16 rounding of the unsplit GEMV."""
+    pytest.importorskip("triton")
+    from ft.layers import triton_gemv
+
+    x, w = operands(m, n, k, seed=m + n + k)
+    whole = triton_gemv.launch_gemv(x, w, splits=1)
+    monkeypatch.setattr(triton_gemv, "SPLIT_K", True)
+    for got in [triton_gemv.gemv(x, w)] + [triton_gemv.launch_gemv(x, w, s) for s in (2, 3, 8)]:
+        assert got.shape == (m, n) and got.dtype == x.dtype
+        assert rel_err(got, x.float() @ w.float().T) < 4e-3
+        assert rel_err(got, whole) < 6e-3
+    assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
+
+
+@pytest.mark.parametrize("n,k", [(2048, 4096), (513, 2048)])
+def test_split_k_is_deterministic_and_replays_in_a_cuda_graph(n, k, monkeypatch):
+    """The partials are summed in split order, not finishing order: three calls give the same
+    bits, and so does a captured call replayed twice (the counters are zero again after each)."""
+    pytest.importorskip("triton")
+    from ft.layers import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "SPLIT_K", True)
+    x, w = operands(4, n, k, seed=7)
+    assert triton_gemv.plan(n, k, triton_gemv.splits_for(n, k, x.device)).splits > 1
+    first = triton_gemv.gemv(x, w)
+    for _ in range(2):
+        assert torch.equal(triton_gemv.gemv(x, w), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_gemv.gemv(x, w)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+        assert not triton_gemv.tickets(x.device).any()
+    x2, _ = operands(4, n, k, seed=8)
+    x.copy_(x2)
+    graph.replay()
+    assert torch.equal(out, triton_gemv.gemv(x2, w))

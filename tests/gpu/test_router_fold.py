@@ -1,6 +1,9 @@
 """The router with the shared expert's gate folded in, on CUDA: the Triton kernels read the [T, E]
 and [T, 1] strided views of the [T, E + 1] logits as they read contiguous tensors, and the fused
-router equals the two separate products. Marked ``gpu``; triton is imported inside the tests.
+router equals the two separate products. The router GEMV with its top-k softmax epilogue
+(``triton_router_gemv``, one launch) against the GEMV then ``softmax_topk``, behind
+``TopKRouter`` with its switch on, and inside a CUDA graph. Marked ``gpu``; triton is imported
+inside the tests.
 """
 
 from __future__ import annotations
@@ -82,3 +85,91 @@ def test_router_over_padded_rows_equals_the_parameter(t):
     ref_w, ref_ids = route(logits[:, :512], 10, True)
     assert (ids == ref_ids).float().mean() > 0.999  # fp32 GEMMs of another shape: rare near-ties
     torch.testing.assert_close(shared_logit, logits[:, 512:], atol=1e-4, rtol=1e-4)
+
+
+FUSED_CASES = [((512, 10, True), 2048), ((128, 8, False), 2048)]  # (E, k, shared gate), H
+
+
+@gpu
+@torch.no_grad()
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_fused_router_equals_the_gemv_then_softmax_topk(case, t, renormalize):
+    """``router_topk`` (the router GEMV split over K, the top-k softmax as its epilogue) against
+    ``launch_gemv`` with the same splits, then ``softmax_topk``: the same logits bits (the gate
+    column), the same ids, weights to 1e-5; the ticket counters zero after."""
+    pytest.importorskip("triton")
+    from ft.layers import triton_gemv
+    from ft.moe.kernels.triton_router import softmax_topk
+    from ft.moe.kernels.triton_router_gemv import router_topk
+
+    (e, k, gate), h = case
+    g = torch.Generator(device="cuda").manual_seed(t + e)
+    x = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(e + gate, h, generator=g, device="cuda") * h**-0.5).to(torch.bfloat16)
+    weights, ids, shared = router_topk(x, w, k, renormalize, gate)
+    logits = triton_gemv.launch_gemv(x, w, triton_gemv.balanced_splits(e + gate, h, x.device))
+    ref_w, ref_ids = softmax_topk(logits[:, :e], k, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, atol=1e-5, rtol=1e-5)
+    assert torch.equal(shared, logits[:, e:]) if gate else shared is None
+    assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
+
+
+@gpu
+@torch.no_grad()
+@pytest.mark.parametrize("t", [1, 4, 5])
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_router_with_the_fused_switch_on_routes_as_the_unfused_path(case, t, monkeypatch):
+    """``TopKRouter`` with ``FUSED_ROUTER`` on takes one launch for up to ``MAX_TOKENS`` bf16
+    tokens (and the unfused path above), giving, on tie-free logits exact in any summation order,
+    the unfused path's ids and weights to 1e-5 and its gate logit to a bf16 rounding."""
+    pytest.importorskip("triton")
+    from ft.moe.kernels import triton_router_gemv
+    from ft.moe.router import TopKRouter, route
+    from tests.test_moe_fusions_interp import exact_router_operands
+
+    (e, k, gate), h = case
+    x, w, exact = (a.cuda() for a in exact_router_operands(t, e, h, gate, seed=t, dtype=torch.bfloat16))
+    with torch.device("cuda"):
+        router = TopKRouter(h, e, k, True, shared_gate=gate).to(torch.bfloat16)
+    router.weight.copy_(w)
+    monkeypatch.setattr(triton_router_gemv, "FUSED_ROUTER", False)
+    unfused = router(x)
+    calls, real = [], triton_router_gemv.router_topk
+    monkeypatch.setattr(triton_router_gemv, "router_topk", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_router_gemv, "FUSED_ROUTER", True)
+    weights, ids, shared = router(x)
+    assert len(calls) == (t <= triton_router_gemv.MAX_TOKENS)
+    ref_w, ref_ids = route(exact, k, True)
+    assert torch.equal(ids, unfused[1]) and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, unfused[0], atol=1e-5, rtol=1e-5)
+    if gate:
+        torch.testing.assert_close(shared, unfused[2], atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@torch.no_grad()
+def test_fused_router_replays_in_a_cuda_graph():
+    """Captured once, replayed twice and on new inputs: the eager call's bits each time, the ticket
+    counters zero after each replay."""
+    pytest.importorskip("triton")
+    from ft.layers import triton_gemv
+    from ft.moe.kernels.triton_router_gemv import router_topk
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(513, 2048, generator=g, device="cuda") * 2048**-0.5).to(torch.bfloat16)
+    eager = router_topk(x, w, 10, True, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = router_topk(x, w, 10, True, True)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, eager))
+        assert not triton_gemv.tickets(x.device).any()
+    x.copy_(torch.randn(4, 2048, generator=g, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(out, router_topk(x, w, 10, True, True)))

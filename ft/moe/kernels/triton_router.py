@@ -14,8 +14,9 @@ where ``sortable`` flips the low 31 bits of a negative fp32 so that signed-integ
 float order. One reduction gives both the largest logit and, among equal logits, the lowest
 expert id (a fixed tie order; ``torch.topk`` leaves it unspecified). The logit comes back out
 of the key exactly, so the weights are computed for the k picks alone. Rows are padded to a
-power of two with -inf. Not here: grouped routing (DeepSeek's expert groups), sigmoid scoring,
-score bias terms.
+power of two with -inf. The maths is ``softmax_topk_rows``, on a block of rows, which
+``triton_router_gemv`` also runs as the epilogue of the router's GEMV. Not here: grouped routing
+(DeepSeek's expert groups), sigmoid scoring, score bias terms.
 """
 
 from __future__ import annotations
@@ -28,6 +29,33 @@ from ft.layers.pdl import pdl_args, wait_for_previous
 
 MAX_EXPERTS = 4096  # one row lives in one program's registers
 MAX_TOP_K = 64  # the k passes are unrolled
+
+
+@triton.jit
+def softmax_topk_rows(x, K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+    # x [R, E_P] fp32 logits, padded with -inf -> (weights [R, K_P] fp32, ids [R, K_P] int64), the
+    # k picks largest first in slots 0 .. K-1 (the fused router's epilogue runs this too)
+    e = tl.arange(0, E_P)[None, :]
+    m = tl.max(x, 1)[:, None]
+    total = tl.sum(tl.exp(x - m), 1)[:, None]  # the softmax denominator
+    bits = x.to(tl.int32, bitcast=True)
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # sortable: signed order == float order
+    key = (order.to(tl.int64) << 32) | (E_P - 1 - e).to(tl.int64)  # [R, E_P], distinct in a row
+    slot = tl.arange(0, K_P)[None, :]
+    picked = tl.full([x.shape[0], K_P], -float("inf"), tl.float32)  # the k largest logits
+    picked_ids = tl.zeros([x.shape[0], K_P], tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(key, 1)[:, None]  # [R, 1]
+        hi = (best >> 32).to(tl.int32)
+        logit = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the flip undone
+        picked = tl.where(slot == j, logit, picked)
+        low = best - (hi.to(tl.int64) << 32)  # E_P - 1 - expert
+        picked_ids = tl.where(slot == j, E_P - 1 - low, picked_ids)
+        key = tl.where(key == best, -0x7FFFFFFFFFFFFFFF, key)  # below every real key
+    p = tl.exp(picked - m) / total  # [R, K_P] softmax of the picks; padded slots are exp(-inf) = 0
+    if RENORMALIZE:
+        p = p / tl.sum(p, 1)[:, None]
+    return p, picked_ids
 
 
 @triton.jit
@@ -45,27 +73,10 @@ def _softmax_topk_kernel(
 ):
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, E_P)
-    x = tl.load(logits + row * s_l + e, mask=e < E, other=-float("inf")).to(tl.float32)  # [E_P]
-    m = tl.max(x, 0)
-    total = tl.sum(tl.exp(x - m), 0)  # the softmax denominator
-    bits = x.to(tl.int32, bitcast=True)
-    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # sortable: signed order == float order
-    key = (order.to(tl.int64) << 32) | (E_P - 1 - e).to(tl.int64)  # [E_P], all distinct
-    slot = tl.arange(0, K_P)
-    picked = tl.full([K_P], -float("inf"), tl.float32)  # the k largest logits
-    picked_ids = tl.zeros([K_P], tl.int64)
-    for j in tl.static_range(K):
-        best = tl.max(key, 0)
-        hi = (best >> 32).to(tl.int32)
-        logit = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the flip undone
-        picked = tl.where(slot == j, logit, picked)
-        low = best - (hi.to(tl.int64) << 32)  # E_P - 1 - expert
-        picked_ids = tl.where(slot == j, E_P - 1 - low, picked_ids)
-        key = tl.where(key == best, -0x7FFFFFFFFFFFFFFF, key)  # below every real key
-    p = tl.exp(picked - m) / total  # [K_P] softmax of the picks; padded slots are exp(-inf) = 0
-    if RENORMALIZE:
-        p = p / tl.sum(p, 0)
+    e = tl.arange(0, E_P)[None, :]
+    x = tl.load(logits + row * s_l + e, mask=e < E, other=-float("inf")).to(tl.float32)  # [1, E_P]
+    p, picked_ids = softmax_topk_rows(x, K, K_P, E_P, RENORMALIZE)
+    slot = tl.arange(0, K_P)[None, :]
     out = row * K + slot
     tl.store(weights + out, p, mask=slot < K)
     tl.store(ids + out, picked_ids, mask=slot < K)

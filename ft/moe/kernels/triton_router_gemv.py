@@ -1,0 +1,115 @@
+"""The router's GEMV with the top-k softmax as its epilogue, one launch for a decode batch.
+
+The unfused router is two kernels: ``dense`` (logits = x @ W.T, the Triton GEMV: 513 x 2048 for
+Qwen3-Next, 33 programs, ~4.9 us on an H200 for 2.1 MB) and ``softmax_topk`` (~3.7 us more).
+Here the GEMV runs split over K as ``triton_gemv``'s split kernel does (grid: column blocks x
+splits, fp32 partials in a workspace, a ticket per column block), so the 2.1 MB are read by
+about two programs per SM. The column block's last program sums its partials in split order,
+rounds the logits to x's dtype and stores them, exactly the logits ``dense`` returns when it
+splits the same way; then it draws a ticket from one more counter, shared by the launch's
+column blocks. The program with the last of those reads the whole [T, E (+ 1)] logits back
+and runs ``triton_router.softmax_topk_rows`` on all T rows at once: the same ids as
+``dense`` + ``softmax_topk`` given the same logits, weights to fp32 rounding (the softmax
+denominator's sum order may differ). It resets both counters it used.
+
+The logits buffer is an output: the shared expert's gate logit (weight row E, last) is its
+[T, 1] column view, in x's dtype, as ``TopKRouter`` returns it. Not here: more than
+``MAX_TOKENS`` tokens (one program's registers hold every row's keys), fp32 activations.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.layers import triton_gemv
+from ft.layers.pdl import pdl_args, wait_for_previous
+from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K, softmax_topk_rows
+
+# OFF until timed on a GPU: this kernel has run only under Triton's CPU interpreter, NOT yet on a
+# GPU. FT_FUSED_ROUTER=1 turns it on for a process and the ranks it spawns.
+FUSED_ROUTER = os.environ.get("FT_FUSED_ROUTER", "0") != "0"
+MAX_TOKENS = 4  # the epilogue's program holds T x E_P int64 keys
+
+
+@triton.jit
+def _router_topk_kernel(
+    x, w, logits, weights, ids, ws, counters, M, N, E, K, K_SPLIT, s_xm, s_wn,
+    M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
+    E_P: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    wait_for_previous(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    last, total = triton_gemv.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
+                                          BLOCK_N, BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
+    if last:
+        m = tl.arange(0, M_P)
+        mask = (m < M)[:, None] & (n < N)[None, :]
+        tl.store(logits + m[:, None] * N + n[None, :], total.to(logits.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # every thread's logits before the launch ticket's release
+        blocks = tl.num_programs(0)
+        ticket = tl.atomic_add(counters + blocks, 1, sem="acq_rel")
+        if ticket == blocks - 1:  # every column block's logits are stored
+            t = tl.arange(0, T_P)[:, None]
+            e = tl.arange(0, E_P)[None, :]
+            row = tl.load(logits + t * N + e, mask=(t < M) & (e < E), other=-float("inf"),
+                          cache_modifier=".cg").to(tl.float32)  # [T_P, E_P]  # fmt: skip
+            row = tl.where(t < M, row, 0.0)  # padding tokens: finite, never stored
+            p, picked_ids = softmax_topk_rows(row, TOP_K, TOP_K_P, E_P, RENORMALIZE)
+            slot = tl.arange(0, TOP_K_P)[None, :]
+            out = t * TOP_K + slot
+            tl.store(weights + out, p, mask=(t < M) & (slot < TOP_K))
+            tl.store(ids + out, picked_ids, mask=(t < M) & (slot < TOP_K))
+            tl.store(counters + blocks, 0)
+
+
+def takes_fused(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``TopKRouter`` routes x over w here: the switch on, a decode batch on a GPU, bf16/fp16."""
+    return (
+        FUSED_ROUTER
+        and x.is_cuda
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_TOKENS
+        and x.dtype == w.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
+def launch_router_topk(
+    x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, shared_gate: bool, splits: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [T, H], w [E (+ 1), H] (the shared gate's row last) -> (weights [T, k] fp32, ids [T, k]
+    int64, largest first; the gate logit [T, 1] in x's dtype or None), over ``splits`` K splits
+    (0: ``triton_gemv.balanced_splits``). Without the device check (the interpreter runs it)."""
+    x, w = triton_gemv.check_operands(x, w)
+    (t, h), n = x.shape, w.shape[0]
+    e = n - shared_gate
+    assert 0 < t <= MAX_TOKENS, f"{t} tokens: the fused router takes 1 .. {MAX_TOKENS}"
+    assert 1 <= top_k <= min(e, MAX_TOP_K), f"top_k={top_k} must be in [1, min(E={e}, {MAX_TOP_K})]"
+    assert e <= MAX_EXPERTS, f"E={e} experts exceed the {MAX_EXPERTS} one program holds"
+    p = triton_gemv.plan(n, h, splits or triton_gemv.balanced_splits(n, h, x.device))
+    assert p.blocks < triton_gemv.COUNTERS and p.splits * t * n < 2**31, f"N={n} too large to split"
+    logits = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, E (+ 1)]
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    ws = torch.empty(p.splits, t, n, dtype=torch.float32, device=x.device)  # the partials
+    _router_topk_kernel[(p.blocks, p.splits)](
+        x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), t, n, e, h, p.k_split,
+        x.stride(0), w.stride(0), M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
+        BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
+        TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
+        num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
+    )  # fmt: skip
+    return weights, ids, logits[:, e:] if shared_gate else None
+
+
+def router_topk(
+    x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, shared_gate: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``launch_router_topk`` on CUDA tensors; graph-capturable (the grid comes from shapes)."""
+    assert x.is_cuda and w.device == x.device, "router_topk needs CUDA tensors on one device"
+    return launch_router_topk(x, w, top_k, renormalize, shared_gate)
