@@ -229,10 +229,20 @@ def moe_problem(t: int):
     return banks, x, routes
 
 
+# the MoE GEMV's loop switches (off on main until timed), each timed at the shipped tiles
+MOE_GEMV_SWITCHES = ("IDS_AHEAD", "PIPELINE", "FP4_GROUPS")
+
+
+def moe_gemv_variants(mod, fmt: str) -> list[tuple[str, ...]]:
+    """The switch combinations worth timing for a bank format (FP4_GROUPS only changes NVFP4)."""
+    names = [n for n in MOE_GEMV_SWITCHES if fmt == "nvfp4" or n != "FP4_GROUPS"]
+    return [(n,) for n in names] + [tuple(names)]
+
+
 def sweep_moe_gemv() -> None:
     mod = triton_moe_gemv
     saved = mod.BF16, mod.NVFP4
-    configs = grid((8, 16, 32), (128, 256, 512), (4, 8), (3, 4))
+    configs = grid((4, 8, 16, 32), (128, 256, 512), (4, 8), (3, 4))
     rows, shipped = {}, {}
     for t in (1, 2, 4):
         banks, x, routes = moe_problem(t)
@@ -253,6 +263,14 @@ def sweep_moe_gemv() -> None:
                 calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
                 times[cfg] = try_config(calls[0], want, calls, 2e-2)
                 mod.BF16, mod.NVFP4 = saved
+            calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
+            for on in moe_gemv_variants(mod, fmt):
+                flags = {n: getattr(mod, n) for n in MOE_GEMV_SWITCHES}
+                for n in on:
+                    setattr(mod, n, True)
+                times["+".join(on)] = try_config(calls[0], want, calls, 2e-2)
+                for n, v in flags.items():
+                    setattr(mod, n, v)
             rows[f"T={t} {fmt}"] = times
             print(f"  T={t} {fmt}: MMA path {times.get('MMA path') or float('nan'):.1f} us", flush=True)
     report("MoE GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", shipped, rows)
