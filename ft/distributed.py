@@ -5,6 +5,14 @@ its forward. The info is set by ``tp_context`` around model construction (by the
 ranks, by ``ft info`` for simulated ranks on the meta device). Outside such a context
 ``get_tp_info()`` raises and ``try_get_tp_info()`` returns None, so config parsing and tooling run
 without an engine. This module does not start processes; ``ft.engine.executor`` does.
+
+Small bf16 all-reduces on CUDA can go over symmetric memory instead of NCCL (``SYMM_ALL_REDUCE``):
+each rank copies its message into a buffer every rank of the group can read over NVLink, and one
+kernel per rank reads every rank's copy and sums them (torch's ``symm_mem.one_shot_all_reduce``):
+one copy and one launch, no ring steps. A decode step's all-reduces are a few KB each and about
+a hundred a step on a 48-layer model, so their latency, not the link's bandwidth, is what TP=2
+pays at small batches (docs/benchmarks.md). Larger messages, other dtypes and CPU ranks keep NCCL
+or gloo.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -35,6 +44,9 @@ class TPInfo:
 
 
 _TP: TPInfo | None = None
+# Off until timed (NOT yet run on a GPU): FT_SYMM_ALL_REDUCE=1, for a process and the ranks it spawns.
+SYMM_ALL_REDUCE = os.environ.get("FT_SYMM_ALL_REDUCE", "0") == "1"
+SYMM_MAX_BYTES = 1 << 18  # a 64-token decode step's [64, 2048] bf16 message
 
 
 @contextlib.contextmanager
@@ -83,8 +95,46 @@ def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     if tp.size > 1:
         if _ALL_REDUCES is not None:
             _ALL_REDUCES.append((tuple(x.shape), x.dtype))
-        dist.all_reduce(x, group=tp.group)
+        group_all_reduce(x, tp.group)
     return x
+
+
+def group_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` over ``group`` in place: over the group's symmetric buffer when it has one and
+    ``x`` fits it, otherwise through its backend (NCCL, gloo)."""
+    one_shot = _ONE_SHOT.get(group)
+    if one_shot is not None and one_shot.takes(x):
+        return one_shot(x)
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class OneShotAllReduce:
+    """A group's symmetric bf16 buffer of ``SYMM_MAX_BYTES`` and the one-shot sum over it."""
+
+    def __init__(self, group, device: torch.device) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.name = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op since
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.name)
+        self.buffer = symm_mem.empty(SYMM_MAX_BYTES // 2, dtype=torch.bfloat16, device=device)
+        symm_mem.rendezvous(self.buffer, self.name)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.is_contiguous() and x.numel() <= self.buffer.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.view(-1)
+        staged = self.buffer[: flat.numel()]
+        staged.copy_(flat)  # every rank's copy is read by the others inside the kernel
+        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.name, flat)
+        return x
+
+
+_ONE_SHOT: dict = {}  # process group -> OneShotAllReduce, for groups set up with one
 
 
 def all_gather_last_dim(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
@@ -106,6 +156,8 @@ def init_process_group(
         dist.init_process_group(
             "nccl", init_method=init_method, rank=rank, world_size=size, timeout=timeout, device_id=device
         )
+        if SYMM_ALL_REDUCE:  # every rank alike: the rendezvous is collective
+            _ONE_SHOT[dist.group.WORLD] = OneShotAllReduce(dist.group.WORLD, device)
     else:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout)
     return TPInfo(rank=rank, size=size, group=dist.group.WORLD)

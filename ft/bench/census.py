@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ft.distributed import recording_all_reduces
+from ft.distributed import group_all_reduce, recording_all_reduces
 from ft.sampling_params import SamplingParams
 
 TOP = 25
@@ -122,7 +122,7 @@ def time_all_reduces(calls: list[Call], group, device: torch.device, repeats: in
 
     def step() -> None:
         for c in calls:
-            dist.all_reduce(buffers[c], group=group)
+            group_all_reduce(buffers[c], group)  # the path the step's all-reduces take
 
     step()  # warm-up: communicators and buffers set up outside the timing (and the capture)
     if device.type != "cuda":

@@ -139,6 +139,18 @@ def test_tp2_on_two_gpus_equals_one_gpu_and_the_cpu_tokens(ckpt, cpu_ref):
     assert tp2 < 2 * tp1 + 0.05, (tp2, tp1)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_one_shot_all_reduce_changes_no_result(ckpt, monkeypatch):
+    """``FT_SYMM_ALL_REDUCE=1`` (bf16 all-reduces over symmetric memory instead of NCCL): with two
+    ranks each sum is x0 + x1 rounded once either way, so tokens and log-probs are the same bits."""
+    nccl = generate(ckpt, device="cuda", dtype="bfloat16", tp_size=2)
+    monkeypatch.setenv("FT_SYMM_ALL_REDUCE", "1")  # read by the spawned ranks at import
+    one_shot = generate(ckpt, device="cuda", dtype="bfloat16", tp_size=2)
+    for a, b in zip(one_shot, nccl):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs and a.prompt_logprobs == b.prompt_logprobs
+
+
 def test_programmatic_dependent_launch_changes_no_result(ckpt, monkeypatch):
     """With ``ft.layers.pdl.ENABLED`` the decode kernels launch early and wait for the kernel
     before them: graphed and eager bf16 runs give the same tokens and log-probs as without."""
