@@ -167,42 +167,58 @@ def _gate_up_kernel(
     x_row = x + tok.to(tl.int64) * s_xt
     gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums, reduced after the loop
     up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    is_shared = False
-    if SHARED:  # static: without a shared expert only the routed branch below is compiled
-        is_shared = slot == TOPK
-    if is_shared:
+    if not FP4:  # one loop, outside any branch (what the pipeliner takes): a shared expert's rows
+        # differ from a routed expert's only in where they start and their stride
+        e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0).to(tl.int64)
+        if SHARED:
+            rows, stride = tl.where(slot == TOPK, shared_b, b + e * s_be), tl.where(slot == TOPK, s_hn, s_bn)
+        else:
+            rows, stride = b + e * s_be, s_bn
         for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
             xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-            gate += _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
-            up += _plain_rows(shared_b, n + N, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
+            gate += _plain_rows(rows, n, k0, stride, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
+            # the up rows sit N rows below the gate rows of the same expert
+            up += _plain_rows(rows, n + N, k0, stride, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
         g = tl.sum(gate, axis=1)
         u = tl.sum(up, axis=1)
-    else:
-        e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
-        b_e, s_e = b + e * s_be, b_scale + e * s_se
-        if FP4 and FP4_GROUPS:
-            gate16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-            up16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                even, odd = _fp4_inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-                gate16 += _fp4_blocks(
-                    b_e, s_e, n, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K
-                )
-                up16 += _fp4_blocks(
-                    b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K
-                )
-            g = tl.sum(gate16, axis=1)
-            u = tl.sum(up16, axis=1)
-        else:
+    else:  # NVFP4 routed rows beside bf16 shared rows: two loops
+        is_shared = False
+        if SHARED:  # static: without a shared expert only the routed branch below is compiled
+            is_shared = slot == TOPK
+        if is_shared:
             for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
                 xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-                gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
-                # the up rows sit N rows below the gate rows of the same expert
-                up += _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+                gate += _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
+                up += _plain_rows(shared_b, n + N, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
             g = tl.sum(gate, axis=1)
             u = tl.sum(up, axis=1)
-        if FP4:
-            g_ptr = b_global + e * s_ge + n
+        else:
+            e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+            b_e, s_e = b + e * s_be, b_scale + e * s_se
+            if FP4_GROUPS:
+                gate16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+                up16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                    even, odd = _fp4_inputs(x_row, k0, K, EVEN_K, BLOCK_K)
+                    gate16 += _fp4_blocks(
+                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K
+                    )
+                    up16 += _fp4_blocks(
+                        b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K
+                    )
+                g = tl.sum(gate16, axis=1)
+                u = tl.sum(up16, axis=1)
+            else:
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                    xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
+                    gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+                    # the up rows sit N rows below the gate rows of the same expert
+                    up += (
+                        _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+                    )
+                g = tl.sum(gate, axis=1)
+                u = tl.sum(up, axis=1)
+            g_ptr = b_global + e * s_ge + n  # the rows' globals
             g *= tl.load(g_ptr, mask=nmask, other=0.0) * unfold
             u *= tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold
     out = g * tl.sigmoid(g) * u
