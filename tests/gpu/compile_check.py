@@ -1,0 +1,141 @@
+"""Compile Triton kernels for an H200 (sm_90) on a machine without a GPU (not a test):
+
+    PYTHONPATH=/path/to/triton-site python tests/gpu/compile_check.py
+
+Triton compiles for a target named by hand (``GPUTarget("cuda", 90, 32)``) and its bundled
+ptxas reports registers and spills, so a kernel variant written away from a device can at least
+be shown to compile, and to fit, before a device run is spent on it. Each entry below names a
+kernel, its pointer types and representative constexprs (the shapes the engine launches for
+Qwen3-Next); other integer arguments compile as i32, float ones as fp32. It does not check values
+(the interpreter checks in tests/ do) nor speed. Exits 1 if any kernel fails to compile.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ft.attention import triton_kernels  # noqa: E402
+from ft.gdn import triton_conv  # noqa: E402
+from ft.layers import triton_gemv, triton_rope  # noqa: E402
+from ft.moe.kernels import triton_moe_gemv, triton_router, triton_router_gemv  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+FLOATS = {"eps", "qk_scale", "scale", "unfold"}
+BF, I32, I64, F32, U8 = "*bf16", "*i32", "*i64", "*fp32", "*u8"
+
+
+def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3) -> str:
+    sig = {
+        a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a in FLOATS else "i32") for a in fn.arg_names
+    }
+    # what a real launch tells Triton: pointers from torch are 16-byte aligned, and the row strides
+    # and widths of these models' tensors are multiples of 16 (so loads vectorise as they will)
+    aligned = [
+        i for i, a in enumerate(fn.arg_names) if a in ptrs or a.startswith("s_") or a in ("K", "K_SPLIT")
+    ]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned if sig[fn.arg_names[i]] != "constexpr"}
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+        options={"num_warps": warps, "num_stages": stages},
+    )  # fmt: skip
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        log = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True
+        )
+    regs = re.findall(r"Used (\d+) registers", log.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores", log.stderr)
+    regs, spills = regs[0] if regs else "?", spills[0] if spills else "?"
+    return f"{regs} registers, {spills} B spilled, {kernel.metadata.shared} B shared"
+
+
+def entries():
+    moe = {"x": BF, "b": BF, "b_scale": BF, "b_global": BF, "shared_b": BF, "act": BF, "topk_ids": I64,
+           "shared_logit": BF, "out": BF, "topk_w": F32}  # fmt: skip
+    fp4 = {**moe, "b": U8, "b_scale": U8, "b_global": F32}
+    yield "conv decode, one launch", triton_conv._conv_decode_kernel, {
+        "x": BF, "w": BF, "conv_state": BF, "context_lens": I32, "state_slots": I64, "out": BF,
+    }, {"KC": 4, "KP": 4, "BLOCK_C": 256, "USE_PDL": 2}, 4, 3  # fmt: skip
+    for name, ptrs, is4, warps in (("bf16", moe, False, 4), ("nvfp4", fp4, True, 8)):
+        for groups in (False, True) if is4 else (False,):
+            common = {"TOPK": 10, "SHARED": 1, "FP4": is4, "EVEN_K": True, "BLOCK_N": 8, "BLOCK_K": 512,
+                      "FP4_GROUPS": groups, "USE_PDL": 2}  # fmt: skip
+            for stages in (1, 4):
+                tag = f"{name}{' groups' if groups else ''}, loop stages {stages}"
+                yield f"MoE GEMV gate/up {tag}", triton_moe_gemv._gate_up_kernel, ptrs, {
+                    **common, "LOOP_STAGES": stages}, warps, 4  # fmt: skip
+                for ahead in (False, True):
+                    down = {**common, "IDS_AHEAD": ahead, "TOPK_P": 16, "LOOP_STAGES": stages}
+                    yield (
+                        f"MoE GEMV down {tag}, ids ahead {ahead}",
+                        triton_moe_gemv._down_sum_kernel,
+                        ptrs,
+                        down,
+                        warps,
+                        4,
+                    )
+    rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
+            "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
+    for store in (False, True):
+        for heads in (1, 8):
+            consts = {"HQ": 16, "HKV": 2, "D": 256, "ROT": 64, "ZERO_CENTERED": True, "HEADS": heads,
+                      "BLOCK_D": 256, "PAGE": 16, "STORE": store, "USE_PDL": 2}  # fmt: skip
+            warps = 2 * (4 if heads > 1 else 1)
+            yield (
+                f"q/k norm + rope, store {store}, {heads} heads",
+                triton_rope._qk_norm_rope_kernel,
+                rope,
+                consts,
+                warps,
+                3,
+            )
+    dec = {"q": BF, "k_cache": BF, "v_cache": BF, "block_tables": I32, "seq_lens": I32, "out": BF,
+           "part_o": F32, "part_lse": F32, "gate": BF}  # fmt: skip
+    for splits, gate in ((1, False), (1, True), (4, False)):
+        yield f"attention decode, {splits} splits, gate {gate}", triton_kernels.decode_kernel, dec, {
+            "REP": 8, "REP_P": 16, "D": 256, "PAGE": 16, "BLOCK_N": 32, "SPLITS": splits, "PREC": "tf32",
+            "GATE": gate, "USE_PDL": 2}, 4, 2  # fmt: skip
+    for gate in (False, True):
+        yield f"attention combine, gate {gate}", triton_kernels.combine_kernel, {
+            "part_o": F32, "part_lse": F32, "out": BF, "gate": BF}, {
+            "HQ": 16, "D": 256, "SPLITS": 4, "GATE": gate, "USE_PDL": 2}, 4, 3  # fmt: skip
+
+    gemv = {"x": BF, "w": BF, "out": BF, "ws": F32, "counters": I32}
+    yield "dense GEMV", triton_gemv._gemv_kernel, gemv, {
+        "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "EVEN_K": True, "USE_PDL": 2}, 4, 4  # fmt: skip
+    split = {"M_P": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "USE_PDL": 2}
+    yield "dense GEMV split over K", triton_gemv._gemv_split_k_kernel, gemv, split, 4, 4
+    yield "softmax top-k", triton_router._softmax_topk_kernel, {"logits": BF, "weights": F32, "ids": I64}, {
+        "K": 10, "K_P": 16, "E_P": 512, "RENORMALIZE": True, "USE_PDL": 2}, 1, 3  # fmt: skip
+    router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32}
+    for t_p in (1, 4):
+        yield f"router GEMV + top-k, {t_p} tokens", triton_router_gemv._router_topk_kernel, router, {
+            "M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "TOP_K": 10,
+            "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "USE_PDL": 2}, 4, 4  # fmt: skip
+
+
+def main() -> None:
+    failed = 0
+    for label, fn, ptrs, consts, warps, stages in entries():
+        try:
+            print(f"{label:60} {build(fn, ptrs, consts, warps, stages)}", flush=True)
+        except Exception as e:  # report every failure, then fail
+            failed += 1
+            print(f"{label:60} FAILED: {type(e).__name__}: {str(e)[:800]}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
