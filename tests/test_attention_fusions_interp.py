@@ -16,22 +16,13 @@ fp32 -> bf16 where the GPU rounds to nearest, so exact rounding is checked in fp
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from ft.forward_context import ForwardBatch
+from tests.interpreter import INTERPRETER, run_check
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-    pytest.mark.slow,  # the interpreter runs a program at a time
-]
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = INTERPRETER
 PAGE = 16
 # (head_dim, rotary_dim, Hq, Hkv, output_gate, zero_centred)
 QWEN3_NEXT = (256, 64, 16, 2, True, True)
@@ -156,9 +147,4 @@ CHECKS = ["check_qwen3_next", "check_qwen3_30b"]
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_fused_decode_under_the_interpreter(check):
-    code = f"from tests.test_attention_fusions_interp import {check}; {check}()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    run_check("tests.test_attention_fusions_interp", check)

@@ -10,20 +10,12 @@ Exact rounding is checked in fp16 and fp32 (the interpreter truncates to bf16).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-    pytest.mark.slow,
-]
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter import INTERPRETER, run_check
+
+pytestmark = INTERPRETER
 
 
 def require(ok: bool, what: str) -> None:
@@ -135,9 +127,4 @@ CHECKS = ["check_conv_decode_one_launch", "check_moe_gemv_ids_ahead", "check_moe
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernel_under_the_interpreter(check):
-    code = f"from tests.test_decode_switches_interp import {check}; {check}()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-O", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    run_check("tests.test_decode_switches_interp", check, optimize=True)

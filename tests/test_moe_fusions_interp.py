@@ -10,22 +10,15 @@ rounds to nearest, so exact rounding is checked in fp16 and fp32 only.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-    pytest.mark.slow,  # the interpreter runs a program at a time: ~1 min in all
-]
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter import INTERPRETER, run_check
+
+pytestmark = INTERPRETER
 
 
 def tie_free_logits(t: int, e: int, dtype: torch.dtype) -> torch.Tensor:
@@ -344,9 +337,4 @@ CHECKS = [
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernel_under_the_interpreter(check):
-    code = f"from tests.test_moe_fusions_interp import {check}; {check}()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    run_check("tests.test_moe_fusions_interp", check)

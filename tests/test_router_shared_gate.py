@@ -10,9 +10,6 @@ here and compiled in ``tests/gpu/test_router_fold.py``.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,8 +25,7 @@ from ft.models.loader import load_weights
 from ft.moe.block import SparseMoeBlock
 from ft.moe.router import TopKRouter, route
 from tests.checkpoints import write_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter import run_check
 
 
 @pytest.mark.parametrize(
@@ -133,12 +129,7 @@ def check_strided_views() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_kernels_read_strided_views_under_the_interpreter():
-    code = "from tests.test_router_shared_gate import check_strided_views; check_strided_views()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    run_check("tests.test_router_shared_gate", "check_strided_views", timeout=300)
 
 
 def test_router_gemm_output_rows_are_padded_to_eight():
