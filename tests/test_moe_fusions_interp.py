@@ -50,6 +50,8 @@ def check_router() -> None:
 def check_sums() -> None:
     from ft.moe.kernels.triton_combine import launch_sum_topk
 
+    torch.manual_seed(0)
+
     cases = ((1, 10, 2048, torch.float16), (7, 8, 1000, torch.float32), (3, 1, 64, torch.float16))
     for t, k, h, dtype in cases:
         y = torch.randn(t, k, h).to(dtype)
@@ -59,8 +61,11 @@ def check_sums() -> None:
         term = torch.sigmoid(gate.double()) * shared.double()
         assert got.dtype == got_shared.dtype == dtype
         for out, ref in ((got, exact), (got_shared, exact + term)):
-            if dtype == torch.float16:  # fp32 accumulation, one rounding: off only at rare ties
-                assert (out != ref.to(dtype)).float().mean() < 1e-3
+            if dtype == torch.float16:  # fp32 accumulation, one rounding: off by one ulp, rarely
+                want = ref.to(dtype)
+                ulp = (torch.nextafter(want.abs(), torch.tensor(math.inf, dtype=dtype)) - want.abs()).double()
+                off = (out.double() - want.double()).abs()
+                assert (off <= ulp).all() and (off > 0).float().mean() < 1e-2, off.max()
             else:
                 torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-6)
 
