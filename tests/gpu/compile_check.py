@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from ft.attention import triton_kernels  # noqa: E402
 from ft.gdn import triton_conv  # noqa: E402
 from ft.layers import triton_gemv, triton_rope  # noqa: E402
-from ft.moe.kernels import triton_moe_gemv, triton_router, triton_router_gemv  # noqa: E402
+from ft.moe.kernels import triton_moe, triton_moe_gemv, triton_router, triton_router_gemv, triton_w4a16  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOATS = {"eps", "qk_scale", "scale", "unfold"}
@@ -112,6 +112,15 @@ def entries():
             "part_o": F32, "part_lse": F32, "out": BF, "gate": BF}, {
             "HQ": 16, "D": 256, "SPLITS": 4, "GATE": gate, "USE_PDL": 2}, 4, 3  # fmt: skip
 
+    w4 = {"a": BF, "b": U8, "b_scale": U8, "b_global": F32, "c": BF, "topk_w": F32, "sorted_ids": I64,
+          "block_expert": I64, "num_padded": I64}  # fmt: skip
+    for t in (64, 8192):  # the MMA path's tiles for a decode batch and a prefill chunk
+        for which, cfg, swiglu in zip(("gate/up", "down"), triton_moe.pick_config(t, 512), (True, False)):
+            bm, bn, bk, group_m, warps, stages = cfg
+            consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu,
+                      "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+                      "USE_PDL": 2}  # fmt: skip
+            yield f"NVFP4 MMA {which}, T={t}", triton_w4a16._w4a16_gemm_kernel, w4, consts, warps, stages
     gemv = {"x": BF, "w": BF, "out": BF, "ws": F32, "counters": I32}
     yield "dense GEMV", triton_gemv._gemv_kernel, gemv, {
         "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "EVEN_K": True, "USE_PDL": 2}, 4, 4  # fmt: skip
