@@ -8,6 +8,8 @@ be shown to compile, and to fit, before a device run is spent on it. Each entry 
 kernel, its pointer types and representative constexprs (the shapes the engine launches for
 Qwen3-Next); other integer arguments compile as i32, float ones as fp32. It does not check values
 (the interpreter checks in tests/ do) nor speed. Exits 1 if any kernel fails to compile.
+First run (2026-11-30): every kernel compiles; only the attention extend kernel at heads of 256
+(128 x 64 tiles, 8 warps) spills (88 bytes at 255 registers).
 """
 
 from __future__ import annotations
@@ -25,9 +27,16 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from ft.attention import triton_kernels  # noqa: E402
-from ft.gdn import triton_conv  # noqa: E402
-from ft.layers import triton_gemv, triton_rope  # noqa: E402
-from ft.moe.kernels import triton_moe, triton_moe_gemv, triton_router, triton_router_gemv, triton_w4a16  # noqa: E402
+from ft.gdn import triton_conv, triton_decode  # noqa: E402
+from ft.layers import triton_gemv, triton_norm, triton_rope  # noqa: E402
+from ft.moe.kernels import (  # noqa: E402
+    triton_combine,
+    triton_moe,
+    triton_moe_gemv,
+    triton_router,
+    triton_router_gemv,
+    triton_w4a16,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOATS = {"eps", "qk_scale", "scale", "unfold"}
@@ -121,6 +130,41 @@ def entries():
                       "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
                       "USE_PDL": 2}  # fmt: skip
             yield f"NVFP4 MMA {which}, T={t}", triton_w4a16._w4a16_gemm_kernel, w4, consts, warps, stages
+    grouped = {
+        "a": BF,
+        "b": BF,
+        "c": BF,
+        "topk_w": F32,
+        "sorted_ids": I64,
+        "block_expert": I64,
+        "num_padded": I64,
+    }
+    for t in (64, 8192):  # the bf16 MMA path
+        for which, cfg, swiglu in zip(("gate/up", "down"), triton_moe.pick_config(t, 512), (True, False)):
+            bm, bn, bk, group_m, warps, stages = cfg
+            consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu,
+                      "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+                      "USE_PDL": 2}  # fmt: skip
+            yield f"bf16 MMA {which}, T={t}", triton_moe._grouped_gemm_kernel, grouped, consts, warps, stages
+    sums = {"y": BF, "gate": BF, "shared": BF, "out": BF}
+    yield "top-k sum + shared", triton_combine._sum_topk_kernel, sums, {
+        "K": 10, "HAS_SHARED": True, "BLOCK_H": 1024, "USE_PDL": 2}, 4, 3  # fmt: skip
+    norm = {"x": BF, "r": BF, "w": BF, "out": BF, "res_out": BF}
+    yield "residual add + RMSNorm", triton_norm._rms_norm_kernel, norm, {
+        "ZERO_CENTERED": True, "HAS_RES": True, "BLOCK_D": 2048, "USE_PDL": 2}, 8, 3  # fmt: skip
+    yield "gated RMSNorm", triton_norm._gated_rms_norm_kernel, {"x": BF, "z": BF, "w": BF, "out": BF}, {
+        "ROUND_MID": True, "ROWS": 4, "BLOCK_D": 128, "USE_PDL": 2}, 4, 3  # fmt: skip
+    kv = {"k": BF, "v": BF, "k_cache": BF, "v_cache": BF, "slots": I64}
+    yield "KV store", triton_kernels.store_kv_kernel, kv, {
+        "HKV": 2, "D": 256, "PAGE": 16, "HP": 2, "USE_PDL": 2}, 4, 3  # fmt: skip
+    ext = {"q": BF, "k_cache": BF, "v_cache": BF, "block_tables": I32, "cu_seqlens": I32, "context_lens": I32,
+           "out": BF}  # fmt: skip
+    yield "attention extend", triton_kernels.extend_kernel, ext, {
+        "REP": 8, "D": 256, "PAGE": 16, "BLOCK_M": 128, "BLOCK_N": 64, "PREC": "tf32"}, 8, 2  # fmt: skip
+    gdn = {"mixed": BF, "b": BF, "a": BF, "A_log": F32, "dt_bias": F32, "state": F32, "cu_seqlens": I32,
+           "context_lens": I32, "state_slots": I64, "o": BF}  # fmt: skip
+    heads = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "VARLEN": False, "USE_PDL": 2}
+    yield "GDN recurrent decode", triton_decode._recurrent_kernel, gdn, heads, 4, 3
     gemv = {"x": BF, "w": BF, "out": BF, "ws": F32, "counters": I32}
     yield "dense GEMV", triton_gemv._gemv_kernel, gemv, {
         "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "EVEN_K": True, "USE_PDL": 2}, 4, 4  # fmt: skip
