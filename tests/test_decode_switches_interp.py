@@ -122,7 +122,38 @@ def check_moe_gemv_fp4_groups() -> None:
         torch.testing.assert_close(whole, pairs, atol=0, rtol=2**-7)
 
 
-CHECKS = ["check_conv_decode_one_launch", "check_moe_gemv_ids_ahead", "check_moe_gemv_fp4_groups"]
+def check_gated_norm_gemv() -> None:
+    """``triton_norm_gemv`` (the GDN output's gated RMSNorm inside its out_proj GEMV) against the
+    torch path (``GatedRMSNorm`` then the product in fp32): 1 and 3 rows, z a strided view, an N
+    with a tail, the norm weight in the activations' dtype (rounded between the two products) and
+    in fp32 (not)."""
+    from torch import nn
+
+    from ft.layers.norm import GatedRMSNorm
+    from ft.layers.triton_norm_gemv import gated_norm_gemv
+
+    gen = torch.Generator().manual_seed(3)
+    hv, d = 8, 128
+    for t, n, w_dtype in ((1, 96, torch.float16), (3, 100, torch.float32)):
+        o = torch.randn(t, hv, d, generator=gen).half()
+        z = torch.randn(t, hv, 2 * d, generator=gen).half()[..., :d]  # a view, rows 2d apart
+        norm = GatedRMSNorm(d, 1e-6)
+        norm.weight = nn.Parameter(torch.randn(d, generator=gen).to(w_dtype), requires_grad=False)
+        weight = (torch.randn(n, hv * d, generator=gen) * (hv * d) ** -0.5).half()
+        got = gated_norm_gemv(o, z, norm.weight, norm.eps, weight)
+        normed = norm(o, z).view(t, -1)  # the torch path, rounded to fp16 as the fused kernel rounds it
+        want = normed.float() @ weight.float().T
+        err = ((got.float() - want).norm() / want.norm()).item()
+        require(got.dtype == torch.float16 and got.shape == (t, n), f"{got.dtype} {tuple(got.shape)}")
+        require(err < 2e-3, f"T={t} N={n} weight {w_dtype}: relative error {err:.3g}")
+
+
+CHECKS = [
+    "check_conv_decode_one_launch",
+    "check_moe_gemv_ids_ahead",
+    "check_moe_gemv_fp4_groups",
+    "check_gated_norm_gemv",
+]
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -35,6 +35,7 @@ SWITCHES = [
     "ft.layers.triton_gemv:SPLIT_K",
     "ft.moe.kernels.triton_router_gemv:FUSED_ROUTER",
     "ft.attention.triton_paged:FUSED_DECODE",
+    "ft.layers.triton_norm_gemv:FUSED_GATED_NORM",
 ]
 
 

@@ -85,6 +85,25 @@ def test_shared_expert_inside_the_gemv_stays_within_bf16_tolerance(ckpt, cpu_ref
         assert paired < 2 * apart + 0.05, (options, paired, apart)
 
 
+@pytest.mark.parametrize(
+    "switch",
+    ["ft.layers.triton_norm_gemv:FUSED_GATED_NORM", "ft.layers.triton_gemv:SPLIT_K",
+     "ft.moe.kernels.triton_router_gemv:FUSED_ROUTER"],
+)  # fmt: skip
+def test_decode_switch_stays_within_bf16_tolerance(ckpt, cpu_ref, switch, monkeypatch):
+    """Switches that change a decode kernel's rounding (sums in another order, a norm inside a
+    GEMV): bf16 decode log-probs stray from the fp32 reference no more than without; graphed."""
+    import importlib
+
+    module, name = switch.split(":")
+    mod = importlib.import_module(module)
+    monkeypatch.setattr(mod, name, False)
+    off = max_decode_logprob_error(generate(ckpt, device="cuda", dtype="bfloat16"), cpu_ref)
+    monkeypatch.setattr(mod, name, True)
+    on = max_decode_logprob_error(generate(ckpt, device="cuda", dtype="bfloat16"), cpu_ref)
+    assert on < 2 * off + 0.05, (switch, on, off)
+
+
 def test_cuda_graph_decode_equals_eager(ckpt):
     eager = generate(ckpt, device="cuda", dtype="float32", disable_cuda_graph=True)
     graphed = generate(ckpt, device="cuda", dtype="float32")
