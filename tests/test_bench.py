@@ -47,6 +47,8 @@ def test_bench_offline_cli(tmp_path, capsys):
     assert all(r["decode_tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in report["rows"])
     assert report["prefill"]["24"] > 0 and report["ttft_ms"] > 0
     assert len(report["ttft_runs_ms"]) == 5 and sorted(report["ttft_runs_ms"])[2] == report["ttft_ms"]
+    assert report["switches"]["ft.distributed:SYMM_ALL_REDUCE"] is False  # what the run had, recorded
+    assert "kernel switches on: " in printed
 
 
 def test_bench_offline_census(tmp_path, capsys):

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ft import switches as kernel_switches
 from ft.bench.census import CENSUS_TOKENS, census, format_census
 from ft.bench.roofline import decode_step_bytes, measure_bandwidth
 from ft.config import EngineConfig
@@ -61,6 +62,7 @@ class Report:
     hf: dict[str, float] = field(default_factory=dict)
     moe: dict = field(default_factory=dict)  # backend, residency, policy, ... and h2d_gb_s measured
     census: list = field(default_factory=list)  # ft.bench.census.Census rows, with --census
+    switches: dict = field(default_factory=dict)  # kernel switch -> value this run had (ft.switches)
 
 
 def _sync(engine: LLMEngine) -> None:
@@ -164,7 +166,7 @@ def bench(
     reports = []
     for skew, policy in variants or [(cfg.dummy_routing_skew, cfg.expert_cache_policy)]:
         engine.set_moe_variant(policy, skew)
-        report = Report(cfg.model_path, name, hbm_gb_s)
+        report = Report(cfg.model_path, name, hbm_gb_s, switches=kernel_switches.current())
         moe = engine.plan.moe
         if moe is not None and moe.layers:
             report.moe = {
@@ -251,6 +253,7 @@ def bench_hf(cfg: EngineConfig, input_len: int, output_len: int) -> dict[str, fl
 def format_report(r: Report) -> str:
     lines = [
         f"model {r.model} on {r.device}; measured memory bandwidth {r.hbm_gb_s:,.0f} GB/s",
+        *([kernel_switches.describe(r.switches)] if r.switches else []),
         f"single-stream decode: {r.single_stream_tok_s:,.1f} tok/s   TTFT: {r.ttft_ms:,.1f} ms"
         + (f" (runs {', '.join(f'{t:,.1f}' for t in r.ttft_runs_ms)})" if r.ttft_runs_ms else ""),
     ]

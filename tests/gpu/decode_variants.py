@@ -2,8 +2,8 @@
 
     python tests/gpu/decode_variants.py CONFIG [OUT.log] [--nvfp4] [module:SWITCH ...]
 
-A switch is a module-level boolean read when a kernel is launched or traced (the default list,
-``SWITCHES``, holds the ones still off on main until timed). The first row runs the defaults,
+A switch is a module-level boolean read when a kernel is launched or traced (by default every
+switch of ``ft.switches`` still off, but the tensor-parallel one). The first row runs the defaults,
 then each switch alone, then all of them together. For each row the decode graphs are captured
 again, then a 1,024-token prompt decodes 256 tokens; the line gives tokens per second over the
 decode (TTFT excluded) and the greedy tokens' agreement with the first row (a switch that changes
@@ -25,18 +25,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
+from ft.switches import current  # noqa: E402
 from tests.gpu.profiling import logger  # noqa: E402
 
-SWITCHES = [
-    "ft.gdn.triton_conv:DECODE_ONE_LAUNCH",
-    "ft.moe.kernels.triton_moe_gemv:IDS_AHEAD",
-    "ft.moe.kernels.triton_moe_gemv:PIPELINE",
-    "ft.moe.kernels.triton_moe_gemv:FP4_GROUPS",
-    "ft.layers.triton_gemv:SPLIT_K",
-    "ft.moe.kernels.triton_router_gemv:FUSED_ROUTER",
-    "ft.attention.triton_paged:FUSED_DECODE",
-    "ft.layers.triton_norm_gemv:FUSED_GATED_NORM",
-]
+
+def switches_off() -> list[str]:
+    """The kernel switches still off (``ft.switches``), but the tensor-parallel one (one GPU here)."""
+    return [key for key, on in current().items() if not on and not key.startswith("ft.distributed")]
 
 
 def resolve(spec: str) -> tuple[object, str]:
@@ -50,7 +45,7 @@ def resolve(spec: str) -> tuple[object, str]:
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     config, out = args[0], (args[1] if len(args) > 1 and ":" not in args[1] else None)
-    specs = [a for a in args[1:] if ":" in a] or SWITCHES
+    specs = [a for a in args[1:] if ":" in a] or switches_off()
     switches = [resolve(s) for s in specs]
     log = logger(out)
     engine = LLMEngine(EngineConfig(

@@ -1,0 +1,46 @@
+"""The kernel switches in one table: module-level values that pick a kernel variant, each with the
+environment variable that sets it for a process and the tensor-parallel ranks it spawns.
+
+A variant lands behind a switch, off, until a GPU run times it and its GPU tests pass
+(docs/architecture.md); then it is turned on. ``ft bench offline`` prints the values it ran with,
+so a figure in docs/benchmarks.md says which variants made it, and
+``tests/gpu/decode_variants.py`` times the ones still off. The modules are imported only when
+asked (they need triton); a module that cannot be imported is left out.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# (module, attribute, environment variable)
+SWITCHES: tuple[tuple[str, str, str], ...] = (
+    ("ft.layers.pdl", "ENABLED", "FT_PDL"),
+    ("ft.layers.pdl", "EARLY", "FT_PDL"),
+    ("ft.moe.kernels.triton_moe_gemv", "SHARED_AS_PAIR", "FT_SHARED_AS_PAIR"),
+    ("ft.gdn.triton_conv", "DECODE_ONE_LAUNCH", "FT_CONV_DECODE_ONE_LAUNCH"),
+    ("ft.moe.kernels.triton_moe_gemv", "IDS_AHEAD", "FT_MOE_GEMV_IDS_AHEAD"),
+    ("ft.moe.kernels.triton_moe_gemv", "PIPELINE", "FT_MOE_GEMV_PIPELINE"),
+    ("ft.moe.kernels.triton_moe_gemv", "FP4_GROUPS", "FT_MOE_GEMV_FP4_GROUPS"),
+    ("ft.layers.triton_gemv", "SPLIT_K", "FT_GEMV_SPLIT_K"),
+    ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
+    ("ft.attention.triton_paged", "FUSED_DECODE", "FT_FUSED_ATTN_DECODE"),
+    ("ft.layers.triton_norm_gemv", "FUSED_GATED_NORM", "FT_FUSED_GATED_NORM"),
+    ("ft.distributed", "SYMM_ALL_REDUCE", "FT_SYMM_ALL_REDUCE"),
+)
+
+
+def current() -> dict[str, bool]:
+    """``module:attribute`` -> its value in this process, for the modules that import."""
+    values = {}
+    for module, attr, _ in SWITCHES:
+        try:
+            values[f"{module}:{attr}"] = bool(getattr(importlib.import_module(module), attr))
+        except ImportError:  # no triton: the GPU kernels' modules do not import
+            continue
+    return values
+
+
+def describe(values: dict[str, bool]) -> str:
+    """One line: the switches that are on, as ``module.ATTRIBUTE`` (the module's last name)."""
+    on = [key.split(":")[0].rsplit(".", 1)[-1] + "." + key.split(":")[1] for key, v in values.items() if v]
+    return "kernel switches on: " + (", ".join(on) if on else "none")
