@@ -1,13 +1,15 @@
 """Batch-1 decode with kernel switches turned on one at a time, on one loaded model (not a test):
 
-    python tests/gpu/decode_variants.py CONFIG [OUT.log] [--nvfp4] [module:SWITCH ...]
+    python tests/gpu/decode_variants.py CONFIG [OUT.log] [--nvfp4] [module:SWITCH[=0] ...]
 
 A switch is a module-level boolean read when a kernel is launched or traced (by default every
-switch of ``ft.switches`` still off, but the tensor-parallel one). The first row runs the defaults,
-then each switch alone, then all of them together. For each row the decode graphs are captured
-again, then a 1,024-token prompt decodes 256 tokens; the line gives tokens per second over the
-decode (TTFT excluded) and the greedy tokens' agreement with the first row (a switch that changes
-rounding changes tokens on a random-weight model: judge it by its accuracy test, not by this).
+switch of ``ft.switches`` still off, but the tensor-parallel one, each turned on; ``=0`` turns one
+off instead). The first row runs the defaults, then each switch alone, then all of them
+together. For each row the decode graphs are captured again, then a fresh 1,024-token prompt
+(no prefix-cache hit) decodes 256 tokens; the line gives tokens per second over the decode, the
+prompt step's time (eager, host-bound at this size), and the greedy tokens' agreement with the
+first row (a switch that changes rounding changes tokens on a random-weight model: judge it by
+its accuracy test, not by this).
 ``--nvfp4`` quantises the experts while loading (switches of the NVFP4 kernels).
 Loading a model once instead of once per variant saves most of a device run."""
 
@@ -34,12 +36,14 @@ def switches_off() -> list[str]:
     return [key for key, on in current().items() if not on and not key.startswith("ft.distributed")]
 
 
-def resolve(spec: str) -> tuple[object, str]:
-    module, name = spec.split(":")
+def resolve(spec: str) -> tuple[object, str, bool]:
+    """``module:ATTR`` (turned on) or ``module:ATTR=0`` (turned off) -> (module, ATTR, value)."""
+    target, _, value = spec.partition("=")
+    module, name = target.split(":")
     mod = importlib.import_module(module)
     if not isinstance(getattr(mod, name, None), bool):
         raise SystemExit(f"{spec}: not a boolean switch of {module}")
-    return mod, name
+    return mod, name, value != "0"
 
 
 def main() -> None:
@@ -56,21 +60,26 @@ def main() -> None:
     runner = engine.executor.runner
     vocab = engine.model_config.vocab_size
     prompt = [(i * 7919 + 13) % vocab for i in range(1024)]
-    defaults = [getattr(mod, name) for mod, name in switches]
+    defaults = [getattr(mod, name) for mod, name, _ in switches]
     rows = [("defaults", [])] + [(s, [i]) for i, s in enumerate(specs)] + [("all of them", range(len(specs)))]
-    first = None
+    first, runs = None, 0
     for label, on in rows:
-        for i, (mod, name) in enumerate(switches):
-            setattr(mod, name, True if i in on else defaults[i])
+        for i, (mod, name, value) in enumerate(switches):
+            setattr(mod, name, value if i in on else defaults[i])
         runner.graphs = None
         torch.cuda.empty_cache()
         runner.graphs = runner._decode_graphs(min(8, runner.cfg.cuda_graph_max_bs))
         tokens, rates = None, []
         for _ in range(2):  # the first also compiles what the switches changed
-            engine.add_request(prompt, SamplingParams(max_tokens=257, temperature=0.0, ignore_eos=True))
+            runs += 1  # a fresh prompt each run: no prefix-cache hit in the prompt's time
+            fresh = [(t + 31 * runs) % vocab for t in prompt]
+            engine.add_request(fresh, SamplingParams(max_tokens=257, temperature=0.0, ignore_eos=True))
+            torch.cuda.synchronize()
+            t_prompt = time.perf_counter()
             engine.step()  # the prompt
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            prompt_ms = 1e3 * (t0 - t_prompt)
             while engine.has_unfinished_requests():
                 outs = engine.step()
             torch.cuda.synchronize()
@@ -79,7 +88,7 @@ def main() -> None:
         first = first or tokens
         same = sum(a == b for a, b in zip(tokens, first)) / len(first)
         log(f"{label:50}: {rates[-1]:7.1f} tok/s batch-1 decode (first run {rates[0]:.1f}), "
-            f"greedy tokens as the first row's: {same:.0%}")  # fmt: skip
+            f"1k prompt {prompt_ms:.1f} ms, greedy tokens as the first row's: {same:.0%}")  # fmt: skip
     engine.shutdown()
 
 
