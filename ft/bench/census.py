@@ -170,7 +170,11 @@ def step_all_reduces(
     executor, calls: list[Call], steps: int, batch: int, timed: str, scaled: bool = False
 ) -> StepAllReduces:
     """The all-reduces of ``steps`` decode steps (``calls``), timed on every rank, per step."""
-    ms = executor.profile("all_reduces", calls) / steps
+    got = executor.profile("all_reduces", calls)  # milliseconds, or why they could not be timed
+    if isinstance(got, str):
+        timed, ms = f"failed ({got[:200]})", math.nan
+    else:
+        ms = got / steps
     kinds = collections.Counter(calls)  # first-use order
     messages = [(list(shape), dtype_name(dtype), n / steps) for (shape, dtype), n in kinds.items()]
     nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in calls) / steps
@@ -261,9 +265,11 @@ def timed_in_step(
 
 def format_in_step(s: StepAllReduces, counted: int) -> str:
     messages = " + ".join(f"{n:g} x {shape} {dtype}" for shape, dtype, n in s.messages)
-    how = "graphed, ranks in step" if s.timed == "graphed" else "eager, a barrier before each repeat"
+    ways = {"graphed": "graphed, ranks in step", "eager": "eager, a barrier before each repeat"}
+    how = ways.get(s.timed, s.timed)  # or why they could not be timed
     how += f"; shapes scaled from batch {counted}" if s.scaled else ""
-    share = f", {s.step_share:.1%} of the bench's {s.step_ms:,.3f} ms decode step" if s.step_share else ""
+    shared = s.step_share is not None and math.isfinite(s.step_share)
+    share = f", {s.step_share:.1%} of the bench's {s.step_ms:,.3f} ms decode step" if shared else ""
     where = "in step" if s.batch == counted else f"in a batch-{s.batch} step"
     size = (
         f"{s.bytes_per_step / 1e6:,.3g} MB"
