@@ -149,6 +149,19 @@ def _inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _plain_gate_up(x_row, rows, stride, n, N, nmask, K, LOOP_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # (gate, up) [BN] of 16-bit rows n and n + N (the up rows sit N below the gate rows) times x_row
+    gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums, reduced after the loop
+    up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+        xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
+        gate += _plain_rows(rows, n, k0, stride, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
+        up += _plain_rows(rows, n + N, k0, stride, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
+    return tl.sum(gate, axis=1), tl.sum(up, axis=1)
+
+
+@triton.jit
 def _gate_up_kernel(
     x, b, b_scale, b_global, shared_b, act, topk_ids, N, K,
     s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
@@ -165,8 +178,6 @@ def _gate_up_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     x_row = x + tok.to(tl.int64) * s_xt
-    gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums, reduced after the loop
-    up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if not FP4:  # one loop, outside any branch (what the pipeliner takes): a shared expert's rows
         # differ from a routed expert's only in where they start and their stride
         e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0).to(tl.int64)
@@ -174,24 +185,15 @@ def _gate_up_kernel(
             rows, stride = tl.where(slot == TOPK, shared_b, b + e * s_be), tl.where(slot == TOPK, s_hn, s_bn)
         else:
             rows, stride = b + e * s_be, s_bn
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-            xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-            gate += _plain_rows(rows, n, k0, stride, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
-            # the up rows sit N rows below the gate rows of the same expert
-            up += _plain_rows(rows, n + N, k0, stride, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
-        g = tl.sum(gate, axis=1)
-        u = tl.sum(up, axis=1)
+        g, u = _plain_gate_up(x_row, rows, stride, n, N, nmask, K, LOOP_STAGES, EVEN_K, BLOCK_N, BLOCK_K)
     else:  # NVFP4 routed rows beside bf16 shared rows: two loops
         is_shared = False
         if SHARED:  # static: without a shared expert only the routed branch below is compiled
             is_shared = slot == TOPK
         if is_shared:
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-                gate += _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
-                up += _plain_rows(shared_b, n + N, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * xin
-            g = tl.sum(gate, axis=1)
-            u = tl.sum(up, axis=1)
+            g, u = _plain_gate_up(
+                x_row, shared_b, s_hn, n, N, nmask, K, LOOP_STAGES, EVEN_K, BLOCK_N, BLOCK_K
+            )
         else:
             e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
             b_e, s_e = b + e * s_be, b_scale + e * s_se
@@ -209,6 +211,8 @@ def _gate_up_kernel(
                 g = tl.sum(gate16, axis=1)
                 u = tl.sum(up16, axis=1)
             else:
+                gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums
+                up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
                     xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
                     gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
