@@ -121,16 +121,7 @@ def entries():
             "part_o": F32, "part_lse": F32, "out": BF, "gate": BF}, {
             "HQ": 16, "D": 256, "SPLITS": 4, "GATE": gate, "USE_PDL": 2}, 4, 3  # fmt: skip
 
-    w4 = {"a": BF, "b": U8, "b_scale": U8, "b_global": F32, "c": BF, "topk_w": F32, "sorted_ids": I64,
-          "block_expert": I64, "num_padded": I64}  # fmt: skip
-    for t in (64, 8192):  # the MMA path's tiles for a decode batch and a prefill chunk
-        for which, cfg, swiglu in zip(("gate/up", "down"), triton_moe.pick_config(t, 512), (True, False)):
-            bm, bn, bk, group_m, warps, stages = cfg
-            consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu,
-                      "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
-                      "USE_PDL": 2}  # fmt: skip
-            yield f"NVFP4 MMA {which}, T={t}", triton_w4a16._w4a16_gemm_kernel, w4, consts, warps, stages
-    grouped = {
+    mma = {
         "a": BF,
         "b": BF,
         "c": BF,
@@ -139,13 +130,16 @@ def entries():
         "block_expert": I64,
         "num_padded": I64,
     }
-    for t in (64, 8192):  # the bf16 MMA path
-        for which, cfg, swiglu in zip(("gate/up", "down"), triton_moe.pick_config(t, 512), (True, False)):
-            bm, bn, bk, group_m, warps, stages = cfg
-            consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu,
-                      "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
-                      "USE_PDL": 2}  # fmt: skip
-            yield f"bf16 MMA {which}, T={t}", triton_moe._grouped_gemm_kernel, grouped, consts, warps, stages
+    w4 = {**mma, "b": U8, "b_scale": U8, "b_global": F32}
+    for name, kernel, ptrs in (("bf16", triton_moe._grouped_gemm_kernel, mma),
+                               ("NVFP4", triton_w4a16._w4a16_gemm_kernel, w4)):  # fmt: skip
+        for t in (64, 8192):  # the MMA path's tiles for a decode batch and a prefill chunk
+            for which, cfg, swiglu in zip(("gate/up", "down"), triton_moe.pick_config(t, 512), (True, False)):
+                bm, bn, bk, group_m, warps, stages = cfg
+                consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu,
+                          "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+                          "USE_PDL": 2}  # fmt: skip
+                yield f"{name} MMA {which}, T={t}", kernel, ptrs, consts, warps, stages
     sums = {"y": BF, "gate": BF, "shared": BF, "out": BF}
     yield "top-k sum + shared", triton_combine._sum_topk_kernel, sums, {
         "K": 10, "HAS_SHARED": True, "BLOCK_H": 1024, "USE_PDL": 2}, 4, 3  # fmt: skip
