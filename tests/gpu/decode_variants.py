@@ -5,10 +5,10 @@
 A switch is a module-level boolean read when a kernel is launched or traced (by default every
 switch of ``ft.switches`` still off, but the tensor-parallel one, each turned on; ``=0`` turns one
 off instead). The first row runs the defaults, then each switch alone, then all of them
-together. For each row the decode graphs are captured again, then a fresh 1,024-token prompt
-(no prefix-cache hit) decodes 256 tokens; the line gives tokens per second over the decode, the
-prompt step's time (eager, host-bound at this size), and the greedy tokens' agreement with the
-first row (a switch that changes rounding changes tokens on a random-weight model: judge it by
+together. For each row the decode graphs are captured again, then a 1,024-token prompt decodes
+256 tokens: the same prompt in every row, with the prefix cache off so that each prompt step
+computes it whole. The line gives tokens per second over the decode, the prompt step's time
+(eager, host-bound at this size), and the greedy tokens' agreement with the first row (a switch that changes rounding changes tokens on a random-weight model: judge it by
 its accuracy test, not by this).
 ``--nvfp4`` quantises the experts while loading (switches of the NVFP4 kernels).
 Loading a model once instead of once per variant saves most of a device run."""
@@ -54,7 +54,7 @@ def main() -> None:
     log = logger(out)
     engine = LLMEngine(EngineConfig(
         config_file=config, load_format="dummy", device="cuda", num_tokens=20000, max_model_len=2048,
-        max_running_requests=8, progress=False,
+        max_running_requests=8, progress=False, enable_prefix_cache=False,
         quantize_experts="nvfp4" if "--nvfp4" in sys.argv else None,
     ))  # fmt: skip
     runner = engine.executor.runner
@@ -62,7 +62,7 @@ def main() -> None:
     prompt = [(i * 7919 + 13) % vocab for i in range(1024)]
     defaults = [getattr(mod, name) for mod, name, _ in switches]
     rows = [("defaults", [])] + [(s, [i]) for i, s in enumerate(specs)] + [("all of them", range(len(specs)))]
-    first, runs = None, 0
+    first = None
     for label, on in rows:
         for i, (mod, name, value) in enumerate(switches):
             setattr(mod, name, value if i in on else defaults[i])
@@ -71,9 +71,7 @@ def main() -> None:
         runner.graphs = runner._decode_graphs(min(8, runner.cfg.cuda_graph_max_bs))
         tokens, rates = None, []
         for _ in range(2):  # the first also compiles what the switches changed
-            runs += 1  # a fresh prompt each run: no prefix-cache hit in the prompt's time
-            fresh = [(t + 31 * runs) % vocab for t in prompt]
-            engine.add_request(fresh, SamplingParams(max_tokens=257, temperature=0.0, ignore_eos=True))
+            engine.add_request(prompt, SamplingParams(max_tokens=257, temperature=0.0, ignore_eos=True))
             torch.cuda.synchronize()
             t_prompt = time.perf_counter()
             engine.step()  # the prompt

@@ -70,8 +70,10 @@ FP4_GROUPS = os.environ.get("FT_MOE_GEMV_FP4_GROUPS", "0") == "1"
 # feed a ``tl.dot`` from the launch's num_stages, and these kernels have none (compiled for sm_90
 # they take 128 bytes of shared memory: no load buffered ahead), so each step's loads wait for
 # the last one's; a loop's own num_stages asks the pipeliner to run most loads STAGES-1 steps
-# ahead. Off until timed (NOT yet run on a GPU); FT_MOE_GEMV_PIPELINE=1. Same arithmetic, same bits.
-PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "0") == "1"
+# ahead. Same arithmetic, same bits. On since 2026-12-01 (FT_MOE_GEMV_PIPELINE=0 turns it off):
+# batch-1 decode of the 24-layer Qwen3-Next on an H200 456 -> 464 tok/s in bf16, 407 -> 450 with
+# NVFP4 experts (docs/benchmarks.md).
+PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "1") != "0"
 
 
 @triton.jit
