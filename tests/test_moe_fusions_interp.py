@@ -199,6 +199,60 @@ def check_moe_gemv_shared_pair() -> None:
     torch.testing.assert_close(fused, alone.bfloat16().float(), atol=0, rtol=2**-7)
 
 
+def check_moe_gemv_host_rows() -> None:
+    """Experts read from a host store inside the kernel (``launch_moe_gemv(..., host=...)``, ids
+    e < 0 meaning host row -e - 1) give the bits of the same call on a bank holding every expert:
+    fp16 with and without the shared pair, and NVFP4 (codes, scales and per-row globals all read
+    from the row's side), whichever experts sit in slots. Slots no expert holds and the host rows
+    of the experts in slots are NaN, so reading the wrong side fails."""
+    from ft.moe.kernels.triton_moe_gemv import launch_moe_gemv
+    from ft.quant.nvfp4 import NVFP4Tensor
+    from tests.nvfp4.test_w4a16_gpu import random_bank
+
+    gen = torch.Generator().manual_seed(3)
+    e, inter, h, t, k, s = 8, 48, 64, 3, 3, 4
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h**-0.5).half()
+    w2 = (torch.randn(e, h, inter, generator=gen) * inter**-0.5).half()
+    x = torch.randn(t, h, generator=gen).half()
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen) / k
+    shared = (
+        (torch.randn(2 * inter, h, generator=gen) * h**-0.5).half(),
+        (torch.randn(h, inter, generator=gen) * inter**-0.5).half(),
+        torch.randn(t, 1, generator=gen).half(),
+    )
+    q13, q2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+    for used in (0, 2, s):  # experts in slots: none, some, as many as there are slots
+        in_slot = torch.randperm(e, generator=gen)[:used]
+        route = -(torch.arange(e) + 1)  # every expert on the host ...
+        route[in_slot] = torch.randperm(s + 1, generator=gen)[:used]  # ... but these, in their slots
+        holder = torch.zeros(s + 1, dtype=torch.long)
+        holder[route[in_slot]] = in_slot
+        empty = torch.ones(s + 1, dtype=torch.bool)
+        empty[route[in_slot]] = False
+
+        def split(w, holder=holder, empty=empty, in_slot=in_slot):
+            # (slot rows, host rows), each poisoned where the kernel must not read
+            if isinstance(w, NVFP4Tensor):  # NaN globals poison a row of either side
+                slot_g, host_g = w.weight_scale_2[holder].clone(), w.weight_scale_2.clone()
+                slot_g[empty], host_g[in_slot] = float("nan"), float("nan")
+                slot = NVFP4Tensor(w.weight[holder], w.weight_scale[holder], slot_g)
+                return slot, NVFP4Tensor(w.weight, w.weight_scale, host_g)
+            slot, host = w[holder].clone(), w.clone()
+            slot[empty], host[in_slot] = float("nan"), float("nan")
+            return slot, host
+
+        (s13, h13), (s2, h2) = split(w13), split(w2)
+        for sh in (None, shared):
+            want = launch_moe_gemv(x, w13, w2, weights, ids, sh)
+            got = launch_moe_gemv(x, s13, s2, weights, route[ids], sh, host=(h13, h2))
+            assert torch.equal(got, want), (used, sh is None)
+        (s13, h13), (s2, h2) = split(q13), split(q2)
+        want = launch_moe_gemv(x.bfloat16(), q13, q2, weights, ids)
+        got = launch_moe_gemv(x.bfloat16(), s13, s2, weights, route[ids], host=(h13, h2))
+        assert torch.equal(got, want), used
+
+
 @contextlib.contextmanager
 def programs_shuffled(seed: int):
     """Each launch's programs in a random order: the interpreter runs them one at a time in grid
@@ -336,6 +390,7 @@ CHECKS = [
     "check_silu_and_mul",
     "check_moe_gemv_pairs",
     "check_moe_gemv_shared_pair",
+    "check_moe_gemv_host_rows",
     "check_qk_norm_rope",
 ]
 

@@ -108,6 +108,21 @@ def _rows(b, scale, n, k0, s_bn, s_sn, nmask, K, FP4: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
+def _expert(e, b, scale, glob, host_b, host_scale, host_glob, s_be, s_se, s_ge, HOST: tl.constexpr):
+    # (weights or codes, scales, globals) of expert row e; with HOST a negative e is row -e - 1 of
+    # the host store (pinned memory the kernel reads over PCIe), whose layout is the slots'
+    if HOST:
+        on_host = e < 0
+        r = tl.where(on_host, -e - 1, e)
+        return (
+            tl.where(on_host, host_b, b) + r * s_be,
+            tl.where(on_host, host_scale, scale) + r * s_se,
+            tl.where(on_host, host_glob, glob) + r * s_ge,
+        )
+    return b + e * s_be, scale + e * s_se, glob + e * s_ge
+
+
+@triton.jit
 def _fp4_inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     # inputs k0 .. k0+BK as the even and odd elements of each 16-element block, fp32 [BK/16, 8] each
     idx = k0 + tl.arange(0, BLOCK_K // 16)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
@@ -165,11 +180,11 @@ def _plain_gate_up(x_row, rows, stride, n, N, nmask, K, LOOP_STAGES: tl.constexp
 
 @triton.jit
 def _gate_up_kernel(
-    x, b, b_scale, b_global, shared_b, act, topk_ids, N, K,
+    x, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, act, topk_ids, N, K,
     s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4_GROUPS: tl.constexpr = False,
-    LOOP_STAGES: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -183,10 +198,11 @@ def _gate_up_kernel(
     if not FP4:  # one loop, outside any branch (what the pipeliner takes): a shared expert's rows
         # differ from a routed expert's only in where they start and their stride
         e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0).to(tl.int64)
+        rows = _expert(e, b, b, b, host_b, host_b, host_b, s_be, s_be, s_be, HOST)[0]
         if SHARED:
-            rows, stride = tl.where(slot == TOPK, shared_b, b + e * s_be), tl.where(slot == TOPK, s_hn, s_bn)
+            rows, stride = tl.where(slot == TOPK, shared_b, rows), tl.where(slot == TOPK, s_hn, s_bn)
         else:
-            rows, stride = b + e * s_be, s_bn
+            stride = s_bn
         g, u = _plain_gate_up(x_row, rows, stride, n, N, nmask, K, LOOP_STAGES, EVEN_K, BLOCK_N, BLOCK_K)
     else:  # NVFP4 routed rows beside bf16 shared rows: two loops
         is_shared = False
@@ -198,7 +214,9 @@ def _gate_up_kernel(
             )
         else:
             e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
-            b_e, s_e = b + e * s_be, b_scale + e * s_se
+            b_e, s_e, g_e = _expert(
+                e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
+            )
             if FP4_GROUPS:
                 gate16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
                 up16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
@@ -224,7 +242,7 @@ def _gate_up_kernel(
                     )
                 g = tl.sum(gate, axis=1)
                 u = tl.sum(up, axis=1)
-            g_ptr = b_global + e * s_ge + n  # the rows' globals
+            g_ptr = g_e + n  # the rows' globals
             g *= tl.load(g_ptr, mask=nmask, other=0.0) * unfold
             u *= tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold
     out = g * tl.sigmoid(g) * u
@@ -233,11 +251,13 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_sum_kernel(
-    act, b, b_scale, b_global, shared_b, shared_logit, out, topk_w, topk_ids, N, K,
+    act, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, shared_logit, out, topk_w,
+    topk_ids, N, K,
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IDS_AHEAD: tl.constexpr = False, TOPK_P: tl.constexpr = 1,
-    FP4_GROUPS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    FP4_GROUPS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]; with SHARED,
@@ -262,14 +282,14 @@ def _down_sum_kernel(
         else:
             e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
         a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
+        b_e, s_e, g_e = _expert(
+            e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
+        )
         if FP4 and FP4_GROUPS:
             even, odd = _fp4_inputs(a_row, k0, K, EVEN_K, BLOCK_K)
-            acc16 += _fp4_blocks(b + e * s_be, b_scale + e * s_se, n, k0, s_bn, s_sn, nmask, K, even, odd,
-                                 EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc16 += _fp4_blocks(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K)
         else:
-            w = _rows(
-                b + e * s_be, b_scale + e * s_se, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K
-            )
+            w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
             acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
         if i % steps == steps - 1:  # the slot's last chunk: its term, weighted and rounded
             if IDS_AHEAD:
@@ -277,7 +297,7 @@ def _down_sum_kernel(
             else:
                 scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
             if FP4:
-                row_scale = tl.load(b_global + e * s_ge + n, mask=nmask, other=0.0) * (scale * unfold)
+                row_scale = tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold)
             else:
                 row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
             if FP4 and FP4_GROUPS:
@@ -308,15 +328,36 @@ def _strides(b, scale, glob) -> tuple:
     return b.stride(0), b.stride(1), scale.stride(0), scale.stride(1), glob.stride(0)
 
 
+def _host_operands(w, host) -> tuple:
+    """The host store's (codes or weights, scales, globals) beside a slot tensor ``w``: same
+    layout, so the kernel indexes both with one set of strides."""
+    b, scale, glob, _ = _bank(w)
+    hb, hscale, hglob, _ = _bank(host)
+    for dev, hst in ((b, hb), (scale, hscale), (glob, hglob)):
+        assert dev.dtype == hst.dtype and dev.shape[1:] == hst.shape[1:] and dev.stride() == hst.stride(), (
+            f"host store {hst.dtype} {tuple(hst.shape)} strides {hst.stride()} is not laid out as the "
+            f"slots ({dev.dtype} {tuple(dev.shape)} strides {dev.stride()})"
+        )
+    return hb, hscale, hglob
+
+
 def launch_moe_gemv(
-    x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, shared: tuple | None = None
+    x: torch.Tensor,
+    w13,
+    w2,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared: tuple | None = None,
+    host: tuple | None = None,
 ) -> torch.Tensor:
     """Checks and launches without the device check (the Triton interpreter runs it on CPU
     tensors): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] bf16 tensors or NVFP4 stacks;
     weights/ids [T, k] -> [T, H]. ``shared``: (gate_up [2I, H], down [H, I], logit [T, 1]) of a
     shared expert in the activations' dtype with the routed experts' I (beside bf16 or NVFP4
     routed experts), computed as one more pair of each token, weighted by sigmoid(logit), its
-    term added after the routed ones (``SHARED_AS_PAIR``)."""
+    term added after the routed ones (``SHARED_AS_PAIR``). ``host``: (w13, w2) of the offload
+    backend's host store, laid out as ``w13``/``w2`` (its cache slots); an id e < 0 then reads
+    host row -e - 1 instead of a slot, over PCIe, inside the same launch (``host_reads.py``)."""
     t, h = x.shape
     check = check_operands if isinstance(w13, NVFP4Tensor) else check_bf16_operands
     _, inter, topk = check(x, w13, w2, weights, ids)
@@ -329,6 +370,8 @@ def launch_moe_gemv(
         return out
     b13, s13, g13, fp4 = _bank(w13)
     b2, s2, g2, _ = _bank(w2)
+    h13 = (b13, s13, g13) if host is None else _host_operands(w13, host[0])  # unread without host
+    h2 = (b2, s2, g2) if host is None else _host_operands(w2, host[1])
     sb13, sb2, logit = (x, x, weights) if shared is None else shared  # unread without a shared expert
     if shared is not None:
         assert sb13.shape == (2 * inter, h) and sb2.shape == (h, inter), (
@@ -341,16 +384,16 @@ def launch_moe_gemv(
     block_n, max_block_k, num_warps, stages = NVFP4 if fp4 else BF16
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     bk_down = min(max_block_k, max(32, triton.next_power_of_2(inter)))
-    flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, BLOCK_N=block_n)
+    flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, BLOCK_N=block_n, HOST=host is not None)
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
-        x, b13, s13, g13, sb13, act, ids, inter, h,
+        x, b13, s13, g13, *h13, sb13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
         UNFOLD,
         **flags, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, FP4_GROUPS=fp4 and FP4_GROUPS, num_warps=num_warps,
         num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
     _down_sum_kernel[(t, triton.cdiv(h, block_n))](
-        act, b2, s2, g2, sb2, logit, out, weights, ids, h, inter,
+        act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, h, inter,
         act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
         weights.stride(1),
         ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
@@ -362,13 +405,22 @@ def launch_moe_gemv(
 
 
 def fused_moe_gemv(
-    x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, shared: tuple | None = None
+    x: torch.Tensor,
+    w13,
+    w2,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared: tuple | None = None,
+    host: tuple | None = None,
 ) -> torch.Tensor:
-    """``launch_moe_gemv`` on CUDA tensors. Graph-capturable: the grid comes from shapes, the
-    experts are read on the device."""
+    """``launch_moe_gemv`` on CUDA tensors (``host``: pinned host tensors the GPU can address).
+    Graph-capturable: the grid comes from shapes, the experts are read on the device."""
     w = w13.weight if isinstance(w13, NVFP4Tensor) else w13
     assert x.is_cuda and w.device == x.device == ids.device, "fused_moe_gemv needs CUDA tensors on one device"
-    return launch_moe_gemv(x, w13, w2, weights, ids, shared)
+    if host is not None:
+        hw = host[0].weight if isinstance(host[0], NVFP4Tensor) else host[0]
+        assert hw.is_pinned(), "a host store read by the kernel must be pinned (page-locked) memory"
+    return launch_moe_gemv(x, w13, w2, weights, ids, shared, host)
 
 
 def shared_pair_alone(x: torch.Tensor, shared: tuple) -> torch.Tensor:
