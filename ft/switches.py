@@ -26,6 +26,7 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.attention.triton_paged", "FUSED_DECODE", "FT_FUSED_ATTN_DECODE"),
     ("ft.layers.triton_norm_gemv", "FUSED_GATED_NORM", "FT_FUSED_GATED_NORM"),
     ("ft.distributed", "SYMM_ALL_REDUCE", "FT_SYMM_ALL_REDUCE"),
+    ("ft.moe.backends.host_reads", "ENABLED", "FT_MOE_HOST_READS"),
 )
 
 

@@ -45,6 +45,7 @@ class EngineStats:
     moe_prefetched: int = 0
     moe_prefetch_hits: int = 0
     moe_bytes_h2d: int = 0  # expert bytes copied host -> device
+    moe_bytes_host_read: int = 0  # expert bytes kernels read from the host store in place (host reads)
     moe_bytes_d2d: int = 0
     moe_copy_seconds: float = 0.0  # busy time of those host -> device copies
     moe_tokens: int = 0  # tokens through the MoE layers
@@ -71,7 +72,9 @@ class EngineStats:
 
     @property
     def moe_bytes_per_token(self) -> float:
-        return self.moe_bytes_h2d / self.moe_tokens if self.moe_tokens else 0.0
+        """Expert bytes over PCIe per token: copied, and read in place by host reads."""
+        moved = self.moe_bytes_h2d + self.moe_bytes_host_read
+        return moved / self.moe_tokens if self.moe_tokens else 0.0
 
     @property
     def moe_pcie_gb_s(self) -> float:

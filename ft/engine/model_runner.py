@@ -120,6 +120,7 @@ class ModelRunner:
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests, self.moe.max_graph_batch())
         if self.device.type == "cuda" and not cfg.disable_cuda_graph and max_bs >= 1:
             self.graphs = self._decode_graphs(max_bs)
+            self.moe.discard_uses()
 
     def _decode_graphs(self, max_bs: int):
         """The captured decode steps, or None, said why, when a kernel of the step cannot be captured."""
@@ -331,6 +332,7 @@ class ModelRunner:
         base = self.snapshot_base
         self._copy_states([(base + s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
         logits, rows = self._forward(seqs)  # [R, V]; GDN layers save the snapshots as they run
+        self.moe.after_step(sum(len(s.token_ids) for s in seqs))
         if not self.tp.is_first:
             return None
         sampling = [i for i, s in enumerate(seqs) if s.sample]

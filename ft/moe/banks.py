@@ -32,6 +32,13 @@ from ft.moe.backends import bank_device
 from ft.moe.kernels.select import kernel_spec, select_moe_kernel
 from ft.utils import div_even
 
+try:  # the Triton kernels, each beside its rule for handing a batch to the MoE GEMV
+    from ft.moe.kernels import triton_moe, triton_w4a16
+
+    GEMV_RULES = {triton_moe.fused_moe_triton: triton_moe, triton_w4a16.fused_moe_w4a16: triton_w4a16}
+except ImportError:  # no triton (CPU-only installs): no kernel hands anything to the GEMV
+    GEMV_RULES = {}
+
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -81,6 +88,13 @@ class ExpertBank(nn.Module):
     def graph_safe(self) -> bool:
         return kernel_spec(self.kernel_name).graph_safe
 
+    def takes_gemv(self, tokens: int) -> bool:
+        """Whether the kernel runs a batch of ``tokens`` tokens as the MoE GEMV
+        (``triton_moe_gemv``), the one that also takes a shared pair and host-store rows: asks
+        the kernel's module its own rule."""
+        module = GEMV_RULES.get(self.kernel)
+        return module is not None and module.takes_gemv(tokens, self.local_inter)
+
     @staticmethod
     def expert(param: torch.Tensor, e: int) -> torch.Tensor:
         """Expert ``e`` of one of the expert tensors, where it lives (placed by an MoE backend)."""
@@ -105,16 +119,24 @@ class ExpertBank(nn.Module):
         """This rank's partial sum of the routed experts for x [T, H]."""
         return self.run(x, weights, ids)
 
-    def run(self, x, weights, ids, tensors: Mapping[str, torch.Tensor] | None = None, shared=None):
+    def run(self, x, weights, ids, tensors: Mapping[str, torch.Tensor] | None = None, shared=None, host=None):
         """The kernel on ``tensors`` (default: the bank's own; a backend passes its cache slots).
         With ``shared`` (gate_up, down, logit) the MoE GEMV also computes the block's shared
-        expert, as one more pair of each token (``triton_moe_gemv.SHARED_AS_PAIR``)."""
+        expert, as one more pair of each token (``triton_moe_gemv.SHARED_AS_PAIR``). With
+        ``host`` (a host store's tensors, laid out as ``tensors``) an id e < 0 is the host
+        store's row -e - 1, read by the MoE GEMV in place (``host_reads.py``)."""
         w13, w2 = self.kernel_weights(tensors)
-        if shared is None:
+        if shared is None and host is None:
+            return self.kernel(x, w13, w2, weights, ids)
+        if host is not None and not x.is_cuda:  # no GPU to read it: both sides as one bank (tests)
+            from ft.moe.backends.host_reads import as_one_bank
+
+            w13, w2, ids = as_one_bank((w13, w2), self.kernel_weights(host), ids)
             return self.kernel(x, w13, w2, weights, ids)
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # a GPU path: triton is there
 
-        return fused_moe_gemv(x, w13, w2, weights, ids, shared)
+        host_weights = None if host is None else self.kernel_weights(host)
+        return fused_moe_gemv(x, w13, w2, weights, ids, shared, host_weights)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

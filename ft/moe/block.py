@@ -30,11 +30,11 @@ from ft.moe.nvfp4_bank import NVFP4ExpertBank
 from ft.moe.router import TopKRouter
 
 try:  # fused kernels instead of 2-3 elementwise ones each; used for tensors on a GPU
-    from ft.moe.kernels import triton_moe, triton_moe_gemv, triton_w4a16
+    from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_combine import gated_add as fused_gated_add
     from ft.moe.kernels.triton_combine import silu_and_mul as fused_silu_and_mul
 except ImportError:  # no triton (CPU-only installs)
-    fused_gated_add = fused_silu_and_mul = triton_moe = triton_moe_gemv = triton_w4a16 = None
+    fused_gated_add = fused_silu_and_mul = triton_moe_gemv = None
 
 BANKS = {"bf16": BF16ExpertBank, "nvfp4": NVFP4ExpertBank}
 
@@ -109,11 +109,8 @@ class SparseMoeBlock(nn.Module):
         if triton_moe_gemv is None or not triton_moe_gemv.SHARED_AS_PAIR or self.shared_expert is None:
             return False
         bank, down = self.experts, self.shared_expert.down_proj.weight
-        kernels = {triton_moe.fused_moe_triton: triton_moe, triton_w4a16.fused_moe_w4a16: triton_w4a16}
-        module = kernels.get(bank.kernel)  # the kernel's module, and in it its own GEMV dispatch rule
         return (
-            module is not None
-            and module.takes_gemv(len(x), bank.local_inter)
+            bank.takes_gemv(len(x))
             and x.is_cuda
             and getattr(self.backend, "shared_pair", False)
             and down.shape == (bank.hidden_size, bank.local_inter)

@@ -68,7 +68,7 @@ _GAUGES = [
     ("ft_moe_resident_experts", "moe_resident", "Routed experts resident on the GPU, all layers"),
     ("ft_moe_cache_slots_per_layer", "moe_slots", "GPU expert-cache slots per MoE layer"),
     ("ft_moe_expert_hit_rate", "moe_hit_rate", "Expert uses that found the expert resident (cumulative)"),
-    ("ft_moe_bytes_per_token", "moe_bytes_per_token", "Expert bytes copied host to device per token"),
+    ("ft_moe_bytes_per_token", "moe_bytes_per_token", "Expert bytes over PCIe per token, copied or read"),
     ("ft_moe_pcie_gb_per_second", "moe_pcie_gb_s", "Effective host-to-device bandwidth of expert copies"),
 ]
 _COUNTERS = [
@@ -80,6 +80,7 @@ _COUNTERS = [
     ("ft_moe_expert_evictions", "moe_evictions", "Experts evicted from the GPU cache"),
     ("ft_moe_experts_prefetched", "moe_prefetched", "Experts copied ahead of need"),
     ("ft_moe_bytes_streamed", "moe_bytes_h2d", "Expert bytes copied host to device"),
+    ("ft_moe_bytes_host_read", "moe_bytes_host_read", "Expert bytes kernels read from host memory in place"),
 ]
 
 

@@ -8,8 +8,9 @@ off instead). The first row runs the defaults, then each switch alone, then all 
 together. For each row the decode graphs are captured again, then a 1,024-token prompt decodes
 256 tokens: the same prompt in every row, with the prefix cache off so that each prompt step
 computes it whole. The line gives tokens per second over the decode, the prompt step's time
-(eager, host-bound at this size), and the greedy tokens' agreement with the first row (a switch that changes rounding changes tokens on a random-weight model: judge it by
-its accuracy test, not by this).
+(eager, host-bound at this size), and the greedy tokens' agreement with the first row (a switch
+that changes rounding changes tokens on a random-weight model: judge it by its accuracy test,
+not by this).
 ``--nvfp4`` quantises the experts while loading (switches of the NVFP4 kernels).
 Loading a model once instead of once per variant saves most of a device run."""
 
@@ -32,8 +33,13 @@ from tests.gpu.profiling import logger  # noqa: E402
 
 
 def switches_off() -> list[str]:
-    """The kernel switches still off (``ft.switches``), but the tensor-parallel one (one GPU here)."""
-    return [key for key, on in current().items() if not on and not key.startswith("ft.distributed")]
+    """The kernel switches still off (``ft.switches``), but the tensor-parallel one (one GPU here) and
+    the offload backend's (a resident model here)."""
+    return [
+        key
+        for key, on in current().items()
+        if not on and not key.startswith(("ft.distributed", "ft.moe.backends"))
+    ]
 
 
 def resolve(spec: str) -> tuple[object, str, bool]:

@@ -117,7 +117,7 @@ def test_plan_line_and_bench_offline_report_offload(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ft rank 0/1: moe offload (lfu, prefetch on): 3 layers x 4/8 experts resident (50%)" in out
     assert "moe offload: 4/8 experts resident per layer (50%), policy lfu, prefetch on" in out
-    assert "1  decode hit rate" in out and "MB copied per token" in out
+    assert "1  decode hit rate" in out and "MB over PCIe per token" in out
 
 
 def test_the_cache_starts_full_with_the_host_store_experts(tmp_path):

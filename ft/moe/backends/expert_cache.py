@@ -167,14 +167,41 @@ class SlotMap:
         experts = self.absent()[: len(empty)]
         return self._insert(experts, empty[: len(experts)])
 
-    def classify(self, experts: np.ndarray) -> np.ndarray:
+    def classify(self, experts: np.ndarray, unavailable: np.ndarray | None = None) -> np.ndarray:
         """Which experts are resident; counts the batch's hits and misses and pins the hits, but
-        inserts nothing (the streaming path and the hybrid backend use the hits in place)."""
+        inserts nothing (the streaming path and the hybrid backend use the hits in place).
+        ``unavailable`` [E]: experts that count as misses though their slot is assigned (a copy
+        still in flight: host reads read them from the host store)."""
         experts = np.asarray(experts, dtype=np.int64)
         hit = self.resident(experts)
+        if unavailable is not None:
+            hit &= ~unavailable[experts]
         self.pin_step[self.slot_of[experts[hit]]] = self.step
         self._count_use(experts, hit)
         return hit
+
+    def promote(self, missed: np.ndarray, n: int) -> list[tuple[int, int]]:
+        """Insert up to ``n`` of the experts a step ``missed``, most used first (the decayed
+        counts), into slots that no expert of this step holds, victims by the policy; with
+        ``lfu`` only where the newcomer is used more than the expert it evicts. Returns the
+        (expert, slot) copies. Host reads call it between steps: a miss costs no copy there, so
+        the cache changes only as fast as ``n`` allows."""
+        missed = np.asarray(missed, dtype=np.int64)
+        cand = self._candidates()
+        n = min(n, len(missed), len(cand))
+        if n <= 0:
+            return []
+        new = missed[np.argsort(-self.freq[missed], kind="stable")[:n]]
+        victims = self._victims(n, cand)
+        if self.policy == "lfu":  # newcomers by falling use, victims by rising use: pair them off
+            holder = self.expert_in[victims]
+            held = np.where(holder >= 0, self.freq[np.maximum(holder, 0)], -1.0)
+            keep = self.freq[new] > held
+            new, victims = new[keep], victims[keep]
+        if len(new) == 0:
+            return []
+        self.pin_step[victims] = self.step  # not undone by another promotion of this step
+        return self._insert(new, victims)
 
     # ---- internals
     def _count_use(self, experts: np.ndarray, hit: np.ndarray) -> None:
@@ -238,6 +265,39 @@ class ExpertCache:
         pin = device.type == "cuda"
         self._mirror = torch.empty(e, dtype=torch.int64, pin_memory=pin)  # host side of table
         self.map.dirty = False
+        self.route: torch.Tensor | None = None  # [E] slot, or -(host row + 1): host reads' table
+        self.copying: dict[int, torch.cuda.Event] = {}  # slot -> its latest copy, until it lands
+
+    def add_route(self) -> None:
+        """The table host reads take (``host_reads.py``): expert -> its slot where it is resident
+        and the slot's last copy has landed, else -(host row + 1), a row of the host store (which
+        holds every expert that is not static). Kernels reading it wait for nothing."""
+        e, pin = self.map.num_experts, self.device.type == "cuda"
+        self._route_mirror = torch.empty(e, dtype=torch.int64, pin_memory=pin)
+        self.route = torch.tensor(self._route_values(), device=self.device)
+
+    def filling(self, slots: list[int], done: torch.cuda.Event | None) -> None:
+        """``slots`` are being copied into until ``done`` (None: already done, on a CPU)."""
+        if self.route is not None and done is not None:
+            self.copying.update(dict.fromkeys(slots, done))
+            self.map.dirty = True
+
+    def unready(self) -> np.ndarray:
+        """[E] experts whose slot is assigned but still being filled; forgets copies that landed
+        (and marks the route for a rewrite)."""
+        landed = [s for s, ev in self.copying.items() if ev.query()]
+        for s in landed:
+            del self.copying[s]
+        self.map.dirty |= bool(landed)
+        out = np.zeros(self.map.num_experts, dtype=bool)
+        holders = self.map.expert_in[list(self.copying)] if self.copying else np.zeros(0, dtype=np.int64)
+        out[holders[holders >= 0]] = True
+        return out
+
+    def _route_values(self) -> np.ndarray:
+        slot, m = self.map.slot_of, self.map
+        host = -(np.arange(m.num_experts) - m.static + 1)  # static experts are always in their slots
+        return np.where((slot != m.null) & ~self.unready(), slot, host)
 
     @property
     def nbytes(self) -> int:
@@ -248,10 +308,15 @@ class ExpertCache:
 
         The mirror is reused only after the host has synchronised with this stream again (every
         caller reads routing ids first), so the asynchronous copy never sees it change."""
+        if self.copying:
+            self.unready()  # copies that landed since: their experts' routes change
         if not self.map.dirty:
             return
         self._mirror.numpy()[:] = self.map.slot_of
         self.table.copy_(self._mirror, non_blocking=True)
+        if self.route is not None:
+            self._route_mirror.numpy()[:] = self._route_values()
+            self.route.copy_(self._route_mirror, non_blocking=True)
         self.map.dirty = False
 
     def slot_ids(self, ids: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,7 @@ class ExpertLayout:
         }
 
 
+PORTABLE, MAPPED = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
 _REGISTERED: dict[int, object] = {}  # data_ptr -> finaliser, so a block is unregistered once
 
 
@@ -98,7 +99,8 @@ def pin_in_place(block: torch.Tensor) -> None:
 
     cudart = torch.cuda.cudart()
     ptr, size = block.data_ptr(), block.numel() * block.element_size()
-    err = cudart.cudaHostRegister(ptr, size, 0)
+    # portable (any context) and mapped: kernels may read it in place (``host_reads.py``)
+    err = cudart.cudaHostRegister(ptr, size, PORTABLE | MAPPED)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {cudart.cudaGetErrorString(err)}")
     _REGISTERED[ptr] = weakref.finalize(block, _unregister, ptr)

@@ -52,6 +52,7 @@ import torch
 from ft.forward_context import get_forward_context
 from ft.moe.backends.expert_cache import ExpertCache, unique
 from ft.moe.backends.graph_split import capturing, split_point
+from ft.moe.backends.host_reads import HostReads
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout
 from ft.moe.backends.prefetch import Prefetch
@@ -144,11 +145,15 @@ class OffloadBackend:
         self.map = cache.map if cache is not None else None
         self.prefetch: Prefetch | None = None  # the next MoE layer's, when prefetching
         self.next: OffloadBackend | None = None  # the next MoE layer's backend (streaming ahead)
+        self.reads: HostReads | None = None  # set with host reads on (``host_reads.py``)
+        self.uses: torch.Tensor | None = None  # [E] this layer's row of ``reads.uses``
 
     # ---- entry
     def __call__(
         self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: tuple | None = None
     ) -> torch.Tensor:
+        if self.reads is not None and self.reads.takes(bank, x, decode_only()):
+            return self._read_in_place(bank, x, weights, ids, shared)
         ahead = self._take_ahead()
         pred = self._predict(x)
         if capturing():
@@ -222,13 +227,23 @@ class OffloadBackend:
         if copies:
             experts, slots = zip(*copies)
             rows = self.store.rows(np.array(experts)).tolist()
-            self.shared.transfer.issue(self.cache.block, list(slots), self.store.block, rows, after=after)
+            done = self.shared.transfer.issue(
+                self.cache.block, list(slots), self.store.block, rows, after=after
+            )
+            self.cache.filling(list(slots), done)
 
     def _prefetch_next(self, pred_h: np.ndarray | None) -> None:
         if pred_h is not None:
             self.prefetch.start(pred_h)
 
     # ---- device side
+    def _read_in_place(self, bank, x, weights, ids, shared=None) -> torch.Tensor:
+        """Every expert read where it is, a slot or the host store, in one kernel call: nothing
+        waits for the host (``host_reads.py``)."""
+        self.uses.index_add_(0, ids.reshape(-1), self.reads.ones[: ids.numel()])
+        rows = self.cache.route[ids]  # [T, k] slots, or -(host row + 1)
+        return bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors)
+
     def _cached(
         self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared=None
     ) -> torch.Tensor:

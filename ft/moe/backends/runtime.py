@@ -32,7 +32,7 @@ import torch
 from ft.config import EngineConfig
 from ft.distributed import TPInfo
 from ft.models.config import ModelConfig
-from ft.moe.backends import OFFLOADING, sizing
+from ft.moe.backends import OFFLOADING, host_reads, sizing
 from ft.moe.backends.cpu import CpuBackend
 from ft.moe.backends.expert_cache import ExpertCache, SlotMap
 from ft.moe.backends.host_store import (
@@ -82,6 +82,7 @@ class MoeRuntime:
         self.static = 0  # experts per layer on the GPU only (lean store)
         self.backends: list = []
         self.shared: Shared | None = None
+        self.reads: host_reads.HostReads | None = None  # decode reading the host store in place
         self.plan = MoePlan(self.name)
 
     @property
@@ -178,6 +179,12 @@ class MoeRuntime:
         if cfg.moe_prefetch and self.name != "cpu":
             for backend, nxt, block in zip(self.backends, self.backends[1:], blocks[1:]):
                 backend.prefetch = Prefetch(block.gate, nxt)  # the next MoE layer's router
+        if (
+            host_reads.ENABLED
+            and self.name == "offload"
+            and (self.stores[0].pinned or self.device.type == "cpu")
+        ):
+            self.reads = host_reads.HostReads(self.backends, self.mc.num_experts_per_tok, self.device)
         self.plan = MoePlan(
             self.name,
             len(blocks),
@@ -212,6 +219,17 @@ class MoeRuntime:
         if self.name == "hybrid":
             return HYBRID_MAX_TOKENS
         return (self.plan.slots - self.plan.static) // self.mc.num_experts_per_tok
+
+    # ---- between steps
+    def after_step(self, tokens: int) -> None:
+        """After each forward (``tokens``: its batch's): host reads' counting and promotions."""
+        if self.reads is not None:
+            self.reads.after_step(tokens)
+
+    def discard_uses(self) -> None:
+        """Forget what warming up and capturing the decode graphs used (host reads)."""
+        if self.reads is not None:
+            self.reads.discard()
 
     def set_policy(self, policy: str) -> None:
         for cache in self.caches:
@@ -271,6 +289,7 @@ class MoeRuntime:
             "moe_prefetched": sum(m.counts.prefetched for m in maps),
             "moe_prefetch_hits": sum(m.counts.prefetch_hits for m in maps),
             "moe_bytes_h2d": tc.h2d_bytes,
+            "moe_bytes_host_read": self.reads.bytes_read if self.reads is not None else 0,
             "moe_bytes_d2d": tc.d2d_bytes,
             "moe_copy_seconds": tc.copy_seconds,
             "moe_tokens": sh.tokens,

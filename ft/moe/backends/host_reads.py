@@ -1,0 +1,116 @@
+"""Host reads: decode batches whose MoE kernels read missed experts from the host store themselves.
+
+The offload backend's own decode makes a layer's experts resident before its kernel runs: the
+host reads the routing ids (a synchronisation per MoE layer), copies the misses into slots and
+writes the slot table, so a graphed decode step breaks at every MoE layer (``graph_split``).
+With host reads, a decode batch that the bank hands its MoE GEMV runs that kernel on the slots
+*and* the host store at once: ``cache.route[e]`` is e's slot, or -(row + 1) for an expert whose
+rows the kernel then reads from the pinned host store over PCIe, through unified addressing (an
+H200 read random 6 MB blocks at 51 GB/s this way, against 55 GB/s for a DMA copy:
+tests/gpu/zero_copy_bandwidth.py). Nothing in the step waits for the host, so the whole step is
+one CUDA graph, and the result is bit for bit the other paths': the same bytes are read.
+
+What the cache holds changes between steps. Each layer counts its experts' uses on the device
+(``uses`` [L, E]); ``after_step`` reads the counts (one small copy), counts hits and misses for
+the policy and the statistics, and promotes some missed experts into slots. A miss costs no copy
+here, so copying every miss into the cache (what the default path does) would send the missed
+bytes over PCIe twice: a layer promotes ``PROMOTE_SHARE`` of its misses (credited across steps),
+victims by the policy, which lets the cache follow skewed routing at a bounded cost. A slot's
+route entry points at it only once its last copy has landed (``ExpertCache.unready``); the
+victims' entries point at the host before the copies start, and the copies wait for every kernel
+issued before them.
+
+Off until timed on a GPU (``ENABLED``, ``FT_MOE_HOST_READS=1``). Not here: prefill and decode
+batches the GEMV does not take (the offload paths stream or copy them), the hybrid and cpu
+backends (they compute misses on the CPU). Rows of a graphed batch that only pad it to its graph
+size count as uses too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from ft.quant.nvfp4 import NVFP4Tensor
+
+ENABLED = os.environ.get("FT_MOE_HOST_READS", "0") == "1"
+PROMOTE_SHARE = 1 / 16  # of a layer's misses, promoted into its cache between steps
+CPU_MAX_TOKENS = 4  # without a GPU (tests), decode batches up to this size take host reads
+MAX_TOKENS = 64  # the largest batch whose uses the counts take (the GEMV takes far fewer)
+
+
+class HostReads:
+    """The host-read state of one rank: every offloading layer's use counts and promotions."""
+
+    def __init__(self, backends: list, top_k: int, device: torch.device) -> None:
+        self.backends, self.top_k = backends, top_k
+        e = backends[0].store.num_experts
+        self.uses = torch.zeros(len(backends), e, dtype=torch.int32, device=device)  # [L, E]
+        self.ones = torch.ones(MAX_TOKENS * top_k, dtype=torch.int32, device=device)  # what a use adds
+        self.credit = np.zeros(len(backends))  # promotions owed to each layer, fractional
+        self.bytes_read = 0  # expert bytes kernels read from the host store
+        for i, b in enumerate(backends):
+            b.cache.add_route()
+            b.reads, b.uses = self, self.uses[i]
+
+    def takes(self, bank, x: torch.Tensor, decode: bool) -> bool:
+        """Whether a batch reads its experts where they are: decode, and a size the GEMV takes."""
+        if not decode or len(x) * self.top_k > len(self.ones):
+            return False
+        return bank.takes_gemv(len(x)) if x.is_cuda else 0 < len(x) <= CPU_MAX_TOKENS
+
+    def discard(self) -> None:
+        """Forget the uses counted so far (the warm-up and capture of the decode graphs)."""
+        self.uses.zero_()
+
+    def after_step(self, tokens: int) -> None:
+        """Between steps (``tokens``: the last step's): count what its host-read layers used,
+        promote some misses."""
+        uses = self.uses.to("cpu", copy=True).numpy()  # [L, E]; waits for the step, as the caller does
+        if not uses.any():  # not a host-read step: only routes whose copies landed change
+            for b in self.backends:
+                b.cache.publish()
+            return
+        self.uses.zero_()
+        sh = self.backends[0].shared
+        sh.step += 1
+        sh.tokens += tokens
+        for i, b in enumerate(self.backends):
+            m = b.map
+            m.begin_step(sh.step)
+            used = np.flatnonzero(uses[i])
+            hit = m.classify(used, b.cache.unready())  # an expert still being copied was read from the host
+            missed = used[~hit]
+            self.bytes_read += int(uses[i][missed].sum()) * b.store.layout.payload_bytes
+            self.credit[i] += PROMOTE_SHARE * len(missed)
+            n = int(self.credit[i])
+            self.credit[i] -= n
+            copies = m.promote(missed, n) if n else []
+            b.cache.publish()  # victims (and newcomers, until their copies land) read from the host
+            b.copy_in(copies)  # after every kernel issued so far, the last readers of the victims
+
+
+def as_one_bank(slots: tuple, host: tuple, ids: torch.Tensor) -> tuple:
+    """(w13, w2, ids) of one bank holding the slots, then the host store's rows, with the host
+    rows' ids (e < 0: row -e - 1) moved past the slots: what host reads compute, for kernels that
+    cannot read host memory from a device (the CPU reference, in tests)."""
+    n = _rows(slots[0])
+    out = tuple(_cat(s, h) for s, h in zip(slots, host))
+    return (*out, torch.where(ids >= 0, ids, n - 1 - ids))
+
+
+def _rows(w) -> int:
+    return (w.weight if isinstance(w, NVFP4Tensor) else w).shape[0]
+
+
+def _cat(a, b):
+    if isinstance(a, NVFP4Tensor):
+        parts = (torch.cat([x, y]) for x, y in zip(_fields(a), _fields(b)))
+        return NVFP4Tensor(*parts)
+    return torch.cat([a, b])
+
+
+def _fields(w: NVFP4Tensor) -> tuple:
+    return w.weight, w.weight_scale, w.weight_scale_2

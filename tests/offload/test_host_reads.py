@@ -1,0 +1,114 @@
+"""Host reads (``ft.moe.backends.host_reads``): decode batches whose MoE kernel reads the missed
+experts from the host store in place give exactly the resident backend's outputs, and between
+steps the cache takes in some of the misses, publishing a slot only once its copy has landed.
+
+On a CPU the kernel "reading both sides" is the CPU reference on the slots and the host store
+stacked into one bank (``as_one_bank``): what runs is the route table, the use counts, the
+promotions and their publication, the logic a GPU runs too (its kernel: the MoE GEMV's host
+rows, tests/test_moe_fusions_interp.py and tests/offload/test_offload_gpu.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ft.moe.backends import host_reads
+from ft.moe.backends.expert_cache import ExpertCache, SlotMap
+from ft.moe.backends.host_reads import as_one_bank
+from ft.moe.backends.layout import ExpertLayout, Part
+from tests.offload.equality import assert_same, generate
+
+
+@pytest.fixture
+def reads_on(monkeypatch):
+    monkeypatch.setattr(host_reads, "ENABLED", True)
+
+
+@pytest.mark.parametrize("fraction", [0.125, 0.5])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_host_reads_equal_resident(ckpt, refs, reads_on, monkeypatch, fraction, policy):
+    """Every miss promoted (the cache changes at every step) or the default share."""
+    for share in (1.0, host_reads.PROMOTE_SHARE):
+        monkeypatch.setattr(host_reads, "PROMOTE_SHARE", share)
+        outs, s = generate(
+            ckpt, moe_backend="offload", expert_cache_fraction=fraction, expert_cache_policy=policy
+        )
+        assert_same(outs, refs[8192])
+        assert s.moe_bytes_host_read > 0 and s.moe_misses > 0 and s.moe_tokens > 0
+        if share == 1.0 and policy == "lru":  # promoted misses evicted what was there
+            assert s.moe_evictions > 0
+
+
+def test_host_reads_with_chunked_prefill_and_all_experts_resident(ckpt, refs, reads_on):
+    outs, _ = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25, max_num_batched_tokens=5)
+    assert_same(outs, refs[5])
+    outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=1.0)
+    assert_same(outs, refs[8192])
+    assert s.moe_bytes_host_read == 0 and s.moe_misses == 0 and s.moe_hits > 0
+
+
+def test_without_the_switch_decode_copies_its_misses(ckpt, refs):
+    outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
+    assert_same(outs, refs[8192])
+    assert s.moe_bytes_host_read == 0 and s.moe_bytes_h2d > 0
+
+
+def test_promote_takes_the_most_used_misses_into_slots_the_step_did_not_use():
+    m = SlotMap(num_experts=8, num_slots=3)
+    m.begin_step(1)
+    m.warm()  # experts 0, 1, 2 in slots 0, 1, 2
+    hit = m.classify(np.array([0, 5, 6, 7]))  # 0 hits (pinned for this step), 5, 6, 7 miss
+    assert hit.tolist() == [True, False, False, False]
+    m.freq[7] += 3.0  # used more than 5 and 6
+    copies = m.promote(np.array([5, 6, 7]), 1)
+    assert len(copies) == 1 and copies[0][0] == 7 and copies[0][1] in (1, 2)  # never 0's slot
+    assert m.promote(np.array([5, 6]), 0) == []
+    assert len(m.promote(np.array([5, 6]), 5)) == 1  # one unpinned slot left this step
+
+
+def test_lfu_promotes_only_over_a_less_used_expert():
+    m = SlotMap(num_experts=8, num_slots=2, policy="lfu")
+    m.begin_step(1)
+    m.warm()  # experts 0, 1
+    m.freq[:] = [5.0, 0.5, 0, 0, 1.0, 0, 0, 0]
+    copies = m.promote(np.array([4, 3]), 2)  # 4 (1.0) beats 1 (0.5); 3 (0.0) beats nobody
+    assert copies == [(4, 1)]
+
+
+class Landing:
+    """A copy's event, landed when told."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_route_points_at_a_slot_only_once_its_copy_landed():
+    layout = ExpertLayout((Part("w", (2,), torch.float32, 0),), 256)
+    m = SlotMap(num_experts=6, num_slots=3, static=1)  # expert 0 lives in slot 0 only
+    m.warm()  # experts 1, 2 in slots 1, 2
+    cache = ExpertCache(layout, m, torch.device("cpu"))
+    cache.add_route()
+    assert cache.route.tolist() == [0, 1, 2, -3, -4, -5]  # host rows: expert e at e - 1
+    m.begin_step(1)
+    copies = m.promote(np.array([4]), 1)
+    ((expert, slot),) = copies
+    landing = Landing()
+    cache.filling([slot], landing)
+    cache.publish()
+    evicted = 3 - slot  # the expert that held the other dynamic slot stays
+    assert cache.route[4] == -4 and cache.route[slot] == -slot and cache.route[evicted] == evicted
+    assert cache.unready()[4] and not cache.unready()[evicted]
+    landing.done = True
+    cache.publish()
+    assert cache.route[4] == slot and not cache.unready().any() and not cache.copying
+
+
+def test_as_one_bank_moves_host_rows_past_the_slots():
+    slots, host = torch.arange(3.0)[:, None], 10 + torch.arange(4.0)[:, None]
+    w13, w2, ids = as_one_bank((slots, slots), (host, host), torch.tensor([[2, -1], [-4, 0]]))
+    assert w13[ids].squeeze(-1).tolist() == [[2.0, 10.0], [13.0, 0.0]]
