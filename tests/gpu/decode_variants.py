@@ -1,6 +1,7 @@
 """Batch-1 decode with kernel switches turned on one at a time, on one loaded model (not a test):
 
-    python tests/gpu/decode_variants.py CONFIG [OUT.log] [--nvfp4] [module:SWITCH[=0] ...]
+    python tests/gpu/decode_variants.py CONFIG [OUT.log] [--nvfp4] [--max-gpu-memory=SIZE]
+                                        [module:SWITCH[=0] ...]
 
 A switch is a module-level boolean read when a kernel is launched or traced (by default every
 switch of ``ft.switches`` still off, but the tensor-parallel one, each turned on; ``=0`` turns one
@@ -11,7 +12,9 @@ computes it whole. The line gives tokens per second over the decode, the prompt 
 (eager, host-bound at this size), and the greedy tokens' agreement with the first row (a switch
 that changes rounding changes tokens on a random-weight model: judge it by its accuracy test,
 not by this).
-``--nvfp4`` quantises the experts while loading (switches of the NVFP4 kernels).
+``--nvfp4`` quantises the experts while loading (switches of the NVFP4 kernels);
+``--max-gpu-memory=SIZE`` caps the GPU budget and offloads the experts that do not fit (e.g.
+``ft.moe.backends.host_reads:ENABLED``, the offload backend's decode path).
 Loading a model once instead of once per variant saves most of a device run."""
 
 from __future__ import annotations
@@ -58,10 +61,12 @@ def main() -> None:
     specs = [a for a in args[1:] if ":" in a] or switches_off()
     switches = [resolve(s) for s in specs]
     log = logger(out)
+    cap = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--max-gpu-memory=")), None)
+    offload = dict(max_gpu_memory=cap, moe_backend="offload") if cap else {}
     engine = LLMEngine(EngineConfig(
         config_file=config, load_format="dummy", device="cuda", num_tokens=20000, max_model_len=2048,
         max_running_requests=8, progress=False, enable_prefix_cache=False,
-        quantize_experts="nvfp4" if "--nvfp4" in sys.argv else None,
+        quantize_experts="nvfp4" if "--nvfp4" in sys.argv else None, **offload,
     ))  # fmt: skip
     runner = engine.executor.runner
     vocab = engine.model_config.vocab_size
@@ -74,7 +79,10 @@ def main() -> None:
             setattr(mod, name, value if i in on else defaults[i])
         runner.graphs = None
         torch.cuda.empty_cache()
-        runner.graphs = runner._decode_graphs(min(8, runner.cfg.cuda_graph_max_bs))
+        runner.graphs = runner._decode_graphs(
+            min(8, runner.cfg.cuda_graph_max_bs, runner.moe.max_graph_batch())
+        )
+        runner.moe.discard_uses()
         tokens, rates = None, []
         for _ in range(2):  # the first also compiles what the switches changed
             engine.add_request(prompt, SamplingParams(max_tokens=257, temperature=0.0, ignore_eos=True))
@@ -84,16 +92,27 @@ def main() -> None:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             prompt_ms = 1e3 * (t0 - t_prompt)
+            before = engine.stats()
             while engine.has_unfinished_requests():
                 outs = engine.step()
             torch.cuda.synchronize()
             rates.append(256 / (time.perf_counter() - t0))
             tokens = outs[0].token_ids
+        moe = moe_line(before, engine.stats()) if cap else ""
         first = first or tokens
         same = sum(a == b for a, b in zip(tokens, first)) / len(first)
         log(f"{label:50}: {rates[-1]:7.1f} tok/s batch-1 decode (first run {rates[0]:.1f}), "
-            f"1k prompt {prompt_ms:.1f} ms, greedy tokens as the first row's: {same:.0%}")  # fmt: skip
+            f"1k prompt {prompt_ms:.1f} ms, greedy tokens as the first row's: {same:.0%}{moe}")  # fmt: skip
     engine.shutdown()
+
+
+def moe_line(a, b) -> str:
+    """The offloaded decode's expert hit rate and PCIe bytes per token between two stats."""
+    hits, misses = b.moe_hits - a.moe_hits, b.moe_misses - a.moe_misses
+    moved = b.moe_bytes_h2d + b.moe_bytes_host_read - a.moe_bytes_h2d - a.moe_bytes_host_read
+    return (
+        f"; decode hit rate {hits / max(1, hits + misses):.1%}, {moved / 256 / 1e6:.1f} MB over PCIe a token"
+    )
 
 
 if __name__ == "__main__":

@@ -155,3 +155,48 @@ def test_loop_variants_give_the_same_bits(fmt, t, inter, monkeypatch):
             monkeypatch.setattr(mod, "PIPELINE", pipeline)
             outs.append(mod.fused_moe_gemv(x, w13, w2, weights, ids, pair))
         assert all(torch.equal(outs[0], o) for o in outs[1:]), pair is not None
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_host_rows_read_in_place_equal_the_resident_bank(fmt, t):
+    """``host=``: experts read from pinned host memory by the kernel (ids e < 0: host row -e - 1)
+    give the bits of the call on a bank holding every expert on the device, graphed too; slots no
+    expert holds and the host rows of slotted experts are NaN, so reading the wrong side fails."""
+    pytest.importorskip("triton")
+    from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
+    from ft.quant.nvfp4 import NVFP4Tensor
+
+    e, slots = 512, 96
+    x, w13, w2, weights, ids = problem(fmt, t, e, 512, 2048, 10, seed=40 + t)
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    in_slot = torch.randperm(e, generator=gen, device="cuda")[: slots - 8]  # 8 slots left empty
+    route = -(torch.arange(e, device="cuda") + 1)
+    route[in_slot] = torch.randperm(slots, generator=gen, device="cuda")[: len(in_slot)]
+    holder = torch.zeros(slots, dtype=torch.long, device="cuda")
+    holder[route[in_slot]] = in_slot
+    empty = torch.ones(slots, dtype=torch.bool, device="cuda")
+    empty[route[in_slot]] = False
+
+    def split(w):  # (device slot rows, pinned host rows)
+        if isinstance(w, NVFP4Tensor):
+            slot_g, host_g = w.weight_scale_2[holder].clone(), w.weight_scale_2.clone()
+            slot_g[empty], host_g[in_slot] = float("nan"), float("nan")
+            slot = NVFP4Tensor(w.weight[holder], w.weight_scale[holder], slot_g)
+            host = NVFP4Tensor(*(p.cpu().pin_memory() for p in (w.weight, w.weight_scale, host_g)))
+            return slot, host
+        slot, host = w[holder].clone(), w.clone()
+        slot[empty], host[in_slot] = float("nan"), float("nan")
+        return slot, host.cpu().pin_memory()
+
+    (s13, h13), (s2, h2) = split(w13), split(w2)
+    want = fused_moe_gemv(x, w13, w2, weights, ids)
+    rows = route[ids]
+    got = fused_moe_gemv(x, s13, s2, weights, rows, host=(h13, h2))
+    assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fused_moe_gemv(x, s13, s2, weights, rows, host=(h13, h2))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, want)

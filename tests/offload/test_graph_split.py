@@ -43,7 +43,7 @@ def test_outside_capture_split_point_runs_now_and_returns_the_deferred_work():
     assert log == ["now", "later"] and split_point(lambda: None) is None
 
 
-def test_an_eager_decode_step_prefetches_after_the_experts_kernel(tmp_path):
+def test_an_eager_decode_step_prefetches_after_the_experts_kernel(tmp_path, copying_decode):
     write_checkpoint(tmp_path, "qwen3_moe", seed=4)
     with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False,
              moe_backend="offload", expert_cache_fraction=0.5) as llm:  # fmt: skip

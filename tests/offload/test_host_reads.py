@@ -49,7 +49,7 @@ def test_host_reads_with_chunked_prefill_and_all_experts_resident(ckpt, refs, re
     assert s.moe_bytes_host_read == 0 and s.moe_misses == 0 and s.moe_hits > 0
 
 
-def test_without_the_switch_decode_copies_its_misses(ckpt, refs):
+def test_without_the_switch_decode_copies_its_misses(ckpt, refs, copying_decode):
     outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
     assert_same(outs, refs[8192])
     assert s.moe_bytes_host_read == 0 and s.moe_bytes_h2d > 0

@@ -115,6 +115,9 @@ def test_tp2_lean_equals_tp1(tmp_path, backend):
     )
     assert_same(got, want, tol=1e-5)
     assert s.moe_backend == backend and s.moe_resident >= 3 * s.moe_layers and s.moe_bytes_h2d > 0
+    # offload decodes with host reads (on by default): static experts in their slots, the rest
+    # read in place from each rank's shard of the host store
+    assert (s.moe_bytes_host_read > 0) == (backend == "offload")
 
 
 @pytest.fixture

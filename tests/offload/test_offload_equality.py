@@ -50,7 +50,7 @@ def test_chunked_prefill_equals_resident(ckpt, refs, case):
     assert_same(outs, refs[5])
 
 
-def test_decode_uses_the_cache_and_prefetch_predicts(ckpt, refs):
+def test_decode_uses_the_cache_and_prefetch_predicts(ckpt, refs, copying_decode):
     outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.5)
     assert_same(outs, refs[8192])
     assert s.moe_resident == s.moe_layers * s.moe_slots  # decode filled every slot

@@ -72,7 +72,7 @@ def test_fp32_offload_equals_resident_exactly(ckpt):
         assert all(info["pinned"]) and info["stats"].moe_bytes_h2d > 0
 
 
-def test_bf16_offload_with_graphed_decode_equals_resident(ckpt):
+def test_bf16_offload_with_graphed_decode_equals_resident(ckpt, copying_decode):
     want, ref_info = generate(ckpt, dtype="bfloat16", moe_backend="gpu")
     got, info = generate(ckpt, dtype="bfloat16", **OFFLOAD)
     assert ref_info["graphed"] and info["graphed"]
@@ -83,7 +83,7 @@ def test_bf16_offload_with_graphed_decode_equals_resident(ckpt):
     assert s.moe_copy_seconds > 0 and s.moe_pcie_gb_s > 0
 
 
-def test_bf16_offload_equals_resident_with_the_shared_expert_as_a_pair(tmp_path, monkeypatch):
+def test_bf16_offload_equals_resident_with_the_shared_expert_as_a_pair(tmp_path, monkeypatch, copying_decode):
     """With ``triton_moe_gemv.SHARED_AS_PAIR`` on, both backends run a decode batch's shared
     expert inside the routed GEMV (offload: on the slot rows, or as one more term after streamed
     pairs), so the greedy tokens stay the resident ones."""
@@ -106,7 +106,7 @@ def test_bf16_offload_equals_resident_with_the_shared_expert_as_a_pair(tmp_path,
     assert max_logprob_diff(got, want) < 2e-2
 
 
-def test_graphed_offload_decode_equals_eager(ckpt):
+def test_graphed_offload_decode_equals_eager(ckpt, copying_decode):
     graphed, info = generate(ckpt, dtype="bfloat16", **OFFLOAD)
     eager, eager_info = generate(ckpt, dtype="bfloat16", disable_cuda_graph=True, **OFFLOAD)
     assert info["graphed"] and not eager_info["graphed"]
@@ -114,7 +114,7 @@ def test_graphed_offload_decode_equals_eager(ckpt):
     assert max_logprob_diff(graphed, eager) < 1e-5
 
 
-def test_lean_equals_resident_with_graphed_decode(ckpt):
+def test_lean_equals_resident_with_graphed_decode(ckpt, copying_decode):
     """Static experts loaded straight into device slots: fp32 exactly the resident outputs (also
     with dummy weights, drawn on the device and split between slots and host rows), bf16 with
     graphed decode equal to the resident tokens and to eager decode."""
@@ -161,7 +161,7 @@ def test_bf16_hybrid_and_cpu_within_format_error(ckpt, backend):
     assert max_logprob_diff(got, ref, decode=False) < bound
 
 
-def test_nvfp4_offload_equals_resident(tmp_path):
+def test_nvfp4_offload_equals_resident(tmp_path, copying_decode):
     write_nvfp4_checkpoint(tmp_path, "qwen3_next", seed=8, moe_intermediate_size=64)
     want, _ = generate(tmp_path / "nvfp4", dtype="bfloat16", moe_backend="gpu")
     got, info = generate(tmp_path / "nvfp4", dtype="bfloat16", **OFFLOAD)

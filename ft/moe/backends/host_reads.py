@@ -20,7 +20,12 @@ route entry points at it only once its last copy has landed (``ExpertCache.unrea
 victims' entries point at the host before the copies start, and the copies wait for every kernel
 issued before them.
 
-Off until timed on a GPU (``ENABLED``, ``FT_MOE_HOST_READS=1``). Not here: prefill and decode
+On (``ENABLED``; ``FT_MOE_HOST_READS=0`` turns it off, the switch read at each call, and the
+state set up for every offload engine whose host store a kernel can read): on an H200,
+2026-12-01, batch-1 decode of Qwen3-Next cut to 16 layers with 61% of the experts resident
+went 97.3 -> 112.0 tok/s (118 in a second row) with the same greedy tokens, and the full
+80B, 77% resident, 36.2 -> 45.0 (uniform routing) and 65.5 -> 85.4 (Zipf) against the copying
+path's figures of 2026-11-30 (docs/benchmarks.md). Not here: prefill and decode
 batches the GEMV does not take (the offload paths stream or copy them), the hybrid and cpu
 backends (they compute misses on the CPU). Rows of a graphed batch that only pad it to its graph
 size count as uses too.
@@ -35,7 +40,7 @@ import torch
 
 from ft.quant.nvfp4 import NVFP4Tensor
 
-ENABLED = os.environ.get("FT_MOE_HOST_READS", "0") == "1"
+ENABLED = os.environ.get("FT_MOE_HOST_READS", "1") != "0"
 PROMOTE_SHARE = 1 / 16  # of a layer's misses, promoted into its cache between steps
 CPU_MAX_TOKENS = 4  # without a GPU (tests), decode batches up to this size take host reads
 MAX_TOKENS = 64  # the largest batch whose uses the counts take (the GEMV takes far fewer)
@@ -56,8 +61,10 @@ class HostReads:
             b.reads, b.uses = self, self.uses[i]
 
     def takes(self, bank, x: torch.Tensor, decode: bool) -> bool:
-        """Whether a batch reads its experts where they are: decode, and a size the GEMV takes."""
-        if not decode or len(x) * self.top_k > len(self.ones):
+        """Whether a batch reads its experts where they are: the switch on (read at each call, so
+        a benchmark can compare both paths on one loaded model, capturing the graphs again),
+        decode, and a size the GEMV takes."""
+        if not ENABLED or not decode or len(x) * self.top_k > len(self.ones):
             return False
         return bank.takes_gemv(len(x)) if x.is_cuda else 0 < len(x) <= CPU_MAX_TOKENS
 
@@ -68,6 +75,8 @@ class HostReads:
     def after_step(self, tokens: int) -> None:
         """Between steps (``tokens``: the last step's): count what its host-read layers used,
         promote some misses."""
+        if not ENABLED:  # nothing counted: the offload backend's own paths ran
+            return
         uses = self.uses.to("cpu", copy=True).numpy()  # [L, E]; waits for the step, as the caller does
         if not uses.any():  # not a host-read step: only routes whose copies landed change
             for b in self.backends:

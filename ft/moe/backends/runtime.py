@@ -179,11 +179,7 @@ class MoeRuntime:
         if cfg.moe_prefetch and self.name != "cpu":
             for backend, nxt, block in zip(self.backends, self.backends[1:], blocks[1:]):
                 backend.prefetch = Prefetch(block.gate, nxt)  # the next MoE layer's router
-        if (
-            host_reads.ENABLED
-            and self.name == "offload"
-            and (self.stores[0].pinned or self.device.type == "cpu")
-        ):
+        if self.name == "offload" and (self.stores[0].pinned or self.device.type == "cpu"):
             self.reads = host_reads.HostReads(self.backends, self.mc.num_experts_per_tok, self.device)
         self.plan = MoePlan(
             self.name,
