@@ -25,8 +25,14 @@ INTERPRETER = [
 
 
 def run_check(module: str, check: str, optimize: bool = False, timeout: int = 600) -> None:
-    code = f"from {module} import {check}; {check}()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run_fresh(f"from {module} import {check}; {check}()", {"TRITON_INTERPRET": "1"}, optimize, timeout)
+
+
+def run_fresh(code: str, env: dict[str, str], optimize: bool = False, timeout: int = 600) -> None:
+    """``code`` in a new Python at the repository root with ``env`` added to this environment
+    (settings Triton reads when it compiles or decorates a kernel); fails with its stderr."""
     args = [sys.executable, *(["-O"] if optimize else []), "-c", code]
-    run = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    run = subprocess.run(
+        args, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout
+    )
     assert run.returncode == 0, run.stderr[-4000:]

@@ -3,11 +3,14 @@ tolerance of the fp32 reference, and CUDA-graph decode equals eager decode."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from ft import LLM, SamplingParams
 from tests.checkpoints import family_checkpoints, write_checkpoint
+from tests.interpreter import run_fresh
 from tests.test_prefix_cache import SHARED, assert_same, run
 
 pytestmark = pytest.mark.gpu
@@ -114,14 +117,24 @@ def test_cuda_graph_decode_equals_eager(ckpt):
 
 
 @pytest.mark.parametrize("budget", [5, 512])
-def test_prefix_hit_equals_miss_with_snapshots_inside_chunks(tmp_path, budget, monkeypatch):
+def test_prefix_hit_equals_miss_with_snapshots_inside_chunks(tmp_path, budget):
     """fla's chunked kernel run as head and tail passes around the snapshot points (one chunk per
     prompt, or 5-token chunks that put points within the conv history of a chunk's start) equals
-    one pass."""
-    # fp32 dots in Triton default to tf32 (10-bit mantissa): fla's chunked kernel then moves fp32
-    # log-probs by more than 1e-2 on a split alone, as much as a wrong state could. In IEEE fp32 the
-    # split costs nothing measurable (under the Triton interpreter: 5e-6), a state off by half 0.2
-    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    one pass.
+
+    fp32 dots in Triton default to tf32 (10-bit mantissa): fla's chunked kernel then moves fp32
+    log-probs by more than 1e-2 on a split alone, as much as a wrong state could. In IEEE fp32 the
+    split costs nothing measurable (under the Triton interpreter: 5e-6), a state off by half 0.2.
+    Triton reads ``TRITON_F32_DEFAULT`` when it compiles, so a kernel this process compiled for an
+    earlier test would stay tf32 (run after the other engine tests, budget 512 failed once; alone
+    both passed): the check runs in a fresh process."""
+    call = f"check_prefix_hit({str(tmp_path)!r}, {budget})"
+    ieee = {"TRITON_F32_DEFAULT": "ieee"}
+    run_fresh(f"from tests.gpu.test_engine_cuda import check_prefix_hit; {call}", ieee)
+
+
+def check_prefix_hit(path: str, budget: int) -> None:
+    tmp_path = Path(path)
     write_checkpoint(tmp_path, "qwen3_next", seed=5)
     long = (SHARED * 4)[:70]
     prompts = [long, long + [9, 9, 1], long[:40] + [50, 51]]
