@@ -1,0 +1,89 @@
+"""How fast the MoE GEMV reads experts from the pinned host store in place (not a test):
+
+    python tests/gpu/host_read_timings.py [bf16|nvfp4]
+
+Qwen3-Next's layer shape (512 experts, H=2048, I=512, top-10), one token: the GEMV with h of its
+10 experts on the host (h = 0..10) against the same call with every expert on the device, and a
+DMA copy of those h experts (what the copying decode path moves instead). Each line gives the
+call's time (a CUDA graph replayed 50 times, median of 5 rounds), the bytes it read from the
+host, and their rate over the time the host rows added. A batch-1 decode step of the 80B model
+at 77% residency reads ~2.2 experts of each layer from the host (docs/benchmarks.md,
+2026-12-01): if this rate is near the 51 GB/s that tests/gpu/zero_copy_bandwidth.py reads,
+the step's remaining gap to its PCIe floor lies elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
+from tests.gpu.test_moe_gemv import problem  # noqa: E402
+
+
+def replay_ms(fn, replays: int = 50, rounds: int = 5) -> float:
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replays):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return statistics.median(times)
+
+
+def pinned(w):
+    from ft.quant.nvfp4 import NVFP4Tensor
+
+    if isinstance(w, NVFP4Tensor):
+        return NVFP4Tensor(*(p.cpu().pin_memory() for p in (w.weight, w.weight_scale, w.weight_scale_2)))
+    return w.cpu().pin_memory()
+
+
+def expert_bytes(w13, w2) -> int:
+    from ft.quant.nvfp4 import NVFP4Tensor
+
+    parts = [w13, w2]
+    if isinstance(w13, NVFP4Tensor):
+        parts = [p for w in parts for p in (w.weight, w.weight_scale, w.weight_scale_2)]
+    return sum(p[0].numel() * p.element_size() for p in parts)
+
+
+def main() -> None:
+    fmt = sys.argv[1] if len(sys.argv) > 1 else "bf16"
+    x, w13, w2, weights, ids = problem(fmt, 1, 512, 512, 2048, 10, seed=1)
+    h13, h2 = pinned(w13), pinned(w2)
+    per_expert = expert_bytes(w13, w2)
+    resident = replay_ms(lambda: fused_moe_gemv(x, w13, w2, weights, ids))
+    staging = torch.empty(10 * per_expert, dtype=torch.uint8, device="cuda")
+    source = torch.empty(10 * per_expert, dtype=torch.uint8).pin_memory()
+    print(f"{fmt}: all 10 experts on the device {1e3 * resident:.1f} us; {per_expert / 1e6:.2f} MB an expert")
+    for h in (1, 2, 3, 5, 10):
+        rows = ids.clone()
+        rows[0, :h] = -ids[0, :h] - 1  # the first h experts of the token read from the host
+        ms = replay_ms(lambda r=rows: fused_moe_gemv(x, w13, w2, weights, r, host=(h13, h2)))
+        copy = replay_ms(
+            lambda n=h: staging[: n * per_expert].copy_(source[: n * per_expert], non_blocking=True)
+        )
+        moved = h * per_expert
+        rate = moved / ((ms - resident) * 1e-3) / 1e9 if ms > resident else float("inf")
+        print(
+            f"  {h:2d} on the host: {1e3 * ms:7.1f} us, {moved / 1e6:5.1f} MB read in place "
+            f"({rate:5.1f} GB/s over the added time, {moved / (ms * 1e-3) / 1e9:5.1f} over the call); "
+            f"a DMA copy of them {1e3 * copy:7.1f} us ({moved / (copy * 1e-3) / 1e9:5.1f} GB/s)"
+        )
+
+
+if __name__ == "__main__":
+    main()
