@@ -131,6 +131,7 @@ class ExpertBank(nn.Module):
         if host is not None and not x.is_cuda:  # no GPU to read it: both sides as one bank (tests)
             from ft.moe.backends.host_reads import as_one_bank
 
+            assert shared is None, "a shared expert rides in the GPU's MoE GEMV only"
             w13, w2, ids = as_one_bank((w13, w2), self.kernel_weights(host), ids)
             return self.kernel(x, w13, w2, weights, ids)
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # a GPU path: triton is there

@@ -18,6 +18,7 @@ from ft.moe.backends import host_reads
 from ft.moe.backends.expert_cache import ExpertCache, SlotMap
 from ft.moe.backends.host_reads import as_one_bank
 from ft.moe.backends.layout import ExpertLayout, Part
+from ft.moe.backends.transfer import Transfer, _runs
 from tests.offload.equality import assert_same, generate
 
 
@@ -49,6 +50,13 @@ def test_host_reads_with_chunked_prefill_and_all_experts_resident(ckpt, refs, re
     assert s.moe_bytes_host_read == 0 and s.moe_misses == 0 and s.moe_hits > 0
 
 
+def test_host_reads_with_a_lean_store(ckpt, refs, reads_on):
+    """Static experts (no host copy) in their slots, the others read from the host rows e - R."""
+    outs, s = generate(ckpt, moe_backend="offload", static_experts=2, expert_cache_fraction=0.5)
+    assert_same(outs, refs[8192])
+    assert s.moe_bytes_host_read > 0 and s.moe_resident >= 2 * s.moe_layers
+
+
 def test_without_the_switch_decode_copies_its_misses(ckpt, refs, copying_decode):
     outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
     assert_same(outs, refs[8192])
@@ -66,6 +74,18 @@ def test_promote_takes_the_most_used_misses_into_slots_the_step_did_not_use():
     assert len(copies) == 1 and copies[0][0] == 7 and copies[0][1] in (1, 2)  # never 0's slot
     assert m.promote(np.array([5, 6]), 0) == []
     assert len(m.promote(np.array([5, 6]), 5)) == 1  # one unpinned slot left this step
+
+
+def test_promote_never_gives_an_expert_a_second_slot():
+    """An expert whose copy is still in flight counts as a miss of the step that read it from the
+    host; promoting it again would put it in two slots, and evicting either later would drop it."""
+    m = SlotMap(num_experts=8, num_slots=3)
+    m.begin_step(1)
+    m.warm()  # experts 0, 1, 2
+    copies = m.promote(np.array([1, 5]), 2)
+    assert [e for e, _ in copies] == [5]
+    held = m.expert_in[m.expert_in >= 0]
+    assert len(set(held.tolist())) == len(held)
 
 
 def test_lfu_promotes_only_over_a_less_used_expert():
@@ -98,17 +118,75 @@ def test_route_points_at_a_slot_only_once_its_copy_landed():
     copies = m.promote(np.array([4]), 1)
     ((expert, slot),) = copies
     landing = Landing()
-    cache.filling([slot], landing)
+    cache.filling([slot], landing)  # as copy_in does, before the route is published
     cache.publish()
-    evicted = 3 - slot  # the expert that held the other dynamic slot stays
-    assert cache.route[4] == -4 and cache.route[slot] == -slot and cache.route[evicted] == evicted
-    assert cache.unready()[4] and not cache.unready()[evicted]
+    stays = 3 - slot  # the expert in the other dynamic slot
+    assert cache.route[4] == -4 and cache.route[slot] == -slot and cache.route[stays] == stays
+    assert cache.routed_to_slot(np.array([4, slot, stays])).tolist() == [False, False, True]
+    cache.publish()  # nothing landed: nothing changes
+    assert cache.route[4] == -4 and cache.copying
     landing.done = True
     cache.publish()
-    assert cache.route[4] == slot and not cache.unready().any() and not cache.copying
+    assert cache.route[4] == slot and cache.routed_to_slot(np.array([4]))[0] and not cache.copying
 
 
 def test_as_one_bank_moves_host_rows_past_the_slots():
     slots, host = torch.arange(3.0)[:, None], 10 + torch.arange(4.0)[:, None]
     w13, w2, ids = as_one_bank((slots, slots), (host, host), torch.tensor([[2, -1], [-4, 0]]))
     assert w13[ids].squeeze(-1).tolist() == [[2.0, 10.0], [13.0, 0.0]]
+
+
+class LateCopies:
+    """Side-stream copies on a CPU that land late, as they may on a GPU: a copy's bytes arrive
+    when the main stream waits for it (``Transfer.wait``) or once its event has been asked
+    ``late`` times, in the order issued; a reader that did neither reads the slot's old bytes."""
+
+    def __init__(self, late: int) -> None:
+        self.late, self.pending = late, []  # [(event, destination rows, source bytes)]
+
+    def issue(self, transfer, dst, dst_rows, src, src_rows, after=None, h2d=True):
+        if not dst_rows:
+            return None
+        event = LateEvent(self)
+        for d, s, n in _runs(dst_rows, src_rows):
+            self.pending.append((event, dst[d : d + n], src[s : s + n].clone()))
+        transfer._count(h2d, len(dst_rows) * dst.shape[1], len(dst_rows), 0.0)
+        return event
+
+    def wait(self, transfer, event=None) -> None:
+        self.land(event)
+
+    def land(self, event=None) -> None:
+        last = max((i for i, p in enumerate(self.pending) if p[0] is event), default=-1)
+        upto = len(self.pending) if event is None else last + 1
+        for ev, dst, src in self.pending[:upto]:
+            dst.copy_(src)
+            ev.landed = True
+        del self.pending[:upto]
+
+
+class LateEvent:
+    def __init__(self, copies: LateCopies) -> None:
+        self.copies, self.asked, self.landed = copies, 0, False
+
+    def query(self) -> bool:
+        self.asked += 1
+        if self.asked >= self.copies.late:
+            self.copies.land(self)
+        return self.landed
+
+
+@pytest.mark.parametrize("late", [1, 3])
+def test_copies_landing_late_are_read_only_once_landed(ckpt, refs, reads_on, monkeypatch, late):
+    """Promotions whose copies land steps later, and steps of both paths (host reads for batches
+    of up to 2 sequences, copying for 3): the route never sends a kernel to a slot being filled,
+    and an expert being copied in is not promoted into a second slot."""
+    copies = LateCopies(late)
+    monkeypatch.setattr(Transfer, "issue", lambda tr, *a, **k: copies.issue(tr, *a, **k))
+    monkeypatch.setattr(Transfer, "wait", lambda tr, event=None: copies.wait(tr, event))
+    monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)
+    monkeypatch.setattr(host_reads, "CPU_MAX_TOKENS", 2)
+    for fraction in (0.5, 0.75):
+        outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=fraction)
+        assert_same(outs, refs[8192])
+        assert s.moe_bytes_host_read > 0 and s.moe_evictions > 0

@@ -102,7 +102,8 @@ def test_the_host_size_picks_the_static_experts(ckpt, refs):
 
 
 @pytest.mark.parametrize("backend", ["offload", "hybrid"])
-def test_tp2_lean_equals_tp1(tmp_path, backend):
+def test_tp2_lean_equals_tp1(tmp_path, monkeypatch, backend):
+    monkeypatch.setenv("FT_MOE_HOST_READS", "1")  # the spawned ranks read it (on by default)
     write_checkpoint(tmp_path, "qwen3_next", seed=2, num_key_value_heads=4)
     want, _ = generate(tmp_path, moe_backend="gpu")
     got, s = generate(

@@ -174,11 +174,21 @@ def test_nvfp4_offload_equals_resident(tmp_path, copying_decode):
 def test_host_reads_with_graphed_decode_equal_resident(ckpt, tmp_path, monkeypatch, fmt):
     """``host_reads.ENABLED``: decode batches the MoE GEMV takes read their missed experts from the
     pinned host store in the kernel, in graphs with no break, and give the resident tokens; the
-    cache takes in every miss between steps (share 1), so slots change under the graphs."""
+    cache takes in every miss between steps (share 1), so slots change under the graphs, and each
+    copy is held back ~1 ms on its stream, so it lands while later steps run."""
     from ft.moe.backends import host_reads
+    from ft.moe.backends.transfer import Transfer
 
     monkeypatch.setattr(host_reads, "ENABLED", True)
     monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)
+    issue = Transfer.issue
+
+    def late(transfer, *args, **kwargs):  # copies land well after the next step starts
+        with torch.cuda.stream(transfer.stream):
+            torch.cuda._sleep(2_000_000)
+        return issue(transfer, *args, **kwargs)
+
+    monkeypatch.setattr(Transfer, "issue", late)
     path = ckpt
     if fmt == "nvfp4":
         write_nvfp4_checkpoint(tmp_path, "qwen3_next", seed=8, moe_intermediate_size=64)

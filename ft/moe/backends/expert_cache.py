@@ -170,12 +170,10 @@ class SlotMap:
     def classify(self, experts: np.ndarray, unavailable: np.ndarray | None = None) -> np.ndarray:
         """Which experts are resident; counts the batch's hits and misses and pins the hits, but
         inserts nothing (the streaming path and the hybrid backend use the hits in place).
-        ``unavailable`` [E]: experts that count as misses though their slot is assigned (a copy
-        still in flight: host reads read them from the host store)."""
+        ``unavailable`` (one per expert of ``experts``): count as misses though resident (host
+        reads: the step read them from the host store, their slot's copy still in flight)."""
         experts = np.asarray(experts, dtype=np.int64)
-        hit = self.resident(experts)
-        if unavailable is not None:
-            hit &= ~unavailable[experts]
+        hit = self.resident(experts) if unavailable is None else self.resident(experts) & ~unavailable
         self.pin_step[self.slot_of[experts[hit]]] = self.step
         self._count_use(experts, hit)
         return hit
@@ -187,6 +185,7 @@ class SlotMap:
         (expert, slot) copies. Host reads call it between steps: a miss costs no copy there, so
         the cache changes only as fast as ``n`` allows."""
         missed = np.asarray(missed, dtype=np.int64)
+        missed = missed[self.slot_of[missed] == self.null]  # one being copied in already has a slot
         cand = self._candidates()
         n = min(n, len(missed), len(cand))
         if n <= 0:
@@ -274,30 +273,34 @@ class ExpertCache:
         holds every expert that is not static). Kernels reading it wait for nothing."""
         e, pin = self.map.num_experts, self.device.type == "cuda"
         self._route_mirror = torch.empty(e, dtype=torch.int64, pin_memory=pin)
-        self.route = torch.tensor(self._route_values(), device=self.device)
+        self._route_mirror.numpy()[:] = self._route_values()
+        self.route = self._route_mirror.to(self.device)
 
     def filling(self, slots: list[int], done: torch.cuda.Event | None) -> None:
         """``slots`` are being copied into until ``done`` (None: already done, on a CPU)."""
         if self.route is not None and done is not None:
             self.copying.update(dict.fromkeys(slots, done))
-            self.map.dirty = True
 
-    def unready(self) -> np.ndarray:
-        """[E] experts whose slot is assigned but still being filled; forgets copies that landed
-        (and marks the route for a rewrite)."""
+    def routed_to_slot(self, experts: np.ndarray) -> np.ndarray:
+        """Whether the route last published sends ``experts`` to their slots (what a host-read
+        step that ran since read), not to the host store."""
+        return self._route_mirror.numpy()[experts] >= 0
+
+    def _land(self) -> None:
+        """Forget the copies that have landed; their experts' routes change (``dirty``)."""
         landed = [s for s, ev in self.copying.items() if ev.query()]
         for s in landed:
             del self.copying[s]
         self.map.dirty |= bool(landed)
-        out = np.zeros(self.map.num_experts, dtype=bool)
-        holders = self.map.expert_in[list(self.copying)] if self.copying else np.zeros(0, dtype=np.int64)
-        out[holders[holders >= 0]] = True
-        return out
 
     def _route_values(self) -> np.ndarray:
-        slot, m = self.map.slot_of, self.map
-        host = -(np.arange(m.num_experts) - m.static + 1)  # static experts are always in their slots
-        return np.where((slot != m.null) & ~self.unready(), slot, host)
+        m = self.map
+        ready = m.slot_of != m.null
+        filling = m.expert_in[list(self.copying)] if self.copying else np.zeros(0, dtype=np.int64)
+        ready[filling[filling >= 0]] = False  # still being copied: read from the host
+        assert ready[: m.static].all(), "static experts live in their slots only"
+        host = -(np.arange(m.num_experts) - m.static + 1)  # host row e - R, as -(row + 1)
+        return np.where(ready, m.slot_of, host)
 
     @property
     def nbytes(self) -> int:
@@ -309,7 +312,7 @@ class ExpertCache:
         The mirror is reused only after the host has synchronised with this stream again (every
         caller reads routing ids first), so the asynchronous copy never sees it change."""
         if self.copying:
-            self.unready()  # copies that landed since: their experts' routes change
+            self._land()
         if not self.map.dirty:
             return
         self._mirror.numpy()[:] = self.map.slot_of

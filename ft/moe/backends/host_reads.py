@@ -15,10 +15,11 @@ What the cache holds changes between steps. Each layer counts its experts' uses 
 the policy and the statistics, and promotes some missed experts into slots. A miss costs no copy
 here, so copying every miss into the cache (what the default path does) would send the missed
 bytes over PCIe twice: a layer promotes ``PROMOTE_SHARE`` of its misses (credited across steps),
-victims by the policy, which lets the cache follow skewed routing at a bounded cost. A slot's
-route entry points at it only once its last copy has landed (``ExpertCache.unready``); the
-victims' entries point at the host before the copies start, and the copies wait for every kernel
-issued before them.
+victims by the policy, which lets the cache follow skewed routing at a bounded cost. The copies
+wait for every kernel issued before them (the victims' last readers); the route written next, on
+the main stream before the next step, sends the victims to the host, and a newcomer too until
+its slot's last copy has landed (``ExpertCache.copying``). Every step ends with each layer's
+route following its map, so what a copying step changed (its prefetches) is routed right.
 
 On (``ENABLED``; ``FT_MOE_HOST_READS=0`` turns it off, the switch read at each call, and the
 state set up for every offload engine whose host store a kernel can read): on an H200,
@@ -56,6 +57,7 @@ class HostReads:
         self.ones = torch.ones(MAX_TOKENS * top_k, dtype=torch.int32, device=device)  # what a use adds
         self.credit = np.zeros(len(backends))  # promotions owed to each layer, fractional
         self.bytes_read = 0  # expert bytes kernels read from the host store
+        self.taken = False  # a batch took host reads (eagerly or while a graph was captured)
         for i, b in enumerate(backends):
             b.cache.add_route()
             b.reads, b.uses = self, self.uses[i]
@@ -66,39 +68,45 @@ class HostReads:
         decode, and a size the GEMV takes."""
         if not ENABLED or not decode or len(x) * self.top_k > len(self.ones):
             return False
-        return bank.takes_gemv(len(x)) if x.is_cuda else 0 < len(x) <= CPU_MAX_TOKENS
+        takes = bank.takes_gemv(len(x)) if x.is_cuda else 0 < len(x) <= CPU_MAX_TOKENS
+        self.taken |= takes
+        return takes
 
     def discard(self) -> None:
         """Forget the uses counted so far (the warm-up and capture of the decode graphs)."""
         self.uses.zero_()
 
     def after_step(self, tokens: int) -> None:
-        """Between steps (``tokens``: the last step's): count what its host-read layers used,
-        promote some misses."""
-        if not ENABLED:  # nothing counted: the offload backend's own paths ran
-            return
+        """Between steps (``tokens``: the last step's): count what its host-read layers used and
+        promote some misses; then every layer's route follows its map, whatever the step did to
+        it (a copying step's prefetches, landed copies), before the next step reads it."""
+        if self.taken:  # else nothing was counted: the offload backend's own paths ran
+            self._count_and_promote(tokens)
+        for b in self.backends:
+            b.cache.publish()
+
+    def _count_and_promote(self, tokens: int) -> None:
         uses = self.uses.to("cpu", copy=True).numpy()  # [L, E]; waits for the step, as the caller does
-        if not uses.any():  # not a host-read step: only routes whose copies landed change
-            for b in self.backends:
-                b.cache.publish()
+        if not uses.any():  # not a host-read step
             return
+        assert uses.any(1).all(), "a host-read step reads in every MoE layer (one batch, one path)"
         self.uses.zero_()
         sh = self.backends[0].shared
-        sh.step += 1
-        sh.tokens += tokens
+        sh.begin_step(tokens)
         for i, b in enumerate(self.backends):
             m = b.map
-            m.begin_step(sh.step)
             used = np.flatnonzero(uses[i])
-            hit = m.classify(used, b.cache.unready())  # an expert still being copied was read from the host
+            hit = m.classify(used, ~b.cache.routed_to_slot(used))  # as the step read them
             missed = used[~hit]
             self.bytes_read += int(uses[i][missed].sum()) * b.store.layout.payload_bytes
             self.credit[i] += PROMOTE_SHARE * len(missed)
             n = int(self.credit[i])
             self.credit[i] -= n
             copies = m.promote(missed, n) if n else []
-            b.cache.publish()  # victims (and newcomers, until their copies land) read from the host
-            b.copy_in(copies)  # after every kernel issued so far, the last readers of the victims
+            # the copies wait for every kernel issued so far (the victims' last readers); the
+            # route published next sends the victims, and the newcomers until their copies
+            # land, to the host
+            b.copy_in(copies)
 
 
 def as_one_bank(slots: tuple, host: tuple, ids: torch.Tensor) -> tuple:

@@ -108,6 +108,13 @@ class Shared:
     tokens: int = 0  # tokens through the first MoE layer (for bytes per token)
     cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU (hybrid, cpu)
 
+    def begin_step(self, num_tokens: int) -> None:
+        """A forward of ``num_tokens`` tokens starts: every layer's slot map pins for a new step."""
+        self.step += 1
+        self.tokens += num_tokens
+        for m in self.maps:
+            m.begin_step(self.step)
+
 
 def decode_only() -> bool:
     try:
@@ -187,10 +194,7 @@ class OffloadBackend:
 
     def _begin(self, num_tokens: int) -> None:
         if self.first:
-            self.shared.step += 1
-            self.shared.tokens += num_tokens
-            for m in self.shared.maps:
-                m.begin_step(self.shared.step)
+            self.shared.begin_step(num_tokens)
 
     def _resolve(self, ids: torch.Tensor, pred: torch.Tensor | None) -> Callable[[], None]:
         ids_h, pred_h = self._to_host(ids, pred)
