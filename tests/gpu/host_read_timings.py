@@ -5,7 +5,7 @@
 Qwen3-Next's layer shape (512 experts, H=2048, I=512, top-10), one token: the GEMV with h of its
 10 experts on the host (h = 0..10) against the same call with every expert on the device, and a
 DMA copy of those h experts (what the copying decode path moves instead). Each line gives the
-call's time (a CUDA graph replayed 50 times, median of 5 rounds), the bytes it read from the
+call's time (50 calls in a CUDA graph, median of 20 replays), the bytes it read from the
 host, and their rate over the time the host rows added. A batch-1 decode step of the 80B model
 at 77% residency reads ~2.2 experts of each layer from the host (docs/benchmarks.md,
 2026-12-01): if this rate is near the 51 GB/s that tests/gpu/zero_copy_bandwidth.py reads,
@@ -15,7 +15,6 @@ the step's remaining gap to its PCIe floor lies elsewhere.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import torch
@@ -23,24 +22,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
+from tests.gpu.kernel_timings import bench_series  # noqa: E402
 from tests.gpu.test_moe_gemv import problem  # noqa: E402
 
 
-def replay_ms(fn, replays: int = 50, rounds: int = 5) -> float:
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    return statistics.median(times)
+def replay_ms(fn) -> float:
+    """Median milliseconds of one call, 50 in one CUDA graph (``kernel_timings.bench_series``)."""
+    return bench_series([fn] * 50)
 
 
 def pinned(w):
