@@ -41,4 +41,5 @@ def test_offload_serves_and_reports_residency(server, model_dir):
     assert m["ft_moe_expert_hits_total"] + m["ft_moe_expert_misses_total"] > 0
     assert 0 <= m["ft_moe_expert_hit_rate"] <= 1
     assert m["ft_moe_bytes_streamed_total"] > 0 and m["ft_moe_bytes_per_token"] > 0
+    assert m["ft_moe_bytes_host_read_total"] > 0  # its decode read missed experts in place
     assert "moe offload (lru, prefetch on): 4 layers x 2/8 experts resident" in server.output()
