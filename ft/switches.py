@@ -27,6 +27,7 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.layers.triton_norm_gemv", "FUSED_GATED_NORM", "FT_FUSED_GATED_NORM"),
     ("ft.distributed", "SYMM_ALL_REDUCE", "FT_SYMM_ALL_REDUCE"),
     ("ft.moe.backends.host_reads", "ENABLED", "FT_MOE_HOST_READS"),
+    ("ft.moe.backends.host_reads", "DEFERRED", "FT_MOE_HOST_READS_DEFERRED"),
 )
 
 

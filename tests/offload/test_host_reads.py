@@ -22,9 +22,11 @@ from ft.moe.backends.transfer import Transfer, _runs
 from tests.offload.equality import assert_same, generate
 
 
-@pytest.fixture
-def reads_on(monkeypatch):
+@pytest.fixture(params=[False, True], ids=["at-once", "deferred"])
+def reads_on(monkeypatch, request):
+    """Host reads on, the between-step work done at once or a step late (``DEFERRED``)."""
     monkeypatch.setattr(host_reads, "ENABLED", True)
+    monkeypatch.setattr(host_reads, "DEFERRED", request.param)
 
 
 @pytest.mark.parametrize("fraction", [0.125, 0.5])
@@ -122,12 +124,12 @@ def test_route_points_at_a_slot_only_once_its_copy_landed():
     cache.publish()
     stays = 3 - slot  # the expert in the other dynamic slot
     assert cache.route[4] == -4 and cache.route[slot] == -slot and cache.route[stays] == stays
-    assert cache.routed_to_slot(np.array([4, slot, stays])).tolist() == [False, False, True]
+    assert (cache.published()[[4, slot, stays]] >= 0).tolist() == [False, False, True]
     cache.publish()  # nothing landed: nothing changes
     assert cache.route[4] == -4 and cache.copying
     landing.done = True
     cache.publish()
-    assert cache.route[4] == slot and cache.routed_to_slot(np.array([4]))[0] and not cache.copying
+    assert cache.route[4] == slot and cache.published()[4] == slot and not cache.copying
 
 
 def test_as_one_bank_moves_host_rows_past_the_slots():

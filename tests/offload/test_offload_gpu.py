@@ -170,8 +170,9 @@ def test_nvfp4_offload_equals_resident(tmp_path, copying_decode):
     assert max_logprob_diff(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_host_reads_with_graphed_decode_equal_resident(ckpt, tmp_path, monkeypatch, fmt):
+def test_host_reads_with_graphed_decode_equal_resident(ckpt, tmp_path, monkeypatch, fmt, deferred):
     """``host_reads.ENABLED``: decode batches the MoE GEMV takes read their missed experts from the
     pinned host store in the kernel, in graphs with no break, and give the resident tokens; the
     cache takes in every miss between steps (share 1), so slots change under the graphs, and each
@@ -180,6 +181,7 @@ def test_host_reads_with_graphed_decode_equal_resident(ckpt, tmp_path, monkeypat
     from ft.moe.backends.transfer import Transfer
 
     monkeypatch.setattr(host_reads, "ENABLED", True)
+    monkeypatch.setattr(host_reads, "DEFERRED", deferred)  # the between-step work a step late
     monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)
     issue = Transfer.issue
 

@@ -281,10 +281,9 @@ class ExpertCache:
         if self.route is not None and done is not None:
             self.copying.update(dict.fromkeys(slots, done))
 
-    def routed_to_slot(self, experts: np.ndarray) -> np.ndarray:
-        """Whether the route last published sends ``experts`` to their slots (what a host-read
-        step that ran since read), not to the host store."""
-        return self._route_mirror.numpy()[experts] >= 0
+    def published(self) -> np.ndarray:
+        """[E] the route last published (what a host-read step since read): a slot, or < 0."""
+        return self._route_mirror.numpy()
 
     def _land(self) -> None:
         """Forget the copies that have landed; their experts' routes change (``dirty``)."""

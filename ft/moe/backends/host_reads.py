@@ -45,6 +45,12 @@ ENABLED = os.environ.get("FT_MOE_HOST_READS", "1") != "0"
 PROMOTE_SHARE = 1 / 16  # of a layer's misses, promoted into its cache between steps
 CPU_MAX_TOKENS = 4  # without a GPU (tests), decode batches up to this size take host reads
 MAX_TOKENS = 64  # the largest batch whose uses the counts take (the GEMV takes far fewer)
+# The between-step work a step late (``DEFERRED``, FT_MOE_HOST_READS_DEFERRED=1; off until timed
+# on a GPU): ``after_step`` queues the step's counts to pinned host memory and processes the
+# step before's, which the GPU has finished by then, so the host's counting and promotions
+# (0.5-2 ms a step for 48 layers on our CPUs) run while the GPU computes the step just launched
+# instead of before it; promotions then take effect a step later. NOT yet run on a GPU.
+DEFERRED = os.environ.get("FT_MOE_HOST_READS_DEFERRED", "0") == "1"
 
 
 class HostReads:
@@ -54,6 +60,9 @@ class HostReads:
         self.backends, self.top_k = backends, top_k
         e = backends[0].store.num_experts
         self.uses = torch.zeros(len(backends), e, dtype=torch.int32, device=device)  # [L, E]
+        pin = device.type == "cuda"
+        self.host_uses = torch.zeros(len(backends), e, dtype=torch.int32, pin_memory=pin)  # DEFERRED
+        self.queued: tuple | None = None  # (event, tokens, the routes its step read): DEFERRED
         self.ones = torch.ones(MAX_TOKENS * top_k, dtype=torch.int32, device=device)  # what a use adds
         self.credit = np.zeros(len(backends))  # promotions owed to each layer, fractional
         self.bytes_read = 0  # expert bytes kernels read from the host store
@@ -75,28 +84,49 @@ class HostReads:
     def discard(self) -> None:
         """Forget the uses counted so far (the warm-up and capture of the decode graphs)."""
         self.uses.zero_()
+        self.queued = None
 
     def after_step(self, tokens: int) -> None:
         """Between steps (``tokens``: the last step's): count what its host-read layers used and
         promote some misses; then every layer's route follows its map, whatever the step did to
         it (a copying step's prefetches, landed copies), before the next step reads it."""
-        if self.taken:  # else nothing was counted: the offload backend's own paths ran
-            self._count_and_promote(tokens)
+        if self.taken and DEFERRED:
+            self._queue(tokens)
+        elif self.taken:  # else nothing was counted: the offload backend's own paths ran
+            uses = self.uses.to("cpu", copy=True).numpy()  # [L, E]; waits for the step
+            if uses.any():
+                self.uses.zero_()
+                self._count_and_promote(uses, tokens, [b.cache.published() for b in self.backends])
         for b in self.backends:
             b.cache.publish()
 
-    def _count_and_promote(self, tokens: int) -> None:
-        uses = self.uses.to("cpu", copy=True).numpy()  # [L, E]; waits for the step, as the caller does
-        if not uses.any():  # not a host-read step
-            return
+    def _queue(self, tokens: int) -> None:
+        """Process the step before's counts (done on the GPU by now: the host has since launched
+        this step), then send this step's on their way, with the routes it read."""
+        if self.queued is not None:
+            event, queued_tokens, routes = self.queued
+            if event is not None:
+                event.synchronize()
+            uses = self.host_uses.numpy()
+            if uses.any():
+                self._count_and_promote(uses, queued_tokens, routes)
+        self.host_uses.copy_(self.uses, non_blocking=True)
+        self.uses.zero_()  # after the copy, on the same stream
+        event = None
+        if self.uses.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.queued = (event, tokens, [b.cache.published().copy() for b in self.backends])
+
+    def _count_and_promote(self, uses: np.ndarray, tokens: int, routes: list[np.ndarray]) -> None:
+        """``uses`` [L, E] of a host-read step of ``tokens`` tokens, which read ``routes``."""
         assert uses.any(1).all(), "a host-read step reads in every MoE layer (one batch, one path)"
-        self.uses.zero_()
         sh = self.backends[0].shared
         sh.begin_step(tokens)
         for i, b in enumerate(self.backends):
             m = b.map
             used = np.flatnonzero(uses[i])
-            hit = m.classify(used, ~b.cache.routed_to_slot(used))  # as the step read them
+            hit = m.classify(used, routes[i][used] < 0)  # as the step read them
             missed = used[~hit]
             self.bytes_read += int(uses[i][missed].sum()) * b.store.layout.payload_bytes
             self.credit[i] += PROMOTE_SHARE * len(missed)
