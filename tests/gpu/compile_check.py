@@ -72,8 +72,9 @@ def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3) -> str:
 
 def entries():
     moe = {"x": BF, "b": BF, "b_scale": BF, "b_global": BF, "shared_b": BF, "act": BF, "topk_ids": I64,
-           "shared_logit": BF, "out": BF, "topk_w": F32}  # fmt: skip
-    fp4 = {**moe, "b": U8, "b_scale": U8, "b_global": F32}
+           "shared_logit": BF, "out": BF, "topk_w": F32, "host_b": BF, "host_scale": BF,
+           "host_global": BF}  # fmt: skip
+    fp4 = {**moe, "b": U8, "b_scale": U8, "b_global": F32, "host_b": U8, "host_scale": U8, "host_global": F32}
     yield "conv decode, one launch", triton_conv._conv_decode_kernel, {
         "x": BF, "w": BF, "conv_state": BF, "context_lens": I32, "state_slots": I64, "out": BF,
     }, {"KC": 4, "KP": 4, "BLOCK_C": 256, "USE_PDL": 2}, 4, 3  # fmt: skip
@@ -81,12 +82,13 @@ def entries():
         for groups in (False, True) if is4 else (False,):
             common = {"TOPK": 10, "SHARED": 1, "FP4": is4, "EVEN_K": True, "BLOCK_N": 8, "BLOCK_K": 512,
                       "FP4_GROUPS": groups, "USE_PDL": 2}  # fmt: skip
-            for stages in (1, 4):
-                tag = f"{name}{' groups' if groups else ''}, loop stages {stages}"
+            for stages, host in ((1, False), (4, False), (4, True)):  # host: rows read from host memory
+                where = ", host rows" if host else ""
+                tag = f"{name}{' groups' if groups else ''}, loop stages {stages}{where}"
                 yield f"MoE GEMV gate/up {tag}", triton_moe_gemv._gate_up_kernel, ptrs, {
-                    **common, "LOOP_STAGES": stages}, warps, 4  # fmt: skip
+                    **common, "LOOP_STAGES": stages, "HOST": host}, warps, 4  # fmt: skip
                 for ahead in (False, True):
-                    down = {**common, "IDS_AHEAD": ahead, "TOPK_P": 16, "LOOP_STAGES": stages}
+                    down = {**common, "IDS_AHEAD": ahead, "TOPK_P": 16, "LOOP_STAGES": stages, "HOST": host}
                     yield (
                         f"MoE GEMV down {tag}, ids ahead {ahead}",
                         triton_moe_gemv._down_sum_kernel,
