@@ -3,8 +3,11 @@
 At start-up every dynamic slot is filled from the host store (``SlotMap.warm``), so the first
 requests find the residency the plan reports instead of an empty cache.
 
-Decode (a decode-only batch whose distinct experts fit the layer's slots; static experts of a lean
-store, ``placement.py``, are always resident, the others need one of the S - R dynamic slots):
+Decode batches that the bank's MoE GEMV takes (a few tokens) read missed experts from the host
+store inside the kernel instead, with nothing on the host in the step (``host_reads.py``, on
+unless FT_MOE_HOST_READS=0). Other decode (a decode-only batch whose distinct experts fit the
+layer's slots; static experts of a lean store, ``placement.py``, are always resident, the others
+need one of the S - R dynamic slots):
 
     ids -> host, distinct experts -> ``SlotMap.ensure`` (hits pinned, misses given victims by
     the policy) -> copies host store -> slots on the side stream -> device table written ->
