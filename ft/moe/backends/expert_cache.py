@@ -259,10 +259,7 @@ class ExpertCache:
         self.layout, self.map, self.device = layout, slot_map, device
         self.block = layout.allocate(slot_map.num_slots + 1, device)  # [S + 1, bytes], row S null
         self.tensors = layout.views(self.block)  # name -> [S + 1, *shape]
-        e = slot_map.num_experts
         self.table = torch.tensor(slot_map.slot_of, device=device)  # [E] a copy; static ones mapped
-        pin = device.type == "cuda"
-        self._mirror = torch.empty(e, dtype=torch.int64, pin_memory=pin)  # host side of table
         self.map.dirty = False
         self.route: torch.Tensor | None = None  # [E] slot, or -(host row + 1): host reads' table
         self.copying: dict[int, torch.cuda.Event] = {}  # slot -> its latest copy, until it lands
@@ -271,10 +268,8 @@ class ExpertCache:
         """The table host reads take (``host_reads.py``): expert -> its slot where it is resident
         and the slot's last copy has landed, else -(host row + 1), a row of the host store (which
         holds every expert that is not static). Kernels reading it wait for nothing."""
-        e, pin = self.map.num_experts, self.device.type == "cuda"
-        self._route_mirror = torch.empty(e, dtype=torch.int64, pin_memory=pin)
-        self._route_mirror.numpy()[:] = self._route_values()
-        self.route = self._route_mirror.to(self.device)
+        self._published = self._route_values()
+        self.route = torch.tensor(self._published, device=self.device)
 
     def filling(self, slots: list[int], done: torch.cuda.Event | None) -> None:
         """``slots`` are being copied into until ``done`` (None: already done, on a CPU)."""
@@ -283,7 +278,7 @@ class ExpertCache:
 
     def published(self) -> np.ndarray:
         """[E] the route last published (what a host-read step since read): a slot, or < 0."""
-        return self._route_mirror.numpy()
+        return self._published
 
     def _land(self) -> None:
         """Forget the copies that have landed; their experts' routes change (``dirty``)."""
@@ -306,20 +301,23 @@ class ExpertCache:
         return self.block.numel() + self.table.numel() * 8
 
     def publish(self) -> None:
-        """Write the host map into the device table (on the current stream, ordered before kernels).
-
-        The mirror is reused only after the host has synchronised with this stream again (every
-        caller reads routing ids first), so the asynchronous copy never sees it change."""
+        """Write the host map into the device tables (on the current stream, ordered before
+        kernels). Each write copies from its own pinned buffer, which torch's caching host
+        allocator keeps until the copy has run: a publish never waits for the device, and never
+        changes the bytes of a copy still queued (deferred host reads publish while the GPU runs)."""
         if self.copying:
             self._land()
         if not self.map.dirty:
             return
-        self._mirror.numpy()[:] = self.map.slot_of
-        self.table.copy_(self._mirror, non_blocking=True)
+        self.table.copy_(self._staged(self.map.slot_of), non_blocking=True)
         if self.route is not None:
-            self._route_mirror.numpy()[:] = self._route_values()
-            self.route.copy_(self._route_mirror, non_blocking=True)
+            self._published = self._route_values()
+            self.route.copy_(self._staged(self._published), non_blocking=True)
         self.map.dirty = False
+
+    def _staged(self, values: np.ndarray) -> torch.Tensor:
+        src = torch.from_numpy(values)  # a CPU "device" copies it at once
+        return src.pin_memory() if self.device.type == "cuda" else src
 
     def slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table[ids]  # [T, k] slots; the null slot where an expert is not resident

@@ -116,7 +116,8 @@ class HostReads:
         if self.uses.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self.queued = (event, tokens, [b.cache.published().copy() for b in self.backends])
+        routes = [b.cache.published() for b in self.backends]  # a publish replaces, never changes, them
+        self.queued = (event, tokens, routes)
 
     def _count_and_promote(self, uses: np.ndarray, tokens: int, routes: list[np.ndarray]) -> None:
         """``uses`` [L, E] of a host-read step of ``tokens`` tokens, which read ``routes``."""
