@@ -90,6 +90,22 @@ def test_promote_never_gives_an_expert_a_second_slot():
     assert len(set(held.tolist())) == len(held)
 
 
+def test_a_step_is_counted_as_it_read_its_experts():
+    """Deferred host reads count a step after later promotions moved its experts: expert 0, read
+    from slot 0 and evicted since, is still that step's hit (no host bytes, no promotion back);
+    expert 5, read from the host and promoted since, its miss."""
+    m = SlotMap(num_experts=8, num_slots=3)
+    m.begin_step(1)
+    m.warm()  # experts 0, 1, 2
+    read = np.array([0, -6])  # as the step's route sent experts 0 and 5
+    m.begin_step(2)
+    assert m.promote(np.array([5]), 1)[0][1] == 0  # 0's slot, the least recently used, goes to 5
+    m.begin_step(3)
+    hit = m.classify(np.array([0, 5]), read)
+    assert hit.tolist() == [True, False] and (m.counts.hits, m.counts.misses) == (1, 1)
+    assert m.pin_step[0] != 3  # slot 0 holds 5 now: nothing of the counted step is pinned there
+
+
 def test_lfu_promotes_only_over_a_less_used_expert():
     m = SlotMap(num_experts=8, num_slots=2, policy="lfu")
     m.begin_step(1)

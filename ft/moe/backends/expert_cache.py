@@ -167,15 +167,19 @@ class SlotMap:
         experts = self.absent()[: len(empty)]
         return self._insert(experts, empty[: len(experts)])
 
-    def classify(self, experts: np.ndarray, unavailable: np.ndarray | None = None) -> np.ndarray:
+    def classify(self, experts: np.ndarray, read_slots: np.ndarray | None = None) -> np.ndarray:
         """Which experts are resident; counts the batch's hits and misses and pins the hits, but
         inserts nothing (the streaming path and the hybrid backend use the hits in place).
-        ``unavailable`` (one per expert of ``experts``): count as misses though resident (host
-        reads: the step read them from the host store, their slot's copy still in flight)."""
+        ``read_slots`` (one per expert; host reads): the slot each was read from, or < 0 for the
+        host store; those are the hits, counted even if evicted since, and pinned where they
+        still are."""
         experts = np.asarray(experts, dtype=np.int64)
-        hit = self.resident(experts) if unavailable is None else self.resident(experts) & ~unavailable
-        self.pin_step[self.slot_of[experts[hit]]] = self.step
-        self._count_use(experts, hit)
+        if read_slots is None:
+            hit = held = self.resident(experts)
+        else:
+            hit, held = read_slots >= 0, self.slot_of[experts] == read_slots
+        self.pin_step[self.slot_of[experts[held]]] = self.step
+        self._count_use(experts, hit, held)
         return hit
 
     def promote(self, missed: np.ndarray, n: int) -> list[tuple[int, int]]:
@@ -203,11 +207,12 @@ class SlotMap:
         return self._insert(new, victims)
 
     # ---- internals
-    def _count_use(self, experts: np.ndarray, hit: np.ndarray) -> None:
+    def _count_use(self, experts: np.ndarray, hit: np.ndarray, held: np.ndarray | None = None) -> None:
+        """Count a batch's uses; ``held``: the hits still in their slots (default: all of them)."""
         self.tick += 1
         self.freq *= self.decay
         self.freq[experts] += 1.0
-        slots = self.slot_of[experts[hit]]
+        slots = self.slot_of[experts[hit if held is None else held]]
         self.last_use[slots] = self.tick
         hits = int(np.count_nonzero(hit))
         self.counts.hits += hits
@@ -260,6 +265,7 @@ class ExpertCache:
         self.block = layout.allocate(slot_map.num_slots + 1, device)  # [S + 1, bytes], row S null
         self.tensors = layout.views(self.block)  # name -> [S + 1, *shape]
         self.table = torch.tensor(slot_map.slot_of, device=device)  # [E] a copy; static ones mapped
+        self._mirrors: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # table -> its last copy
         self.map.dirty = False
         self.route: torch.Tensor | None = None  # [E] slot, or -(host row + 1): host reads' table
         self.copying: dict[int, torch.cuda.Event] = {}  # slot -> its latest copy, until it lands
@@ -302,22 +308,32 @@ class ExpertCache:
 
     def publish(self) -> None:
         """Write the host map into the device tables (on the current stream, ordered before
-        kernels). Each write copies from its own pinned buffer, which torch's caching host
-        allocator keeps until the copy has run: a publish never waits for the device, and never
-        changes the bytes of a copy still queued (deferred host reads publish while the GPU runs)."""
+        kernels), without waiting for the device and without changing the bytes of a copy still
+        queued (deferred host reads publish while the GPU runs): a table's pinned mirror is
+        rewritten only once its last copy has run, else a fresh one takes its place (torch's
+        caching host allocator keeps the old one until its copy has run)."""
         if self.copying:
             self._land()
         if not self.map.dirty:
             return
-        self.table.copy_(self._staged(self.map.slot_of), non_blocking=True)
+        self._write("table", self.table, self.map.slot_of)
         if self.route is not None:
             self._published = self._route_values()
-            self.route.copy_(self._staged(self._published), non_blocking=True)
+            self._write("route", self.route, self._published)
         self.map.dirty = False
 
-    def _staged(self, values: np.ndarray) -> torch.Tensor:
-        src = torch.from_numpy(values)  # a CPU "device" copies it at once
-        return src.pin_memory() if self.device.type == "cuda" else src
+    def _write(self, name: str, dst: torch.Tensor, values: np.ndarray) -> None:
+        if self.device.type != "cuda":  # a CPU "device" copies at once
+            dst.copy_(torch.from_numpy(values))
+            return
+        mirror, done = self._mirrors.get(name, (None, None))
+        if mirror is None or not done.query():
+            mirror = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
+        mirror.numpy()[:] = values
+        dst.copy_(mirror, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._mirrors[name] = (mirror, done)
 
     def slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table[ids]  # [T, k] slots; the null slot where an expert is not resident

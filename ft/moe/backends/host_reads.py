@@ -46,10 +46,12 @@ PROMOTE_SHARE = 1 / 16  # of a layer's misses, promoted into its cache between s
 CPU_MAX_TOKENS = 4  # without a GPU (tests), decode batches up to this size take host reads
 MAX_TOKENS = 64  # the largest batch whose uses the counts take (the GEMV takes far fewer)
 # The between-step work a step late (``DEFERRED``, FT_MOE_HOST_READS_DEFERRED=1; off until timed
-# on a GPU): ``after_step`` queues the step's counts to pinned host memory and processes the
-# step before's, which the GPU has finished by then, so the host's counting and promotions
-# (0.5-2 ms a step for 48 layers on our CPUs) run while the GPU computes the step just launched
-# instead of before it; promotions then take effect a step later. NOT yet run on a GPU.
+# on a GPU): ``after_step`` queues the step's counts to pinned host memory, with the routes it
+# read, and processes the step before's, which the GPU has finished by then, so the host's
+# counting and promotions (0.5-2 ms a step for 48 layers on our CPUs) run while the GPU computes
+# the step just launched instead of before it. A step is counted as it read its experts, even
+# if promotions moved them since; promotions take effect a step later, and the statistics lag
+# one step (the last step of a run stays queued until the next one). NOT yet run on a GPU.
 DEFERRED = os.environ.get("FT_MOE_HOST_READS_DEFERRED", "0") == "1"
 
 
@@ -93,6 +95,7 @@ class HostReads:
         if self.taken and DEFERRED:
             self._queue(tokens)
         elif self.taken:  # else nothing was counted: the offload backend's own paths ran
+            self.queued = None  # a step DEFERRED left: its counts are dropped, not double-counted
             uses = self.uses.to("cpu", copy=True).numpy()  # [L, E]; waits for the step
             if uses.any():
                 self.uses.zero_()
@@ -103,20 +106,21 @@ class HostReads:
     def _queue(self, tokens: int) -> None:
         """Process the step before's counts (done on the GPU by now: the host has since launched
         this step), then send this step's on their way, with the routes it read."""
+        routes = [b.cache.published() for b in self.backends]  # what this step read; a publish
+        # replaces these arrays, never changes them
         if self.queued is not None:
-            event, queued_tokens, routes = self.queued
+            event, queued_tokens, queued_routes = self.queued
             if event is not None:
                 event.synchronize()
             uses = self.host_uses.numpy()
             if uses.any():
-                self._count_and_promote(uses, queued_tokens, routes)
+                self._count_and_promote(uses, queued_tokens, queued_routes)
         self.host_uses.copy_(self.uses, non_blocking=True)
         self.uses.zero_()  # after the copy, on the same stream
         event = None
         if self.uses.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        routes = [b.cache.published() for b in self.backends]  # a publish replaces, never changes, them
         self.queued = (event, tokens, routes)
 
     def _count_and_promote(self, uses: np.ndarray, tokens: int, routes: list[np.ndarray]) -> None:
@@ -127,7 +131,7 @@ class HostReads:
         for i, b in enumerate(self.backends):
             m = b.map
             used = np.flatnonzero(uses[i])
-            hit = m.classify(used, routes[i][used] < 0)  # as the step read them
+            hit = m.classify(used, routes[i][used])  # as the step read them, whatever moved since
             missed = used[~hit]
             self.bytes_read += int(uses[i][missed].sum()) * b.store.layout.payload_bytes
             self.credit[i] += PROMOTE_SHARE * len(missed)
