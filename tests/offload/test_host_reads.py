@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.moe.backends import host_reads
 from ft.moe.backends.expert_cache import ExpertCache, SlotMap
 from ft.moe.backends.host_reads import as_one_bank
 from ft.moe.backends.layout import ExpertLayout, Part
+from ft.moe.backends.runtime import moe_blocks
 from ft.moe.backends.transfer import Transfer, _runs
-from tests.offload.equality import assert_same, generate
+from tests.offload.equality import assert_same, engine, generate
 
 
 @pytest.fixture(params=[False, True], ids=["at-once", "deferred"])
@@ -208,3 +210,36 @@ def test_copies_landing_late_are_read_only_once_landed(ckpt, refs, reads_on, mon
         outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=fraction)
         assert_same(outs, refs[8192])
         assert s.moe_bytes_host_read > 0 and s.moe_evictions > 0
+
+
+def decode_batch(slots: list[int]) -> ForwardContext:
+    t = len(slots)
+    zeros = torch.zeros(t, dtype=torch.int32)
+    batch = ForwardBatch(
+        positions=torch.zeros(t, dtype=torch.long), cu_seqlens=torch.arange(t + 1, dtype=torch.int32),
+        context_lens=zeros, seq_lens=zeros + 1, block_tables=torch.zeros(t, 1, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots), state_slots=torch.zeros(t, dtype=torch.long),
+        prev_token_ids=torch.full((t, 1), -1), block_size=16, query_lens_cpu=[1] * t,
+        context_lens_cpu=[0] * t,
+    )  # fmt: skip
+    return ForwardContext(batch, None, None)
+
+
+def test_padding_rows_read_the_null_slot_and_count_no_use(ckpt, reads_on):
+    """A graphed batch padded to its graph size (KV slot -1): the padding row reads the zero null
+    slot, not the host store, and its experts count as no use; the real row is unchanged."""
+    with engine(ckpt, moe_backend="offload", expert_cache_fraction=0.25) as llm:
+        runner = llm.engine.executor.runner
+        block, backend = moe_blocks(runner.model)[0], runner.moe.backends[0]
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2, block.experts.hidden_size, generator=gen)
+        weights, ids = torch.rand(2, 2, generator=gen), torch.tensor([[3, 5], [6, 7]])
+        runner.moe.discard_uses()
+        with forward_context(decode_batch([40, 41])):
+            both = backend(block.experts, x, weights, ids)
+        assert int(backend.uses.sum()) == 4
+        runner.moe.discard_uses()
+        with forward_context(decode_batch([40, -1])):
+            padded = backend(block.experts, x, weights, ids)
+        assert backend.uses[[6, 7]].tolist() == [0, 0] and int(backend.uses.sum()) == 2
+    assert torch.equal(padded[0], both[0]) and not padded[1].any() and both[1].any()

@@ -28,8 +28,8 @@ went 97.3 -> 112.0 tok/s (118 in a second row) with the same greedy tokens, and 
 80B, 77% resident, 36.2 -> 45.0 (uniform routing) and 65.5 -> 85.4 (Zipf) against the copying
 path's figures of 2026-11-30 (docs/benchmarks.md). Not here: prefill and decode
 batches the GEMV does not take (the offload paths stream or copy them), the hybrid and cpu
-backends (they compute misses on the CPU). Rows of a graphed batch that only pad it to its graph
-size count as uses too.
+backends (they compute misses on the CPU). Rows that only pad a graphed batch to its graph size
+read the null slot and count no use.
 """
 
 from __future__ import annotations
