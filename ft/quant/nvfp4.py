@@ -49,6 +49,11 @@ class NVFP4Tensor:
     def __post_init__(self) -> None:
         _check_layout(self.weight, self.weight_scale)
 
+    @property
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weight, weight_scale, weight_scale_2), in the constructor's order."""
+        return self.weight, self.weight_scale, self.weight_scale_2
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)
 

@@ -35,7 +35,7 @@ def pinned(w):
     from ft.quant.nvfp4 import NVFP4Tensor
 
     if isinstance(w, NVFP4Tensor):
-        return NVFP4Tensor(*(p.cpu().pin_memory() for p in (w.weight, w.weight_scale, w.weight_scale_2)))
+        return NVFP4Tensor(*(p.cpu().pin_memory() for p in w.parts))
     return w.cpu().pin_memory()
 
 
@@ -44,7 +44,7 @@ def expert_bytes(w13, w2) -> int:
 
     parts = [w13, w2]
     if isinstance(w13, NVFP4Tensor):
-        parts = [p for w in parts for p in (w.weight, w.weight_scale, w.weight_scale_2)]
+        parts = [p for w in parts for p in w.parts]
     return sum(p[0].numel() * p.element_size() for p in parts)
 
 

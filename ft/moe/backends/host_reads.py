@@ -159,10 +159,5 @@ def _rows(w) -> int:
 
 def _cat(a, b):
     if isinstance(a, NVFP4Tensor):
-        parts = (torch.cat([x, y]) for x, y in zip(_fields(a), _fields(b)))
-        return NVFP4Tensor(*parts)
+        return NVFP4Tensor(*(torch.cat([x, y]) for x, y in zip(a.parts, b.parts)))
     return torch.cat([a, b])
-
-
-def _fields(w: NVFP4Tensor) -> tuple:
-    return w.weight, w.weight_scale, w.weight_scale_2
