@@ -44,7 +44,6 @@ from ft.quant.nvfp4 import NVFP4Tensor
 ENABLED = os.environ.get("FT_MOE_HOST_READS", "1") != "0"
 PROMOTE_SHARE = 1 / 16  # of a layer's misses, promoted into its cache between steps
 CPU_MAX_TOKENS = 4  # without a GPU (tests), decode batches up to this size take host reads
-MAX_TOKENS = 64  # the largest batch whose uses the counts take (the GEMV takes far fewer)
 # The between-step work a step late (``DEFERRED``, FT_MOE_HOST_READS_DEFERRED=1; off until timed
 # on a GPU): ``after_step`` queues the step's counts to pinned host memory, with the routes it
 # read, and processes the step before's, which the GPU has finished by then, so the host's
@@ -65,7 +64,6 @@ class HostReads:
         pin = device.type == "cuda"
         self.host_uses = torch.zeros(len(backends), e, dtype=torch.int32, pin_memory=pin)  # DEFERRED
         self.queued: tuple | None = None  # (event, tokens, the routes its step read): DEFERRED
-        self.ones = torch.ones(MAX_TOKENS * top_k, dtype=torch.int32, device=device)  # what a use adds
         self.credit = np.zeros(len(backends))  # promotions owed to each layer, fractional
         self.bytes_read = 0  # expert bytes kernels read from the host store
         self.taken = False  # a batch took host reads (eagerly or while a graph was captured)
@@ -77,7 +75,7 @@ class HostReads:
         """Whether a batch reads its experts where they are: the switch on (read at each call, so
         a benchmark can compare both paths on one loaded model, capturing the graphs again),
         decode, and a size the GEMV takes."""
-        if not ENABLED or not decode or len(x) * self.top_k > len(self.ones):
+        if not ENABLED or not decode:
             return False
         takes = bank.takes_gemv(len(x)) if x.is_cuda else 0 < len(x) <= CPU_MAX_TOKENS
         self.taken |= takes

@@ -119,13 +119,13 @@ class Shared:
             m.begin_step(self.step)
 
 
-def real_rows(num_tokens: int) -> torch.Tensor | None:
-    """[T] whether each row of the batch is a real token (it has a KV slot), not padding; None
-    outside the engine."""
+def real_rows(num_tokens: int, device: torch.device) -> torch.Tensor:
+    """[T] whether each row of the batch is a real token (it has a KV slot), not padding; outside
+    the engine every row is real."""
     try:
         return get_forward_context().batch.slot_mapping[:num_tokens] >= 0
     except RuntimeError:
-        return None
+        return torch.ones(num_tokens, dtype=torch.bool, device=device)
 
 
 def decode_only() -> bool:
@@ -257,13 +257,10 @@ class OffloadBackend:
         """Every expert read where it is, a slot or the host store, in one kernel call: nothing
         waits for the host (``host_reads.py``). Rows that only pad a graphed batch (KV slot -1)
         read the null slot (zeros, on the device) and count no use: their output is dropped."""
-        real = real_rows(len(x))  # [T] bool, or None: every row real
-        if real is None:
-            count, rows = self.reads.ones[: ids.numel()], self.cache.route[ids]
-        else:
-            count = real.to(torch.int32)[:, None].expand(ids.shape).reshape(-1)
-            rows = torch.where(real[:, None], self.cache.route[ids], self.map.null)  # [T, k]
+        real = real_rows(len(x), x.device)  # [T] bool
+        count = real.to(torch.int32)[:, None].expand(ids.shape).reshape(-1)  # a use per real pair
         self.uses.index_add_(0, ids.reshape(-1), count)
+        rows = torch.where(real[:, None], self.cache.route[ids], self.map.null)  # [T, k]
         return bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors)
 
     def _cached(
