@@ -231,6 +231,8 @@ class LLMEngine:
         if moe.backend == "gpu":  # nothing moves: the plan says it all, no call to the ranks
             return dict(moe_layers=moe.layers, moe_experts=moe.experts, moe_slots=moe.slots,
                         moe_resident=moe.layers * moe.experts)  # fmt: skip
+        if not self.has_unfinished_requests():  # idle: count the step host reads deferred
+            self.executor.flush_moe()
         return self.executor.moe_stats()
 
     def shutdown(self) -> None:

@@ -40,6 +40,9 @@ class InProcessExecutor:
     def moe_stats(self) -> dict:
         return self.runner.moe.stats()
 
+    def flush_moe(self) -> None:
+        self.runner.moe.flush()
+
     def set_moe_variant(self, policy: str | None, routing_skew: float | None) -> None:
         self.runner.set_moe_variant(policy, routing_skew)
 
@@ -78,6 +81,10 @@ def _worker_main(rank: int, cfg: EngineConfig, mc: ModelConfig, init_method: str
                 continue
             if cmd == "moe_variant":  # every rank switches, so all keep routing alike
                 runner.set_moe_variant(*payload)
+                conn.send(("ok", None))
+                continue
+            if cmd == "moe_flush":  # every rank, so all promote the same experts at the same step
+                runner.moe.flush()
                 conn.send(("ok", None))
                 continue
             if cmd == "profile":  # every rank alike (eager steps, timed all-reduces); the first answers
@@ -174,6 +181,9 @@ class MultiprocExecutor:
 
     def set_moe_variant(self, policy: str | None, routing_skew: float | None) -> None:
         self._every_rank("moe_variant", (policy, routing_skew))
+
+    def flush_moe(self) -> None:
+        self._every_rank("moe_flush", None)
 
     def profile(self, action: str, calls: list | None = None) -> dict | float | None:
         """``ModelRunner.profile`` on every rank; the first rank's result."""

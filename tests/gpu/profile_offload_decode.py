@@ -1,13 +1,16 @@
 """Where a layer's time goes in a batch-1 offload decode step (not a test):
 
-    python tests/gpu/profile_offload_decode.py CONFIG LAYERS CACHE_FRACTION [OUT.log]
+    python tests/gpu/profile_offload_decode.py CONFIG LAYERS CACHE [OUT.log]
 
-Builds the config cut to LAYERS layers with dummy weights and the offload backend at the given
-expert-cache fraction, decodes after a 1k prompt, and prints per decode step the host time of
-each part of the graph breaks (ids to the host, slot decisions, copy issue, the next layer's
-prefetch, segment replays), the step's wall time, and, from ``torch.profiler``, its kernel and
-copy time. At batch 1 the PCIe floor is the copies; what the wall has beyond them and the
-kernels is host time at the breaks. ``DEV=cpu`` runs it on the CPU (a smoke test)."""
+Builds the config cut to LAYERS layers with dummy weights and the offload backend with CACHE
+either an expert-cache fraction (0.6) or a GPU budget (40GiB, ``--max-gpu-memory``), decodes
+after a 1k prompt, and prints per decode step the host time of each part: the copying path's
+graph breaks (ids to the host, slot decisions, copy issue, the next layer's prefetch, segment
+replays) or host reads' between-step work (counting, promotions, publishing the routes), the
+step's wall time, and, from ``torch.profiler``, its kernel and copy time, the time the GPU sat
+idle, and the costliest kernels. At batch 1 the PCIe floor is the copies (or the host rows the
+MoE GEMV reads); what the wall has beyond the kernels is host time. ``DEV=cpu`` runs it on the
+CPU (a smoke test)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
-from ft.moe.backends import expert_cache, offload, prefetch  # noqa: E402
+from ft.moe.backends import expert_cache, host_reads, offload, prefetch  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profiling import cut_config, logger  # noqa: E402
 
@@ -35,6 +38,9 @@ PARTS = [
     (expert_cache.SlotMap, "ensure"),
     (expert_cache.SlotMap, "prefetch"),
     (prefetch.Prefetch, "start"),  # the next layer's prefetch, after the next segment's launch
+    (host_reads.HostReads, "after_step"),  # host reads: all below
+    (host_reads.HostReads, "_count_and_promote"),
+    (expert_cache.ExpertCache, "publish"),
 ]
 if DEVICE == "cuda":
     PARTS.append((torch.cuda.CUDAGraph, "replay"))
@@ -59,13 +65,14 @@ def timed(parts):
 
 
 def main() -> None:
-    src, layers, fraction = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    src, layers, cache = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     log = logger(sys.argv[4] if len(sys.argv) > 4 else None)
     path, cfg = cut_config(src, layers)
     seconds, calls = timed(PARTS)
+    budget = {"max_gpu_memory": cache} if cache[-1].isalpha() else {"expert_cache_fraction": float(cache)}
     engine = LLMEngine(EngineConfig(
         config_file=path, load_format="dummy", device=DEVICE, num_tokens=20000, max_running_requests=8,
-        max_model_len=4096, progress=False, moe_backend="offload", expert_cache_fraction=fraction,
+        max_model_len=4096, progress=False, moe_backend="offload", **budget,
     ))  # fmt: skip
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     vocab, steps = cfg["vocab_size"], 40
@@ -82,7 +89,7 @@ def main() -> None:
             engine.step()
         sync()
         wall = (time.perf_counter() - t0) / steps
-        log(f"== run {seed}: {layers} layers, cache fraction {fraction}: decode step {wall * 1e3:.2f} ms "
+        log(f"== run {seed}: {layers} layers, cache {cache}: decode step {wall * 1e3:.2f} ms "
             f"({1 / wall:.1f} tok/s), {wall / layers * 1e6:.0f} us a layer")  # fmt: skip
         for key in sorted(seconds, key=seconds.get, reverse=True):
             per_call = seconds[key] / max(calls[key], 1) * 1e6
@@ -92,7 +99,8 @@ def main() -> None:
             engine.step()
     s = engine.stats()
     log(f"hits {s.moe_hits}, misses {s.moe_misses}, prefetched {s.moe_prefetched}, "
-        f"prefetch hits {s.moe_prefetch_hits}, {s.moe_bytes_h2d / 1e9:.2f} GB copied")  # fmt: skip
+        f"prefetch hits {s.moe_prefetch_hits}, {s.moe_bytes_h2d / 1e9:.2f} GB copied, "
+        f"{s.moe_bytes_host_read / 1e9:.2f} GB read in place")  # fmt: skip
     if DEVICE == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -106,13 +114,30 @@ def main() -> None:
                 engine.step()
             sync()
             wall = (time.perf_counter() - t0) / 4
-        busy = collections.Counter()
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                busy["copies" if "Memcpy" in e.name else "kernels"] += e.device_time
-        log(f"profiled decode step: wall {wall * 1e3:.2f} ms, kernels {busy['kernels'] / 4e3:.2f} ms, "
-            f"copies {busy['copies'] / 4e3:.2f} ms")  # fmt: skip
+        log_profile(log, prof, wall, 4)
     engine.shutdown()
+
+
+def log_profile(log, prof, wall: float, steps: int) -> None:
+    """The profiled steps' kernel and copy time, the GPU's idle time (the wall less the union of
+    its busy intervals) and the costliest kernels, each per step."""
+    busy, by_name, spans = collections.Counter(), collections.Counter(), []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kind = "copies" if "Memcpy" in e.name or "Memset" in e.name else "kernels"
+            busy[kind] += e.device_time
+            by_name[e.name[:60]] += e.device_time
+            spans.append((e.time_range.start, e.time_range.end))
+    covered, end = 0.0, float("-inf")
+    for a, b in sorted(spans):  # the union of the busy intervals (copies overlap kernels)
+        covered += max(0.0, b - max(a, end))
+        end = max(end, b)
+    per = steps * 1e3
+    log(f"profiled decode step: wall {wall * 1e3:.2f} ms, kernels {busy['kernels'] / per:.2f} ms, "
+        f"copies {busy['copies'] / per:.2f} ms, GPU busy {covered / per:.2f} ms, "
+        f"idle {wall * 1e3 - covered / per:.2f} ms")  # fmt: skip
+    for name, us in by_name.most_common(8):
+        log(f"  {us / per:7.3f} ms  {name}")
 
 
 if __name__ == "__main__":

@@ -243,3 +243,16 @@ def test_padding_rows_read_the_null_slot_and_count_no_use(ckpt, reads_on):
             padded = backend(block.experts, x, weights, ids)
         assert backend.uses[[6, 7]].tolist() == [0, 0] and int(backend.uses.sum()) == 2
     assert torch.equal(padded[0], both[0]) and not padded[1].any() and both[1].any()
+
+
+def test_deferred_counting_counts_every_step_once_the_engine_is_idle(ckpt, monkeypatch):
+    """The last step a deferred run queued is counted when the engine goes idle (its statistics
+    are read): every expert use of the run counted, as when each step is counted at once."""
+    monkeypatch.setattr(host_reads, "ENABLED", True)
+    uses = {}
+    for deferred in (False, True):
+        monkeypatch.setattr(host_reads, "DEFERRED", deferred)
+        _, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
+        uses[deferred] = s.moe_hits + s.moe_misses
+        assert s.moe_bytes_host_read > 0
+    assert uses[True] == uses[False]

@@ -222,6 +222,12 @@ class MoeRuntime:
         if self.reads is not None:
             self.reads.after_step(tokens)
 
+    def flush(self) -> None:
+        """Count the step deferred host reads still hold (the engine calls it when idle, so the
+        statistics include every step run; ``HostReads.flush``)."""
+        if self.reads is not None:
+            self.reads.flush()
+
     def discard_uses(self) -> None:
         """Forget what warming up and capturing the decode graphs used (host reads)."""
         if self.reads is not None:
