@@ -1,6 +1,8 @@
 """How busy the PCIe link is while an offloaded prefill streams experts (not a test):
 
     python tests/gpu/profile_offload_prefill.py CONFIG LAYERS CACHE_FRACTION [TOKENS] [OUT.log]
+    STREAM_AHEAD=1 python tests/gpu/profile_offload_prefill.py ...   # with --moe-stream-ahead
+    PROFILE_CPU=1 python tests/gpu/profile_offload_prefill.py ...    # and the host's operators
 
 Builds the config cut to LAYERS layers with dummy weights and the offload backend at the given
 expert-cache fraction, and profiles one prefill of TOKENS tokens (default 8,000). From the
@@ -26,6 +28,8 @@ from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profiling import cut_config, logger  # noqa: E402
 
+AHEAD = os.environ.get("STREAM_AHEAD", "0") == "1"
+
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
@@ -45,7 +49,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(
         config_file=path, load_format="dummy", device="cuda", num_tokens=max(40000, tokens + 16),
         max_running_requests=8, max_model_len=tokens + 16, progress=False, moe_backend="offload",
-        expert_cache_fraction=fraction,
+        expert_cache_fraction=fraction, moe_stream_ahead=AHEAD,
     ))  # fmt: skip
     vocab = cfg["vocab_size"]
 
@@ -62,8 +66,11 @@ def main() -> None:
 
     prefill(0)  # shapes compiled outside the measurement
     walls = sorted(prefill(s) for s in (1, 2, 3))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cpu = os.environ.get("PROFILE_CPU", "0") == "1"  # also the host's operators, by self time
+    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])) as prof:
         prefill(4)
+    if cpu:
+        log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
     copies, kernels = [], []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -74,7 +81,9 @@ def main() -> None:
     start = min(a for a, _, _ in copies + kernels)
     end = max(b for _, b, _ in copies + kernels)
     link = sum(b - a for a, b in busy)
-    log(f"== prefill {tokens} tokens, {layers} layers, cache fraction {fraction}: wall median "
+    used = engine.executor.runner.moe.shared.ahead_used
+    log(f"== prefill {tokens} tokens, {layers} layers, cache fraction {fraction}, streaming ahead "
+        f"{'on' if AHEAD else 'off'} ({used} groups used): wall median "
         f"{walls[1] * 1e3:.1f} ms ({tokens / walls[1]:,.0f} tok/s); profiled {(end - start) / 1e3:.1f} ms, "
         f"link busy {link / 1e3:.1f} ms ({link / (end - start):.0%}) in {len(copies)} copies")  # fmt: skip
     gaps = [(b0, a1) for (_, b0), (a1, _) in zip(busy, busy[1:])]

@@ -16,7 +16,7 @@ import torch
 
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.moe.backends import host_reads
-from ft.moe.backends.expert_cache import ExpertCache, SlotMap
+from ft.moe.backends.expert_cache import ExpertCache, SlotMap, Tables
 from ft.moe.backends.host_reads import as_one_bank
 from ft.moe.backends.layout import ExpertLayout, Part
 from ft.moe.backends.runtime import moe_blocks
@@ -132,22 +132,58 @@ def test_route_points_at_a_slot_only_once_its_copy_landed():
     m = SlotMap(num_experts=6, num_slots=3, static=1)  # expert 0 lives in slot 0 only
     m.warm()  # experts 1, 2 in slots 1, 2
     cache = ExpertCache(layout, m, torch.device("cpu"))
-    cache.add_route()
+    tables = Tables([cache], torch.device("cpu"))
     assert cache.route.tolist() == [0, 1, 2, -3, -4, -5]  # host rows: expert e at e - 1
     m.begin_step(1)
     copies = m.promote(np.array([4]), 1)
     ((expert, slot),) = copies
     landing = Landing()
     cache.filling([slot], landing)  # as copy_in does, before the route is published
-    cache.publish()
+    tables.publish()
     stays = 3 - slot  # the expert in the other dynamic slot
     assert cache.route[4] == -4 and cache.route[slot] == -slot and cache.route[stays] == stays
     assert (cache.published()[[4, slot, stays]] >= 0).tolist() == [False, False, True]
-    cache.publish()  # nothing landed: nothing changes
+    tables.publish()  # nothing landed: nothing changes
     assert cache.route[4] == -4 and cache.copying
     landing.done = True
-    cache.publish()
+    cache.publish()  # a layer's own publish (the copying path) writes its rows alike
     assert cache.route[4] == slot and cache.published()[4] == slot and not cache.copying
+
+
+def test_tables_publish_every_layer_in_one_copy_consistent_with_a_layers_own():
+    """One layer published alone (the copying path, mid-step), then all at once: every layer's
+    device rows are its map's, and the all-at-once publish is one write of the stacked tensor."""
+    layout = ExpertLayout((Part("w", (2,), torch.float32, 0),), 256)
+    maps = [SlotMap(num_experts=6, num_slots=3) for _ in range(3)]
+    caches = [ExpertCache(layout, m, torch.device("cpu")) for m in maps]
+    tables = Tables(caches, torch.device("cpu"))
+    writes = []
+    real = tables._upload
+    tables._upload = lambda dst, values: (writes.append(values.shape), real(dst, values))
+    for i, m in enumerate(maps):
+        m.begin_step(1)
+        m.ensure(np.array([i, i + 1, 5]))
+    caches[1].publish()  # its own rows first
+    assert caches[1].table.tolist() == maps[1].slot_of.tolist()
+    tables.publish()
+    assert writes == [(3, 2, 6)]
+    for c, m in zip(caches, maps):
+        assert c.table.tolist() == m.slot_of.tolist() and c.route.tolist() == c.published().tolist()
+        assert (c.published() >= 0).tolist() == (m.slot_of != m.null).tolist()
+    tables.publish()  # nothing changed: no write
+    assert writes == [(3, 2, 6)]
+
+
+def test_issue_many_copies_every_job_and_counts_them_once():
+    src_a = torch.arange(4 * 256, dtype=torch.int64).to(torch.uint8).view(4, 256)
+    src_b = src_a.flip(0).clone()
+    dst_a, dst_b = torch.zeros(3, 256, dtype=torch.uint8), torch.zeros(3, 256, dtype=torch.uint8)
+    tr = Transfer(torch.device("cpu"))
+    assert tr.issue_many([(dst_a, [], src_a, [])]) is None and tr.counts.h2d_copies == 0
+    tr.issue_many([(dst_a, [0, 2], src_a, [3, 1]), (dst_b, [1], src_b, [0]), (dst_b, [], src_b, [])])
+    assert torch.equal(dst_a[0], src_a[3]) and torch.equal(dst_a[2], src_a[1]) and not dst_a[1].any()
+    assert torch.equal(dst_b[1], src_b[0]) and not dst_b[0].any()
+    assert tr.counts.h2d_copies == 3 and tr.counts.h2d_bytes == 3 * 256
 
 
 def test_as_one_bank_moves_host_rows_past_the_slots():
@@ -164,13 +200,15 @@ class LateCopies:
     def __init__(self, late: int) -> None:
         self.late, self.pending = late, []  # [(event, destination rows, source bytes)]
 
-    def issue(self, transfer, dst, dst_rows, src, src_rows, after=None, h2d=True):
-        if not dst_rows:
+    def issue_many(self, transfer, jobs, after=None, h2d=True):
+        jobs = [j for j in jobs if j[1]]
+        if not jobs:
             return None
         event = LateEvent(self)
-        for d, s, n in _runs(dst_rows, src_rows):
-            self.pending.append((event, dst[d : d + n], src[s : s + n].clone()))
-        transfer._count(h2d, len(dst_rows) * dst.shape[1], len(dst_rows), 0.0)
+        for dst, dst_rows, src, src_rows in jobs:
+            for d, s, n in _runs(dst_rows, src_rows):
+                self.pending.append((event, dst[d : d + n], src[s : s + n].clone()))
+            transfer._count(h2d, len(dst_rows) * dst.shape[1], len(dst_rows), 0.0)
         return event
 
     def wait(self, transfer, event=None) -> None:
@@ -202,7 +240,7 @@ def test_copies_landing_late_are_read_only_once_landed(ckpt, refs, reads_on, mon
     of up to 2 sequences, copying for 3): the route never sends a kernel to a slot being filled,
     and an expert being copied in is not promoted into a second slot."""
     copies = LateCopies(late)
-    monkeypatch.setattr(Transfer, "issue", lambda tr, *a, **k: copies.issue(tr, *a, **k))
+    monkeypatch.setattr(Transfer, "issue_many", lambda tr, *a, **k: copies.issue_many(tr, *a, **k))
     monkeypatch.setattr(Transfer, "wait", lambda tr, event=None: copies.wait(tr, event))
     monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)
     monkeypatch.setattr(host_reads, "CPU_MAX_TOKENS", 2)

@@ -183,14 +183,14 @@ def test_host_reads_with_graphed_decode_equal_resident(ckpt, tmp_path, monkeypat
     monkeypatch.setattr(host_reads, "ENABLED", True)
     monkeypatch.setattr(host_reads, "DEFERRED", deferred)  # the between-step work a step late
     monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)
-    issue = Transfer.issue
+    issue_many = Transfer.issue_many  # every copy's way (``issue`` takes it too)
 
     def late(transfer, *args, **kwargs):  # copies land well after the next step starts
         with torch.cuda.stream(transfer.stream):
             torch.cuda._sleep(2_000_000)
-        return issue(transfer, *args, **kwargs)
+        return issue_many(transfer, *args, **kwargs)
 
-    monkeypatch.setattr(Transfer, "issue", late)
+    monkeypatch.setattr(Transfer, "issue_many", late)
     path = ckpt
     if fmt == "nvfp4":
         write_nvfp4_checkpoint(tmp_path, "qwen3_next", seed=8, moe_intermediate_size=64)

@@ -39,6 +39,7 @@ import os
 import numpy as np
 import torch
 
+from ft.moe.backends.expert_cache import Tables
 from ft.quant.nvfp4 import NVFP4Tensor
 
 ENABLED = os.environ.get("FT_MOE_HOST_READS", "1") != "0"
@@ -69,8 +70,9 @@ class HostReads:
         self.credit = np.zeros(len(backends))  # promotions owed to each layer, fractional
         self.bytes_read = 0  # expert bytes kernels read from the host store
         self.taken = False  # a batch took host reads (eagerly or while a graph was captured)
+        self.tables = Tables([b.cache for b in backends], device)  # every layer's, one copy to publish
+        self.payload = [b.store.layout.payload_bytes for b in backends]
         for i, b in enumerate(backends):
-            b.cache.add_route()
             b.reads, b.uses = self, self.uses[i]
 
     def takes(self, bank, x: torch.Tensor, decode: bool) -> bool:
@@ -100,8 +102,7 @@ class HostReads:
             if uses.any():
                 self.uses.zero_()
                 self._count_and_promote(uses, tokens, [b.cache.published() for b in self.backends])
-        for b in self.backends:
-            b.cache.publish()
+        self.tables.publish()
 
     def flush(self) -> None:
         """Count and promote the step ``DEFERRED`` still holds (waits for it), then publish: the
@@ -109,8 +110,7 @@ class HostReads:
         if self.queued is None:
             return
         self._process_queued()
-        for b in self.backends:
-            b.cache.publish()
+        self.tables.publish()
 
     def _process_queued(self) -> None:
         event, tokens, routes = self.queued
@@ -141,20 +141,26 @@ class HostReads:
         assert uses.any(1).all(), "a host-read step reads in every MoE layer (one batch, one path)"
         sh = self.backends[0].shared
         sh.begin_step(tokens)
+        jobs, filled = [], []
         for i, b in enumerate(self.backends):
             m = b.map
             used = np.flatnonzero(uses[i])
             hit = m.classify(used, routes[i][used])  # as the step read them, whatever moved since
             missed = used[~hit]
-            self.bytes_read += int(uses[i][missed].sum()) * b.store.layout.payload_bytes
+            self.bytes_read += int(uses[i][missed].sum()) * self.payload[i]
             self.credit[i] += PROMOTE_SHARE * len(missed)
             n = int(self.credit[i])
             self.credit[i] -= n
             copies = m.promote(missed, n) if n else []
-            # the copies wait for every kernel issued so far (the victims' last readers); the
-            # route published next sends the victims, and the newcomers until their copies
-            # land, to the host
-            b.copy_in(copies)
+            if copies:
+                jobs.append(b.copy_job(copies))
+                filled.append((b.cache, jobs[-1][1]))
+        # one issue for every layer's copies; they wait for every kernel issued so far (the
+        # victims' last readers); the route published next sends the victims, and the newcomers
+        # until their copies land, to the host
+        done = sh.transfer.issue_many(jobs)
+        for cache, slots in filled:
+            cache.filling(slots, done)
 
 
 def as_one_bank(slots: tuple, host: tuple, ids: torch.Tensor) -> tuple:

@@ -241,12 +241,13 @@ class OffloadBackend:
         """Copy (expert, slot) pairs from the host store into this layer's cache (after ``after``
         on the main stream, by default after everything issued there so far)."""
         if copies:
-            experts, slots = zip(*copies)
-            rows = self.store.rows(np.array(experts)).tolist()
-            done = self.shared.transfer.issue(
-                self.cache.block, list(slots), self.store.block, rows, after=after
-            )
-            self.cache.filling(list(slots), done)
+            job = self.copy_job(copies)
+            self.cache.filling(job[1], self.shared.transfer.issue(*job, after=after))
+
+    def copy_job(self, copies: list[tuple[int, int]]) -> tuple:
+        """(dst, dst rows, src, src rows) of (expert, slot) copies, as ``Transfer.issue`` takes them."""
+        experts, slots = zip(*copies)
+        return self.cache.block, list(slots), self.store.block, self.store.rows(np.array(experts)).tolist()
 
     def _prefetch_next(self, pred_h: np.ndarray | None) -> None:
         if pred_h is not None:

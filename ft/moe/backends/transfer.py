@@ -49,15 +49,28 @@ class Transfer:
         """Copy ``src[src_rows[i]]`` into ``dst[dst_rows[i]]`` (rows of expert blocks; ``h2d``:
         from the host store, else device to device); returns an event the consumer waits on (None
         on CPU, where the copies are done on return). Runs of consecutive rows go as one copy."""
-        if not dst_rows:
+        return self.issue_many([(dst, dst_rows, src, src_rows)], after, h2d)
+
+    def issue_many(
+        self,
+        jobs: list[tuple[torch.Tensor, list[int], torch.Tensor, list[int]]],
+        after: torch.cuda.Event | None = None,
+        h2d: bool = True,
+    ) -> torch.cuda.Event | None:
+        """``issue`` for several (dst, dst rows, src, src rows) at once: one wait, one pair of
+        events (host reads' promotions of every layer between two steps)."""
+        jobs = [j for j in jobs if j[1]]
+        if not jobs:
             return None
-        nbytes = len(dst_rows) * dst.shape[1]
-        runs = _runs(dst_rows, src_rows)
+        nbytes = sum(len(rows) * dst.shape[1] for dst, rows, _, _ in jobs)
+        copies = sum(len(rows) for _, rows, _, _ in jobs)
+        runs = [(dst, src, _runs(d_rows, s_rows)) for dst, d_rows, src, s_rows in jobs]
         if not self.cuda:
             t0 = time.perf_counter()
-            for d, s, n in runs:
-                dst[d : d + n].copy_(src[s : s + n])
-            self._count(h2d, nbytes, len(dst_rows), time.perf_counter() - t0)
+            for dst, src, rr in runs:
+                for d, s, n in rr:
+                    dst[d : d + n].copy_(src[s : s + n])
+            self._count(h2d, nbytes, copies, time.perf_counter() - t0)
             return None
         main = torch.cuda.current_stream(self.device)
         if after is None:
@@ -68,15 +81,16 @@ class Transfer:
             start = torch.cuda.Event(enable_timing=True) if h2d else None
             if start is not None:
                 start.record()
-            for d, s, n in runs:
-                dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+            for dst, src, rr in runs:
+                for d, s, n in rr:
+                    dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
             done = torch.cuda.Event(enable_timing=h2d)
             done.record()
         if h2d:
             self._timing.append((start, done))
             if len(self._timing) > 512:  # nobody asked for stats lately: fold the finished ones
                 self.resolve()
-        self._count(h2d, nbytes, len(dst_rows), 0.0)
+        self._count(h2d, nbytes, copies, 0.0)
         return done
 
     def wait(self, event: torch.cuda.Event | None = None) -> None:
