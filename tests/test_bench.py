@@ -126,3 +126,16 @@ def test_decode_bytes_count_distinct_experts(tmp_path):
     assert one.experts == mc.num_experts_per_tok * per_expert  # k distinct experts for one token
     assert abs(many.experts - mc.num_experts * per_expert) <= mc.num_layers  # all of them for many
     assert one.dense == many.dense and many.kv == 1000 * one.kv
+
+
+def test_bench_offline_compare_hf_adds_a_transformers_row(tmp_path, capsys):
+    """--compare-hf times transformers' generate on the same config (random weights) after the
+    engine's rows, in the same command."""
+    write_checkpoint(tmp_path, "qwen3_moe")
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "offline", "--config", str(tmp_path / "config.json"), "--load-format", "dummy"]
+    argv += ["--device", "cpu", "--batch-sizes", "1", "--input-len", "8", "--output-len", "3"]
+    assert main([*argv, "--prefill-lens", "", "--compare-hf", "--output-json", str(out_json)]) == 0
+    assert "transformers single_stream_tok_s" in capsys.readouterr().out
+    hf = json.loads(out_json.read_text())["hf"]
+    assert hf["single_stream_tok_s"] > 0 and hf["ttft_ms"] > 0

@@ -16,6 +16,7 @@ switches in place, ``LLMEngine.set_moe_variant``), one report each.
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import statistics
@@ -192,6 +193,10 @@ def bench(
         reports.append(report)
     engine.shutdown()
     if compare_hf:
+        del engine  # its weights and pools, before transformers builds the same model beside them
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         reports[0].hf = bench_hf(cfg, input_len, output_len)
     return reports
 
