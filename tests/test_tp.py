@@ -59,6 +59,20 @@ def test_dead_rank_raises_quickly(tmp_path):
         assert time.monotonic() - start < 10
 
 
+def test_dead_rank_while_idle_is_reported_by_the_statistics(tmp_path):
+    """An idle offload engine asks every rank to count its deferred step (``flush_moe``) when its
+    statistics are read: a rank dead by then is reported as such, not as a broken pipe."""
+    write_checkpoint(tmp_path, "qwen3_moe")
+    with LLM(model=str(tmp_path), tp_size=2, device="cpu", dtype="float32", progress=False,
+             moe_backend="offload", expert_cache_fraction=0.5) as llm:  # fmt: skip
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))
+        victim = llm.engine.executor.procs[1]
+        victim.kill()
+        victim.join()
+        with pytest.raises(WorkerError, match="rank 1"):
+            llm.engine.stats()
+
+
 def test_checkpoint_error_on_a_rank_is_reported(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -191,7 +191,10 @@ class MultiprocExecutor:
 
     def _every_rank(self, cmd: str, payload) -> list:
         for conn in self.conns:
-            conn.send((cmd, payload))
+            try:
+                conn.send((cmd, payload))
+            except (BrokenPipeError, OSError):
+                pass  # a dead rank: ``_recv`` reports which, with its exit code
         return [self._recv(rank, "ok") for rank in range(len(self.conns))]
 
     def shutdown(self, graceful: bool = True) -> None:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
-from ft.moe.backends import expert_cache, host_reads, offload, prefetch  # noqa: E402
+from ft.moe.backends import expert_cache, host_reads, offload, prefetch, transfer  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profiling import cut_config, logger  # noqa: E402
 
@@ -40,7 +40,9 @@ PARTS = [
     (prefetch.Prefetch, "start"),  # the next layer's prefetch, after the next segment's launch
     (host_reads.HostReads, "after_step"),  # host reads: all below
     (host_reads.HostReads, "_count_and_promote"),
-    (expert_cache.ExpertCache, "publish"),
+    (transfer.Transfer, "issue_many"),  # every copy (the promotions' too)
+    (expert_cache.ExpertCache, "publish"),  # a layer's own (the copying path)
+    (expert_cache.Tables, "publish"),  # every layer's at once (host reads)
 ]
 if DEVICE == "cuda":
     PARTS.append((torch.cuda.CUDAGraph, "replay"))

@@ -21,7 +21,7 @@ from ft.moe.backends.host_reads import as_one_bank
 from ft.moe.backends.layout import ExpertLayout, Part
 from ft.moe.backends.runtime import moe_blocks
 from ft.moe.backends.transfer import Transfer, _runs
-from tests.offload.equality import assert_same, engine, generate
+from tests.offload.equality import PARAMS, PROMPTS, assert_same, engine, generate
 
 
 @pytest.fixture(params=[False, True], ids=["at-once", "deferred"])
@@ -194,11 +194,14 @@ def test_as_one_bank_moves_host_rows_past_the_slots():
 
 class LateCopies:
     """Side-stream copies on a CPU that land late, as they may on a GPU: a copy's bytes arrive
-    when the main stream waits for it (``Transfer.wait``) or once its event has been asked
-    ``late`` times, in the order issued; a reader that did neither reads the slot's old bytes."""
+    when the main stream waits for it (``Transfer.wait``) or ``late`` engine steps after it was
+    issued (``step``, counted between steps), in the order issued; a reader that did neither
+    reads the slot's old bytes. ``held_back``: how often a publish found a copy not yet landed
+    (its expert then routed to the host)."""
 
     def __init__(self, late: int) -> None:
         self.late, self.pending = late, []  # [(event, destination rows, source bytes)]
+        self.step = self.held_back = 0
 
     def issue_many(self, transfer, jobs, after=None, h2d=True):
         jobs = [j for j in jobs if j[1]]
@@ -225,12 +228,12 @@ class LateCopies:
 
 class LateEvent:
     def __init__(self, copies: LateCopies) -> None:
-        self.copies, self.asked, self.landed = copies, 0, False
+        self.copies, self.issued, self.landed = copies, copies.step, False
 
     def query(self) -> bool:
-        self.asked += 1
-        if self.asked >= self.copies.late:
+        if not self.landed and self.copies.step - self.issued >= self.copies.late:
             self.copies.land(self)
+        self.copies.held_back += not self.landed
         return self.landed
 
 
@@ -242,12 +245,20 @@ def test_copies_landing_late_are_read_only_once_landed(ckpt, refs, reads_on, mon
     copies = LateCopies(late)
     monkeypatch.setattr(Transfer, "issue_many", lambda tr, *a, **k: copies.issue_many(tr, *a, **k))
     monkeypatch.setattr(Transfer, "wait", lambda tr, event=None: copies.wait(tr, event))
+    after_step = host_reads.HostReads.after_step
+
+    def counted(reads, tokens):
+        copies.step += 1
+        return after_step(reads, tokens)
+
+    monkeypatch.setattr(host_reads.HostReads, "after_step", counted)
     monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)
     monkeypatch.setattr(host_reads, "CPU_MAX_TOKENS", 2)
     for fraction in (0.5, 0.75):
         outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=fraction)
         assert_same(outs, refs[8192])
         assert s.moe_bytes_host_read > 0 and s.moe_evictions > 0
+    assert copies.held_back > 0  # some newcomer was read from the host while its slot filled
 
 
 def decode_batch(slots: list[int]) -> ForwardContext:
@@ -294,3 +305,11 @@ def test_deferred_counting_counts_every_step_once_the_engine_is_idle(ckpt, monke
         uses[deferred] = s.moe_hits + s.moe_misses
         assert s.moe_bytes_host_read > 0
     assert uses[True] == uses[False]
+    with engine(ckpt, moe_backend="offload", expert_cache_fraction=0.25) as llm:  # deferred
+        llm.generate(PROMPTS, PARAMS)
+        first = llm.engine.stats()
+        again = llm.engine.stats()  # idle again: nothing more to count
+        llm.generate(PROMPTS, PARAMS)
+        second = llm.engine.stats()
+    assert first.moe_hits + first.moe_misses == again.moe_hits + again.moe_misses == uses[False]
+    assert second.moe_hits + second.moe_misses == 2 * uses[False]
