@@ -3,6 +3,7 @@
     python tests/gpu/profile_offload_prefill.py CONFIG LAYERS CACHE_FRACTION [TOKENS] [OUT.log]
     STREAM_AHEAD=1 python tests/gpu/profile_offload_prefill.py ...   # with --moe-stream-ahead
     PROFILE_CPU=1 python tests/gpu/profile_offload_prefill.py ...    # and the host's operators
+    TIMELINE=1 python tests/gpu/profile_offload_prefill.py ...       # what ran around the largest gaps
 
 Builds the config cut to LAYERS layers with dummy weights and the offload backend at the given
 expert-cache fraction, and profiles one prefill of TOKENS tokens (default 8,000). From the
@@ -14,6 +15,7 @@ host-to-device bandwidth; the full 80B streamed at 58% on 2026-11-30."""
 from __future__ import annotations
 
 import collections
+import json
 import os
 import sys
 import time
@@ -39,6 +41,34 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
+
+
+def timeline(path: str, log, gaps: int = 2, window_us: float = 800.0) -> None:
+    """From a chrome trace: around the ``gaps`` largest idle stretches of the host-to-device link
+    (after the first layer), every GPU event (stream, start from the gap's start, duration) and the
+    host's CUDA runtime calls and operators longer than 50 us (with PROFILE_CPU=1): what the link
+    waited for, on which stream, and whether the host was blocked."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]]
+    busy = merged([(e["ts"], e["ts"] + e["dur"]) for e in copies])
+    holes = [(b0, a1) for (_, b0), (a1, _) in zip(busy, busy[1:])][1:]  # the first layer's apart
+    for a, b in sorted(holes, key=lambda g: g[0] - g[1])[:gaps]:
+        log(f"  -- link idle {(b - a) / 1e3:.2f} ms; events from {window_us / 1e3:.1f} ms before:")
+        shown = 0
+        for e in sorted(events, key=lambda e: e["ts"]):
+            t0, t1 = e["ts"], e["ts"] + e["dur"]
+            if t1 < a - window_us or t0 > b + 200:
+                continue
+            gpu = e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+            if not gpu and (e.get("cat") not in ("cuda_runtime", "cpu_op") or e["dur"] < 50):
+                continue
+            where = f"stream {e.get('args', {}).get('stream', '?')}" if gpu else "host"
+            log(f"    {(t0 - a) / 1e3:+8.3f} ms {e['dur'] / 1e3:7.3f} ms  {where:10s} {e['name'][:60]}")
+            shown += 1
+            if shown >= 60:
+                log("    ...")
+                break
 
 
 def main() -> None:
@@ -71,6 +101,10 @@ def main() -> None:
         prefill(4)
     if cpu:
         log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
+    if os.environ.get("TIMELINE", "0") == "1":
+        path = "/tmp/ft_prefill_trace.json"
+        prof.export_chrome_trace(path)
+        timeline(path, log)
     copies, kernels = [], []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
