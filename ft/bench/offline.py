@@ -111,14 +111,9 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
         hits, misses = after.moe_hits - before.moe_hits, after.moe_misses - before.moe_misses
         out |= {
             "hit_rate": hits / max(1, hits + misses),
-            "h2d_per_token": (_pcie_bytes(after) - _pcie_bytes(before)) / tokens,
+            "h2d_per_token": (after.moe_bytes_pcie - before.moe_bytes_pcie) / tokens,
         }
     return out
-
-
-def _pcie_bytes(stats) -> int:
-    """Expert bytes that crossed PCIe: copied into the GPU, or read in place by host reads."""
-    return stats.moe_bytes_h2d + stats.moe_bytes_host_read
 
 
 def measure_h2d(nbytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -71,10 +71,13 @@ class EngineStats:
         return self.moe_hits / uses if uses else 1.0
 
     @property
+    def moe_bytes_pcie(self) -> int:
+        """Expert bytes that crossed PCIe: copied into the GPU, and read in place by host reads."""
+        return self.moe_bytes_h2d + self.moe_bytes_host_read
+
+    @property
     def moe_bytes_per_token(self) -> float:
-        """Expert bytes over PCIe per token: copied, and read in place by host reads."""
-        moved = self.moe_bytes_h2d + self.moe_bytes_host_read
-        return moved / self.moe_tokens if self.moe_tokens else 0.0
+        return self.moe_bytes_pcie / self.moe_tokens if self.moe_tokens else 0.0
 
     @property
     def moe_pcie_gb_s(self) -> float:
