@@ -11,6 +11,7 @@ expert -> slot remapping, the streaming and the CPU kernels, the logic the GPU r
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ft import LLM, SamplingParams
 from tests.offload.equality import PARAMS, PROMPTS, assert_same, engine, generate
@@ -113,3 +114,34 @@ def test_streamed_pairs_take_their_batchs_kernel_path(ckpt):
     streamed = [c for c in calls if c[1] is not None]
     assert streamed and all(tokens == 24 for _, tokens in streamed)
     assert any(rows < 24 for rows, _ in streamed)  # parts of the batch, told its size
+
+
+def test_a_streamed_layer_uploads_its_pairs_once(ckpt, refs, monkeypatch):
+    """Every kernel call of a streamed layer (the hits in place, each staging group) takes its
+    pairs and weight rows from one upload of the layer's, in order, empty runs included."""
+    import numpy as np
+
+    from ft.moe.backends import offload
+
+    runs = [
+        (np.array([3, 1]), np.array([0, 0])),
+        (np.zeros(0, np.int64),) * 2,
+        (np.array([7]), np.array([2])),
+    ]
+    got = offload.upload_pairs(runs, torch.device("cpu"))
+    assert [(s.tolist(), r.tolist()) for s, r in got] == [([3, 1], [0, 0]), ([], []), ([7], [2])]
+    uploads, streamed = [], []
+    real_upload, real_stream = offload.upload, offload.OffloadBackend._stream
+    monkeypatch.setattr(
+        offload, "upload", lambda t, device: (uploads.append(len(t)), real_upload(t, device))[1]
+    )
+    monkeypatch.setattr(
+        offload.OffloadBackend,
+        "_stream",
+        lambda self, *a, **kw: (streamed.append(1), real_stream(self, *a, **kw))[1],
+    )
+    options = dict(moe_backend="offload", expert_cache_fraction=0.25, moe_staging_experts=2)
+    with engine(ckpt, **options) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+    assert_same(outs, refs[8192])
+    assert streamed and len(uploads) == len(streamed)  # one a streamed layer, whatever its groups

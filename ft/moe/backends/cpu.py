@@ -37,9 +37,9 @@ def cpu_experts(
 ) -> tuple[torch.Tensor, int]:
     """Sum over the pairs routed to ``experts`` -> ([T, H] on x's device, pairs computed)."""
     out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H] on the host
-    sel, rows = Pairs(ids_h, store.num_experts).of(experts, store.rows(experts))
-    if len(sel):
-        run_pairs(_CpuKernel(bank), store.tensors, x.cpu(), weights.cpu(), out, sel, rows)
+    pairs = Pairs(ids_h, store.num_experts).of(experts, store.rows(experts))
+    sel, rows = (torch.from_numpy(a.astype(np.int64, copy=False)) for a in pairs)  # the kernel runs here
+    run_pairs(_CpuKernel(bank), store.tensors, x.cpu(), weights.cpu(), out, sel, rows)
     return out.to(device=x.device, dtype=x.dtype), len(sel)
 
 
