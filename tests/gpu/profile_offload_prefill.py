@@ -4,6 +4,7 @@
     STREAM_AHEAD=1 python tests/gpu/profile_offload_prefill.py ...   # with --moe-stream-ahead
     PROFILE_CPU=1 python tests/gpu/profile_offload_prefill.py ...    # and the host's operators
     TIMELINE=1 python tests/gpu/profile_offload_prefill.py ...       # what ran around the largest gaps
+    PROFILE_STACK=1 python tests/gpu/profile_offload_prefill.py ...  # host time by Python stack
 
 Builds the config cut to LAYERS layers with dummy weights and the offload backend at the given
 expert-cache fraction, and profiles one prefill of TOKENS tokens (default 8,000). From the
@@ -97,10 +98,17 @@ def main() -> None:
     prefill(0)  # shapes compiled outside the measurement
     walls = sorted(prefill(s) for s in (1, 2, 3))
     cpu = os.environ.get("PROFILE_CPU", "0") == "1"  # also the host's operators, by self time
-    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])) as prof:
+    stack = os.environ.get("PROFILE_STACK", "0") == "1"  # and the Python frames they ran under
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu or stack else [])
+    with profile(activities=activities, with_stack=stack) as prof:
         prefill(4)
     if cpu:
         log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
+    if stack:  # e.g. what in fla's chunk function holds the host 2 ms a layer (2026-12-01)
+        table = prof.key_averages(group_by_stack_n=6).table(
+            sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=40, max_src_column_width=90
+        )
+        log(table)
     if os.environ.get("TIMELINE", "0") == "1":
         path = "/tmp/ft_prefill_trace.json"
         prof.export_chrome_trace(path)
