@@ -3,15 +3,15 @@
     python tests/gpu/decode_variants.py CONFIG [OUT.log] [--nvfp4] [--max-gpu-memory=SIZE]
                                         [module:SWITCH[=0] ...]
 
-A switch is a module-level boolean read when a kernel is launched or traced (by default every
-switch of ``ft.switches`` still off, but the tensor-parallel one, each turned on; ``=0`` turns one
-off instead). The first row runs the defaults, then each switch alone, then all of them
-together. For each row the decode graphs are captured again, then a 1,024-token prompt decodes
-256 tokens: the same prompt in every row, with the prefix cache off so that each prompt step
-computes it whole. The line gives tokens per second over the decode, the prompt step's time
-(eager, host-bound at this size), and the greedy tokens' agreement with the first row (a switch
-that changes rounding changes tokens on a random-weight model: judge it by its accuracy test,
-not by this).
+A switch is a module-level boolean (or an integer, given ``=N``) read when a kernel is launched or
+traced (by default every switch of ``ft.switches`` still off, but the tensor-parallel one, each
+turned on; ``=0`` turns one off instead). The first row runs the defaults, then each switch alone,
+then all of them together. For each row the decode graphs are captured again, then a 1,024-token
+prompt decodes 256 tokens: the same prompt in every row, with the prefix cache off so that each
+prompt step computes it whole. The line gives tokens per second over the decode, the prompt step's
+time (eager, host-bound at this size), and the greedy tokens' agreement with the first row (a switch
+that changes rounding changes tokens on a random-weight model: judge it by its accuracy test, not by
+this).
 ``--nvfp4`` quantises the experts while loading (switches of the NVFP4 kernels);
 ``--max-gpu-memory=SIZE`` caps the GPU budget and offloads the experts that do not fit (e.g.
 ``ft.moe.backends.host_reads:ENABLED``, the offload backend's decode path).
@@ -45,14 +45,19 @@ def switches_off() -> list[str]:
     ]
 
 
-def resolve(spec: str) -> tuple[object, str, bool]:
-    """``module:ATTR`` (turned on) or ``module:ATTR=0`` (turned off) -> (module, ATTR, value)."""
+def resolve(spec: str) -> tuple[object, str, bool | int]:
+    """``module:ATTR`` (turned on) or ``module:ATTR=0`` (turned off) -> (module, ATTR, value); an
+    integer switch takes ``=N`` (e.g. ``ft.moe.backends.host_prefetch:ROWS=2``, whose spare rows
+    are sized at start: run with FT_MOE_HOST_PREFETCH set to the largest N)."""
     target, _, value = spec.partition("=")
     module, name = target.split(":")
     mod = importlib.import_module(module)
-    if not isinstance(getattr(mod, name, None), bool):
-        raise SystemExit(f"{spec}: not a boolean switch of {module}")
-    return mod, name, value != "0"
+    current_value = getattr(mod, name, None)
+    if isinstance(current_value, bool):
+        return mod, name, value != "0"
+    if isinstance(current_value, int) and value:
+        return mod, name, int(value)
+    raise SystemExit(f"{spec}: not a boolean switch of {module}, nor an integer one given =N")
 
 
 def main() -> None:

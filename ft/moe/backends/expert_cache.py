@@ -283,10 +283,13 @@ class Upload:
 class ExpertCache:
     """One layer's slots on the device and the device-side expert -> slot table."""
 
-    def __init__(self, layout: ExpertLayout, slot_map: SlotMap, device: torch.device) -> None:
+    def __init__(self, layout: ExpertLayout, slot_map: SlotMap, device: torch.device, spare: int = 0) -> None:
+        """``spare``: rows past the null one that host reads' prefetch fills (``host_prefetch.py``)."""
         self.layout, self.map, self.device = layout, slot_map, device
-        self.block = layout.allocate(slot_map.num_slots + 1, device)  # [S + 1, bytes], row S null
-        self.tensors = layout.views(self.block)  # name -> [S + 1, *shape]
+        # [S + 1 + spare, bytes]: row S null, then the spare rows
+        self.block = layout.allocate(slot_map.num_slots + 1 + spare, device)
+        self.tensors = layout.views(self.block)  # name -> [S + 1 + spare, *shape]
+        self.spare = spare
         self.table = torch.tensor(slot_map.slot_of, device=device)  # [E] a copy; static ones mapped
         self._table_values = slot_map.slot_of.copy()  # what ``table`` was last written
         self._uploads = {"table": Upload(), "route": Upload()}

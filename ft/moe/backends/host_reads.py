@@ -39,6 +39,7 @@ import os
 import numpy as np
 import torch
 
+from ft.moe.backends import host_prefetch
 from ft.moe.backends.expert_cache import Tables
 from ft.quant.nvfp4 import NVFP4Tensor
 
@@ -62,10 +63,13 @@ class HostReads:
 
     def __init__(self, backends: list, top_k: int, device: torch.device) -> None:
         self.backends, self.top_k = backends, top_k
-        e = backends[0].store.num_experts
-        self.uses = torch.zeros(len(backends), e, dtype=torch.int32, device=device)  # [L, E]
+        e = self.num_experts = backends[0].store.num_experts
+        spare = backends[0].cache.spare  # rows a layer's prefetch fills (``host_prefetch.py``)
+        # [L, E + spare]: each layer's uses of its experts, then the experts its prefetch picked
+        self.uses = torch.zeros(len(backends), e + spare, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
-        self.host_uses = torch.zeros(len(backends), e, dtype=torch.int32, pin_memory=pin)  # DEFERRED
+        self.host_uses = torch.zeros(len(backends), e + spare, dtype=torch.int32, pin_memory=pin)  # DEFERRED
+        self.stream = torch.cuda.Stream(device) if spare and device.type == "cuda" else None  # its copies
         self.queued: tuple | None = None  # (event, tokens, the routes its step read): DEFERRED
         self.credit = np.zeros(len(backends))  # promotions owed to each layer, fractional
         self.bytes_read = 0  # expert bytes kernels read from the host store
@@ -74,6 +78,7 @@ class HostReads:
         self.payload = [b.store.layout.payload_bytes for b in backends]
         for i, b in enumerate(backends):
             b.reads, b.uses = self, self.uses[i]
+            b.spare = host_prefetch.Spare(b.cache, self.uses[i, e:]) if spare else None
 
     def takes(self, bank, x: torch.Tensor, decode: bool) -> bool:
         """Whether a batch reads its experts where they are: the switch on (read at each call, so
@@ -85,10 +90,21 @@ class HostReads:
         self.taken |= takes
         return takes
 
+    def prefetch_next(self, b, x: torch.Tensor, real: torch.Tensor) -> None:
+        """After layer ``b``'s kernel: the next layer's predicted host experts into its spare rows
+        (``host_prefetch.py``; the switch read at each call)."""
+        nxt = b.prefetch.backend if b.prefetch is not None else None
+        if host_prefetch.ROWS and nxt is not None and nxt.spare is not None:
+            host_prefetch.start(b.prefetch.predict(x), real, nxt, self.stream)
+
     def discard(self) -> None:
-        """Forget the uses counted so far (the warm-up and capture of the decode graphs)."""
+        """Forget the uses counted so far (the warm-up and capture of the decode graphs), and any
+        prefetch a forward started and did not read (its route would outlive the next publish)."""
         self.uses.zero_()
         self.queued = None
+        for b in self.backends:
+            if b.spare is not None:
+                b.spare.pending = False
 
     def after_step(self, tokens: int) -> None:
         """Between steps (``tokens``: the last step's): count what its host-read layers used and
@@ -138,16 +154,26 @@ class HostReads:
 
     def _count_and_promote(self, uses: np.ndarray, tokens: int, routes: list[np.ndarray]) -> None:
         """``uses`` [L, E] of a host-read step of ``tokens`` tokens, which read ``routes``."""
-        assert uses.any(1).all(), "a host-read step reads in every MoE layer (one batch, one path)"
+        e = self.num_experts
+        assert uses[:, :e].any(1).all(), "a host-read step reads in every MoE layer (one batch, one path)"
         sh = self.backends[0].shared
         sh.begin_step(tokens)
         jobs, filled = [], []
         for i, b in enumerate(self.backends):
-            m = b.map
-            used = np.flatnonzero(uses[i])
+            m, row = b.map, uses[i, :e]
+            used = np.flatnonzero(row)
             hit = m.classify(used, routes[i][used])  # as the step read them, whatever moved since
             missed = used[~hit]
-            self.bytes_read += int(uses[i][missed].sum()) * self.payload[i]
+            read = missed
+            picked = uses[i, e:]
+            if picked.any():  # prefetched: copied once (used or not), then read on the device
+                picked = picked[picked > 0] - 1
+                spared = np.isin(missed, picked)
+                m.counts.prefetched += len(picked)
+                m.counts.prefetch_hits += int(spared.sum())
+                self.bytes_read += len(picked) * self.payload[i]
+                read = missed[~spared]
+            self.bytes_read += int(row[read].sum()) * self.payload[i]
             self.credit[i] += PROMOTE_SHARE * len(missed)
             n = int(self.credit[i])
             self.credit[i] -= n

@@ -55,6 +55,7 @@ import torch
 from ft.forward_context import get_forward_context
 from ft.moe.backends.expert_cache import ExpertCache, unique
 from ft.moe.backends.graph_split import capturing, split_point
+from ft.moe.backends.host_prefetch import Spare, route_of
 from ft.moe.backends.host_reads import HostReads
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout
@@ -179,7 +180,8 @@ class OffloadBackend:
         self.prefetch: Prefetch | None = None  # the next MoE layer's, when prefetching
         self.next: OffloadBackend | None = None  # the next MoE layer's backend (streaming ahead)
         self.reads: HostReads | None = None  # set with host reads on (``host_reads.py``)
-        self.uses: torch.Tensor | None = None  # [E] this layer's row of ``reads.uses``
+        self.uses: torch.Tensor | None = None  # [E + spare] this layer's row of ``reads.uses``
+        self.spare: Spare | None = None  # host reads' prefetch into spare rows (``host_prefetch.py``)
 
     # ---- entry
     def __call__(
@@ -275,8 +277,10 @@ class OffloadBackend:
         real = real_rows(len(x), x.device)  # [T] bool
         count = real.to(torch.int32)[:, None].expand(ids.shape).reshape(-1)  # a use per real pair
         self.uses.index_add_(0, ids.reshape(-1), count)
-        rows = torch.where(real[:, None], self.cache.route[ids], self.map.null)  # [T, k]
-        return bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors)
+        rows = torch.where(real[:, None], route_of(self)[ids], self.map.null)  # [T, k]
+        out = bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors)
+        self.reads.prefetch_next(self, x, real)
+        return out
 
     def _cached(
         self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared=None

@@ -32,7 +32,7 @@ import torch
 from ft.config import EngineConfig
 from ft.distributed import TPInfo
 from ft.models.config import ModelConfig
-from ft.moe.backends import OFFLOADING, host_reads, sizing
+from ft.moe.backends import OFFLOADING, host_prefetch, host_reads, sizing
 from ft.moe.backends.cpu import CpuBackend
 from ft.moe.backends.expert_cache import ExpertCache, SlotMap
 from ft.moe.backends.host_store import (
@@ -132,7 +132,7 @@ class MoeRuntime:
             cache = None
             if self.static:
                 slot_map = SlotMap(e, slots, self.cfg.expert_cache_policy, self.static)
-                cache = ExpertCache(lay, slot_map, self.device)
+                cache = ExpertCache(lay, slot_map, self.device, self._spare_rows())
                 self.caches.append(cache)
             place(b.experts, store, cache)
             self.stores.append(store)
@@ -154,7 +154,10 @@ class MoeRuntime:
             if not self.caches:  # a lean store's were allocated before loading
                 slots = self._slots(layout, len(blocks), e, staging.nbytes)
                 policy = cfg.expert_cache_policy
-                self.caches = [ExpertCache(layout, SlotMap(e, slots, policy), self.device) for _ in blocks]
+                spare = self._spare_rows()
+                self.caches = [
+                    ExpertCache(layout, SlotMap(e, slots, policy), self.device, spare) for _ in blocks
+                ]
         maps = [c.map for c in self.caches]
         self.shared = Shared(
             Transfer(self.device), staging, cfg.moe_prefill_hit_d2d, maps, cfg.moe_stream_ahead
@@ -196,8 +199,13 @@ class MoeRuntime:
         )
         return self.plan
 
+    def _spare_rows(self) -> int:
+        """Rows per layer past the null slot for host reads' prefetch (offload only)."""
+        return host_prefetch.ROWS if self.name == "offload" else 0
+
     def _slots(self, layout: ExpertLayout, layers: int, e: int, staging: int, pools: int = 0) -> int:
         k = self.mc.num_experts_per_tok
+        staging += layers * self._spare_rows() * layout.expert_bytes  # held beside the slots
         return sizing.cache_slots(self.cfg, self.device, layout, layers, e, k, staging, pools, self.static)
 
     # ---- CUDA graphs

@@ -1,0 +1,202 @@
+"""Host reads' prefetch: the next layer's predicted host experts copied into spare cache rows while
+this layer's successors (the next mixer) run, all on the device, inside the decode graph.
+
+With host reads (``host_reads.py``) a decode step's MoE kernels read their missed experts over
+PCIe themselves, so the link is busy only while a MoE kernel runs and idles through every
+attention or GDN mixer, norm and router between them (on an H200, 2026-12-01, the full
+Qwen3-Next-80B's bf16 step: 22 ms, of which the MoE kernels' host reads ~13). ``ROWS`` > 0 gives
+each offloading layer that many spare rows past its null slot (rows S + 1 ... S + ROWS) and, at
+every host-read MoE layer l (after its kernel is launched), on the main stream:
+
+1. ``Prefetch.predict``: layer l + 1's router on layer l's MoE input -> ``pred`` [T, k];
+2. ``select``: of the predicted experts that layer l + 1's route sends to the host (route < 0),
+   the first ``ROWS`` by rank (every token's first choice, then every token's second, ...),
+   distinct, padding rows ignored -> the host rows to copy (-1: none), layer l + 1's effective
+   route (the picks pointed at the spare rows, every other expert as published), and the picks
+   written into layer l + 1's use counts (``HostReads.uses[:, E:]``, as expert + 1) for the
+   statistics;
+
+then on a side stream, after that point of the main stream, ``copy_rows`` copies those host rows
+into the spare rows (a kernel of ``COPY_PROGRAMS`` programs reading the pinned host store through
+unified addressing, few enough to leave the SMs to the mixer); layer l + 1 waits for it (an
+event) before its MoE kernel, which reads its experts through the effective route. Nothing waits
+for the host, so the step stays one CUDA graph. The bytes read are the same whichever row holds
+them, so the result is bit for bit the same as without prefetch (or with a wrong prediction,
+which costs link time, never a result). The spare rows are rewritten only after the main stream
+passed the layer's last reader (the fork is ordered after it).
+
+Off (``ROWS`` = 0) until a GPU run measures it: FT_MOE_HOST_PREFETCH=N sets N rows per layer
+(read when the engine sizes its caches and at each call).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ROWS = int(os.environ.get("FT_MOE_HOST_PREFETCH", "0"))
+COPY_PROGRAMS = 16  # programs of the copy kernel (each streams its share of every row)
+COPY_BLOCK = 2048  # int64 words a program moves per iteration (16 KB)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only machine: the torch versions below
+    triton = None
+
+
+class Spare:
+    """One layer's prefetch state: its spare rows, the route through them, the copy's event."""
+
+    def __init__(self, cache, picks: torch.Tensor) -> None:
+        dev = cache.device
+        self.first_row = cache.map.num_slots + 1  # past the null row
+        self.eff = torch.empty_like(cache.route)  # [E] the route with this step's picks
+        self.src = torch.full((cache.spare,), -1, dtype=torch.int64, device=dev)  # host rows to copy
+        self.picks = picks  # [spare] int32 (a view of the layer's use counts): expert + 1, 0 none
+        self.scratch = torch.zeros(cache.map.num_experts, dtype=torch.int32, device=dev)
+        self.done = torch.cuda.Event() if dev.type == "cuda" else None
+        self.pending = False  # the previous layer started this step's copy; the next read joins it
+
+
+def start(pred: torch.Tensor, real: torch.Tensor, nxt, stream: torch.cuda.Stream | None) -> None:
+    """Pick and copy layer ``nxt``'s predicted host experts (``pred`` [T, k]) into its spare rows:
+    the choice on the current stream, the copy on ``stream`` after it (at once on a CPU)."""
+    sp = nxt.spare
+    select_into(pred, real, nxt.cache.route, sp.eff, sp.src, sp.picks, sp.scratch, sp.first_row)
+    if stream is None:
+        copy_rows(nxt.store.block, nxt.cache.block, sp.first_row, sp.src)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            copy_rows(nxt.store.block, nxt.cache.block, sp.first_row, sp.src)
+            sp.done.record(stream)
+    sp.pending = True
+
+
+def route_of(backend) -> torch.Tensor:
+    """The route a host-read layer's kernel takes: through its spare rows when the previous layer
+    started their copy this step (the current stream then waits for it), else the published one."""
+    sp = backend.spare
+    if sp is None or not sp.pending:
+        return backend.cache.route
+    sp.pending = False
+    if sp.done is not None:
+        torch.cuda.current_stream(backend.cache.device).wait_event(sp.done)
+    return sp.eff
+
+
+def select(
+    pred: torch.Tensor, real: torch.Tensor, route: torch.Tensor, rows: int, first_row: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pred`` [T, k] predicted experts, ``real`` [T] bool, ``route`` [E] (slot, or -(host row +
+    1)) -> (host rows to copy [rows] int64, -1 for none; the effective route [E]; the picks
+    [rows] int32, expert + 1, 0 for none). The torch version (CPU, and the GPU kernel's oracle)."""
+    t, k = pred.shape
+    e = route.shape[0]
+    host = (route[pred] < 0) & real[:, None]  # [T, k]
+    rank = torch.arange(k, device=pred.device)
+    tok = torch.arange(t, device=pred.device)
+    prio = (k - rank)[None, :] * (t + 1) + (t - tok)[:, None]  # distinct, > 0: rank major
+    prio = torch.where(host, prio, torch.zeros_like(prio))
+    best = torch.zeros(e, dtype=prio.dtype, device=pred.device)
+    best.scatter_reduce_(0, pred.reshape(-1), prio.reshape(-1), "amax")
+    val, experts = best.topk(rows)
+    valid = val > 0
+    src = torch.where(valid, -route[experts] - 1, torch.full_like(experts, -1))
+    spare = first_row + torch.arange(rows, device=pred.device)
+    eff = route.clone()
+    eff.scatter_(0, experts, torch.where(valid, spare, route[experts]))
+    picks = torch.where(valid, experts + 1, torch.zeros_like(experts)).to(torch.int32)
+    return src, eff, picks
+
+
+def copy_rows(
+    src_block: torch.Tensor, dst_block: torch.Tensor, first_row: int, src_rows: torch.Tensor
+) -> None:
+    """``dst_block[first_row + i] = src_block[src_rows[i]]`` where ``src_rows[i]`` >= 0 (uint8
+    blocks of equal row size; on CUDA the source is the pinned host store, read in place)."""
+    if dst_block.is_cuda:
+        words = dst_block.shape[1] // 8
+        _copy_rows_kernel[(COPY_PROGRAMS,)](
+            src_block.view(torch.int64), dst_block.view(torch.int64), src_rows, first_row, words,
+            ROWS=len(src_rows), BLOCK=COPY_BLOCK, PROGRAMS=COPY_PROGRAMS,
+        )  # fmt: skip
+        return
+    valid = src_rows >= 0
+    picked = src_block[src_rows.clamp(min=0).to(src_block.device)].to(dst_block.device)
+    spare = dst_block[first_row : first_row + len(src_rows)]
+    spare.copy_(torch.where(valid[:, None], picked, spare))
+
+
+def select_into(
+    pred: torch.Tensor, real: torch.Tensor, route: torch.Tensor, eff: torch.Tensor, src: torch.Tensor,
+    picks: torch.Tensor, scratch: torch.Tensor, first_row: int,
+) -> None:  # fmt: skip
+    """``select`` written into persistent buffers (``eff`` [E], ``src`` [rows] int64, ``picks``
+    [rows] int32; ``scratch`` [E] int32 zeros, left zeroed): one kernel on a GPU."""
+    if pred.is_cuda:
+        t, k = pred.shape
+        e = route.shape[0]
+        block_tk, block_e = max(16, triton.next_power_of_2(t * k)), max(16, triton.next_power_of_2(e))
+        _select_kernel[(1,)](
+            pred.contiguous(), real.contiguous(), route, eff, src, picks, scratch, t, e, first_row,
+            K=k, ROWS=len(src), BLOCK_TK=block_tk, BLOCK_E=block_e,
+        )  # fmt: skip
+        return
+    s, r, p = select(pred, real, route, len(src), first_row)
+    src.copy_(s)
+    eff.copy_(r)
+    picks.copy_(p)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _select_kernel(
+        pred, real, route, eff, src, picks, scratch, T, E, first_row,
+        K: tl.constexpr, ROWS: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):  # fmt: skip
+        offs_e = tl.arange(0, BLOCK_E)
+        in_e = offs_e < E
+        tl.store(eff + offs_e, tl.load(route + offs_e, mask=in_e), mask=in_e)
+        p = tl.arange(0, BLOCK_TK)
+        in_p = p < T * K
+        ids = tl.load(pred + p, mask=in_p, other=0)
+        tok = p // K
+        rank = p % K
+        is_real = tl.load(real + tok, mask=in_p, other=0) != 0
+        on_host = tl.load(route + ids, mask=in_p, other=0) < 0
+        prio = (K - rank) * (T + 1) + (T - tok)
+        prio = tl.where(in_p & is_real & on_host, prio, 0).to(tl.int32)
+        tl.atomic_max(scratch + ids, prio, mask=in_p)
+        tl.debug_barrier()
+        best = tl.load(scratch + offs_e, mask=in_e, other=0, cache_modifier=".cg")
+        tl.store(scratch + offs_e, tl.zeros_like(best), mask=in_e)  # zeros for the next call
+        for i in tl.static_range(ROWS):
+            top = tl.max(best, 0)
+            expert = tl.argmax(best, 0)
+            valid = top > 0
+            row = -tl.load(route + expert) - 1
+            tl.store(src + i, tl.where(valid, row, -1).to(tl.int64))
+            tl.store(picks + i, tl.where(valid, expert + 1, 0).to(tl.int32))
+            tl.store(eff + expert, (first_row + i).to(tl.int64), mask=valid)
+            best = tl.where(offs_e == expert, 0, best)
+
+    @triton.jit
+    def _copy_rows_kernel(
+        src_block, dst_block, src_rows, first_row, WORDS,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        chunks = tl.cdiv(WORDS, BLOCK)
+        for i in tl.static_range(ROWS):
+            row = tl.load(src_rows + i)
+            if row >= 0:
+                src = src_block + row.to(tl.int64) * WORDS
+                dst = dst_block + (first_row + i).to(tl.int64) * WORDS
+                for c in range(pid, chunks, PROGRAMS):
+                    offs = c * BLOCK + tl.arange(0, BLOCK)
+                    m = offs < WORDS
+                    tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)

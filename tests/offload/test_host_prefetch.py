@@ -1,0 +1,116 @@
+"""Host reads' prefetch (``ft.moe.backends.host_prefetch``): the next layer's predicted host experts
+copied into spare cache rows on the device. The choice and the copy against hand-worked cases,
+an engine with it on against the resident backend (exact, fp32), and its statistics; the GPU
+kernels against the torch versions under Triton's interpreter (``check_kernels``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.moe.backends import host_prefetch, host_reads
+from ft.moe.backends.host_prefetch import copy_rows, select
+from tests.interpreter import INTERPRETER, run_check
+from tests.offload.equality import assert_same, generate
+
+ROUTE = torch.tensor([0, -1, 1, -2, -3, 2, -4, -5])  # experts 1, 3, 4, 6, 7 on the host (rows 0..4)
+
+
+def test_select_takes_host_experts_by_rank_distinct_and_skips_padding():
+    pred = torch.tensor([[3, 0, 7], [4, 3, 1], [6, 6, 6]])  # token 2 pads the batch
+    real = torch.tensor([True, True, False])
+    src, eff, picks = select(pred, real, ROUTE, rows=3, first_row=4)
+    # first choices 3 (token 0) and 4 (token 1), then the second choices: 0 resident, 3 taken
+    assert picks.tolist() == [4, 5, 8]  # experts 3, 4, 7 (+ 1): 7 is token 0's third choice
+    assert src.tolist() == [1, 2, 4]  # their host rows
+    assert eff.tolist() == [0, -1, 1, 4, 5, 2, -4, 6]  # the picks through rows 4, 5, 6; 1 not picked
+    src, eff, picks = select(pred[:1], real[:1], ROUTE, rows=3, first_row=4)
+    assert picks.tolist() == [4, 8, 0] and src.tolist() == [1, 4, -1]  # two host experts for three rows
+    assert eff.tolist() == [0, -1, 1, 4, -3, 2, -4, 5]
+
+
+def test_copy_rows_fills_only_the_picked_rows():
+    src_block = torch.arange(5 * 8, dtype=torch.uint8).view(5, 8)
+    dst = torch.zeros(7, 8, dtype=torch.uint8)
+    copy_rows(src_block, dst, 4, torch.tensor([3, -1, 0]))
+    assert torch.equal(dst[4], src_block[3]) and torch.equal(dst[6], src_block[0])
+    assert not dst[:4].any() and not dst[5].any()
+
+
+@pytest.fixture
+def prefetching(monkeypatch):
+    monkeypatch.setattr(host_reads, "ENABLED", True)
+    monkeypatch.setattr(host_prefetch, "ROWS", 2)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_host_reads_with_prefetch_equal_resident(ckpt, refs, prefetching, monkeypatch, deferred):
+    """Exactly the resident backend's outputs; the picks are counted (some of them used) and the
+    bytes over PCIe are the copies plus what the kernel still read from the host."""
+    monkeypatch.setattr(host_reads, "DEFERRED", deferred)
+    outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
+    assert_same(outs, refs[8192])
+    assert s.moe_prefetched > 0 and 0 < s.moe_prefetch_hits <= s.moe_prefetched
+    assert s.moe_bytes_host_read > 0
+
+
+def test_prefetch_off_at_the_call_leaves_the_published_route(ckpt, refs, prefetching, monkeypatch):
+    """Spare rows sized, the switch off when decoding: no picks, the same outputs."""
+    from ft import LLM
+    from tests.offload.equality import PARAMS, PROMPTS
+
+    with LLM(model=str(ckpt), moe_backend="offload", expert_cache_fraction=0.25, progress=False) as llm:
+        monkeypatch.setattr(host_prefetch, "ROWS", 0)
+        outs = llm.generate(PROMPTS, PARAMS)
+        s = llm.engine.stats()
+        caches = llm.engine.executor.runner.moe.caches
+    assert_same(outs, refs[8192])
+    assert s.moe_prefetched == 0 and all(c.spare == 2 for c in caches)
+
+
+def check_kernels() -> None:
+    """The select and copy kernels (interpreted) against the torch versions, random cases."""
+    from ft.moe.backends.host_prefetch import _copy_rows_kernel, _select_kernel
+
+    g = torch.Generator().manual_seed(0)
+    for t, k, e, rows in ((1, 10, 512, 4), (5, 10, 512, 8), (3, 4, 60, 2), (8, 2, 16, 16)):
+        route = torch.randperm(e, generator=g)
+        route = torch.where(torch.rand(e, generator=g) < 0.4, -(torch.arange(e) + 1), route % (e // 2))
+        pred = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        real = torch.rand(t, generator=g) < 0.8
+        want = select(pred, real, route, rows, first_row=e // 2 + 1)
+        eff, src = torch.empty_like(route), torch.empty(rows, dtype=torch.int64)
+        picks, scratch = torch.empty(rows, dtype=torch.int32), torch.zeros(e, dtype=torch.int32)
+        _select_kernel[(1,)](
+            pred, real, route, eff, src, picks, scratch, t, e, e // 2 + 1,
+            K=k, ROWS=rows, BLOCK_TK=1 << (t * k - 1).bit_length(), BLOCK_E=1 << (e - 1).bit_length(),
+        )  # fmt: skip
+        assert torch.equal(src, want[0]) and torch.equal(eff, want[1]) and torch.equal(picks, want[2]), (
+            t,
+            k,
+            e,
+        )
+        assert not scratch.any()
+    src_block = torch.randint(-(2**62), 2**62, (6, 40), generator=g)
+    dst, want_dst = torch.zeros(9, 40, dtype=torch.int64), torch.zeros(9, 40, dtype=torch.int64)
+    rows = torch.tensor([5, -1, 2])
+    _copy_rows_kernel[(3,)](src_block, dst, rows, 6, 40, ROWS=3, BLOCK=16, PROGRAMS=3)
+    copy_rows(src_block.view(torch.uint8), want_dst.view(torch.uint8), 6, rows)
+    assert torch.equal(dst, want_dst)
+
+
+@INTERPRETER[0]
+@INTERPRETER[1]
+def test_kernels_under_the_interpreter():
+    run_check("tests.offload.test_host_prefetch", "check_kernels")
+
+
+def test_the_kernel_reads_the_picked_experts_from_the_spare_rows(ckpt, refs, prefetching, monkeypatch):
+    """With a copy that moves nothing (the spare rows stay zeros) the outputs change: the picks
+    are read from the spare rows, not from the host store (the equality above then shows the
+    copies land)."""
+    monkeypatch.setattr(host_prefetch, "copy_rows", lambda *args: None)
+    outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
+    assert s.moe_prefetch_hits > 0
+    with pytest.raises(AssertionError):
+        assert_same(outs, refs[8192])
