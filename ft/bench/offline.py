@@ -44,6 +44,8 @@ class Row:
     moe_hit_rate: float | None = None  # decode steps only
     moe_mb_per_token: float | None = None  # expert MB copied host -> device per generated token
     pcie_floor_tok_s: float | None = None
+    moe_prefetched_per_token: float | None = None  # experts prefetched (all layers) per token
+    moe_prefetch_used: float | None = None  # of those, the share its layer then read
 
     @property
     def ratio(self) -> float:
@@ -109,9 +111,12 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
     if before is not None and clean and tokens:
         after = engine.stats()
         hits, misses = after.moe_hits - before.moe_hits, after.moe_misses - before.moe_misses
+        prefetched = after.moe_prefetched - before.moe_prefetched
         out |= {
             "hit_rate": hits / max(1, hits + misses),
             "h2d_per_token": (after.moe_bytes_pcie - before.moe_bytes_pcie) / tokens,
+            "prefetched_per_token": prefetched / tokens,
+            "prefetch_used": (after.moe_prefetch_hits - before.moe_prefetch_hits) / max(1, prefetched),
         }
     return out
 
@@ -214,6 +219,9 @@ def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, bat
         row = Row(n, n * output_len / res["wall"], n / step, roof_tok_s, step_gb, res["wall"])
         if "hit_rate" in res:
             row.moe_hit_rate, row.moe_mb_per_token = res["hit_rate"], res["h2d_per_token"] / 1e6
+            if res["prefetched_per_token"]:
+                row.moe_prefetched_per_token = res["prefetched_per_token"]
+                row.moe_prefetch_used = res["prefetch_used"]
             h2d = report.moe.get("h2d_gb_s")
             if h2d:  # copied bytes over PCIe plus the HBM floor of the rest of the step
                 step_floor = n * res["h2d_per_token"] / (h2d * 1e9) + sb.total / (report.hbm_gb_s * 1e9)
@@ -291,9 +299,15 @@ def format_report(r: Report) -> str:
                 if row.pcie_floor_tok_s
                 else ""
             )
+            prefetch = (
+                f", {row.moe_prefetched_per_token:,.1f} experts prefetched per token "
+                f"({row.moe_prefetch_used:.0%} used)"
+                if row.moe_prefetched_per_token
+                else ""
+            )
             lines.append(
                 f"{row.batch:>6}  decode hit rate {row.moe_hit_rate:.1%}, "
-                f"{row.moe_mb_per_token:,.2f} MB over PCIe per token{floor}"
+                f"{row.moe_mb_per_token:,.2f} MB over PCIe per token{floor}{prefetch}"
             )
     for k, v in r.hf.items():
         lines.append(f"transformers {k}: {v:,.1f}")

@@ -120,6 +120,22 @@ def test_plan_line_and_bench_offline_report_offload(tmp_path, capsys):
     assert "1  decode hit rate" in out and "MB over PCIe per token" in out
 
 
+def test_bench_offline_reports_the_host_reads_prefetch(tmp_path, capsys, monkeypatch):
+    """With host reads' prefetch on (spare rows), the decode rows say how many experts a token had
+    prefetched and what share of them its layer read."""
+    from ft.moe.backends import host_prefetch, host_reads
+
+    monkeypatch.setattr(host_reads, "ENABLED", True)
+    monkeypatch.setattr(host_prefetch, "ROWS", 2)
+    write_checkpoint(tmp_path, "qwen3_next", seed=4)
+    args = ["bench", "offline", "--model", str(tmp_path), "--device", "cpu", "--dtype", "float32"]
+    args += ["--batch-sizes", "1", "--input-len", "8", "--output-len", "6", "--prefill-lens", ""]
+    args += ["--moe-backend", "offload", "--expert-cache-fraction", "0.25", "--num-tokens", "256"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "experts prefetched per token (" in out and "% used)" in out
+
+
 def test_the_cache_starts_full_with_the_host_store_experts(tmp_path):
     """At start-up every slot is filled from the host store, so the residency the plan line
     reports holds from the first request on."""
