@@ -1,6 +1,6 @@
 """Batch-1 decode with kernel switches turned on one at a time, on one loaded model (not a test):
 
-    python tests/gpu/decode_variants.py CONFIG [OUT.log] [--nvfp4] [--max-gpu-memory=SIZE]
+    python tests/gpu/decode_variants.py CONFIG [OUT.log] [--nvfp4] [--max-gpu-memory=SIZE] [--layers=N]
                                         [module:SWITCH[=0] ...]
 
 A switch is a module-level boolean (or an integer, given ``=N``) read when a kernel is launched or
@@ -32,7 +32,7 @@ from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from ft.switches import current  # noqa: E402
-from tests.gpu.profiling import logger  # noqa: E402
+from tests.gpu.profiling import cut_config, logger  # noqa: E402
 
 
 def switches_off() -> list[str]:
@@ -67,6 +67,9 @@ def main() -> None:
     switches = [resolve(s) for s in specs]
     log = logger(out)
     cap = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--max-gpu-memory=")), None)
+    cut = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--layers=")), None)
+    if cut:  # the config's first LAYERS layers (e.g. a 16-layer Qwen3-Next whose experts offload)
+        config = cut_config(config, cut)[0]
     offload = dict(max_gpu_memory=cap, moe_backend="offload") if cap else {}
     engine = LLMEngine(EngineConfig(
         config_file=config, load_format="dummy", device="cuda", num_tokens=20000, max_model_len=2048,
