@@ -32,18 +32,25 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def current() -> dict[str, bool]:
-    """``module:attribute`` -> its value in this process, for the modules that import."""
+def current() -> dict[str, bool | int]:
+    """``module:attribute`` -> its value in this process (a boolean, or the integer of an integer
+    switch such as ``host_prefetch.ROWS``), for the modules that import."""
     values = {}
     for module, attr, _ in SWITCHES:
         try:
-            values[f"{module}:{attr}"] = bool(getattr(importlib.import_module(module), attr))
+            v = getattr(importlib.import_module(module), attr)
         except ImportError:  # no triton: the GPU kernels' modules do not import
             continue
+        values[f"{module}:{attr}"] = v if isinstance(v, int) and not isinstance(v, bool) else bool(v)
     return values
 
 
-def describe(values: dict[str, bool]) -> str:
-    """One line: the switches that are on, as ``module.ATTRIBUTE`` (the module's last name)."""
-    on = [key.split(":")[0].rsplit(".", 1)[-1] + "." + key.split(":")[1] for key, v in values.items() if v]
+def describe(values: dict[str, bool | int]) -> str:
+    """One line: the switches that are on, as ``module.ATTRIBUTE`` (the module's last name), an
+    integer one with its value."""
+    on = []
+    for key, v in values.items():
+        if v:
+            name = key.split(":")[0].rsplit(".", 1)[-1] + "." + key.split(":")[1]
+            on.append(name if isinstance(v, bool) else f"{name}={v}")
     return "kernel switches on: " + (", ".join(on) if on else "none")

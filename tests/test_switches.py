@@ -23,8 +23,15 @@ def test_every_switch_names_its_module_attribute_and_environment_variable():
 def test_current_values_and_their_line():
     values = switches.current()
     assert values["ft.distributed:SYMM_ALL_REDUCE"] is False  # importable everywhere, off by default
-    assert all(isinstance(v, bool) for v in values.values())
+    assert all(isinstance(v, int) for v in values.values())  # booleans, and integer switches
+    assert (
+        values["ft.moe.backends.host_prefetch:ROWS"] == 0
+        and type(values["ft.moe.backends.host_prefetch:ROWS"]) is int
+    )
     assert switches.describe({"ft.layers.pdl:EARLY": True, "ft.distributed:SYMM_ALL_REDUCE": False}) == (
         "kernel switches on: pdl.EARLY"
+    )
+    assert switches.describe({"ft.layers.pdl:EARLY": True, "ft.moe.backends.host_prefetch:ROWS": 3}) == (
+        "kernel switches on: pdl.EARLY, host_prefetch.ROWS=3"
     )
     assert switches.describe({}) == "kernel switches on: none"

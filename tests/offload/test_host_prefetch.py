@@ -114,3 +114,38 @@ def test_the_kernel_reads_the_picked_experts_from_the_spare_rows(ckpt, refs, pre
     assert s.moe_prefetch_hits > 0
     with pytest.raises(AssertionError):
         assert_same(outs, refs[8192])
+
+
+def test_picked_experts_count_their_copy_once_and_their_uses_not_as_host_reads():
+    """Between steps: a pick is copied once whether used or not; the uses of a picked miss are
+    not host reads; the other misses' uses are (``HostReads._count_and_promote``)."""
+    import numpy as np
+
+    from ft.moe.backends.expert_cache import ExpertCache, SlotMap
+    from ft.moe.backends.host_reads import HostReads
+    from ft.moe.backends.host_store import HostStore
+    from ft.moe.backends.layout import ExpertLayout, Part
+    from ft.moe.backends.offload import OffloadBackend, Shared
+    from ft.moe.backends.transfer import Transfer
+
+    cpu = torch.device("cpu")
+    layout = ExpertLayout((Part("w", (4,), torch.float32, 0),), 256)
+    maps = [SlotMap(8, 4) for _ in range(2)]
+    shared = Shared(Transfer(cpu), None, False, maps)
+    backends = []
+    for i, m in enumerate(maps):
+        m.begin_step(0)
+        m.warm()  # experts 0-3 resident, 4-7 on the host
+        backends.append(
+            OffloadBackend(HostStore(layout, 8, pin=False), ExpertCache(layout, m, cpu, 2), shared, i == 0)
+        )
+    reads = HostReads(backends, top_k=2, device=cpu)
+    uses = np.zeros((2, 8 + 2), dtype=np.int32)
+    uses[0, [0, 1]] = 1  # layer 0: two hits
+    uses[1, [0, 5, 6]] = [1, 3, 1]  # layer 1: a hit, miss 5 (three uses, picked), miss 6 (one use)
+    uses[1, 8:] = [5 + 1, 7 + 1]  # its picks: 5 (used) and 7 (not used)
+    reads._count_and_promote(uses, 2, [b.cache.published() for b in backends])
+    payload = layout.payload_bytes
+    assert reads.bytes_read == 2 * payload + 1 * payload  # two copies, one host read of 6 (not 3 + 1 reads)
+    assert (maps[1].counts.prefetched, maps[1].counts.prefetch_hits) == (2, 1)
+    assert maps[1].counts.misses == 2 and maps[0].counts.prefetched == 0

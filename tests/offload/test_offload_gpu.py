@@ -220,20 +220,27 @@ def test_tp2_offload_equals_tp1(tmp_path):
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monkeypatch, fmt):
     """``host_prefetch.ROWS``: each layer picks the next one's predicted host experts and copies
-    them into its spare rows on a side stream inside the decode graph (held back ~1 ms, so the
-    next layer's kernel must wait for it); graphed, eager and resident give the same tokens, and
-    some picks were used. Not yet run on a GPU when written (2026-12-01)."""
+    them into its spare rows on a side stream inside the decode graph; graphed, eager and resident
+    give the same tokens, and some picks were used. The choice is held back on the main stream
+    (a copy not ordered after it would read the last step's rows to copy) and the copy on the side
+    stream (a kernel not waiting for it would read the last step's spare rows), each ~0.5 ms.
+    Not yet run on a GPU when written (2026-12-01)."""
     from ft.moe.backends import host_prefetch, host_reads
 
     monkeypatch.setattr(host_reads, "ENABLED", True)
     monkeypatch.setattr(host_prefetch, "ROWS", 3)
-    copy = host_prefetch.copy_rows
+    select, copy = host_prefetch.select_into, host_prefetch.copy_rows
 
-    def late(*args):  # the copy kernel starts ~1 ms after its fork: an unjoined read would see zeros
+    def late_select(*args):
+        torch.cuda._sleep(1_000_000)  # clock cycles: ~0.5 ms on an H200
+        select(*args)
+
+    def late_copy(*args):
         torch.cuda._sleep(1_000_000)
         copy(*args)
 
-    monkeypatch.setattr(host_prefetch, "copy_rows", late)
+    monkeypatch.setattr(host_prefetch, "select_into", late_select)
+    monkeypatch.setattr(host_prefetch, "copy_rows", late_copy)
     path = ckpt
     if fmt == "nvfp4":
         write_nvfp4_checkpoint(tmp_path, "qwen3_next", seed=8, moe_intermediate_size=64)

@@ -25,8 +25,11 @@ them, so the result is bit for bit the same as without prefetch (or with a wrong
 which costs link time, never a result). The spare rows are rewritten only after the main stream
 passed the layer's last reader (the fork is ordered after it).
 
-Off (``ROWS`` = 0) until a GPU run measures it: FT_MOE_HOST_PREFETCH=N sets N rows per layer
-(read when the engine sizes its caches and at each call).
+Off (``ROWS`` = 0) until a GPU run measures it: FT_MOE_HOST_PREFETCH=N sets N rows per layer,
+read when the engine sizes its caches (the spare rows: offload backend with ``--moe-prefetch``)
+and at each call (at most the rows sized; 0 turns it off; a captured graph keeps the value it was
+captured with). A layer's uses of its picked experts count as misses (they are not cached); the
+statistics' prefetched / prefetch hits count the picks and the picks the layer then read.
 """
 
 from __future__ import annotations
@@ -64,13 +67,15 @@ def start(pred: torch.Tensor, real: torch.Tensor, nxt, stream: torch.cuda.Stream
     """Pick and copy layer ``nxt``'s predicted host experts (``pred`` [T, k]) into its spare rows:
     the choice on the current stream, the copy on ``stream`` after it (at once on a CPU)."""
     sp = nxt.spare
-    select_into(pred, real, nxt.cache.route, sp.eff, sp.src, sp.picks, sp.scratch, sp.first_row)
+    n = min(ROWS, len(sp.src))  # the switch's rows, at most the spare rows sized at start
+    src, picks = sp.src[:n], sp.picks[:n]  # picks past n stay 0 (the use counts zero every step)
+    select_into(pred, real, nxt.cache.route, sp.eff, src, picks, sp.scratch, sp.first_row)
     if stream is None:
-        copy_rows(nxt.store.block, nxt.cache.block, sp.first_row, sp.src)
+        copy_rows(nxt.store.block, nxt.cache.block, sp.first_row, src)
     else:
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # after the choice
         with torch.cuda.stream(stream):
-            copy_rows(nxt.store.block, nxt.cache.block, sp.first_row, sp.src)
+            copy_rows(nxt.store.block, nxt.cache.block, sp.first_row, src)
             sp.done.record(stream)
     sp.pending = True
 
@@ -173,6 +178,7 @@ if triton is not None:
         tl.atomic_max(scratch + ids, prio, mask=in_p)
         tl.debug_barrier()
         best = tl.load(scratch + offs_e, mask=in_e, other=0, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread has read (E < threads replicates the layout)
         tl.store(scratch + offs_e, tl.zeros_like(best), mask=in_e)  # zeros for the next call
         for i in tl.static_range(ROWS):
             top = tl.max(best, 0)

@@ -102,6 +102,12 @@ class HostReads:
         prefetch a forward started and did not read (its route would outlive the next publish)."""
         self.uses.zero_()
         self.queued = None
+        self.begin_forward()
+
+    def begin_forward(self) -> None:
+        """A forward's first host-read layer: no prefetch of an earlier forward is still to be
+        read (one that stopped between two layers would route through spare rows a publish has
+        since made stale)."""
         for b in self.backends:
             if b.spare is not None:
                 b.spare.pending = False

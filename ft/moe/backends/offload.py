@@ -274,6 +274,8 @@ class OffloadBackend:
         """Every expert read where it is, a slot or the host store, in one kernel call: nothing
         waits for the host (``host_reads.py``). Rows that only pad a graphed batch (KV slot -1)
         read the null slot (zeros, on the device) and count no use: their output is dropped."""
+        if self.first:
+            self.reads.begin_forward()
         real = real_rows(len(x), x.device)  # [T] bool
         count = real.to(torch.int32)[:, None].expand(ids.shape).reshape(-1)  # a use per real pair
         self.uses.index_add_(0, ids.reshape(-1), count)

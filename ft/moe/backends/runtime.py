@@ -200,8 +200,10 @@ class MoeRuntime:
         return self.plan
 
     def _spare_rows(self) -> int:
-        """Rows per layer past the null slot for host reads' prefetch (offload only)."""
-        return host_prefetch.ROWS if self.name == "offload" else 0
+        """Rows per layer past the null slot for host reads' prefetch: the offload backend, with
+        prefetch, where kernels can read the host store (pinned memory, or a CPU)."""
+        reads = self.device.type == "cpu" or pin_available(self.device)
+        return host_prefetch.ROWS if self.name == "offload" and self.cfg.moe_prefetch and reads else 0
 
     def _slots(self, layout: ExpertLayout, layers: int, e: int, staging: int, pools: int = 0) -> int:
         k = self.mc.num_experts_per_tok
