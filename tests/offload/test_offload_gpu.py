@@ -191,18 +191,8 @@ def test_host_reads_with_graphed_decode_equal_resident(ckpt, tmp_path, monkeypat
         return issue_many(transfer, *args, **kwargs)
 
     monkeypatch.setattr(Transfer, "issue_many", late)
-    path = ckpt
-    if fmt == "nvfp4":
-        write_nvfp4_checkpoint(tmp_path, "qwen3_next", seed=8, moe_intermediate_size=64)
-        path = tmp_path / "nvfp4"
-    want, _ = generate(path, dtype="bfloat16", moe_backend="gpu")
-    got, info = generate(path, dtype="bfloat16", **OFFLOAD)
-    eager, _ = generate(path, dtype="bfloat16", disable_cuda_graph=True, **OFFLOAD)
-    s = info["stats"]
-    assert info["graphed"] and info["breaks"][1] == 0, info["breaks"]  # batch 1: one whole graph
+    s, info = host_reads_equal_resident(ckpt, tmp_path, fmt)
     assert s.moe_bytes_host_read > 0 and s.moe_evictions > 0 and all(info["pinned"])
-    assert [o.token_ids for o in got] == [o.token_ids for o in want] == [o.token_ids for o in eager]
-    assert max_logprob_diff(got, want) < 2e-2 and max_logprob_diff(got, eager) < 1e-5
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -241,6 +231,14 @@ def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monke
 
     monkeypatch.setattr(host_prefetch, "select_into", late_select)
     monkeypatch.setattr(host_prefetch, "copy_rows", late_copy)
+    s, _ = host_reads_equal_resident(ckpt, tmp_path, fmt)
+    assert s.moe_prefetch_hits > 0 and s.moe_bytes_host_read > 0
+
+
+def host_reads_equal_resident(ckpt, tmp_path, fmt: str) -> tuple:
+    """Offloaded decode (host reads on) graphed and eager against the resident backend, bf16 (or
+    NVFP4 experts): batch 1 in one whole graph, the same greedy tokens, log-probs within bf16
+    tolerance of the resident run and equal to the eager one's -> (its stats, its info)."""
     path = ckpt
     if fmt == "nvfp4":
         write_nvfp4_checkpoint(tmp_path, "qwen3_next", seed=8, moe_intermediate_size=64)
@@ -248,8 +246,7 @@ def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monke
     want, _ = generate(path, dtype="bfloat16", moe_backend="gpu")
     got, info = generate(path, dtype="bfloat16", **OFFLOAD)
     eager, _ = generate(path, dtype="bfloat16", disable_cuda_graph=True, **OFFLOAD)
-    s = info["stats"]
     assert info["graphed"] and info["breaks"][1] == 0, info["breaks"]  # batch 1: one whole graph
-    assert s.moe_prefetch_hits > 0 and s.moe_bytes_host_read > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want] == [o.token_ids for o in eager]
     assert max_logprob_diff(got, want) < 2e-2 and max_logprob_diff(got, eager) < 1e-5
+    return info["stats"], info
