@@ -313,3 +313,47 @@ def test_deferred_counting_counts_every_step_once_the_engine_is_idle(ckpt, monke
         second = llm.engine.stats()
     assert first.moe_hits + first.moe_misses == again.moe_hits + again.moe_misses == uses[False]
     assert second.moe_hits + second.moe_misses == 2 * uses[False]
+
+
+def test_stacked_maps_classify_a_step_as_each_layers_own_call():
+    """``StackedMaps.classify_step`` leaves every map exactly as ``SlotMap.classify(used,
+    routes[used])`` layer by layer would (pins, recency, decayed counts, prefetch marks, counts),
+    over steps with promotions and prefetches between them."""
+    from ft.moe.backends.expert_cache import StackedMaps
+
+    rng = np.random.default_rng(3)
+    e, s, layers = 16, 6, 3
+
+    def build():
+        maps = [SlotMap(e, s, policy="lfu", static=1) for _ in range(layers)]
+        for m in maps:
+            m.begin_step(1)
+            m.warm()
+        return maps
+
+    mine, ref = build(), build()
+    stacked = StackedMaps(mine)
+    for step in range(2, 30):
+        uses = np.zeros((layers, e), dtype=np.int32)
+        for i in range(layers):
+            uses[i, rng.choice(e, 4, replace=False)] = rng.integers(1, 3, 4)
+        # the routes the step read: a slot, or the host; some stale (evicted since)
+        routes = np.stack([np.where(m.slot_of != m.null, m.slot_of, -1) for m in ref])
+        routes[rng.random(routes.shape) < 0.1] = -1
+        for maps in (mine, ref):
+            for m in maps:
+                m.begin_step(step)
+        used, hit = stacked.classify_step(uses, routes)
+        for i, m in enumerate(ref):
+            experts = np.flatnonzero(uses[i])
+            assert hit[i, experts].tolist() == m.classify(experts, routes[i][experts]).tolist()
+        assert used.tolist() == (uses > 0).tolist()
+        for a, b in zip(mine, ref):  # the same promotions and prefetches on both, then compare
+            missed = np.flatnonzero((uses[mine.index(a)] > 0) & ~hit[mine.index(a)])
+            assert a.promote(missed, 1) == b.promote(missed, 1)
+            predicted = rng.choice(e, 2, replace=False)
+            assert a.prefetch(predicted) == b.prefetch(predicted)
+            for name in StackedMaps.ARRAYS:
+                assert np.array_equal(getattr(a, name), getattr(b, name)), (step, name)
+            assert (a.tick, a.counts) == (b.tick, b.counts)
+    assert mine[0].slot_of.base is stacked.slot_of  # the maps still view the stacked rows

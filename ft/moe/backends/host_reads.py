@@ -75,7 +75,7 @@ class HostReads:
         self.bytes_read = 0  # expert bytes kernels read from the host store
         self.taken = False  # a batch took host reads (eagerly or while a graph was captured)
         self.tables = Tables([b.cache for b in backends], device)  # every layer's, one copy to publish
-        self.payload = [b.store.layout.payload_bytes for b in backends]
+        self.payload = np.array([b.store.layout.payload_bytes for b in backends], dtype=np.int64)
         for i, b in enumerate(backends):
             b.reads, b.uses = self, self.uses[i]
             b.spare = host_prefetch.Spare(b.cache, self.uses[i, e:]) if spare else None
@@ -161,29 +161,33 @@ class HostReads:
     def _count_and_promote(self, uses: np.ndarray, tokens: int, routes: list[np.ndarray]) -> None:
         """``uses`` [L, E] of a host-read step of ``tokens`` tokens, which read ``routes``."""
         e = self.num_experts
-        assert uses[:, :e].any(1).all(), "a host-read step reads in every MoE layer (one batch, one path)"
+        counts = uses[:, :e]
+        assert counts.any(1).all(), "a host-read step reads in every MoE layer (one batch, one path)"
         sh = self.backends[0].shared
         sh.begin_step(tokens)
+        # every layer's hits and misses as the step read them, whatever moved since
+        used, hit = self.tables.maps.classify_step(counts, np.stack(routes))
+        missed = used & ~hit
+        read = missed  # misses the kernels read from the host store
+        picks = uses[:, e:]  # [L, spare] expert + 1: prefetched, copied once, read on the device
+        if picks.any():
+            picked = np.zeros((len(uses), e + 1), dtype=bool)
+            picked[np.arange(len(uses))[:, None], picks] = True
+            picked = picked[:, 1:]
+            copies = picked.sum(1)
+            self.bytes_read += int(copies @ self.payload)
+            for b, n, h in zip(self.backends, copies.tolist(), (missed & picked).sum(1).tolist()):
+                b.map.counts.prefetched += n
+                b.map.counts.prefetch_hits += h
+            read = missed & ~picked
+        self.bytes_read += int(np.where(read, counts, 0).sum(1) @ self.payload)
+        self.credit += PROMOTE_SHARE * missed.sum(1)
+        owed = self.credit.astype(np.int64)  # whole promotions (credit >= 0: a floor)
+        self.credit -= owed
         jobs, filled = [], []
-        for i, b in enumerate(self.backends):
-            m, row = b.map, uses[i, :e]
-            used = np.flatnonzero(row)
-            hit = m.classify(used, routes[i][used])  # as the step read them, whatever moved since
-            missed = used[~hit]
-            read = missed
-            picked = uses[i, e:]
-            if picked.any():  # prefetched: copied once (used or not), then read on the device
-                picked = picked[picked > 0] - 1
-                spared = np.isin(missed, picked)
-                m.counts.prefetched += len(picked)
-                m.counts.prefetch_hits += int(spared.sum())
-                self.bytes_read += len(picked) * self.payload[i]
-                read = missed[~spared]
-            self.bytes_read += int(row[read].sum()) * self.payload[i]
-            self.credit[i] += PROMOTE_SHARE * len(missed)
-            n = int(self.credit[i])
-            self.credit[i] -= n
-            copies = m.promote(missed, n) if n else []
+        for i in np.flatnonzero(owed).tolist():
+            b = self.backends[i]
+            copies = b.map.promote(np.flatnonzero(missed[i]), int(owed[i]))
             if copies:
                 jobs.append(b.copy_job(copies))
                 filled.append((b.cache, jobs[-1][1]))
