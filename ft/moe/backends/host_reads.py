@@ -159,7 +159,8 @@ class HostReads:
         self.queued = (event, tokens, routes)
 
     def _count_and_promote(self, uses: np.ndarray, tokens: int, routes: list[np.ndarray]) -> None:
-        """``uses`` [L, E] of a host-read step of ``tokens`` tokens, which read ``routes``."""
+        """``uses`` [L, E + spare] of a host-read step of ``tokens`` tokens (each layer's uses of
+        its experts, then its prefetch's picks), which read ``routes`` (each layer's [E])."""
         e = self.num_experts
         counts = uses[:, :e]
         assert counts.any(1).all(), "a host-read step reads in every MoE layer (one batch, one path)"
