@@ -47,6 +47,9 @@ class DecoderLayer(nn.Module):
             a, residual = self.input_layernorm(x), x
         else:
             a, residual = self.input_layernorm(x, residual)
+        lookahead = getattr(self.mlp, "lookahead", None)
+        if lookahead is not None:  # an MLP that can use its input's guess before the mixer runs
+            lookahead(residual, self.post_attention_layernorm)
         a, residual = self.post_attention_layernorm(getattr(self, self.mixer_name)(positions, a), residual)
         return self.mlp(a), residual
 

@@ -90,6 +90,14 @@ class SparseMoeBlock(nn.Module):
             GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         )
 
+    def lookahead(self, residual: torch.Tensor, norm: nn.Module) -> None:
+        """Before the layer's mixer: ``norm(residual)`` (the residual stream without the mixer's
+        term) is a guess at this block's input, which a backend may route ahead of time
+        (``host_prefetch.py``)."""
+        ahead = getattr(self.backend, "lookahead", None)
+        if ahead is not None:
+            ahead(self, residual, norm)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids, shared_logit = self.gate(x)  # shared_logit [T, 1] when there is a shared expert
         if self._shared_as_pair(x):  # one pair more per token in the routed GEMV's two launches

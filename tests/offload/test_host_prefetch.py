@@ -1,7 +1,8 @@
-"""Host reads' prefetch (``ft.moe.backends.host_prefetch``): the next layer's predicted host experts
-copied into spare cache rows on the device. The choice and the copy against hand-worked cases,
-an engine with it on against the resident backend (exact, fp32), and its statistics; the GPU
-kernels against the torch versions under Triton's interpreter (``check_kernels``)."""
+"""Host reads' prefetch (``ft.moe.backends.host_prefetch``): a layer's predicted host experts (its
+router on the residual stream before its mixer) copied into spare cache rows on the device. The
+choice and the copy against hand-worked cases, an engine with it on against the resident backend
+(exact, fp32), and its statistics; the GPU kernels against the torch versions under Triton's
+interpreter (``check_kernels``)."""
 
 from __future__ import annotations
 

@@ -209,8 +209,8 @@ def test_tp2_offload_equals_tp1(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monkeypatch, fmt):
-    """``host_prefetch.ROWS``: each layer picks the next one's predicted host experts and copies
-    them into its spare rows on a side stream inside the decode graph; graphed, eager and resident
+    """``host_prefetch.ROWS``: before its mixer each layer picks its predicted host experts and
+    copies them into its spare rows on a side stream inside the decode graph; graphed, eager and resident
     give the same tokens, and some picks were used. The choice is held back on the main stream
     (a copy not ordered after it would read the last step's rows to copy) and the copy on the side
     stream (a kernel not waiting for it would read the last step's spare rows), each ~0.5 ms.

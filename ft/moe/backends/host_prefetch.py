@@ -1,29 +1,34 @@
-"""Host reads' prefetch: the next layer's predicted host experts copied into spare cache rows while
-this layer's successors (the next mixer) run, all on the device, inside the decode graph.
+"""Host reads' prefetch: a layer's likely host experts copied into spare cache rows while its
+mixer runs, all on the device, inside the decode graph.
 
 With host reads (``host_reads.py``) a decode step's MoE kernels read their missed experts over
 PCIe themselves, so the link is busy only while a MoE kernel runs and idles through every
 attention or GDN mixer, norm and router between them (on an H200, 2026-12-01, the full
-Qwen3-Next-80B's bf16 step: 22 ms, of which the MoE kernels' host reads ~13). ``ROWS`` > 0 gives
-each offloading layer that many spare rows past its null slot (rows S + 1 ... S + ROWS) and, at
-every host-read MoE layer l (after its kernel is launched), on the main stream:
+Qwen3-Next-80B's bf16 step: 22 ms, of which ~13 ms of link time for its 711 MB a token).
+``ROWS`` > 0 gives each offloading layer that many spare rows past its null slot (rows S + 1 ...
+S + ROWS) and, at the start of every host-read layer (``SparseMoeBlock.lookahead``, before the
+mixer), on the main stream:
 
-1. ``Prefetch.predict``: layer l + 1's router on layer l's MoE input -> ``pred`` [T, k];
-2. ``select``: of the predicted experts that layer l + 1's route sends to the host (route < 0),
-   the first ``ROWS`` by rank (every token's first choice, then every token's second, ...),
-   distinct, padding rows ignored -> the host rows to copy (-1: none), layer l + 1's effective
-   route (the picks pointed at the spare rows, every other expert as published), and the picks
-   written into layer l + 1's use counts (``HostReads.uses[:, E:]``, as expert + 1) for the
-   statistics;
+1. the layer's router on ``post_attention_layernorm(residual)``, the residual stream without the
+   mixer's term: a guess at the MoE input -> ``pred`` [T, k] (on generated weights it finds 67%
+   of the experts the layer then picks, 84% of its first two; the next layer's router on this
+   layer's MoE input, the copying path's prefetch, finds 52% / 72%:
+   tests/offload/prefetch_accuracy.py, 2026-12-01);
+2. ``select``: of the predicted experts that the layer's route sends to the host (route < 0), the
+   first ``ROWS`` by rank (every token's first choice, then every token's second, ...), distinct,
+   padding rows ignored -> the host rows to copy (-1: none), the layer's effective route (the
+   picks pointed at the spare rows, every other expert as published), and the picks written into
+   the layer's use counts (``HostReads.uses[:, E:]``, as expert + 1) for the statistics;
 
 then on a side stream, after that point of the main stream, ``copy_rows`` copies those host rows
 into the spare rows (a kernel of ``COPY_PROGRAMS`` programs reading the pinned host store through
-unified addressing, few enough to leave the SMs to the mixer); layer l + 1 waits for it (an
-event) before its MoE kernel, which reads its experts through the effective route. Nothing waits
-for the host, so the step stays one CUDA graph. The bytes read are the same whichever row holds
-them, so the result is bit for bit the same as without prefetch (or with a wrong prediction,
-which costs link time, never a result). The spare rows are rewritten only after the main stream
-passed the layer's last reader (the fork is ordered after it).
+unified addressing, few enough to leave the SMs to the mixer); the layer's MoE kernel waits for
+it (an event) and reads its experts through the effective route. Nothing waits for the host, so
+the step stays one CUDA graph. The bytes read are the same whichever row holds them, so the
+result is bit for bit the same as without prefetch (or with a wrong guess, which costs link time,
+never a result). The spare rows are rewritten only after the main stream passed their last
+reader (the fork is ordered after it). Families whose layers are not ``DecoderLayer`` (qwen4_exp)
+make no guess, so prefetch nothing.
 
 Off (``ROWS`` = 0) until a GPU run measures it: FT_MOE_HOST_PREFETCH=N sets N rows per layer,
 read when the engine sizes its caches (the spare rows: offload backend with ``--moe-prefetch``)
@@ -60,12 +65,13 @@ class Spare:
         self.picks = picks  # [spare] int32 (a view of the layer's use counts): expert + 1, 0 none
         self.scratch = torch.zeros(cache.map.num_experts, dtype=torch.int32, device=dev)
         self.done = torch.cuda.Event() if dev.type == "cuda" else None
-        self.pending = False  # the previous layer started this step's copy; the next read joins it
+        self.pending = False  # this forward's copy started; the layer's kernel joins it
 
 
 def start(pred: torch.Tensor, real: torch.Tensor, nxt, stream: torch.cuda.Stream | None) -> None:
     """Pick and copy layer ``nxt``'s predicted host experts (``pred`` [T, k]) into its spare rows:
-    the choice on the current stream, the copy on ``stream`` after it (at once on a CPU)."""
+    the choice on the current stream, the copy on ``stream`` after it (at once on a CPU); its
+    MoE kernel then reads them there (``route_of``)."""
     sp = nxt.spare
     n = min(ROWS, len(sp.src))  # the switch's rows, at most the spare rows sized at start
     src, picks = sp.src[:n], sp.picks[:n]  # picks past n stay 0 (the use counts zero every step)
@@ -81,8 +87,9 @@ def start(pred: torch.Tensor, real: torch.Tensor, nxt, stream: torch.cuda.Stream
 
 
 def route_of(backend) -> torch.Tensor:
-    """The route a host-read layer's kernel takes: through its spare rows when the previous layer
-    started their copy this step (the current stream then waits for it), else the published one."""
+    """The route a host-read layer's kernel takes: through its spare rows when its lookahead
+    started their copy in this forward (the current stream then waits for it), else the published
+    one."""
     sp = backend.spare
     if sp is None or not sp.pending:
         return backend.cache.route

@@ -90,13 +90,6 @@ class HostReads:
         self.taken |= takes
         return takes
 
-    def prefetch_next(self, b, x: torch.Tensor, real: torch.Tensor) -> None:
-        """After layer ``b``'s kernel: the next layer's predicted host experts into its spare rows
-        (``host_prefetch.py``; the switch read at each call)."""
-        nxt = b.prefetch.backend if b.prefetch is not None else None
-        if host_prefetch.ROWS and nxt is not None and nxt.spare is not None:
-            host_prefetch.start(b.prefetch.predict(x), real, nxt, self.stream)
-
     def discard(self) -> None:
         """Forget the uses counted so far (the warm-up and capture of the decode graphs), and any
         prefetch a forward started and did not read (its route would outlive the next publish)."""

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from ft.forward_context import get_forward_context
+from ft.moe.backends import host_prefetch
 from ft.moe.backends.expert_cache import ExpertCache, unique
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.host_prefetch import Spare, route_of
@@ -274,15 +275,25 @@ class OffloadBackend:
         """Every expert read where it is, a slot or the host store, in one kernel call: nothing
         waits for the host (``host_reads.py``). Rows that only pad a graphed batch (KV slot -1)
         read the null slot (zeros, on the device) and count no use: their output is dropped."""
-        if self.first:
-            self.reads.begin_forward()
         real = real_rows(len(x), x.device)  # [T] bool
         count = real.to(torch.int32)[:, None].expand(ids.shape).reshape(-1)  # a use per real pair
         self.uses.index_add_(0, ids.reshape(-1), count)
         rows = torch.where(real[:, None], route_of(self)[ids], self.map.null)  # [T, k]
-        out = bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors)
-        self.reads.prefetch_next(self, x, real)
-        return out
+        return bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors)
+
+    def lookahead(self, block, residual: torch.Tensor, norm) -> None:
+        """Before the layer's mixer (``SparseMoeBlock.lookahead``): with host reads' prefetch,
+        route the guess ``norm(residual)`` through this layer's router and start copying the
+        predicted host experts into the spare rows (``host_prefetch.py``)."""
+        reads = self.reads
+        if reads is None or self.spare is None or not host_prefetch.ROWS:
+            return
+        if not reads.takes(block.experts, residual, decode_only()):
+            return
+        if self.first:
+            reads.begin_forward()
+        pred = block.gate(norm(residual))[1]
+        host_prefetch.start(pred, real_rows(len(residual), residual.device), self, reads.stream)
 
     def _cached(
         self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared=None
