@@ -123,11 +123,17 @@ class Shared:
 
 def real_rows(num_tokens: int, device: torch.device) -> torch.Tensor:
     """[T] whether each row of the batch is a real token (it has a KV slot), not padding; outside
-    the engine every row is real."""
+    the engine every row is real. Derived once a forward (``ForwardBatch.derived``): every
+    host-read layer asks, twice with prefetch."""
     try:
-        return get_forward_context().batch.slot_mapping[:num_tokens] >= 0
+        batch = get_forward_context().batch
     except RuntimeError:
         return torch.ones(num_tokens, dtype=torch.bool, device=device)
+    if "real_rows" not in batch.derived:
+        batch.derived["real_rows"] = batch.slot_mapping[:num_tokens] >= 0
+    real = batch.derived["real_rows"]
+    assert len(real) == num_tokens, f"{num_tokens} rows in a forward of {len(real)}"
+    return real
 
 
 def decode_only() -> bool:
