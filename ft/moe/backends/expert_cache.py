@@ -341,6 +341,8 @@ class ExpertCache:
         self.spare = spare
         self.table = torch.tensor(slot_map.slot_of, device=device)  # [E] a copy; static ones mapped
         self._table_values = slot_map.slot_of.copy()  # what ``table`` was last written
+        # the route of an expert not (yet) in a slot: host row e - R, as -(row + 1)
+        self.host_route = -(np.arange(slot_map.num_experts) - slot_map.static + 1)
         self._uploads = {"table": Upload(), "route": Upload()}
         self.map.dirty = False
         self.route: torch.Tensor | None = None  # [E] slot, or -(host row + 1): host reads' table
@@ -373,39 +375,38 @@ class ExpertCache:
             del self.copying[s]
         self.map.dirty |= bool(landed)
 
+    def filling_experts(self) -> np.ndarray:
+        """The experts whose slot is still being copied into (they are read from the host)."""
+        if not self.copying:
+            return np.zeros(0, dtype=np.int64)
+        held = self.map.expert_in[list(self.copying)]
+        return held[held >= 0]
+
     def _route_values(self) -> np.ndarray:
         m = self.map
         ready = m.slot_of != m.null
-        filling = m.expert_in[list(self.copying)] if self.copying else np.zeros(0, dtype=np.int64)
-        ready[filling[filling >= 0]] = False  # still being copied: read from the host
+        ready[self.filling_experts()] = False
         assert ready[: m.static].all(), "static experts live in their slots only"
-        host = -(np.arange(m.num_experts) - m.static + 1)  # host row e - R, as -(row + 1)
-        return np.where(ready, m.slot_of, host)
+        return np.where(ready, m.slot_of, self.host_route)
 
     @property
     def nbytes(self) -> int:
         return self.block.numel() + self.table.numel() * 8
 
-    def refresh(self) -> bool:
-        """The host half of ``publish``: the tables' new values from the map (copies that landed
-        included), or False when nothing changed since the last publish."""
+    def publish(self) -> None:
+        """Write the host map into this layer's device tables, when it changed (copies that
+        landed included): ``Upload``, on the current stream, ordered before kernels, never
+        waiting for the device."""
         if self.copying:
             self._land()
         if not self.map.dirty:
-            return False
+            return
         self._table_values = self.map.slot_of.copy()
+        self._uploads["table"](self.table, self._table_values)
         if self.route is not None:  # a fresh array: a deferred step keeps the one it read
             self._published = self._route_values()
+            self._uploads["route"](self.route, self._published)
         self.map.dirty = False
-        return True
-
-    def publish(self) -> None:
-        """Write the host map into this layer's device tables (``Upload``: on the current stream,
-        ordered before kernels, never waiting for the device)."""
-        if self.refresh():
-            self._uploads["table"](self.table, self._table_values)
-            if self.route is not None:
-                self._uploads["route"](self.route, self._published)
 
     def slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table[ids]  # [T, k] slots; the null slot where an expert is not resident
@@ -427,7 +428,6 @@ class Tables:
         self.values = torch.empty(len(caches), 2, m.num_experts, dtype=torch.int64, device=device)
         for i, c in enumerate(caches):
             c.add_route(self.values[i, 0], self.values[i, 1])
-        self._host = -(np.arange(m.num_experts) - m.static + 1)  # host row e - R, as -(row + 1)
         self._upload = Upload()
 
     def publish(self) -> None:
@@ -446,10 +446,10 @@ class Tables:
         ready = slot_of != self.caches[0].map.null
         for i, c in enumerate(self.caches):
             if c.copying:  # still being copied: read from the host
-                filling = c.map.expert_in[list(c.copying)]
-                ready[i, filling[filling >= 0]] = False
+                ready[i, c.filling_experts()] = False
         assert ready[:, :static].all(), "static experts live in their slots only"
-        values = np.stack((slot_of, np.where(ready, slot_of, self._host)), axis=1)  # [L, 2, E]
+        host = self.caches[0].host_route  # every layer's (the same static experts)
+        values = np.stack((slot_of, np.where(ready, slot_of, host)), axis=1)  # [L, 2, E]
         for i, c in enumerate(self.caches):
             c._table_values, c._published = values[i, 0], values[i, 1]
             c.map.dirty = False
