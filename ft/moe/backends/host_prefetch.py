@@ -68,20 +68,20 @@ class Spare:
         self.pending = False  # this forward's copy started; the layer's kernel joins it
 
 
-def start(pred: torch.Tensor, real: torch.Tensor, nxt, stream: torch.cuda.Stream | None) -> None:
-    """Pick and copy layer ``nxt``'s predicted host experts (``pred`` [T, k]) into its spare rows:
+def start(pred: torch.Tensor, real: torch.Tensor, backend, stream: torch.cuda.Stream | None) -> None:
+    """Pick and copy the layer ``backend``'s predicted host experts (``pred`` [T, k]) into its spare rows:
     the choice on the current stream, the copy on ``stream`` after it (at once on a CPU); its
     MoE kernel then reads them there (``route_of``)."""
-    sp = nxt.spare
+    sp = backend.spare
     n = min(ROWS, len(sp.src))  # the switch's rows, at most the spare rows sized at start
     src, picks = sp.src[:n], sp.picks[:n]  # picks past n stay 0 (the use counts zero every step)
-    select_into(pred, real, nxt.cache.route, sp.eff, src, picks, sp.scratch, sp.first_row)
+    select_into(pred, real, backend.cache.route, sp.eff, src, picks, sp.scratch, sp.first_row)
     if stream is None:
-        copy_rows(nxt.store.block, nxt.cache.block, sp.first_row, src)
+        copy_rows(backend.store.block, backend.cache.block, sp.first_row, src)
     else:
         stream.wait_stream(torch.cuda.current_stream(stream.device))  # after the choice
         with torch.cuda.stream(stream):
-            copy_rows(nxt.store.block, nxt.cache.block, sp.first_row, src)
+            copy_rows(backend.store.block, backend.cache.block, sp.first_row, src)
             sp.done.record(stream)
     sp.pending = True
 
