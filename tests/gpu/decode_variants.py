@@ -115,11 +115,15 @@ def main() -> None:
 
 
 def moe_line(a, b) -> str:
-    """The offloaded decode's expert hit rate and PCIe bytes per token between two stats."""
-    hits, misses = b.moe_hits - a.moe_hits, b.moe_misses - a.moe_misses
-    moved = b.moe_bytes_h2d + b.moe_bytes_host_read - a.moe_bytes_h2d - a.moe_bytes_host_read
+    """The offloaded decode's expert hit rate and PCIe bytes per token between two stats: all of
+    them, then the copies into the cache (promotions, prefetches) and the kernels' host reads."""
+    d = {k: getattr(b, k) - getattr(a, k) for k in ("moe_hits", "moe_misses", "moe_bytes_h2d", "moe_bytes_host_read", "moe_evictions")}
+    mb = lambda n: n / 256 / 1e6  # noqa: E731
     return (
-        f"; decode hit rate {hits / max(1, hits + misses):.1%}, {moved / 256 / 1e6:.1f} MB over PCIe a token"
+        f"; decode hit rate {d['moe_hits'] / max(1, d['moe_hits'] + d['moe_misses']):.1%}, "
+        f"{mb(d['moe_bytes_h2d'] + d['moe_bytes_host_read']):.1f} MB over PCIe a token "
+        f"(copied {mb(d['moe_bytes_h2d']):.1f}, host reads {mb(d['moe_bytes_host_read']):.1f}; "
+        f"{d['moe_evictions'] / 256:.2f} evictions a token)"
     )
 
 
