@@ -117,7 +117,8 @@ def main() -> None:
 def moe_line(a, b) -> str:
     """The offloaded decode's expert hit rate and PCIe bytes per token between two stats: all of
     them, then the copies into the cache (promotions, prefetches) and the kernels' host reads."""
-    d = {k: getattr(b, k) - getattr(a, k) for k in ("moe_hits", "moe_misses", "moe_bytes_h2d", "moe_bytes_host_read", "moe_evictions")}
+    keys = ("moe_hits", "moe_misses", "moe_bytes_h2d", "moe_bytes_host_read", "moe_evictions")
+    d = {k: getattr(b, k) - getattr(a, k) for k in keys}
     mb = lambda n: n / 256 / 1e6  # noqa: E731
     return (
         f"; decode hit rate {d['moe_hits'] / max(1, d['moe_hits'] + d['moe_misses']):.1%}, "

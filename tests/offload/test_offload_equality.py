@@ -128,8 +128,11 @@ def test_a_streamed_layer_uploads_its_pairs_once(ckpt, refs, monkeypatch):
         (np.zeros(0, np.int64),) * 2,
         (np.array([7]), np.array([2])),
     ]
-    got = offload.upload_pairs(runs, torch.device("cpu"))
-    assert [(s.tolist(), r.tolist()) for s, r in got] == [([3, 1], [0, 0]), ([], []), ([7], [2])]
+    weights = torch.arange(16.0).view(8, 2) / 16  # k = 2: pair p is token p // 2
+    got = offload.upload_pairs(runs, weights)
+    assert [(t.tolist(), (w[:, 0] * 16).tolist(), r.tolist()) for t, w, r in got] == [
+        ([1, 0], [3, 1], [0, 0]), ([], [], []), ([3], [7], [2])
+    ]  # fmt: skip
     uploads, streamed = [], []
     real_upload, real_stream = offload.upload, offload.OffloadBackend._stream
     monkeypatch.setattr(
@@ -145,3 +148,23 @@ def test_a_streamed_layer_uploads_its_pairs_once(ckpt, refs, monkeypatch):
         outs = llm.generate(PROMPTS, PARAMS)
     assert_same(outs, refs[8192])
     assert streamed and len(uploads) == len(streamed)  # one a streamed layer, whatever its groups
+
+
+def test_pairs_of_lists_each_experts_pairs_in_order():
+    """``Pairs.of``: the pairs routed to each expert asked for, in the order asked, each expert's
+    ascending, with the weight row given for it (default its position) — against a scan."""
+    import numpy as np
+
+    from ft.moe.backends.offload import Pairs
+
+    rng = np.random.default_rng(3)
+    ids = np.stack([rng.choice(16, 3, replace=False) for _ in range(40)])  # T=40, k=3, E=16
+    pairs = Pairs(ids, 16)
+    flat = ids.reshape(-1)
+    cases = ((np.array([5, 0, 11]), None), (np.array([7, 2]), np.array([9, 4])), (np.array([], int), None))
+    for experts, rows in cases:
+        sel, got_rows = pairs.of(experts, rows)
+        want = [p for e in experts for p in np.flatnonzero(flat == e)]
+        row_of = list(range(len(experts))) if rows is None else rows.tolist()
+        want_rows = [row_of[i] for i, e in enumerate(experts) for _ in range(int((flat == e).sum()))]
+        assert sel.tolist() == want and got_rows.tolist() == want_rows

@@ -20,7 +20,7 @@ import torch
 from ft.moe.backends.expert_cache import unique
 from ft.moe.backends.graph_split import split_point
 from ft.moe.backends.host_store import HostStore
-from ft.moe.backends.offload import Pairs, Shared, run_pairs
+from ft.moe.backends.offload import Pairs, Shared, run_pairs, upload_pairs
 from ft.moe.kernels.select import select_moe_kernel
 
 _CPU_KERNELS: dict[str, object] = {}
@@ -38,9 +38,9 @@ def cpu_experts(
     """Sum over the pairs routed to ``experts`` -> ([T, H] on x's device, pairs computed)."""
     out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H] on the host
     pairs = Pairs(ids_h, store.num_experts).of(experts, store.rows(experts))
-    sel, rows = (torch.from_numpy(a.astype(np.int64, copy=False)) for a in pairs)  # the kernel runs here
-    run_pairs(_CpuKernel(bank), store.tensors, x.cpu(), weights.cpu(), out, sel, rows)
-    return out.to(device=x.device, dtype=x.dtype), len(sel)
+    (run,) = upload_pairs([pairs], weights.cpu())  # the kernel runs here
+    run_pairs(_CpuKernel(bank), store.tensors, x.cpu(), out, *run)
+    return out.to(device=x.device, dtype=x.dtype), len(run[0])
 
 
 class _CpuKernel:

@@ -155,25 +155,36 @@ class Pairs:
 
     def of(self, experts: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(the pairs routed to ``experts``, the weight row each runs on: ``rows[i]`` for
-        ``experts[i]``, by default i)."""
+        ``experts[i]``, by default i). Each expert's pairs are one run of ``order``: the runs'
+        positions come from one repeat, not a slice per expert."""
+        counts = self.counts[experts]
+        rows = np.arange(len(experts)) if rows is None else rows
         if len(experts) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        sel = np.concatenate([self.order[self.starts[e] : self.starts[e] + self.counts[e]] for e in experts])
-        rows = np.arange(len(experts)) if rows is None else rows
-        return sel, np.repeat(rows, self.counts[experts])
+        ends = np.cumsum(counts)
+        at = np.arange(ends[-1]) + np.repeat(self.starts[experts] - (ends - counts), counts)
+        return self.order[at], np.repeat(rows, counts)
 
 
-def upload_pairs(runs: list[tuple[np.ndarray, np.ndarray]], device: torch.device) -> list[tuple]:
-    """Each run's (pairs, weight rows) on ``device``, from one upload for all of them: a layer
-    streaming a long chunk runs a kernel call per staging group, and one pinned upload a call
-    (two arrays each) cost ~250 us of host time on an H200's host (2026-12-01, 14 a layer)."""
-    flat = np.concatenate([np.zeros(0, np.int64)] + [a.astype(np.int64, copy=False) for r in runs for a in r])
-    dev = upload(torch.from_numpy(flat), device)
+def upload_pairs(
+    runs: list[tuple[np.ndarray, np.ndarray]], weights: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each run's (tokens, pair weights, weight rows) on ``weights``' device, as ``run_pairs``
+    takes them, from one upload and one gather for all of them: a layer streaming a long chunk
+    runs a kernel call per staging group, and one pinned upload a call (two arrays each) cost
+    ~250 us of host time on an H200's host (2026-12-01, 14 a layer), as did the per-call
+    operators on the device's tensors (a division and a gather, ~45 us of host time each)."""
+    k = weights.shape[1]
+    sel = np.concatenate([np.zeros(0, np.int64)] + [r[0].astype(np.int64, copy=False) for r in runs])
+    rows = np.concatenate([np.zeros(0, np.int64)] + [r[1].astype(np.int64, copy=False) for r in runs])
+    n = len(sel)
+    dev = upload(torch.from_numpy(np.concatenate([sel, sel // k, rows])), weights.device)
+    pair_w = weights.reshape(-1)[dev[:n]].unsqueeze(1)  # [P, 1]
     out, at = [], 0
-    for sel, _ in runs:
-        n = len(sel)
-        out.append((dev[at : at + n], dev[at + n : at + 2 * n]))
-        at += 2 * n
+    for r in runs:
+        m = len(r[0])
+        out.append((dev[n + at : n + at + m], pair_w[at : at + m], dev[2 * n + at : 2 * n + at + m]))
+        at += m
     return out
 
 
@@ -320,7 +331,6 @@ class OffloadBackend:
         sh, st = self.shared, self.shared.staging
         hit = self.map.classify(experts)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-        pairs = Pairs(ids_h, self.store.num_experts)
         early = np.isin(experts, ahead.experts) if ahead is not None else np.zeros(len(experts), dtype=bool)
         in_place = np.zeros_like(hit) if sh.hit_d2d else hit & ~early  # resident, used in their slots
         staged = experts[~early & ~in_place]
@@ -333,15 +343,16 @@ class OffloadBackend:
             sh.ahead_used += 1
         for g in range(min(2, len(groups))):  # in flight while the hits compute in place
             ready[g] = ready[g] or self._stage(groups[g])
-        resident = experts[in_place]
+        # the pairs are grouped once the first copies are on their way (the link waits for nothing)
+        pairs, resident = Pairs(ids_h, self.store.num_experts), experts[in_place]
         runs = upload_pairs(
-            [pairs.of(resident, self.map.slot_of[resident])] + [pairs.of(group) for group in groups], x.device
+            [pairs.of(resident, self.map.slot_of[resident])] + [pairs.of(group) for group in groups], weights
         )
-        run_pairs(bank, self.cache.tensors, x, weights, out, *runs[0])
+        run_pairs(bank, self.cache.tensors, x, out, *runs[0])
         for g in range(len(groups)):
             buf, event = ready[g]
             sh.transfer.wait(event)
-            run_pairs(bank, st.tensors[buf], x, weights, out, *runs[g + 1])
+            run_pairs(bank, st.tensors[buf], x, out, *runs[g + 1])
             st.free_after[buf] = sh.transfer.record_main()
             if g + 2 < len(groups):
                 ready[g + 2] = self._stage(groups[g + 2])
@@ -394,17 +405,15 @@ def _nothing() -> None:
     pass
 
 
-def run_pairs(bank, tensors, x, weights, out, sel: torch.Tensor, rows: torch.Tensor) -> None:
-    """out[t] += the pairs ``sel`` (token * k + j) run on ``tensors``' rows ``rows``, k = 1 each
-    (int64 on x's device: ``upload_pairs``).
+def run_pairs(bank, tensors, x, out, tok: torch.Tensor, pair_w: torch.Tensor, rows: torch.Tensor) -> None:
+    """out[tok[i]] += pair_w[i] · expert(x[tok[i]]) on ``tensors``' row ``rows[i]``, k = 1 each
+    (on x's device: ``upload_pairs``).
 
     Each expert sees the same tokens, in the same order, as in one call over the whole batch, and
     the kernel takes the batch's path (``batch_tokens``), so its rows of the result are the same;
     only the order of a token's k terms in ``out`` may differ.
     """
-    if len(sel) == 0:
+    if len(tok) == 0:
         return
-    tok = sel // weights.shape[1]
-    pair_w = weights.reshape(-1)[sel].unsqueeze(1)  # [P, 1]
     y = bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows.unsqueeze(1), batch_tokens=len(x))
     out.index_add_(0, tok, y.float())
