@@ -4,7 +4,7 @@
     STREAM_AHEAD=1 python tests/gpu/profile_offload_prefill.py ...   # with --moe-stream-ahead
     PROFILE_CPU=1 python tests/gpu/profile_offload_prefill.py ...    # and the host's operators
     TIMELINE=1 python tests/gpu/profile_offload_prefill.py ...       # what ran around the largest gaps
-    PROFILE_STACK=1 python tests/gpu/profile_offload_prefill.py ...  # host time by Python stack
+    PROFILE_STACK=1 python tests/gpu/profile_offload_prefill.py ...  # host time by Python function
 
 Builds the config cut to LAYERS layers with dummy weights and the offload backend at the given
 expert-cache fraction, and profiles one prefill of TOKENS tokens (default 8,000). From the
@@ -62,7 +62,8 @@ def timeline(path: str, log, gaps: int = 2, window_us: float = 800.0) -> None:
             if t1 < a - window_us or t0 > b + 200:
                 continue
             gpu = e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-            if not gpu and (e.get("cat") not in ("cuda_runtime", "cpu_op") or e["dur"] < 50):
+            ours = e.get("cat") == "user_annotation"  # the offload backend's ranges (ft.offload.*)
+            if not gpu and not ours and (e.get("cat") not in ("cuda_runtime", "cpu_op") or e["dur"] < 50):
                 continue
             where = f"stream {e.get('args', {}).get('stream', '?')}" if gpu else "host"
             log(f"    {(t0 - a) / 1e3:+8.3f} ms {e['dur'] / 1e3:7.3f} ms  {where:10s} {e['name'][:60]}")
@@ -70,6 +71,17 @@ def timeline(path: str, log, gaps: int = 2, window_us: float = 800.0) -> None:
             if shown >= 60:
                 log("    ...")
                 break
+
+
+def python_frames(prof, log, rows: int = 40) -> None:
+    """The Python functions the host ran (``with_stack``'s frames, torch records them as events of
+    their own: grouping operators by stack gives no frames), by total host time: where the host's
+    time a prefill goes, ours and fla's, callers above callees."""
+    frames = [e for e in prof.key_averages() if ".py(" in e.key and "profiler" not in e.key]
+    log(f"  {'host total ms':>13} {'self ms':>8} {'calls':>6}  Python function")
+    for e in sorted(frames, key=lambda e: -e.cpu_time_total)[:rows]:
+        total, own = e.cpu_time_total / 1e3, e.self_cpu_time_total / 1e3
+        log(f"  {total:13.1f} {own:8.1f} {e.count:6d}  {e.key[-90:]}")
 
 
 def main() -> None:
@@ -105,10 +117,7 @@ def main() -> None:
     if cpu:
         log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
     if stack:  # e.g. what in fla's chunk function holds the host 2 ms a layer (2026-12-01)
-        table = prof.key_averages(group_by_stack_n=6).table(
-            sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=40, max_src_column_width=90
-        )
-        log(table)
+        python_frames(prof, log)
     if os.environ.get("TIMELINE", "0") == "1":
         path = "/tmp/ft_prefill_trace.json"
         prof.export_chrome_trace(path)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from ft.forward_context import get_forward_context
 from ft.moe.backends import host_prefetch
@@ -212,7 +213,8 @@ class OffloadBackend:
         if capturing():
             split_point(lambda: self._resolve(ids, pred))  # its prefetch runs after the next segment's launch
             return self._cached(bank, x, weights, ids, shared)
-        ids_h, pred_h = self._to_host(ids, pred)
+        with record_function("ft.offload.ids_to_host"):  # a range of profiles (profile_offload_prefill.py)
+            ids_h, pred_h = self._to_host(ids, pred)
         self._begin(len(x))
         experts = unique(ids_h, self.store.num_experts)
         if decode_only() and self.map.fits(experts):
@@ -220,7 +222,8 @@ class OffloadBackend:
             out = self._cached(bank, x, weights, ids, shared)
             prefetch()
             return out
-        return self._stream(bank, x, weights, ids_h, experts, pred_h, ahead, shared)
+        with record_function("ft.offload.stream"):
+            return self._stream(bank, x, weights, ids_h, experts, pred_h, ahead, shared)
 
     # ---- host side (eager, or at a graph break)
     def _predict(self, x: torch.Tensor) -> torch.Tensor | None:
