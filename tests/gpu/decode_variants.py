@@ -83,8 +83,7 @@ def main() -> None:
     rows = [("defaults", [])] + [(s, [i]) for i, s in enumerate(specs)] + [("all of them", range(len(specs)))]
     first = None
     for label, on in rows:
-        for i, (mod, name, value) in enumerate(switches):
-            setattr(mod, name, value if i in on else defaults[i])
+        set_row(switches, defaults, on)
         runner.graphs = None
         torch.cuda.empty_cache()
         runner.graphs = runner._decode_graphs(
@@ -112,6 +111,18 @@ def main() -> None:
         log(f"{label:50}: {rates[-1]:7.1f} tok/s batch-1 decode (first run {rates[0]:.1f}), "
             f"1k prompt {prompt_ms:.1f} ms, greedy tokens as the first row's: {same:.0%}{moe}")  # fmt: skip
     engine.shutdown()
+
+
+def set_row(switches: list[tuple[object, str, bool | int]], defaults: list, on) -> None:
+    """Every switch back to its default, then the row's (``on``: indices into ``switches``) set in
+    order. Two specs of one switch (``host_prefetch:ROWS=0 host_prefetch:ROWS=2``) are two rows
+    of it: setting each spec to its value or its default in one pass let the last spec's default
+    undo the row's own value (every such row but the last ran the default; fixed 2026-12-01)."""
+    for (mod, name, _), default in zip(switches, defaults):  # one default a switch: read at start
+        setattr(mod, name, default)
+    for i in on:
+        mod, name, value = switches[i]
+        setattr(mod, name, value)
 
 
 def moe_line(a, b) -> str:
