@@ -3,7 +3,7 @@
     python tests/gpu/profile_offload_prefill.py CONFIG LAYERS CACHE_FRACTION [TOKENS] [OUT.log]
     STREAM_AHEAD=1 python tests/gpu/profile_offload_prefill.py ...   # with --moe-stream-ahead
     PROFILE_CPU=1 python tests/gpu/profile_offload_prefill.py ...    # and the host's operators
-    TIMELINE=1 python tests/gpu/profile_offload_prefill.py ...       # what ran around the largest gaps
+    TIMELINE=1 python tests/gpu/profile_offload_prefill.py ...       # around the largest gaps, and why
     PROFILE_STACK=1 python tests/gpu/profile_offload_prefill.py ...  # host time by Python function
 
 Builds the config cut to LAYERS layers with dummy weights and the offload backend at the given
@@ -84,6 +84,40 @@ def python_frames(prof, log, rows: int = 40) -> None:
         log(f"  {total:13.1f} {own:8.1f} {e.count:6d}  {e.key[-90:]}")
 
 
+def gap_causes(events: list[dict], gaps: int = 8) -> list[str]:
+    """For the ``gaps`` largest idle stretches of the host-to-device link (chrome-trace events,
+    ``ph == "X"``, the first layer's apart): when the copy that ends each one was issued by the
+    host (its CUDA runtime call, matched by ``correlation``), and the host's innermost range (an
+    ``ft.offload.*`` range, a Python function, an operator) at the gap's start. Issued after the
+    gap began: the host was late, and what it was doing is the cause; issued before: the copy
+    waited on the device (its stream's event: a staging buffer's last reader, or the stream)."""
+    copies = sorted(
+        (e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]), key=lambda e: e["ts"]
+    )
+    issued = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    host = [e for e in events if e.get("cat") in ("user_annotation", "python_function", "cpu_op")]
+    busy = merged([(e["ts"], e["ts"] + e["dur"]) for e in copies])
+    holes = [(b0, a1) for (_, b0), (a1, _) in zip(busy, busy[1:])][1:]
+    lines = []
+    for a, b in sorted(holes, key=lambda g: g[0] - g[1])[:gaps]:
+        nxt = next(e for e in copies if e["ts"] >= b)
+        at = issued.get(nxt.get("args", {}).get("correlation"))
+        inside = [e for e in host if e["ts"] <= a <= e["ts"] + e["dur"]]
+        doing = min(inside, key=lambda e: e["dur"])["name"][:70] if inside else "nothing traced"
+        if at is None:
+            when = "its issue not in the trace"
+        elif at > a:
+            when = f"issued {(at - a) / 1e3:.2f} ms into the gap (the host was late)"
+        else:
+            when = f"issued {(a - at) / 1e3:.2f} ms before the gap (it waited on the device)"
+        lines.append(f"  link idle {(b - a) / 1e3:.2f} ms: the next copy {when}; the host was in: {doing}")
+    return lines
+
+
 def main() -> None:
     src, layers, fraction = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 8000
@@ -122,6 +156,10 @@ def main() -> None:
         path = "/tmp/ft_prefill_trace.json"
         prof.export_chrome_trace(path)
         timeline(path, log)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+        for line in gap_causes(events):
+            log(line)
     copies, kernels = [], []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
