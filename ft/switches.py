@@ -28,6 +28,7 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.distributed", "SYMM_ALL_REDUCE", "FT_SYMM_ALL_REDUCE"),
     ("ft.moe.backends.host_reads", "ENABLED", "FT_MOE_HOST_READS"),
     ("ft.moe.backends.host_reads", "DEFERRED", "FT_MOE_HOST_READS_DEFERRED"),
+    ("ft.moe.backends.host_reads", "FUSED_ROUTE", "FT_MOE_HOST_READS_FUSED_ROUTE"),
     ("ft.moe.backends.host_prefetch", "ROWS", "FT_MOE_HOST_PREFETCH"),  # on: rows > 0
 )
 

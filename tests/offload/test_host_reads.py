@@ -357,3 +357,38 @@ def test_stacked_maps_classify_a_step_as_each_layers_own_call():
                 assert np.array_equal(getattr(a, name), getattr(b, name)), (step, name)
             assert (a.tick, a.counts) == (b.tick, b.counts)
     assert mine[0].slot_of.base is stacked.slot_of  # the maps still view the stacked rows
+
+
+def test_route_and_count_routes_real_rows_and_counts_their_pairs():
+    """The torch version (what a CPU runs, and the fused kernel's oracle) on a hand-worked case:
+    padding rows read the null slot and count nothing; a pair's use is counted once."""
+    route = torch.tensor([2, -1, 0, -2, 1])  # experts 1 and 3 on the host
+    ids = torch.tensor([[1, 3], [0, 1], [4, 2]])
+    uses = torch.zeros(5 + 2, dtype=torch.int32)  # two spare columns, left alone
+    rows = host_reads.route_and_count(ids, torch.tensor([True, True, False]), route, 3, uses)
+    assert rows.tolist() == [[-1, -2], [2, -1], [3, 3]]
+    assert uses.tolist() == [1, 2, 0, 1, 0, 0, 0]
+
+
+def check_route_kernel() -> None:
+    """``_route_and_count_kernel`` (interpreted) against the torch version, random cases."""
+    from ft.moe.backends.host_reads import _route_and_count_kernel, route_and_count
+
+    g = torch.Generator().manual_seed(0)
+    for t, k, e in ((1, 10, 512), (3, 10, 512), (8, 2, 16), (5, 4, 60)):
+        route = torch.where(torch.rand(e, generator=g) < 0.3, -(torch.arange(e) + 1), torch.arange(e) % 7)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        real = torch.rand(t, generator=g) < 0.7
+        want_uses, uses = torch.zeros(e + 3, dtype=torch.int32), torch.zeros(e + 3, dtype=torch.int32)
+        want = route_and_count(ids, real, route, 7, want_uses)
+        rows = torch.empty_like(want)
+        _route_and_count_kernel[(1,)](ids, real, route, rows, uses, 7, t * k, K=k, BLOCK=128)
+        assert torch.equal(rows, want) and torch.equal(uses, want_uses), (t, k, e)
+
+
+@pytest.mark.skipif(host_reads.triton is None, reason="needs triton")
+@pytest.mark.slow
+def test_route_kernel_under_the_interpreter():
+    from tests.interpreter import run_check
+
+    run_check("tests.offload.test_host_reads", "check_route_kernel")

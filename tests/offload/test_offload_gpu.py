@@ -170,17 +170,20 @@ def test_nvfp4_offload_equals_resident(tmp_path, copying_decode):
     assert max_logprob_diff(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-route", "fused-route"])
 @pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_host_reads_with_graphed_decode_equal_resident(ckpt, tmp_path, monkeypatch, fmt, deferred):
+def test_host_reads_with_graphed_decode_equal_resident(ckpt, tmp_path, monkeypatch, fmt, deferred, fused):
     """``host_reads.ENABLED``: decode batches the MoE GEMV takes read their missed experts from the
     pinned host store in the kernel, in graphs with no break, and give the resident tokens; the
     cache takes in every miss between steps (share 1), so slots change under the graphs, and each
-    copy is held back ~1 ms on its stream, so it lands while later steps run."""
+    copy is held back ~1 ms on its stream, so it lands while later steps run. ``fused``: each
+    layer's rows and use counts from one kernel (``host_reads.FUSED_ROUTE``)."""
     from ft.moe.backends import host_reads
     from ft.moe.backends.transfer import Transfer
 
     monkeypatch.setattr(host_reads, "ENABLED", True)
+    monkeypatch.setattr(host_reads, "FUSED_ROUTE", fused)
     monkeypatch.setattr(host_reads, "DEFERRED", deferred)  # the between-step work a step late
     monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)
     issue_many = Transfer.issue_many  # every copy's way (``issue`` takes it too)

@@ -58,7 +58,7 @@ from ft.moe.backends import host_prefetch
 from ft.moe.backends.expert_cache import ExpertCache, unique
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.host_prefetch import Spare, route_of
-from ft.moe.backends.host_reads import HostReads
+from ft.moe.backends.host_reads import HostReads, route_and_count
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout
 from ft.moe.backends.prefetch import Prefetch
@@ -296,9 +296,7 @@ class OffloadBackend:
         waits for the host (``host_reads.py``). Rows that only pad a graphed batch (KV slot -1)
         read the null slot (zeros, on the device) and count no use: their output is dropped."""
         real = real_rows(len(x), x.device)  # [T] bool
-        count = real.to(torch.int32)[:, None].expand(ids.shape).reshape(-1)  # a use per real pair
-        self.uses.index_add_(0, ids.reshape(-1), count)
-        rows = torch.where(real[:, None], route_of(self)[ids], self.map.null)  # [T, k]
+        rows = route_and_count(ids, real, route_of(self), self.map.null, self.uses)  # [T, k]
         return bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors)
 
     def lookahead(self, block, residual: torch.Tensor, norm) -> None:
