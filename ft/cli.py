@@ -16,7 +16,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--memory-ratio", type=float, default=0.90)
     p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--chunked-prefill-size", dest="max_num_batched_tokens", type=int, default=8192)
+    p.add_argument(
+        "--chunked-prefill-size", dest="max_num_batched_tokens", type=int, default=None,
+        help="tokens a prefill chunk takes (default 8192; with offloaded experts up to 32768, as the "
+        "activation reserve allows: every chunk streams every host expert once)",
+    )  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(

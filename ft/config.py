@@ -43,7 +43,9 @@ class EngineConfig:
     num_tokens: int | None = None  # KV pool size in tokens
     memory_ratio: float = 0.90
     max_running_requests: int = 64  # also the number of GDN state slots
-    max_num_batched_tokens: int = 8192  # the chunked-prefill size
+    # the chunked-prefill size; None: 8192, or up to 32768 when the experts stream
+    # (``ft.moe.backends.sizing.prefill_chunk``: each chunk streams every host expert once)
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
     prefix_snapshot_slots: int | None = (
@@ -111,7 +113,10 @@ class EngineConfig:
             ("num_tokens", self.num_tokens is None or self.num_tokens >= self.block_size),
             ("memory_ratio", 0.0 < self.memory_ratio <= 1.0),
             ("max_running_requests", self.max_running_requests >= 1),
-            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1),
+            (
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            ),
             ("dist_timeout_s", self.dist_timeout_s > 0),
             (
                 "expert_cache_fraction",

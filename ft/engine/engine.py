@@ -104,7 +104,7 @@ class LLMEngine:
             BlockAllocator(plan.num_blocks, cfg.block_size),
             SlotAllocator(plan.num_slots),
             cfg.max_running_requests,
-            cfg.max_num_batched_tokens,
+            plan.prefill_chunk,
             max_len,
             cache=cache,
             hybrid=plan.has_gdn,

@@ -29,7 +29,7 @@ from ft.models.registry import model_class
 from ft.moe.backends import banks_on
 from ft.moe.backends.placement import placed
 from ft.moe.backends.runtime import MoePlan, MoeRuntime
-from ft.moe.backends.sizing import device_budget
+from ft.moe.backends.sizing import device_budget, prefill_chunk
 from ft.sampling_params import Logprobs
 from ft.scheduler.scheduler import HISTORY, ScheduledSeq
 from ft.utils import cdiv, upload, upload_lists
@@ -52,6 +52,7 @@ class PoolPlan:
     num_snapshots: int = 0  # GDN state snapshots for the prefix cache
     has_gdn: bool = False
     moe: MoePlan | None = None
+    prefill_chunk: int = 8192  # tokens a prefill chunk takes (``sizing.prefill_chunk``)
 
 
 def effective_model_config(cfg: EngineConfig, mc: ModelConfig) -> ModelConfig:
@@ -218,7 +219,8 @@ class ModelRunner:
             for conv, ssm in (m.state_shapes() for m in gdn)
         )
         kv_bytes = num_blocks * self.cfg.block_size * self._kv_bytes_per_token()
-        return PoolPlan(num_blocks, slots - 1, 0, kv_bytes, state_bytes, snaps, bool(gdn))
+        chunk = prefill_chunk(self.cfg, self.mc, self.device, self.moe.offloads)
+        return PoolPlan(num_blocks, slots - 1, 0, kv_bytes, state_bytes, snaps, bool(gdn), None, chunk)
 
     def _allocate_pools(self, plan: PoolPlan) -> PoolPlan:
         bs, num_blocks, slots = self.cfg.block_size, plan.num_blocks, plan.num_slots + 1

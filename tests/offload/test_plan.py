@@ -99,3 +99,22 @@ def test_lean_plan_for_the_full_80b_in_bf16_on_one_h200(mc, monkeypatch):
         "10 slots for the others: 97 rows in each of 48 layers take 27.28 GiB, but 25.31 GiB is left "
         "after weights, 3.00 GiB of KV and state pools, 7.0 GiB reserve and 0.49 GiB staging"
     ) in str(e.value)
+
+
+def test_prefill_chunk_grows_when_experts_stream_as_far_as_the_reserve_allows(mc, monkeypatch):
+    """Given, the chunk is the user's; resident experts or no GPU: 8192; offloading on a GPU: the
+    largest power of two up to 32768 whose activations fit the reserve (less the graphs' margin)."""
+    chunk = sizing.prefill_chunk
+    per_token = sizing.activation_bytes_per_token(mc)
+    assert 200_000 < per_token < 500_000  # ~320 KB a token of the 80B
+    cfg = EngineConfig(config_file=NEXT_80B, load_format="dummy")
+    given = EngineConfig(config_file=NEXT_80B, load_format="dummy", max_num_batched_tokens=4096)
+    assert chunk(given, mc, CUDA, True) == 4096
+    assert chunk(cfg, mc, CUDA, False) == chunk(cfg, mc, torch.device("cpu"), True) == 8192
+    fake_memory(monkeypatch, 100 * GiB)  # a whole H200: a 7 GiB reserve, 6 GiB for activations
+    assert chunk(cfg, mc, CUDA, True) == 16384
+    fake_memory(monkeypatch, 30 * GiB, cap=48 * GiB)  # a 48 GiB card: 2.4 GiB, too little to grow
+    assert chunk(cfg, mc, CUDA, True) == 8192
+    assert sizing.grown_chunk(1 << 40, per_token) == 32768 and sizing.grown_chunk(0, per_token) == 8192
+    assert sizing.grown_chunk(32768 * per_token, per_token) == 32768
+    assert sizing.grown_chunk(32768 * per_token - 1, per_token) == 16384

@@ -30,6 +30,49 @@ def reserve_bytes(cap: int) -> int:
     return max(2 * GiB, cap // 20)
 
 
+DEFAULT_PREFILL_CHUNK = 8192  # tokens a prefill chunk takes (--chunked-prefill-size) ...
+OFFLOAD_PREFILL_CHUNK = 32768  # ... and the most it grows to when the experts stream
+GRAPH_MARGIN = 1 << 30  # of the activation reserve, kept for CUDA graphs and the allocator's slack
+
+
+def activation_bytes_per_token(mc, dtype_bytes: int = 2) -> int:
+    """A generous bound on a prefill's live activations per token: the residual stream and its
+    norms and copies, the widest mixer projection thrice (its output, a split and the kernel's
+    own), the MoE pairs (each token's k gathered inputs, outputs and gate/up activations, as the
+    streamed layer's in-place call holds them) and the fp32 sum of the routed experts."""
+    h, k = mc.hidden_size, max(1, mc.num_experts_per_tok)
+    inter = mc.moe_intermediate_size or mc.intermediate_size
+    attn = (mc.num_heads * (2 if mc.attn_output_gate else 1) + 2 * mc.num_kv_heads) * mc.head_dim
+    keys = mc.linear_num_key_heads * mc.linear_key_head_dim
+    gdn = 2 * (2 * keys + 2 * mc.linear_num_value_heads * mc.linear_value_head_dim)  # qkvz and its split
+    widest = max(attn, gdn, 2 * mc.intermediate_size)
+    return dtype_bytes * (16 * h + 3 * widest + k * (2 * h + 2 * inter)) + 4 * h
+
+
+def prefill_chunk(cfg: EngineConfig, mc, device: torch.device, offloads: bool) -> int:
+    """Tokens a prefill chunk takes: ``--chunked-prefill-size`` when given; else, when the
+    experts stream (offload, hybrid), the largest power of two up to ``OFFLOAD_PREFILL_CHUNK``
+    whose activations fit what the plan keeps free (``reserve_bytes`` less ``GRAPH_MARGIN``),
+    because every chunk streams every host expert once: in 8k chunks a 32k prompt streams the
+    full 80B's 36 GB of bf16 host experts four times (an 8k chunk took 1.06 s on an H200,
+    docs/benchmarks.md, 2026-12-01); otherwise ``DEFAULT_PREFILL_CHUNK``."""
+    if cfg.max_num_batched_tokens is not None:
+        return cfg.max_num_batched_tokens
+    if not offloads or device.type != "cuda":
+        return DEFAULT_PREFILL_CHUNK
+    room = reserve_bytes(device_memory(cfg, device)[1]) - GRAPH_MARGIN
+    return grown_chunk(room, activation_bytes_per_token(mc))
+
+
+def grown_chunk(room: int, per_token: int) -> int:
+    """The largest power of two from ``DEFAULT_PREFILL_CHUNK`` up to ``OFFLOAD_PREFILL_CHUNK``
+    whose activations (``per_token`` bytes each) fit ``room`` bytes; the default if none does."""
+    chunk = DEFAULT_PREFILL_CHUNK
+    while chunk * 2 <= OFFLOAD_PREFILL_CHUNK and chunk * 2 * per_token <= room:
+        chunk *= 2
+    return chunk
+
+
 def device_memory(cfg: EngineConfig, device: torch.device) -> tuple[int, int]:
     """(bytes the engine may still allocate on ``device`` now, the cap it plans for); CUDA only.
     Blocks torch's caching allocator holds but no tensor uses (an engine closed earlier in this
