@@ -80,19 +80,23 @@ def test_a_prefill_chunk_prefetches_nothing(ckpt):
     assert s.moe_prefetched == 0 and s.moe_bytes_h2d > 0  # streamed, not prefetched
 
 
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("ahead", [0, 1, 2])
 @pytest.mark.parametrize("d2d", [False, True])
-def test_a_long_batch_streams_the_next_layers_experts_ahead(ckpt, refs, d2d, ahead):
+def test_a_long_batch_streams_the_next_layers_experts_ahead(ckpt, refs, d2d, ahead, monkeypatch):
     """The three prompts prefill as one batch of 24 tokens x top-2, 6 pairs per expert: with
-    --moe-stream-ahead each layer stages the next one's first group before that layer's router
-    runs; results are unchanged."""
+    --moe-stream-ahead each layer stages the next one's first ``AHEAD_GROUPS`` groups (of 2
+    experts; 6 of the 8 are on the host) before that layer's router runs; results are
+    unchanged."""
+    from ft.moe.backends import offload
+
+    monkeypatch.setattr(offload, "AHEAD_GROUPS", max(ahead, 1))
     options = dict(expert_cache_fraction=0.25, moe_staging_experts=2, moe_prefill_hit_d2d=d2d)
-    with engine(ckpt, moe_backend="offload", moe_stream_ahead=ahead, **options) as llm:
+    with engine(ckpt, moe_backend="offload", moe_stream_ahead=bool(ahead), **options) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
         shared = llm.engine.executor.runner.moe.shared
         layers = llm.engine.stats().moe_layers
     assert_same(outs, refs[8192])
-    assert shared.ahead_used == (layers - 1 if ahead else 0)  # each layer after the first, once
+    assert shared.ahead_used == (layers - 1) * ahead  # each layer after the first, its groups once
 
 
 def test_streamed_pairs_take_their_batchs_kernel_path(ckpt):

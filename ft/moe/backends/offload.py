@@ -30,9 +30,10 @@ decode working set); its accesses still count for the policy.
 Streaming ahead (``--moe-stream-ahead``; off by default until measured on a GPU): a batch with
 at least ``AHEAD_PAIRS`` (token, k) pairs per expert routes to nearly every expert of every
 layer, so the next layer's host-only experts are needed before its router says so. Once a layer
-has queued its last group, the free staging buffer is filled with the next layer's first group
-(the host-only experts it is predicted to use most: the prefetch router's picks, else the
-policy's use counts), so the copy engine keeps streaming through that layer's attention or GDN
+has queued its last group, both staging buffers are filled with the next layer's first groups
+(``AHEAD_GROUPS``, the second once this layer's last group has read its buffer; the host-only
+experts it is predicted to use most: the prefetch router's picks, else the policy's use
+counts), so the copy engine keeps streaming through that layer's attention or GDN
 mixer and its router instead of idling until the router's ids reach the host. The next layer
 computes the staged experts that its routing hits and streams the rest; an expert staged but not
 routed to costs its copy, never a result.
@@ -46,6 +47,7 @@ which reads the device table. The engine graphs only batch sizes whose experts a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,7 +72,10 @@ try:  # a block's shared expert as one more GEMV pair (``triton_moe_gemv.SHARED_
 except ImportError:  # no triton: the block never asks for it
     shared_pair_alone = None
 
-AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's first group early
+AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's first groups early
+# groups staged ahead (at most the two staging buffers): 1 gained 2% on the 8k prefill (554 ->
+# 542 ms, 16 layers, one H200, 2026-12-01); 2 keep both buffers streaming (not yet measured)
+AHEAD_GROUPS = int(os.environ.get("FT_MOE_AHEAD_GROUPS", "2"))
 
 
 class Staging:
@@ -90,12 +95,16 @@ class Staging:
 
 @dataclass
 class Ahead:
-    """A first group staged for ``backend`` before its router ran."""
+    """The first groups staged for ``backend`` before its router ran, each with its buffer and the
+    event its reader waits on."""
 
     backend: OffloadBackend
-    experts: np.ndarray
-    buf: int
-    ready: torch.cuda.Event | None
+    groups: list[np.ndarray]
+    staged: list[tuple[int, torch.cuda.Event | None]]
+
+    @property
+    def experts(self) -> np.ndarray:
+        return np.concatenate(self.groups)
 
 
 @dataclass
@@ -339,9 +348,8 @@ class OffloadBackend:
         groups = [staged[i : i + st.rows] for i in range(0, len(staged), st.rows)]
         ready = [None] * len(groups)  # (buffer, event) once staged: at most two at a time
         if ahead is not None:
-            groups.insert(0, ahead.experts)
-            ready.insert(0, (ahead.buf, ahead.ready))
-            sh.ahead_used += 1
+            groups[:0], ready[:0] = ahead.groups, ahead.staged
+            sh.ahead_used += len(ahead.groups)
         for g in range(min(2, len(groups))):  # in flight while the hits compute in place
             ready[g] = ready[g] or self._stage(groups[g])
         # the pairs are grouped once the first copies are on their way (the link waits for nothing)
@@ -365,7 +373,10 @@ class OffloadBackend:
         return out.to(x.dtype)
 
     def _stage_ahead(self, pred_h: np.ndarray | None) -> None:
-        """Stage the next layer's likeliest host-only experts into the free staging buffer."""
+        """Stage the next layer's likeliest host-only experts into ``AHEAD_GROUPS`` groups: the
+        first into the buffer this layer's second-to-last group freed, the second into the one
+        its last group is reading (its copy waits for that kernel), so that both buffers stream
+        through the next layer's mixer and router."""
         nxt = self.next
         if nxt is None or nxt.map is None:
             return
@@ -375,9 +386,10 @@ class OffloadBackend:
         use = (
             nxt.map.freq if pred_h is None else np.bincount(pred_h.reshape(-1), minlength=nxt.map.num_experts)
         )
-        group = np.sort(host_only[np.argsort(-use[host_only], kind="stable")][: self.shared.staging.rows])
-        buf, ready = nxt._stage(group)
-        self.shared.ahead = Ahead(nxt, group, buf, ready)
+        rows = self.shared.staging.rows
+        ranked = host_only[np.argsort(-use[host_only], kind="stable")][: AHEAD_GROUPS * rows]
+        groups = [np.sort(ranked[i : i + rows]) for i in range(0, len(ranked), rows)]
+        self.shared.ahead = Ahead(nxt, groups, [nxt._stage(group) for group in groups])
 
     def _stage(self, group: np.ndarray) -> tuple[int, torch.cuda.Event | None]:
         """Copy a group of experts into the next staging buffer; returns the buffer and the event
