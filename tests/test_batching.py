@@ -54,6 +54,23 @@ def test_chunked_prefill_equals_one_shot(ckpt, alone, chunk):
         assert_same(got, want, tol=5e-5)
 
 
+def test_prompt_logprobs_in_capped_batches_equal_one_shot(ckpt, alone, monkeypatch):
+    """The engine's cap on prompt rows with log-probs a batch (3 here): every prompt position
+    still gets its log-probs, as computed in one shot."""
+    from ft.engine import engine
+
+    caps, scheduler = [], engine.Scheduler
+    monkeypatch.setattr(
+        engine, "Scheduler", lambda *a, **kw: (caps.append(kw["prompt_logprob_rows"]), scheduler(*a, **kw))[1]
+    )
+    monkeypatch.setattr(
+        engine, "PROMPT_LOGPROB_BYTES", 3 * 8 * 96
+    )  # tests/checkpoints.py: a vocabulary of 96
+    for got, want in zip(generate(ckpt, PROMPTS), alone):
+        assert_same(got, want, tol=5e-5)
+    assert caps == [3]
+
+
 def test_small_pool_preempts_and_recomputes(ckpt, alone):
     # 12 blocks of 4 tokens: enough for the longest request (29 tokens) but not for all at once
     with LLM(
@@ -82,3 +99,21 @@ def test_request_that_cannot_fit_is_refused(ckpt):
         with pytest.raises(ValueError, match="vocabulary"):
             llm.generate([[1, 2], [1, 10_000]], SamplingParams(max_tokens=4))
         assert not llm.engine.has_unfinished_requests()  # the good prompt was not left queued
+
+
+def test_prompt_logprob_rows_cap_what_a_batch_computes_of_such_prompts():
+    """A batch computes at most ``prompt_logprob_rows`` prompt tokens of requests asking their
+    prompt log-probs (their logits live at once), the rest of its budget for the others; such a
+    prompt takes more batches, each capped, and its last one samples."""
+    from ft.scheduler.kv_pool import BlockAllocator
+    from ft.scheduler.request import Request
+    from ft.scheduler.scheduler import Scheduler
+    from ft.scheduler.state_pool import SlotAllocator
+
+    sched = Scheduler(BlockAllocator(64, 4), SlotAllocator(4), 4, 64, 256, prompt_logprob_rows=5)
+    lp = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    sched.add(Request("plain", list(range(20)), SamplingParams(max_tokens=2)))
+    sched.add(Request("lp", list(range(12)), lp))
+    sched.add(Request("lp2", list(range(12)), lp))
+    first = {s.request_id: len(s.token_ids) for s in sched.schedule().seqs}
+    assert first == {"plain": 20, "lp": 5}  # lp2 waits (first come, first served): 5 rows taken

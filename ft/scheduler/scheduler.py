@@ -68,8 +68,13 @@ class Scheduler:
         max_model_len: int,
         cache: RadixCache | None = None,
         hybrid: bool = False,
+        prompt_logprob_rows: int | None = None,
     ) -> None:
         self.blocks, self.slots, self.cache, self.hybrid = blocks, slots, cache, hybrid
+        # the most prompt tokens a batch computes for requests asking their prompt log-probs: each
+        # such row's logits and their log-softmax live at once ([rows, V] fp32 each), whatever
+        # the chunk size (the engine sets it from the vocabulary)
+        self.prompt_logprob_rows = prompt_logprob_rows
         self.max_running = min(max_running, slots.num_slots)
         self.max_batched_tokens, self.max_model_len = max_batched_tokens, max_model_len
         self.waiting: deque[Request] = deque()
@@ -123,10 +128,14 @@ class Scheduler:
     # ---- building a batch
     def schedule(self) -> SchedulerOutput:
         budget, seqs, preempted = self.max_batched_tokens, [], []
+        self._logprob_rows = self.prompt_logprob_rows
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, budget)
+            if n == 0:  # its prompt log-probs wait for the next batch
+                i += 1
+                continue
             if self._grow(req, req.num_computed_tokens + n):
                 seqs.append(self._scheduled(req, n))
                 budget -= n
@@ -141,6 +150,8 @@ class Scheduler:
                 break
             self._hit(req)
             n = self._chunk(req, budget)
+            if n == 0:
+                break
             if not self._grow(req, req.num_computed_tokens + n):
                 self._release(req)
                 req.num_computed_tokens = req.num_cached_tokens = 0
@@ -169,8 +180,13 @@ class Scheduler:
         req.restore_snapshot = nodes[-1].snapshot if self.hybrid else None
 
     def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens of ``req`` to compute now."""
-        return min(req.num_tokens - req.num_computed_tokens, budget)
+        """Tokens of ``req`` to compute now (prompt tokens that want log-probs take what is left
+        of the batch's ``prompt_logprob_rows``)."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.wants_prompt_logprobs and self._logprob_rows is not None:
+            n = min(n, self._logprob_rows)
+            self._logprob_rows -= n
+        return n
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.blocks.blocks_for(num_tokens) - len(req.block_ids)
