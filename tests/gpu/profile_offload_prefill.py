@@ -145,12 +145,14 @@ def main() -> None:
     walls = sorted(prefill(s) for s in (1, 2, 3))
     cpu = os.environ.get("PROFILE_CPU", "0") == "1"  # also the host's operators, by self time
     stack = os.environ.get("PROFILE_STACK", "0") == "1"  # and the Python frames they ran under
+    trace = os.environ.get("TIMELINE", "0") == "1"  # gap_causes reads the host's ranges and frames
+    stack = stack or trace
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu or stack else [])
     with profile(activities=activities, with_stack=stack) as prof:
         prefill(4)
     if cpu:
         log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
-    if stack:  # e.g. what in fla's chunk function holds the host 2 ms a layer (2026-12-01)
+    if os.environ.get("PROFILE_STACK", "0") == "1":  # e.g. what in fla's chunk function holds the host
         python_frames(prof, log)
     if os.environ.get("TIMELINE", "0") == "1":
         path = "/tmp/ft_prefill_trace.json"

@@ -211,7 +211,7 @@ def route_and_count(
     slot, or -(host row + 1)) for the real rows of the batch (``real`` [T] bool), the null slot
     for rows that pad it; adds each real pair's use into ``uses`` [E + spare] int32. One kernel
     on a GPU with ``FUSED_ROUTE``, else torch's operators."""
-    if FUSED_ROUTE and ids.is_cuda:
+    if FUSED_ROUTE and ids.is_cuda and triton is not None:
         pairs = ids.numel()
         rows = torch.empty(ids.shape, dtype=route.dtype, device=ids.device)
         _route_and_count_kernel[(1,)](

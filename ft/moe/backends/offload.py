@@ -75,7 +75,7 @@ except ImportError:  # no triton: the block never asks for it
 AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's first groups early
 # groups staged ahead (at most the two staging buffers): 1 gained 2% on the 8k prefill (554 ->
 # 542 ms, 16 layers, one H200, 2026-12-01); 2 keep both buffers streaming (not yet measured)
-AHEAD_GROUPS = int(os.environ.get("FT_MOE_AHEAD_GROUPS", "2"))
+AHEAD_GROUPS = min(2, max(1, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "2"))))  # a third would reuse a buffer
 
 
 class Staging:
@@ -101,6 +101,7 @@ class Ahead:
     backend: OffloadBackend
     groups: list[np.ndarray]
     staged: list[tuple[int, torch.cuda.Event | None]]
+    before: torch.cuda.Event | None  # the copy stream just before them: the copies issued earlier
 
     @property
     def experts(self) -> np.ndarray:
@@ -344,7 +345,9 @@ class OffloadBackend:
         early = np.isin(experts, ahead.experts) if ahead is not None else np.zeros(len(experts), dtype=bool)
         in_place = np.zeros_like(hit) if sh.hit_d2d else hit & ~early  # resident, used in their slots
         staged = experts[~early & ~in_place]
-        sh.transfer.wait()  # prefetches into this layer's slots land before the hits are read
+        # prefetches into this layer's slots land before the hits are read: every copy issued
+        # before the groups staged ahead (those are waited for group by group below)
+        sh.transfer.wait(ahead.before if ahead is not None else None)
         groups = [staged[i : i + st.rows] for i in range(0, len(staged), st.rows)]
         ready = [None] * len(groups)  # (buffer, event) once staged: at most two at a time
         if ahead is not None:
@@ -367,9 +370,9 @@ class OffloadBackend:
                 ready[g + 2] = self._stage(groups[g + 2])
         if shared is not None:  # its term, as the fused call adds it after the routed ones
             out += shared_pair_alone(x, shared).float()
+        self._prefetch_next(pred_h)  # before staging ahead: the next layer waits for it, not them
         if sh.stream_ahead and len(x) * weights.shape[1] >= AHEAD_PAIRS * self.store.num_experts:
             self._stage_ahead(pred_h)
-        self._prefetch_next(pred_h)
         return out.to(x.dtype)
 
     def _stage_ahead(self, pred_h: np.ndarray | None) -> None:
@@ -389,7 +392,8 @@ class OffloadBackend:
         rows = self.shared.staging.rows
         ranked = host_only[np.argsort(-use[host_only], kind="stable")][: AHEAD_GROUPS * rows]
         groups = [np.sort(ranked[i : i + rows]) for i in range(0, len(ranked), rows)]
-        self.shared.ahead = Ahead(nxt, groups, [nxt._stage(group) for group in groups])
+        before = self.shared.transfer.record_copies()  # what the next layer waits for at its start
+        self.shared.ahead = Ahead(nxt, groups, [nxt._stage(group) for group in groups], before)
 
     def _stage(self, group: np.ndarray) -> tuple[int, torch.cuda.Event | None]:
         """Copy a group of experts into the next staging buffer; returns the buffer and the event

@@ -49,16 +49,18 @@ def activation_bytes_per_token(mc, dtype_bytes: int = 2) -> int:
     return dtype_bytes * (16 * h + 3 * widest + k * (2 * h + 2 * inter)) + 4 * h
 
 
-def prefill_chunk(cfg: EngineConfig, mc, device: torch.device, offloads: bool) -> int:
+def prefill_chunk(cfg: EngineConfig, mc, device: torch.device, streams: bool) -> int:
     """Tokens a prefill chunk takes: ``--chunked-prefill-size`` when given; else, when the
-    experts stream (offload, hybrid), the largest power of two up to ``OFFLOAD_PREFILL_CHUNK``
+    experts stream (``streams``: offload, hybrid), the largest power of two up to ``OFFLOAD_PREFILL_CHUNK``
     whose activations fit what the plan keeps free (``reserve_bytes`` less ``GRAPH_MARGIN``),
     because every chunk streams every host expert once: in 8k chunks a 32k prompt streams the
     full 80B's 36 GB of bf16 host experts four times (an 8k chunk took 1.06 s on an H200,
-    docs/benchmarks.md, 2026-12-01); otherwise ``DEFAULT_PREFILL_CHUNK``."""
+    docs/benchmarks.md, 2026-12-01); otherwise ``DEFAULT_PREFILL_CHUNK``. The price: a hybrid
+    model's prefix cache keeps one GDN snapshot a chunk, so a shared prefix resumes at chunk
+    boundaries, 16k apart instead of 8k."""
     if cfg.max_num_batched_tokens is not None:
         return cfg.max_num_batched_tokens
-    if not offloads or device.type != "cuda":
+    if not streams or device.type != "cuda":
         return DEFAULT_PREFILL_CHUNK
     room = reserve_bytes(device_memory(cfg, device)[1]) - GRAPH_MARGIN
     return grown_chunk(room, activation_bytes_per_token(mc))

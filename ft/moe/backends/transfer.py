@@ -103,6 +103,15 @@ class Transfer:
         else:
             main.wait_event(event)
 
+    def record_copies(self) -> torch.cuda.Event | None:
+        """An event at the copy stream's current position: every copy issued so far (``wait``
+        on it leaves out those issued after)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
     def record_main(self) -> torch.cuda.Event | None:
         """An event at the main stream's current position (a staging buffer's last reader)."""
         if not self.cuda:
