@@ -139,3 +139,15 @@ def test_bench_offline_compare_hf_adds_a_transformers_row(tmp_path, capsys):
     assert "transformers single_stream_tok_s" in capsys.readouterr().out
     hf = json.loads(out_json.read_text())["hf"]
     assert hf["single_stream_tok_s"] > 0 and hf["ttft_ms"] > 0
+
+
+def test_an_offloaded_prefill_reports_its_share_of_the_link():
+    """The prefill line gives the bytes the prefill moved over PCIe, their rate over its wall time
+    and that rate against the measured host-to-device copy rate (issue 8's prefill figure)."""
+    from ft.bench.offline import Report, format_report
+
+    moe = dict(backend="offload", slots_per_layer=393, experts_per_layer=512, residency=0.77, policy="lru",
+               prefetch=True, routing_skew=0.0, h2d_gb_s=55.0)  # fmt: skip
+    r = Report("m", "H200", 4200.0, prefill={8000: 8000.0}, prefill_streamed={8000: 36e9}, moe=moe)
+    want = "prefill 8000 tokens: 8,000 tok/s; streamed 36.00 GB at 36.0 GB/s (65% of the link)"
+    assert want in format_report(r)

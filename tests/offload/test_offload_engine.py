@@ -118,6 +118,10 @@ def test_plan_line_and_bench_offline_report_offload(tmp_path, capsys):
     assert "ft rank 0/1: moe offload (lfu, prefetch on): 3 layers x 4/8 experts resident (50%)" in out
     assert "moe offload: 4/8 experts resident per layer (50%), policy lfu, prefetch on" in out
     assert "1  decode hit rate" in out and "MB over PCIe per token" in out
+    # the prefill's streamed bytes: every non-resident expert of the 3 layers at least once (a
+    # CPU has no measured copy rate, so no share of the link)
+    line = next(x for x in out.splitlines() if x.startswith("prefill 16 tokens:"))
+    assert "; streamed " in line and " MB at " in line and "of the link" not in line
 
 
 def test_bench_offline_reports_the_host_reads_prefetch(tmp_path, capsys, monkeypatch):
