@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
+#
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|bench|bench8k|hybrid
+#
+#   decode   the 16-layer cut under 40 GiB, batch 1: host_reads.FUSED_ROUTE on and off in turn,
+#            after the defaults' row warms the cache (decode_variants.py; ~3 min)
+#   prefill  the 16-layer cut's 8k prefill profiled (TIMELINE: why each large gap of the link),
+#            streaming ahead off, one group ahead, two (~6 min)
+#   bench    the full Qwen3-Next-80B-A3B in bf16, uniform routing: batch 1, 8k and 32k prefill
+#            with the chunk the engine now picks (16384), each prefill's share of the link
+#            (~6 min: 215 s of it loading)
+#   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
+#   hybrid   the same model with --moe-backend hybrid, batch 1 and 8 (~5 min)
+#
+# Logs go to OUT_DIR; the last lines printed are the figures, for docs/benchmarks.md.
+set -uo pipefail
+out=${1:?OUT_DIR}
+stage=${2:?stage}
+mkdir -p "$out"
+next=configs/qwen3_next_80b_a3b.json
+bench=(python3 -m ft bench offline --config "$next" --load-format dummy --device cuda)
+case $stage in
+decode)
+  fused=ft.moe.backends.host_reads:FUSED_ROUTE
+  timeout 280 python3 tests/gpu/decode_variants.py "$next" "$out/decode.log" --layers=16 --max-gpu-memory=40GiB \
+    $fused $fused=0 $fused $fused=0 >"$out/decode.out" 2>&1
+  grep -E "tok/s" "$out/decode.log" | cut -c1-200
+  ;;
+prefill)
+  for ahead in 0 1 2; do
+    flags=()
+    [[ $ahead != 0 ]] && flags=(STREAM_AHEAD=1 FT_MOE_AHEAD_GROUPS=$ahead)
+    env "${flags[@]}" PROFILE_CPU=1 TIMELINE=1 PROFILE_STACK=1 timeout 170 \
+      python3 tests/gpu/profile_offload_prefill.py "$next" 16 0.6 8000 "$out/prefill_ahead$ahead.log" \
+      >"$out/prefill_ahead$ahead.out" 2>&1
+    echo "ahead $ahead: $(grep -E '^== prefill' "$out/prefill_ahead$ahead.log")"
+    grep -E "^  link idle" "$out/prefill_ahead$ahead.log" | head -4
+  done
+  ;;
+bench)
+  timeout 420 "${bench[@]}" --moe-backend offload --batch-sizes 1 --input-len 1024 --output-len 32 \
+    --prefill-lens 8000,32768 --num-tokens 40000 --output-json "$out/bench.json" >"$out/bench.log" 2>&1
+  grep -E "^(single-stream|prefill|moe)" "$out/bench.log"
+  ;;
+bench8k)
+  timeout 420 "${bench[@]}" --moe-backend offload --batch-sizes 1 --input-len 1024 --output-len 8 \
+    --prefill-lens 32768 --num-tokens 40000 --chunked-prefill-size 8192 >"$out/bench8k.log" 2>&1
+  grep -E "^prefill" "$out/bench8k.log" | sed 's/^/chunks of 8192: /'
+  ;;
+hybrid)
+  timeout 420 "${bench[@]}" --moe-backend hybrid --batch-sizes 1,8 --max-running-requests 8 --input-len 1024 \
+    --output-len 64 --prefill-lens "" --num-tokens 40000 --output-json "$out/hybrid.json" >"$out/hybrid.log" 2>&1
+  grep -E "^(single-stream|moe| +[0-9]+ )" "$out/hybrid.log"
+  ;;
+*)
+  echo "unknown stage $stage" >&2
+  exit 2
+  ;;
+esac
