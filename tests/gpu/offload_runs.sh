@@ -11,7 +11,8 @@
 #            with the chunk the engine now picks (16384), each prefill's share of the link
 #            (~6 min: 215 s of it loading)
 #   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
-#   hybrid   the same model with --moe-backend hybrid, batch 1 and 8 (~5 min)
+#   hybrid   the host CPU's rate on one expert (cpu_expert_rate.py, ~30 s), then the same model
+#            with --moe-backend hybrid, batch 1 and 8 (~5 min)
 #
 # Logs go to OUT_DIR; the last lines printed are the figures, for docs/benchmarks.md.
 set -uo pipefail
@@ -49,6 +50,8 @@ bench8k)
   grep -E "^prefill" "$out/bench8k.log" | sed 's/^/chunks of 8192: /'
   ;;
 hybrid)
+  timeout 90 python3 tests/gpu/cpu_expert_rate.py >"$out/cpu_expert_rate.log" 2>&1
+  cat "$out/cpu_expert_rate.log"
   timeout 420 "${bench[@]}" --moe-backend hybrid --batch-sizes 1,8 --max-running-requests 8 --input-len 1024 \
     --output-len 64 --prefill-lens "" --num-tokens 40000 --output-json "$out/hybrid.json" >"$out/hybrid.log" 2>&1
   grep -E "^(single-stream|moe| +[0-9]+ )" "$out/hybrid.log"
