@@ -24,7 +24,10 @@ def test_gap_causes_tells_a_late_host_from_a_copy_waiting_on_the_device():
         {"ph": "X", "cat": "user_annotation", "name": "ft.offload.ids_to_host", "ts": 250, "dur": 950},
         {"ph": "X", "cat": "python_function", "name": "fla/ops/chunk.py(10): forward", "ts": 290, "dur": 99},
         {"ph": "X", "cat": "python_function", "name": "ft/models/decoder.py(5): fwd", "ts": 0, "dur": 1e4},
+        {"ph": "X", "cat": "cpu_op", "name": "a loader thread's op", "ts": 1390, "dur": 20, "tid": 9},
     ]  # fmt: skip
+    for e in events[8:11]:
+        e["tid"] = 1  # the engine's thread: the one with the ft.offload ranges
     late, waited = gap_causes(events)
     assert "link idle 1.00 ms" in late and "0.90 ms into the gap (the host was late)" in late
     assert late.endswith("fla/ops/chunk.py(10): forward")  # the innermost range at the gap's start

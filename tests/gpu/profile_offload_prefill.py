@@ -76,7 +76,8 @@ def timeline(path: str, log, gaps: int = 2, window_us: float = 800.0) -> None:
 def python_frames(prof, log, rows: int = 40) -> None:
     """The Python functions the host ran (``with_stack``'s frames, torch records them as events of
     their own: grouping operators by stack gives no frames), by total host time: where the host's
-    time a prefill goes, ours and fla's, callers above callees."""
+    time a prefill goes, ours and fla's, callers above callees. A frame around a
+    ``record_function`` range can show a negative self time (torch subtracts both)."""
     frames = [e for e in prof.key_averages() if ".py(" in e.key and "profiler" not in e.key]
     log(f"  {'host total ms':>13} {'self ms':>8} {'calls':>6}  Python function")
     for e in sorted(frames, key=lambda e: -e.cpu_time_total)[:rows]:
@@ -100,6 +101,8 @@ def gap_causes(events: list[dict], gaps: int = 8) -> list[str]:
         if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
     }
     host = [e for e in events if e.get("cat") in ("user_annotation", "python_function", "cpu_op")]
+    ours = {e.get("tid") for e in host if e["name"].startswith("ft.offload.")}  # the engine's thread
+    host = [e for e in host if e.get("tid") in ours] if ours else host
     busy = merged([(e["ts"], e["ts"] + e["dur"]) for e in copies])
     holes = [(b0, a1) for (_, b0), (a1, _) in zip(busy, busy[1:])][1:]
     lines = []
