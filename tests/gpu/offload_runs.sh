@@ -3,8 +3,9 @@
 #
 #   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|bench|bench8k|hybrid
 #
-#   decode   the 16-layer cut under 40 GiB, batch 1: host_reads.FUSED_ROUTE on and off in turn,
-#            after the defaults' row warms the cache (decode_variants.py; ~3 min)
+#   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
+#            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
+#            under 16 GiB (about two thirds resident), where a launch is a larger share (~5 min)
 #   prefill  the 16-layer cut's 8k prefill profiled (TIMELINE: why each large gap of the link),
 #            streaming ahead off, one group ahead, two (~6 min)
 #   bench    the full Qwen3-Next-80B-A3B in bf16, uniform routing: batch 1, 8k and 32k prefill
@@ -26,7 +27,9 @@ decode)
   fused=ft.moe.backends.host_reads:FUSED_ROUTE
   timeout 280 python3 tests/gpu/decode_variants.py "$next" "$out/decode.log" --layers=16 --max-gpu-memory=40GiB \
     $fused $fused=0 $fused $fused=0 >"$out/decode.out" 2>&1
-  grep -E "tok/s" "$out/decode.log" | cut -c1-200
+  timeout 280 python3 tests/gpu/decode_variants.py "$next" "$out/decode_nvfp4.log" --layers=16 --nvfp4 \
+    --max-gpu-memory=16GiB $fused $fused=0 $fused $fused=0 >"$out/decode_nvfp4.out" 2>&1
+  grep -hE "tok/s" "$out/decode.log" "$out/decode_nvfp4.log" | cut -c1-200
   ;;
 prefill)
   for ahead in 0 1 2; do
