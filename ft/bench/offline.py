@@ -11,7 +11,8 @@ steps' expert-cache hit rate, the expert bytes copied host -> device per generat
 the PCIe floor: a decode step can be no faster than its copied bytes over the measured pinned
 host -> device bandwidth plus its HBM roofline time. ``--dummy-routing-skews 0,1`` and
 ``--expert-cache-policies lru,lfu`` measure every combination on one loaded model (the engine
-switches in place, ``LLMEngine.set_moe_variant``), one report each.
+switches in place, ``LLMEngine.set_moe_variant``, and each variant's expert caches start again
+from the start-up fill, so no row inherits the one before), one report each.
 """
 
 from __future__ import annotations

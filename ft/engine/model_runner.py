@@ -141,7 +141,8 @@ class ModelRunner:
         """Switch the expert-cache policy and, with dummy weights, the routers' skew, in place, so
         ``ft bench offline`` measures several variants on one loaded model (loading an 80B
         offload store takes minutes). The routers are rescaled from the current skew to the new
-        one with the same popularity ranks (``ft.models.dummy.skew_routers``)."""
+        one with the same popularity ranks (``ft.models.dummy.skew_routers``). The expert caches
+        start again from their start-up fill."""
         if routing_skew is not None and routing_skew != self.routing_skew:
             if self.cfg.load_format != "dummy":
                 raise ValueError("a routing skew applies to dummy weights only (--load-format dummy)")
@@ -151,6 +152,7 @@ class ModelRunner:
             self.routing_skew = routing_skew
         if policy is not None:
             self.moe.set_policy(policy)
+        self.moe.restart_caches()  # each variant from the start-up fill, not the last one's cache
 
     def profile(self, action: str, calls: list | None = None) -> dict | float | None:
         """``begin``: decode runs eagerly (each kernel visible) and this process's kernels are

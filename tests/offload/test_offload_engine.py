@@ -197,6 +197,26 @@ def test_switching_the_moe_variant_equals_loading_it(tmp_path, tp):
     assert any(a.logprobs != b.logprobs for a, b in zip(uniform, loaded))  # the skew changed the routing
 
 
+def test_a_variant_starts_from_the_start_up_cache(tmp_path, monkeypatch):
+    """``set_moe_variant`` puts every cache back to its start-up fill (what each ``ft bench``
+    variant then starts from), with the use history forgotten; the outputs stay exact."""
+    from ft.moe.backends import host_reads
+
+    monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)  # every miss promoted: the cache moves
+    write_checkpoint(tmp_path, "qwen3_next", seed=4)
+    options = dict(device="cpu", dtype="float32", progress=False, moe_backend="offload")
+    options["expert_cache_fraction"] = 0.25
+    with LLM(model=str(tmp_path), **options) as llm:
+        maps = [c.map for c in llm.engine.executor.runner.moe.caches]
+        start = [m.slot_of.copy() for m in maps]
+        first = llm.generate(PROMPTS, PARAMS)
+        assert any((m.slot_of != s).any() for m, s in zip(maps, start))  # promotions moved experts
+        llm.engine.set_moe_variant("lru", None)
+        assert all((m.slot_of == s).all() and not m.freq.any() for m, s in zip(maps, start))
+        again = llm.generate(PROMPTS, PARAMS)
+    assert_close(again, first)
+
+
 def test_a_routing_skew_needs_dummy_weights(tmp_path):
     write_checkpoint(tmp_path, "qwen3_moe", seed=4)
     llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False, moe_backend="offload")

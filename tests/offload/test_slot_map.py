@@ -237,3 +237,16 @@ def test_warm_fills_the_empty_dynamic_slots_without_counting_uses():
     assert m.num_resident == 5 and m.warm() == []
     assert (m.counts.hits, m.counts.misses, m.counts.prefetched, m.counts.evictions) == (0, 1, 0, 0)
     assert m.resident(np.array([0, 1, 2, 3, 6])).all() and not m.resident(np.array([4, 5, 7])).any()
+
+
+def test_restart_returns_to_the_start_up_fill_and_forgets_the_uses():
+    m = SlotMap(16, 8, "lfu", static=2)
+    m.begin_step(0)
+    start = (m.warm(), m.slot_of.copy(), m.expert_in.copy())
+    for step in range(1, 6):
+        m.begin_step(step)
+        m.ensure(np.array([9, 11, 13, step + 8]))
+    assert not np.array_equal(m.slot_of, start[1]) and m.freq.any()
+    copies = m.restart()
+    assert np.array_equal(m.slot_of, start[1]) and np.array_equal(m.expert_in, start[2])
+    assert copies == start[0] and not m.freq.any() and (m.pin_step == -1).all()

@@ -160,6 +160,20 @@ class SlotMap:
         self.counts.prefetched += n
         return copies
 
+    def restart(self) -> list[tuple[int, int]]:
+        """Back to the start-up contents: every dynamic slot emptied, then filled as ``warm``
+        does, and the use history forgotten (``ft bench offline``'s variants each start from
+        it). Arrays change in place (``StackedMaps`` holds views of them). Returns the copies."""
+        dynamic = self.expert_in[self.static :]
+        self.slot_of[dynamic[dynamic >= 0]] = self.null
+        dynamic[:] = -1
+        self.last_use[:] = -1
+        self.pin_step[:] = -1
+        self.prefetched[:] = False
+        self.freq[:] = 0.0
+        self.dirty = True
+        return self.warm()
+
     def warm(self) -> list[tuple[int, int]]:
         """Fill the empty dynamic slots with the lowest-numbered experts not resident: a start-up
         fill, so the first requests find the residency the plan reports. Counts no use."""

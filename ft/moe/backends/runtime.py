@@ -243,6 +243,30 @@ class MoeRuntime:
         if self.reads is not None:
             self.reads.discard()
 
+    def restart_caches(self) -> None:
+        """Every expert cache back to its start-up fill (``SlotMap.restart``), copied in now, so
+        that each variant ``ft bench offline`` measures on one loaded model starts from the same
+        contents instead of the previous variant's."""
+        if not self.caches:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no kernel or copy still on a slot
+        if self.reads is not None:
+            self.reads.flush()
+            self.reads.discard()
+        for backend in self.backends:
+            cache = getattr(backend, "cache", None)
+            if cache is not None:
+                cache.copying.clear()
+                backend.copy_in(backend.map.restart())
+        self.shared.transfer.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # landed, and not part of what is measured next
+        if self.reads is not None:
+            self.reads.tables.publish()  # every slot routed to now: its copy has landed
+        for cache in self.caches:
+            cache.publish()
+
     def set_policy(self, policy: str) -> None:
         for cache in self.caches:
             cache.map.set_policy(policy)
