@@ -125,7 +125,7 @@ def test_a_streamed_layer_uploads_its_pairs_once(ckpt, refs, monkeypatch):
     pairs and weight rows from one upload of the layer's, in order, empty runs included."""
     import numpy as np
 
-    from ft.moe.backends import offload
+    from ft.moe.backends import offload, pairs
 
     runs = [
         (np.array([3, 1]), np.array([0, 0])),
@@ -133,14 +133,14 @@ def test_a_streamed_layer_uploads_its_pairs_once(ckpt, refs, monkeypatch):
         (np.array([7]), np.array([2])),
     ]
     weights = torch.arange(16.0).view(8, 2) / 16  # k = 2: pair p is token p // 2
-    got = offload.upload_pairs(runs, weights)
+    got = pairs.upload_pairs(runs, weights)
     assert [(t.tolist(), (w[:, 0] * 16).tolist(), r.tolist()) for t, w, r in got] == [
         ([1, 0], [3, 1], [0, 0]), ([], [], []), ([3], [7], [2])
     ]  # fmt: skip
     uploads, streamed = [], []
-    real_upload, real_stream = offload.upload, offload.OffloadBackend._stream
+    real_upload, real_stream = pairs.upload, offload.OffloadBackend._stream
     monkeypatch.setattr(
-        offload, "upload", lambda t, device: (uploads.append(len(t)), real_upload(t, device))[1]
+        pairs, "upload", lambda t, device: (uploads.append(len(t)), real_upload(t, device))[1]
     )
     monkeypatch.setattr(
         offload.OffloadBackend,
@@ -159,7 +159,7 @@ def test_pairs_of_lists_each_experts_pairs_in_order():
     ascending, with the weight row given for it (default its position) — against a scan."""
     import numpy as np
 
-    from ft.moe.backends.offload import Pairs
+    from ft.moe.backends.pairs import Pairs
 
     rng = np.random.default_rng(3)
     ids = np.stack([rng.choice(16, 3, replace=False) for _ in range(40)])  # T=40, k=3, E=16

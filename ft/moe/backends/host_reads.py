@@ -211,6 +211,12 @@ def route_and_count(
     slot, or -(host row + 1)) for the real rows of the batch (``real`` [T] bool), the null slot
     for rows that pad it; adds each real pair's use into ``uses`` [E + spare] int32. One kernel
     on a GPU with ``FUSED_ROUTE``, else torch's operators."""
+    assert ids.dim() == 2 and real.shape == ids.shape[:1] and real.dtype == torch.bool, (
+        f"ids [T, k] and real [T] bool, got {tuple(ids.shape)} and {tuple(real.shape)} {real.dtype}"
+    )
+    assert uses.dim() == 1 and uses.dtype == torch.int32 and uses.is_contiguous(), (
+        f"uses must be a contiguous int32 row, got {uses.dtype} {tuple(uses.shape)}"
+    )
     if FUSED_ROUTE and ids.is_cuda and triton is not None:
         pairs = ids.numel()
         rows = torch.empty(ids.shape, dtype=route.dtype, device=ids.device)

@@ -63,9 +63,9 @@ from ft.moe.backends.host_prefetch import Spare, route_of
 from ft.moe.backends.host_reads import HostReads, route_and_count
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout
+from ft.moe.backends.pairs import Pairs, run_pairs, upload_pairs
 from ft.moe.backends.prefetch import Prefetch
 from ft.moe.backends.transfer import Transfer
-from ft.utils import upload
 
 try:  # a block's shared expert as one more GEMV pair (``triton_moe_gemv.SHARED_AS_PAIR``), on a GPU
     from ft.moe.kernels.triton_moe_gemv import shared_pair_alone
@@ -152,51 +152,6 @@ def decode_only() -> bool:
         return get_forward_context().batch.is_decode_only
     except RuntimeError:  # a block called outside the engine: treat as decode
         return True
-
-
-class Pairs:
-    """A batch's (token, k) pairs grouped by expert, to hand a kernel the pairs of some experts."""
-
-    def __init__(self, ids_h: np.ndarray, num_experts: int) -> None:
-        flat = ids_h.reshape(-1)  # [T*k] pair p = token * k + j
-        # pairs by expert, ascending within one; numpy radix-sorts 16-bit keys (8x faster at 80k)
-        self.order = np.argsort(flat.astype(np.uint16) if num_experts <= 1 << 16 else flat, kind="stable")
-        self.counts = np.bincount(flat, minlength=num_experts)  # [E]
-        self.starts = np.cumsum(self.counts) - self.counts
-
-    def of(self, experts: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(the pairs routed to ``experts``, the weight row each runs on: ``rows[i]`` for
-        ``experts[i]``, by default i). Each expert's pairs are one run of ``order``: the runs'
-        positions come from one repeat, not a slice per expert."""
-        counts = self.counts[experts]
-        rows = np.arange(len(experts)) if rows is None else rows
-        if len(experts) == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        ends = np.cumsum(counts)
-        at = np.arange(ends[-1]) + np.repeat(self.starts[experts] - (ends - counts), counts)
-        return self.order[at], np.repeat(rows, counts)
-
-
-def upload_pairs(
-    runs: list[tuple[np.ndarray, np.ndarray]], weights: torch.Tensor
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Each run's (tokens, pair weights, weight rows) on ``weights``' device, as ``run_pairs``
-    takes them, from one upload and one gather for all of them: a layer streaming a long chunk
-    runs a kernel call per staging group, and one pinned upload a call (two arrays each) cost
-    ~250 us of host time on an H200's host (2026-12-01, 14 a layer), as did the per-call
-    operators on the device's tensors (a division and a gather, ~45 us of host time each)."""
-    k = weights.shape[1]
-    sel = np.concatenate([np.zeros(0, np.int64)] + [r[0].astype(np.int64, copy=False) for r in runs])
-    rows = np.concatenate([np.zeros(0, np.int64)] + [r[1].astype(np.int64, copy=False) for r in runs])
-    n = len(sel)
-    dev = upload(torch.from_numpy(np.concatenate([sel, sel // k, rows])), weights.device)
-    pair_w = weights.reshape(-1)[dev[:n]].unsqueeze(1)  # [P, 1]
-    out, at = [], 0
-    for r in runs:
-        m = len(r[0])
-        out.append((dev[n + at : n + at + m], pair_w[at : at + m], dev[2 * n + at : 2 * n + at + m]))
-        at += m
-    return out
 
 
 class OffloadBackend:
@@ -420,17 +375,3 @@ class OffloadBackend:
 
 def _nothing() -> None:
     pass
-
-
-def run_pairs(bank, tensors, x, out, tok: torch.Tensor, pair_w: torch.Tensor, rows: torch.Tensor) -> None:
-    """out[tok[i]] += pair_w[i] · expert(x[tok[i]]) on ``tensors``' row ``rows[i]``, k = 1 each
-    (on x's device: ``upload_pairs``).
-
-    Each expert sees the same tokens, in the same order, as in one call over the whole batch, and
-    the kernel takes the batch's path (``batch_tokens``), so its rows of the result are the same;
-    only the order of a token's k terms in ``out`` may differ.
-    """
-    if len(tok) == 0:
-        return
-    y = bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows.unsqueeze(1), batch_tokens=len(x))
-    out.index_add_(0, tok, y.float())
