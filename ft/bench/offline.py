@@ -79,6 +79,11 @@ def _sync(engine: LLMEngine) -> None:
         torch.cuda.synchronize()
 
 
+def offloads(engine: LLMEngine) -> bool:
+    """Whether the engine's routed experts live off the GPU (a backend other than gpu)."""
+    return engine.plan.moe is not None and engine.plan.moe.backend != "gpu"
+
+
 def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
     """Run prompts to completion; returns wall time, first-token time and pure-decode step times,
     and for offloaded experts the decode steps' hit rate and bytes copied per token. The MoE
@@ -90,7 +95,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
         engine.add_request(p, params)
     start = time.perf_counter()
     first, decode_steps = None, []
-    moe = engine.plan.moe is not None and engine.plan.moe.backend != "gpu"
+    moe = offloads(engine)
     before, clean, tokens = None, True, 0  # MoE counters at the window's start; only decode steps in it
     while engine.has_unfinished_requests():
         decode_only = not engine.scheduler.waiting and all(
@@ -168,7 +173,7 @@ def bench(
     hbm_gb_s = measure_bandwidth(device) / 1e9
     h2d_gb_s = None
     moe = engine.plan.moe
-    offloaded = moe is not None and moe.backend != "gpu"
+    offloaded = offloads(engine)
     if offloaded and device.type == "cuda":
         h2d_gb_s = measure_h2d() / 1e9
     reports = []
@@ -229,10 +234,9 @@ def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, bat
                 step_floor = n * res["h2d_per_token"] / (h2d * 1e9) + sb.total / (report.hbm_gb_s * 1e9)
                 row.pcie_floor_tok_s = n / step_floor
         report.rows.append(row)
-    offloads = engine.plan.moe is not None and engine.plan.moe.backend != "gpu"
     for length in prefill_lens:
         run_batch(engine, [prompt(length)], 1)  # warm-up
-        before = engine.stats() if offloads else None
+        before = engine.stats() if offloads(engine) else None
         res = run_batch(engine, [prompt(length)], 1)
         report.prefill[length] = length / res["wall"]
         if before is not None:  # what the link carried for it (issue 8 asks >= 85% of its bandwidth)

@@ -221,7 +221,7 @@ class ModelRunner:
             for conv, ssm in (m.state_shapes() for m in gdn)
         )
         kv_bytes = num_blocks * self.cfg.block_size * self._kv_bytes_per_token()
-        chunk = prefill_chunk(self.cfg, self.mc, self.device, self.moe.name in ("offload", "hybrid"))
+        chunk = prefill_chunk(self.cfg, self.mc, self.device, self.moe.streams)
         return PoolPlan(num_blocks, slots - 1, 0, kv_bytes, state_bytes, snaps, bool(gdn), None, chunk)
 
     def _allocate_pools(self, plan: PoolPlan) -> PoolPlan:

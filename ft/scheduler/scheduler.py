@@ -75,6 +75,7 @@ class Scheduler:
         # such row's logits and their log-softmax live at once ([rows, V] fp32 each), whatever
         # the chunk size (the engine sets it from the vocabulary)
         self.prompt_logprob_rows = prompt_logprob_rows
+        self._logprob_rows = prompt_logprob_rows  # what the batch being built has left of them
         self.max_running = min(max_running, slots.num_slots)
         self.max_batched_tokens, self.max_model_len = max_batched_tokens, max_model_len
         self.waiting: deque[Request] = deque()
@@ -185,7 +186,6 @@ class Scheduler:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         if req.wants_prompt_logprobs and self._logprob_rows is not None:
             n = min(n, self._logprob_rows)
-            self._logprob_rows -= n
         return n
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
@@ -205,6 +205,8 @@ class Scheduler:
         targets = None
         if req.wants_prompt_logprobs:
             targets = req.prompt_token_ids[start + 1 : min(start + n + 1, req.prompt_len)]
+            if self._logprob_rows is not None:  # taken once the batch holds them (not on a retry)
+                self._logprob_rows -= n
         snapshot, at = None, 0
         if self.hybrid and self.cache is not None:
             # the last block boundary in (start, start + n] that a later request could hit

@@ -29,6 +29,7 @@ def mc():
 
 def fake_memory(monkeypatch, budget: int, cap: int = 141 * GiB) -> None:
     monkeypatch.setattr(sizing, "device_memory", lambda cfg, device: (budget, cap))
+    monkeypatch.setattr(sizing, "device_cap", lambda cfg, device, total=None: cap)
 
 
 def make(mc, tp: int = 1, **options) -> runtime.MoeRuntime:

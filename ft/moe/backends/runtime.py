@@ -77,6 +77,7 @@ class MoeRuntime:
         self.cfg, self.mc, self.tp, self.device, self.dtype = cfg, mc, tp, device, dtype
         self.name = self._choose()
         self.offloads = self.name in OFFLOADING
+        self.streams = self.offloads and self.name != "cpu"  # experts streamed through staging
         self.stores: list[HostStore] = []
         self.caches: list[ExpertCache] = []  # a lean store's, allocated before loading
         self.static = 0  # experts per layer on the GPU only (lean store)
@@ -170,7 +171,7 @@ class MoeRuntime:
                 backend = cls(store, self.caches[i], self.shared, first=i == 0)
             block.backend = backend
             self.backends.append(backend)
-        if self.name != "cpu":  # streaming ahead (offload, hybrid): the next layer's first group
+        if self.streams:  # streaming ahead (offload, hybrid): the next layer's first group
             for backend, nxt in zip(self.backends, self.backends[1:]):
                 backend.next = nxt
         for backend in self.backends:  # fill every cache at start-up: copies on the side stream
@@ -264,8 +265,9 @@ class MoeRuntime:
             torch.cuda.synchronize(self.device)  # landed, and not part of what is measured next
         if self.reads is not None:
             self.reads.tables.publish()  # every slot routed to now: its copy has landed
-        for cache in self.caches:
-            cache.publish()
+        else:
+            for cache in self.caches:
+                cache.publish()
 
     def set_policy(self, policy: str) -> None:
         for cache in self.caches:

@@ -64,7 +64,7 @@ def prefill_chunk(cfg: EngineConfig, mc, device: torch.device, streams: bool) ->
         return cfg.max_num_batched_tokens
     if not streams or device.type != "cuda":
         return DEFAULT_PREFILL_CHUNK
-    room = reserve_bytes(device_memory(cfg, device)[1]) - GRAPH_MARGIN
+    room = reserve_bytes(device_cap(cfg, device)) - GRAPH_MARGIN
     return grown_chunk(room, activation_bytes_per_token(mc))
 
 
@@ -85,8 +85,14 @@ def device_memory(cfg: EngineConfig, device: torch.device) -> tuple[int, int]:
     gc.collect()  # an engine closed earlier, still held by a reference cycle
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    cap = min(total, cfg.max_gpu_memory_bytes or total)
+    cap = device_cap(cfg, device, total)
     return int(cap * cfg.memory_ratio) - (total - free), cap
+
+
+def device_cap(cfg: EngineConfig, device: torch.device, total: int | None = None) -> int:
+    """What the engine plans for on ``device``: its memory, or ``--max-gpu-memory`` if smaller."""
+    total = torch.cuda.mem_get_info(device)[1] if total is None else total
+    return min(total, cfg.max_gpu_memory_bytes or total)
 
 
 def device_budget(cfg: EngineConfig, device: torch.device) -> int:
