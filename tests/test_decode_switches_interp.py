@@ -92,11 +92,12 @@ def check_moe_gemv_ids_ahead() -> None:
         require(torch.equal(outs[0], outs[1]), f"k={k} I={inter} {fmt} shared={shared}: results differ")
 
 
-def check_moe_gemv_fp4_groups() -> None:
-    """``triton_moe_gemv.FP4_GROUPS`` (NVFP4 codes multiplied nibble by nibble, a block's sum
-    scaled once) stays as close to the fp32 reference as the interleaved decode, I over one K
-    chunk and over several (a K tail); and a batch computed a pair at a time still matches one
-    call (to the last bit on a GPU; the interpreter rounds bf16 differently from torch)."""
+def check_moe_gemv_fp4_words() -> None:
+    """``triton_moe_gemv.FP4_WORDS`` (NVFP4 codes decoded from 64-bit words, a block's sum
+    scaled once; here the decode's Triton twin: the interpreter runs no PTX) stays as close to
+    the fp32 reference as the byte-wise decode, I over one K chunk and over several (a K tail);
+    and a batch computed a pair at a time still matches one call (to the last bit on a GPU; the
+    interpreter rounds bf16 differently from torch)."""
     from ft.moe.kernels import triton_moe_gemv as mod
     from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
     from tests.nvfp4.test_w4a16_gpu import random_bank
@@ -104,17 +105,18 @@ def check_moe_gemv_fp4_groups() -> None:
 
     gen = torch.Generator().manual_seed(2)
     e, h, t, k = 8, 96, 3, 3
-    for inter in (48, 640):
+    mod.NVFP4 = (32, 128, 4, 1)  # K chunks of 128: H = 96 and I = 48 a tail, I = 160 two and a tail
+    for inter in (48, 160):
         w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
         x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
         weights = torch.rand(t, k, generator=gen) / k
         ref = fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids)
         errs = {}
-        for groups in (False, True):
-            mod.FP4_GROUPS = groups
+        for words in (False, True):
+            mod.FP4_WORDS = words
             out = mod.launch_moe_gemv(x, w13, w2, weights, ids).float()
-            errs[groups] = ((out - ref).norm() / ref.norm()).item()
+            errs[words] = ((out - ref).norm() / ref.norm()).item()
         require(errs[True] < 1.1 * errs[False] + 1e-3, f"I={inter}: reference error {errs}")
         whole = mod.launch_moe_gemv(x, w13, w2, weights, ids).float()
         pairs = pairs_one_at_a_time(mod.launch_moe_gemv, x, w13, w2, weights, ids).float()
@@ -151,7 +153,7 @@ def check_gated_norm_gemv() -> None:
 CHECKS = [
     "check_conv_decode_one_launch",
     "check_moe_gemv_ids_ahead",
-    "check_moe_gemv_fp4_groups",
+    "check_moe_gemv_fp4_words",
     "check_gated_norm_gemv",
 ]
 

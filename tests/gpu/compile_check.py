@@ -79,12 +79,12 @@ def entries():
         "x": BF, "w": BF, "conv_state": BF, "context_lens": I32, "state_slots": I64, "out": BF,
     }, {"KC": 4, "KP": 4, "BLOCK_C": 256, "USE_PDL": 2}, 4, 3  # fmt: skip
     for name, ptrs, is4, warps in (("bf16", moe, False, 4), ("nvfp4", fp4, True, 8)):
-        for groups in (False, True) if is4 else (False,):
+        for words in (False, True) if is4 else (False,):
             common = {"TOPK": 10, "SHARED": 1, "FP4": is4, "EVEN_K": True, "BLOCK_N": 8, "BLOCK_K": 512,
-                      "FP4_GROUPS": groups, "USE_PDL": 2}  # fmt: skip
+                      "FP4_WORDS": words, "PTX": True, "USE_PDL": 2}  # fmt: skip
             for stages, host in ((1, False), (4, False), (4, True)):  # host: rows read from host memory
                 where = ", host rows" if host else ""
-                tag = f"{name}{' groups' if groups else ''}, loop stages {stages}{where}"
+                tag = f"{name}{' words' if words else ''}, loop stages {stages}{where}"
                 yield f"MoE GEMV gate/up {tag}", triton_moe_gemv._gate_up_kernel, ptrs, {
                     **common, "LOOP_STAGES": stages, "HOST": host}, warps, 4  # fmt: skip
                 for ahead in (False, True):

@@ -1,6 +1,7 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
-    python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [grouped] [conv] [extend]
+    python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels] [grouped] [conv]
+        [extend]
 
 (all sections when none is named). Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b,
 FT_SWEEP_MOE=E,I,H,k (Qwen3-30B: 128,768,2048,8; also the router section's E, H, k),
@@ -231,12 +232,12 @@ def moe_problem(t: int):
 
 
 # the MoE GEMV's loop switches (off on main until timed), each timed at the shipped tiles
-MOE_GEMV_SWITCHES = ("IDS_AHEAD", "PIPELINE", "FP4_GROUPS")
+MOE_GEMV_SWITCHES = ("IDS_AHEAD", "PIPELINE", "FP4_WORDS")
 
 
 def moe_gemv_variants(mod, fmt: str) -> list[tuple[str, ...]]:
-    """The switch combinations worth timing for a bank format (FP4_GROUPS only changes NVFP4)."""
-    names = [n for n in MOE_GEMV_SWITCHES if fmt == "nvfp4" or n != "FP4_GROUPS"]
+    """The switch combinations worth timing for a bank format (FP4_WORDS only changes NVFP4)."""
+    names = [n for n in MOE_GEMV_SWITCHES if fmt == "nvfp4" or n != "FP4_WORDS"]
     return [(n,) for n in names] + [tuple(names)]
 
 
@@ -275,6 +276,73 @@ def sweep_moe_gemv() -> None:
             rows[f"T={t} {fmt}"] = times
             print(f"  T={t} {fmt}: MMA path {times.get('MMA path') or float('nan'):.1f} us", flush=True)
     report("MoE GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", shipped, rows)
+
+
+def timed_moe_gemv(problem, up, down, *, fmt: str, names: tuple, shipped: tuple, words: bool) -> float | None:
+    """us per call of the MoE GEMV with gate/up tiles ``up``, down tiles ``down`` (module
+    constants ``names``) and FP4_WORDS = ``words``, checked against the ``shipped`` tiles' output."""
+    mod = triton_moe_gemv
+    banks, x, routes = problem
+    w13, w2 = banks[fmt]
+    mod.FP4_WORDS = False
+    for name, tiles in zip(names, shipped):
+        setattr(mod, name, tiles)
+    want = mod.launch_moe_gemv(x, w13, w2, *routes[0])
+    mod.FP4_WORDS = words
+    for name, tiles in zip(names, (up, down)):
+        setattr(mod, name, tiles)
+    calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
+    return try_config(calls[0], want, calls, 2e-2)
+
+
+def sweep_moe_gemv_kernels() -> None:
+    """The MoE GEMV's two kernels' tiles apart (``BF16``/``NVFP4`` for gate/up, ``*_DOWN`` for
+    down), per bank format with ``FP4_WORDS`` off and on: gate/up's grid (with FP4_WORDS only)
+    with down at the shipped tiles, then down's with gate/up at the best found; at T = 1 (a
+    batch-1 decode step), the best pair then timed at T = 2. Prints the env lines
+    (``FT_MOE_GEMV_*``) that set the best."""
+    mod = triton_moe_gemv
+    saved = {n: getattr(mod, n) for n in ("BF16", "NVFP4", "BF16_DOWN", "NVFP4_DOWN", "FP4_WORDS")}
+    up_grid = grid((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 4))
+    down_grid = grid((2, 4, 8, 16), (256, 512), (2, 4, 8), (1, 4))
+    problems = {t: moe_problem(t) for t in (1, 2)}
+    for fmt in MOE_FORMATS:
+        up_name, down_name = ("NVFP4", "NVFP4_DOWN") if fmt == "nvfp4" else ("BF16", "BF16_DOWN")
+        for words in (False, True) if fmt == "nvfp4" else (False,):
+            tag = f"{fmt}{' words' if words else ''}"
+
+            shipped_up = saved[up_name]
+            shipped_down = saved[down_name] or shipped_up
+            names = (up_name, down_name)
+            timed = P(
+                timed_moe_gemv, fmt=fmt, names=names, shipped=(saved[up_name], saved[down_name]), words=words
+            )
+            base = timed(problems[1], shipped_up, shipped_down)
+            # gate/up's tiles were swept with down's (``sweep_moe_gemv``): only the new decode's here
+            ups = {
+                cfg: timed(problems[1], cfg, shipped_down)
+                for cfg in dict.fromkeys([shipped_up, *(up_grid if words else ())])
+            }
+            best_up = min((c for c in ups if ups[c] is not None), key=ups.get, default=shipped_up)
+            downs = {
+                cfg: timed(problems[1], best_up, cfg) for cfg in dict.fromkeys([shipped_down, *down_grid])
+            }
+            best_down = min((c for c in downs if downs[c] is not None), key=downs.get, default=shipped_down)
+            fmt_us = lambda v: f"{v:.1f}" if v is not None else "failed"  # noqa: E731
+            print(f"== MoE GEMV kernels, {tag}: shipped {shipped_up} / {shipped_down} T=1 {fmt_us(base)} us")
+            for cfg, us in sorted(ups.items(), key=lambda kv: kv[1] or 1e9)[:5]:
+                print(f"  gate/up {cfg} (down {shipped_down}): {fmt_us(us)} us")
+            for cfg, us in sorted(downs.items(), key=lambda kv: kv[1] or 1e9)[:5]:
+                print(f"  down {cfg} (gate/up {best_up}): {fmt_us(us)} us")
+            t2 = timed(problems[2], best_up, best_down)
+            t2_base = timed(problems[2], shipped_up, shipped_down)
+            print(f"  best {best_up} / {best_down}: T=1 {fmt_us(downs.get(best_down))} us, "
+                  f"T=2 {fmt_us(t2)} us (shipped T=2 {fmt_us(t2_base)})")  # fmt: skip
+            env = f"FT_MOE_GEMV_{up_name}={','.join(map(str, best_up))} "
+            env += f"FT_MOE_GEMV_{down_name}={','.join(map(str, best_down))}"
+            print(f"  env{' FT_MOE_GEMV_FP4_WORDS=1' if words else ''} {env}", flush=True)
+            for n, v in saved.items():
+                setattr(mod, n, v)
 
 
 GROUPED_T = [int(v) for v in os.environ.get("FT_SWEEP_GROUPED_T", "1,64").split(",")]  # e.g. 1024,8192
@@ -410,6 +478,7 @@ def sweep_extend() -> None:
 
 
 SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router, "moe_gemv": sweep_moe_gemv,
+            "moe_gemv_kernels": sweep_moe_gemv_kernels,
             "grouped": sweep_grouped, "conv": sweep_conv, "extend": sweep_extend}  # fmt: skip
 
 

@@ -47,17 +47,18 @@ def reference(fmt: str, x, w13, w2, weights, ids):
     return fused_moe_ref(x.float(), w13[hit].float(), w2[hit].float(), weights, local)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "nvfp4-groups"])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "nvfp4-words"])
 @pytest.mark.parametrize("inter", [512, 256, 48])
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16])
 def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
-    """``nvfp4-groups``: NVFP4 with ``triton_moe_gemv.FP4_GROUPS`` (a block's sum scaled once)."""
+    """``nvfp4-words``: NVFP4 with ``triton_moe_gemv.FP4_WORDS`` (codes decoded a word at a time by
+    inline PTX, a block's sum scaled once)."""
     pytest.importorskip("triton")
     from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
 
-    monkeypatch.setattr(triton_moe_gemv, "FP4_GROUPS", fmt == "nvfp4-groups")
-    fmt = fmt.removesuffix("-groups")
+    monkeypatch.setattr(triton_moe_gemv, "FP4_WORDS", fmt == "nvfp4-words")
+    fmt = fmt.removesuffix("-words")
 
     x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + inter)
     got = fused_moe_gemv(x, w13, w2, weights, ids)
@@ -69,6 +70,24 @@ def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
     # same bf16 rounding of act; the MMA path also rounds each pair's term before the sum over k
     err = rel_err(got, mma(x, w13, w2, weights, ids))
     assert err < 4e-3, f"{fmt} T={t} I={inter}: relative error {err:.3g} against the MMA kernel"
+
+
+def test_inline_ptx_decode_equals_its_triton_twin():
+    """``triton_moe_gemv._eight_codes``: the inline PTX gives, bit for bit, the values its Triton
+    twin (``e2m1`` a nibble) gives, for all 16 codes in each of the eight nibbles and random words."""
+    pytest.importorskip("triton")
+    from tests.gpu.eight_codes_kernel import eight_codes_kernel
+
+    n = 1 << 16
+    words = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64)
+    words[:16] = sum(torch.arange(16) << (4 * j) for j in range(8))  # word c: code c in every nibble
+    words = ((words + 2**31) % 2**32 - 2**31).to(torch.int32).cuda()
+    got, want = (torch.empty(8, n, device="cuda") for _ in range(2))
+    eight_codes_kernel[(1,)](words, got, PTX=True, N=n)
+    eight_codes_kernel[(1,)](words, want, PTX=False, N=n)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], device="cuda")
+    assert torch.equal(got[:, :16] * 2**14, torch.cat([e2m1, -e2m1]).expand(8, 16)), "E2M1's values"
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

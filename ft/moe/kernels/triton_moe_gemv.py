@@ -41,6 +41,21 @@ from ft.quant.nvfp4 import NVFP4Tensor
 # T=1 (MMA path 46.4). T=1, k=10 with BLOCK_N 8 is 10 x 64 gate/up and 256 down programs.
 BF16 = (8, 512, 4, 4)
 NVFP4 = (8, 512, 8, 4)
+# the down kernel's own tiles (None: the gate/up kernel's): it runs one program per BLOCK_N rows of
+# H walking a token's k experts, 256 programs at T=1 against gate/up's 640, so it may want others
+BF16_DOWN = None
+NVFP4_DOWN = None
+
+
+def _tiles_from_env(name: str, default):
+    # FT_MOE_GEMV_<NAME>=BN,BK,WARPS,STAGES sets a tile for a process (what a sweep's best is
+    # benchmarked with before it is written here)
+    value = os.environ.get(f"FT_MOE_GEMV_{name}")
+    return tuple(int(v) for v in value.split(",")) if value else default
+
+
+BF16, NVFP4 = _tiles_from_env("BF16", BF16), _tiles_from_env("NVFP4", NVFP4)
+BF16_DOWN, NVFP4_DOWN = _tiles_from_env("BF16_DOWN", BF16_DOWN), _tiles_from_env("NVFP4_DOWN", NVFP4_DOWN)
 # A block's (bf16) shared expert as one more pair of each token in these two launches, beside a
 # bf16 or NVFP4 bank, instead of its own four (gate/up GEMV, SiLU, down GEMV, gated add: ~12 us of
 # a Qwen3-Next decode layer in the census, where the shared expert's I equals the routed one's).
@@ -59,13 +74,18 @@ SHARED_AS_PAIR = os.environ.get("FT_SHARED_AS_PAIR", "1") != "0"
 # are loaded as one vector before the loop and picked from registers. Same arithmetic, same bits.
 # Off until timed on a GPU (NOT yet run on one): tests/gpu/config_sweep.py moe_gemv times both.
 IDS_AHEAD = os.environ.get("FT_MOE_GEMV_IDS_AHEAD", "0") == "1"
-# NVFP4 banks: with FP4_GROUPS a step's codes stay [BN, BK/16, 8] bytes, low and high nibbles
-# multiply the inputs' even and odd elements, and each 16-element block's sum takes its scale once,
-# instead of interleaving the nibbles and broadcasting the scales to [BN, BK] (a join and two
-# reshapes, and a scale multiply an element). The NVFP4 GEMV runs at about 1/7 of its byte floor
-# (docs/benchmarks.md), so per-element work is the suspect. Scaling a block's sum instead of each
-# product changes fp32 rounding (not the format's values). Off until timed (NOT yet run on a GPU).
-FP4_GROUPS = os.environ.get("FT_MOE_GEMV_FP4_GROUPS", "0") == "1"
+# NVFP4 banks: with FP4_WORDS a step loads each row's codes as 64-bit words (a 16-element block:
+# 16 codes, one scale), decodes a word's halves eight codes at a time on 32-bit registers (inline
+# PTX: shifts and masks place a code's bits as an fp16's, two codes a register, then one convert
+# each; ``_eight_codes``) and multiplies them by the inputs' columns 16g + j, every tensor of one
+# [BN, BK/16] shape, so nothing is interleaved, broadcast or reshaped; a block's sum takes its scale
+# once. The byte-wise decode compiles to ~15 SASS instructions an element for sm_90 (uint8 lanes,
+# the nibbles' join and the scales' broadcast: 153 PRMT, 89 IMAD in the gate/up loop's 470 for 32
+# elements a thread), this one to ~4, and the GEMV runs at about 1/7 of its byte floor
+# (docs/benchmarks.md). Scaling a block's sum instead of each product changes fp32 rounding (not
+# the format's values). (FP4_GROUPS, the same scaling on bytes with the nibbles kept apart, timed
+# slower on 2026-12-01 and is gone.) Off until timed (NOT yet run on a GPU).
+FP4_WORDS = os.environ.get("FT_MOE_GEMV_FP4_WORDS", "0") == "1"
 # The kernels' loops as ``tl.range(..., num_stages=STAGES)``: Triton pipelines only the loads that
 # feed a ``tl.dot`` from the launch's num_stages, and these kernels have none (compiled for sm_90
 # they take 128 bytes of shared memory: no load buffered ahead), so each step's loads wait for
@@ -122,33 +142,118 @@ def _expert(e, b, scale, glob, host_b, host_scale, host_glob, s_be, s_se, s_ge, 
     return b + e * s_be, scale + e * s_se, glob + e * s_ge
 
 
+# eight e2m1 codes of a 32-bit word (code i in bits 4i..4i+3) -> eight fp32 values · 2^-14, as
+# ``triton_w4a16.e2m1``: for codes i and i + 4 (16 bits apart) one register takes the magnitude
+# bits at 9..11 and 25..27 and the sign bits at 15 and 31, an fp16 pair; each half is converted
+_EIGHT_CODES_PTX = tl.constexpr(
+    """
+{
+.reg .b32 m, s, p0, p1, p2, p3;
+.reg .b16 l0, l1, l2, l3, h0, h1, h2, h3;
+shl.b32 m, $8, 9;
+shl.b32 s, $8, 12;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 p0, m, s;
+shl.b32 m, $8, 5;
+shl.b32 s, $8, 8;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 p1, m, s;
+shl.b32 m, $8, 1;
+shl.b32 s, $8, 4;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, s, 0x80008000;
+or.b32 p2, m, s;
+shr.b32 m, $8, 3;
+and.b32 m, m, 0x0E000E00;
+and.b32 s, $8, 0x80008000;
+or.b32 p3, m, s;
+mov.b32 {l0, h0}, p0;
+mov.b32 {l1, h1}, p1;
+mov.b32 {l2, h2}, p2;
+mov.b32 {l3, h3}, p3;
+cvt.f32.f16 $0, l0;
+cvt.f32.f16 $1, l1;
+cvt.f32.f16 $2, l2;
+cvt.f32.f16 $3, l3;
+cvt.f32.f16 $4, h0;
+cvt.f32.f16 $5, h1;
+cvt.f32.f16 $6, h2;
+cvt.f32.f16 $7, h3;
+}
+"""
+)
+
+
 @triton.jit
-def _fp4_inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    # inputs k0 .. k0+BK as the even and odd elements of each 16-element block, fp32 [BK/16, 8] each
-    idx = k0 + tl.arange(0, BLOCK_K // 16)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
+def _eight_codes(word, PTX: tl.constexpr):
+    # int32 [..] -> a tuple of eight fp32 tensors, code j's value · 2^-14 (PTX: the inline decode;
+    # else the same values by ``e2m1``, for the interpreter)
+    if PTX:
+        return tl.inline_asm_elementwise(
+            _EIGHT_CODES_PTX,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r",
+            [word],
+            dtype=(tl.float32,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    return (
+        e2m1(word & 0xF), e2m1((word >> 4) & 0xF), e2m1((word >> 8) & 0xF),
+        e2m1((word >> 12) & 0xF), e2m1((word >> 16) & 0xF), e2m1((word >> 20) & 0xF),
+        e2m1((word >> 24) & 0xF), e2m1((word >> 28) & 0xF),
+    )  # fmt: skip
+
+
+@triton.jit
+def _input_col(a_row, g, j: tl.constexpr, live, EVEN_K: tl.constexpr):
+    # inputs g + j (g: the first input of each 16-element block) as fp32 [1, BK/16]
     if EVEN_K:
-        return tl.load(a_row + idx).to(tl.float32), tl.load(a_row + idx + 1).to(tl.float32)
-    live = idx < K  # K is a multiple of 16: a block is wholly in or out
-    even = tl.load(a_row + idx, mask=live, other=0.0).to(tl.float32)
-    return even, tl.load(a_row + idx + 1, mask=live, other=0.0).to(tl.float32)
+        return tl.load(a_row + g + j).to(tl.float32)[None, :]
+    return tl.load(a_row + g + j, mask=live, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit
-def _fp4_blocks(b, scale, n, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    # NVFP4 rows n of one expert times inputs k0 .. k0+BK, one fp32 sum per 16-element block with
-    # its scale applied: [BN, BK/16] (without the global, · 2^-22 as ``_decode``)
+def _word_codes(b, rows, k0, s_bn, mask, g, PTX: tl.constexpr):
+    # rows' codes k0 .. k0+BK as 64-bit words, a 16-element block each (a row starts 8-byte aligned,
+    # as the launch checks), decoded: two tuples of eight fp32 [BN, BK/16], codes 0..7 then 8..15
+    words = b.to(tl.pointer_type(tl.int64), bitcast=True) + rows * (s_bn // 8) + (k0 // 16 + g)[None, :]
+    block = tl.load(words, mask=mask, other=0)
+    return _eight_codes(block.to(tl.int32), PTX), _eight_codes((block >> 32).to(tl.int32), PTX)
+
+
+@triton.jit
+def _word_blocks(b, scale, n, n2, k0, s_bn, s_sn, nmask, K, a_row, TWO: tl.constexpr, PTX: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # NVFP4 rows n (and with TWO rows n2) of one expert times inputs k0 .. k0+BK, one fp32 sum per
+    # 16-element block with its scale applied: [BN, BK/16] each (without the global, · 2^-22 as
+    # ``_decode``). Every tensor has that one shape, the inputs' columns 16 g + j broadcast over rows.
     g = tl.arange(0, BLOCK_K // 16)
-    byte = k0 // 2 + g[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8]
+    first = k0 + g * 16
+    live = first < K  # K is a multiple of 16: a block is wholly in or out
     rows = n[:, None].to(tl.int64)
-    bmask = nmask[:, None, None]
-    smask = nmask[:, None]
+    rows2 = n2[:, None].to(tl.int64)
+    mask = nmask[:, None]
     if not EVEN_K:
-        bmask = bmask & (g[:, None] * 16 < K - k0)[None, :, :]
-        smask = smask & (g * 16 < K - k0)[None, :]
-    packed = tl.load(b + rows[:, :, None] * s_bn + byte[None, :, :], mask=bmask, other=0)  # [BN, G, 8]
-    block = tl.sum(e2m1(packed & 0xF) * even[None, :, :] + e2m1(packed >> 4) * odd[None, :, :], 2)
-    return block * e4m3(tl.load(scale + rows * s_sn + (k0 // 16 + g)[None, :], mask=smask, other=0))
+        mask = mask & live[None, :]
+    lo, hi = _word_codes(b, rows, k0, s_bn, mask, g, PTX)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+    if TWO:
+        lo2, hi2 = _word_codes(b, rows2, k0, s_bn, mask, g, PTX)
+    for j in tl.static_range(8):
+        x_lo = _input_col(a_row, first, j, live, EVEN_K)
+        x_hi = _input_col(a_row, first, 8 + j, live, EVEN_K)
+        acc += lo[j] * x_lo  # one fused multiply-add a code
+        acc += hi[j] * x_hi
+        if TWO:
+            acc2 += lo2[j] * x_lo
+            acc2 += hi2[j] * x_hi
+    acc *= e4m3(tl.load(scale + rows * s_sn + (k0 // 16 + g)[None, :], mask=mask, other=0))
+    if TWO:
+        acc2 *= e4m3(tl.load(scale + rows2 * s_sn + (k0 // 16 + g)[None, :], mask=mask, other=0))
+    return acc, acc2
 
 
 @triton.jit
@@ -183,7 +288,7 @@ def _gate_up_kernel(
     x, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, act, topk_ids, N, K,
     s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4_GROUPS: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4_WORDS: tl.constexpr = False, PTX: tl.constexpr = True,
     LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
@@ -217,17 +322,30 @@ def _gate_up_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
-            if FP4_GROUPS:
+            if FP4_WORDS:
                 gate16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
                 up16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    even, odd = _fp4_inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-                    gate16 += _fp4_blocks(
-                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K
+                    # the up rows sit N rows below the gate rows of the same expert
+                    dg, du = _word_blocks(
+                        b_e,
+                        s_e,
+                        n,
+                        n + N,
+                        k0,
+                        s_bn,
+                        s_sn,
+                        nmask,
+                        K,
+                        x_row,
+                        True,
+                        PTX,
+                        EVEN_K,
+                        BLOCK_N,
+                        BLOCK_K,
                     )
-                    up16 += _fp4_blocks(
-                        b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K
-                    )
+                    gate16 += dg
+                    up16 += du
                 g = tl.sum(gate16, axis=1)
                 u = tl.sum(up16, axis=1)
             else:
@@ -256,7 +374,8 @@ def _down_sum_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IDS_AHEAD: tl.constexpr = False, TOPK_P: tl.constexpr = 1,
-    FP4_GROUPS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
+    FP4_WORDS: tl.constexpr = False, PTX: tl.constexpr = True, LOOP_STAGES: tl.constexpr = 1,
+    HOST: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
@@ -267,7 +386,7 @@ def _down_sum_kernel(
     nmask = n < N
     steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one slot's per-lane partial dot products
-    acc16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)  # the same, a sum per block (FP4_GROUPS)
+    acc16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)  # the same, a sum per block (FP4_WORDS)
     total = tl.zeros([BLOCK_N], tl.float32)
     js = tl.arange(0, TOPK_P)
     if IDS_AHEAD:  # the token's experts and weights in registers before the loop (``IDS_AHEAD``)
@@ -285,9 +404,10 @@ def _down_sum_kernel(
         b_e, s_e, g_e = _expert(
             e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
         )
-        if FP4 and FP4_GROUPS:
-            even, odd = _fp4_inputs(a_row, k0, K, EVEN_K, BLOCK_K)
-            acc16 += _fp4_blocks(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, even, odd, EVEN_K, BLOCK_N, BLOCK_K)
+        if FP4 and FP4_WORDS:
+            acc16 += _word_blocks(
+                b_e, s_e, n, n, k0, s_bn, s_sn, nmask, K, a_row, False, PTX, EVEN_K, BLOCK_N, BLOCK_K
+            )[0]
         else:
             w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
             acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
@@ -300,7 +420,7 @@ def _down_sum_kernel(
                 row_scale = tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold)
             else:
                 row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
-            if FP4 and FP4_GROUPS:
+            if FP4 and FP4_WORDS:
                 term = tl.sum(acc16, axis=1) * row_scale
                 acc16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
             else:
@@ -382,24 +502,31 @@ def launch_moe_gemv(
     pairs = topk + (shared is not None)
     act = torch.empty(t * pairs, inter, dtype=x.dtype, device=x.device)  # [T*(k+shared), I]
     block_n, max_block_k, num_warps, stages = NVFP4 if fp4 else BF16
+    down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
-    bk_down = min(max_block_k, max(32, triton.next_power_of_2(inter)))
-    flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, BLOCK_N=block_n, HOST=host is not None)
+    bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
+    words = fp4 and FP4_WORDS
+    if words:  # 64-bit loads of a row's codes
+        for codes in (b13, b2, *(() if host is None else (h13[0], h2[0]))):
+            assert codes.data_ptr() % 8 == 0 and codes.stride(1) % 8 == 0, "NVFP4 code rows are not 8-aligned"
+    ptx = os.environ.get("TRITON_INTERPRET", "0") != "1"  # the interpreter runs no inline PTX
+    flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
+    flags.update(FP4_WORDS=words, PTX=ptx)
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         x, b13, s13, g13, *h13, sb13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
         UNFOLD,
-        **flags, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, FP4_GROUPS=fp4 and FP4_GROUPS, num_warps=num_warps,
+        **flags, BLOCK_N=block_n, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, num_warps=num_warps,
         num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
-    _down_sum_kernel[(t, triton.cdiv(h, block_n))](
+    _down_sum_kernel[(t, triton.cdiv(h, down_n))](
         act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, h, inter,
         act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
         weights.stride(1),
         ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
-        **flags, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, IDS_AHEAD=IDS_AHEAD,
-        TOPK_P=triton.next_power_of_2(max(topk, 1)), FP4_GROUPS=fp4 and FP4_GROUPS, num_warps=num_warps,
-        num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(act),
+        **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, IDS_AHEAD=IDS_AHEAD,
+        TOPK_P=triton.next_power_of_2(max(topk, 1)), num_warps=down_warps, num_stages=down_stages,
+        LOOP_STAGES=down_stages if PIPELINE else 1, **pdl_args(act),
     )  # fmt: skip
     return out
 
