@@ -56,11 +56,12 @@ def check_conv_decode_one_launch() -> None:
         require(err < bound, f"{dtype}: output off the reference by {err}")
 
 
-def check_moe_gemv_ids_ahead() -> None:
-    """``triton_moe_gemv.IDS_AHEAD`` (the down kernel picks expert ids and weights from registers)
-    gives the same bits as loading them in the loop: bf16-free formats (fp16 and NVFP4 with fp16
-    arithmetic checked exactly), k = 0 (the shared term alone), 1, 3 and 10, I over one K chunk
-    and over several, with and without a shared expert."""
+def down_switch_changes_no_bit(switch: str) -> None:
+    """A down-kernel switch of ``triton_moe_gemv`` gives the same bits on and off: bf16-free formats
+    (fp16 and NVFP4 with fp16 arithmetic checked exactly), k = 0 (the shared term alone), 1, 3 and
+    10, I over one K chunk and over several, with and without a shared expert; every ticket
+    counter is back at zero after it."""
+    from ft.layers import triton_gemv
     from ft.moe.kernels import triton_moe_gemv as mod
     from tests.nvfp4.test_w4a16_gpu import random_bank
 
@@ -86,42 +87,23 @@ def check_moe_gemv_ids_ahead() -> None:
                 torch.randn(t, 1, generator=gen).to(dtype),
             )
         outs = []
-        for ahead in (False, True):
-            mod.IDS_AHEAD = ahead
+        for on in (False, True):
+            setattr(mod, switch, on)
             outs.append(mod.launch_moe_gemv(x, w13, w2, weights, ids, pair))
-        require(torch.equal(outs[0], outs[1]), f"k={k} I={inter} {fmt} shared={shared}: results differ")
+        require(
+            torch.equal(outs[0], outs[1]), f"{switch} k={k} I={inter} {fmt} shared={shared}: results differ"
+        )
+        require(not triton_gemv.tickets(x.device).any(), f"{switch}: a ticket counter was left non-zero")
 
 
-def check_moe_gemv_fp4_words() -> None:
-    """``triton_moe_gemv.FP4_WORDS`` (NVFP4 codes decoded from 64-bit words, a block's sum
-    scaled once; here the decode's Triton twin: the interpreter runs no PTX) stays as close to
-    the fp32 reference as the byte-wise decode, I over one K chunk and over several (a K tail);
-    and a batch computed a pair at a time still matches one call (to the last bit on a GPU; the
-    interpreter rounds bf16 differently from torch)."""
-    from ft.moe.kernels import triton_moe_gemv as mod
-    from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
-    from tests.nvfp4.test_w4a16_gpu import random_bank
-    from tests.test_moe_fusions_interp import pairs_one_at_a_time
+def check_moe_gemv_ids_ahead() -> None:
+    """``triton_moe_gemv.IDS_AHEAD`` (the down kernel picks expert ids and weights from registers)."""
+    down_switch_changes_no_bit("IDS_AHEAD")
 
-    gen = torch.Generator().manual_seed(2)
-    e, h, t, k = 8, 96, 3, 3
-    mod.NVFP4 = (32, 128, 4, 1)  # K chunks of 128: H = 96 and I = 48 a tail, I = 160 two and a tail
-    for inter in (48, 160):
-        w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
-        x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-        weights = torch.rand(t, k, generator=gen) / k
-        ref = fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids)
-        errs = {}
-        for words in (False, True):
-            mod.FP4_WORDS = words
-            out = mod.launch_moe_gemv(x, w13, w2, weights, ids).float()
-            errs[words] = ((out - ref).norm() / ref.norm()).item()
-        require(errs[True] < 1.1 * errs[False] + 1e-3, f"I={inter}: reference error {errs}")
-        whole = mod.launch_moe_gemv(x, w13, w2, weights, ids).float()
-        pairs = pairs_one_at_a_time(mod.launch_moe_gemv, x, w13, w2, weights, ids).float()
-        # bf16: the interpreter truncates the kernel's final rounding where torch's rounds to nearest
-        torch.testing.assert_close(whole, pairs, atol=0, rtol=2**-7)
+
+def check_moe_gemv_down_by_pair() -> None:
+    """``triton_moe_gemv.DOWN_BY_PAIR`` (a down program per pair, the last of a row block sums)."""
+    down_switch_changes_no_bit("DOWN_BY_PAIR")
 
 
 def check_gated_norm_gemv() -> None:
@@ -153,7 +135,7 @@ def check_gated_norm_gemv() -> None:
 CHECKS = [
     "check_conv_decode_one_launch",
     "check_moe_gemv_ids_ahead",
-    "check_moe_gemv_fp4_words",
+    "check_moe_gemv_down_by_pair",
     "check_gated_norm_gemv",
 ]
 

@@ -79,24 +79,25 @@ def entries():
         "x": BF, "w": BF, "conv_state": BF, "context_lens": I32, "state_slots": I64, "out": BF,
     }, {"KC": 4, "KP": 4, "BLOCK_C": 256, "USE_PDL": 2}, 4, 3  # fmt: skip
     for name, ptrs, is4, warps in (("bf16", moe, False, 4), ("nvfp4", fp4, True, 8)):
-        for words in (False, True) if is4 else (False,):
-            common = {"TOPK": 10, "SHARED": 1, "FP4": is4, "EVEN_K": True, "BLOCK_N": 8, "BLOCK_K": 512,
-                      "FP4_WORDS": words, "PTX": True, "USE_PDL": 2}  # fmt: skip
-            for stages, host in ((1, False), (4, False), (4, True)):  # host: rows read from host memory
-                where = ", host rows" if host else ""
-                tag = f"{name}{' words' if words else ''}, loop stages {stages}{where}"
-                yield f"MoE GEMV gate/up {tag}", triton_moe_gemv._gate_up_kernel, ptrs, {
-                    **common, "LOOP_STAGES": stages, "HOST": host}, warps, 4  # fmt: skip
-                for ahead in (False, True):
-                    down = {**common, "IDS_AHEAD": ahead, "TOPK_P": 16, "LOOP_STAGES": stages, "HOST": host}
-                    yield (
-                        f"MoE GEMV down {tag}, ids ahead {ahead}",
-                        triton_moe_gemv._down_sum_kernel,
-                        ptrs,
-                        down,
-                        warps,
-                        4,
-                    )
+        common = {"TOPK": 10, "SHARED": 1, "FP4": is4, "EVEN_K": True, "BLOCK_N": 8, "BLOCK_K": 512,
+                  "USE_PDL": 2}  # fmt: skip
+        for stages, host in ((1, False), (4, False), (4, True)):  # host: rows read from host memory
+            tag = f"{name}, loop stages {stages}{', host rows' if host else ''}"
+            yield f"MoE GEMV gate/up {tag}", triton_moe_gemv._gate_up_kernel, ptrs, {
+                **common, "LOOP_STAGES": stages, "HOST": host}, warps, 4  # fmt: skip
+            for ahead in (False, True):
+                down = {**common, "IDS_AHEAD": ahead, "TOPK_P": 16, "LOOP_STAGES": stages, "HOST": host}
+                yield (
+                    f"MoE GEMV down {tag}, ids ahead {ahead}",
+                    triton_moe_gemv._down_sum_kernel,
+                    ptrs,
+                    down,
+                    warps,
+                    4,
+                )
+            pair = {**common, "LOOP_STAGES": stages, "HOST": host}
+            ptrs_pair = {**ptrs, "ws": F32, "counters": I32}
+            yield f"MoE GEMV down by pair {tag}", triton_moe_gemv._down_pair_kernel, ptrs_pair, pair, warps, 4
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):

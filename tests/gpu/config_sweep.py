@@ -278,71 +278,54 @@ def sweep_moe_gemv() -> None:
     report("MoE GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", shipped, rows)
 
 
-def timed_moe_gemv(problem, up, down, *, fmt: str, names: tuple, shipped: tuple, words: bool) -> float | None:
-    """us per call of the MoE GEMV with gate/up tiles ``up``, down tiles ``down`` (module
-    constants ``names``) and FP4_WORDS = ``words``, checked against the ``shipped`` tiles' output."""
+def timed_moe_gemv(problem, down, *, fmt: str, name: str, by_pair: bool) -> float | None:
+    """us per call of the MoE GEMV with down tiles ``down`` (module constant ``name``) and
+    DOWN_BY_PAIR = ``by_pair``, checked against the shipped kernels' output."""
     mod = triton_moe_gemv
     banks, x, routes = problem
     w13, w2 = banks[fmt]
-    mod.FP4_WORDS = False
-    for name, tiles in zip(names, shipped):
-        setattr(mod, name, tiles)
+    shipped = getattr(mod, name), mod.DOWN_BY_PAIR
     want = mod.launch_moe_gemv(x, w13, w2, *routes[0])
-    mod.FP4_WORDS = words
-    for name, tiles in zip(names, (up, down)):
-        setattr(mod, name, tiles)
+    setattr(mod, name, down)
+    mod.DOWN_BY_PAIR = by_pair
     calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
-    return try_config(calls[0], want, calls, 2e-2)
+    try:
+        return try_config(calls[0], want, calls, 2e-2)
+    finally:
+        setattr(mod, name, shipped[0])
+        mod.DOWN_BY_PAIR = shipped[1]
 
 
 def sweep_moe_gemv_kernels() -> None:
-    """The MoE GEMV's two kernels' tiles apart (``BF16``/``NVFP4`` for gate/up, ``*_DOWN`` for
-    down), per bank format with ``FP4_WORDS`` off and on: gate/up's grid (with FP4_WORDS only)
-    with down at the shipped tiles, then down's with gate/up at the best found; at T = 1 (a
-    batch-1 decode step), the best pair then timed at T = 2. Prints the env lines
-    (``FT_MOE_GEMV_*``) that set the best."""
+    """The MoE GEMV's down kernel's own tiles (``BF16_DOWN``/``NVFP4_DOWN``), gate/up's as shipped,
+    per bank format with ``DOWN_BY_PAIR`` off and on: at T = 1 (a batch-1 decode step), the best
+    then timed at T = 2. Prints the env lines (``FT_MOE_GEMV_*``) that set the best."""
     mod = triton_moe_gemv
-    saved = {n: getattr(mod, n) for n in ("BF16", "NVFP4", "BF16_DOWN", "NVFP4_DOWN", "FP4_WORDS")}
-    up_grid = grid((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 4))
-    down_grid = grid((2, 4, 8, 16), (256, 512), (2, 4, 8), (1, 4))
+    grids = {
+        False: grid((2, 4, 8, 16), (512,), (4, 8), (1, 4)),
+        True: grid((2, 4, 8, 16, 32), (512,), (2, 4, 8), (1,)),
+    }
     problems = {t: moe_problem(t) for t in (1, 2)}
+    fmt_us = lambda v: f"{v:.1f}" if v is not None else "failed"  # noqa: E731
     for fmt in MOE_FORMATS:
-        up_name, down_name = ("NVFP4", "NVFP4_DOWN") if fmt == "nvfp4" else ("BF16", "BF16_DOWN")
-        for words in (False, True) if fmt == "nvfp4" else (False,):
-            tag = f"{fmt}{' words' if words else ''}"
-
-            shipped_up = saved[up_name]
-            shipped_down = saved[down_name] or shipped_up
-            names = (up_name, down_name)
-            timed = P(
-                timed_moe_gemv, fmt=fmt, names=names, shipped=(saved[up_name], saved[down_name]), words=words
-            )
-            base = timed(problems[1], shipped_up, shipped_down)
-            # gate/up's tiles were swept with down's (``sweep_moe_gemv``): only the new decode's here
-            ups = {
-                cfg: timed(problems[1], cfg, shipped_down)
-                for cfg in dict.fromkeys([shipped_up, *(up_grid if words else ())])
-            }
-            best_up = min((c for c in ups if ups[c] is not None), key=ups.get, default=shipped_up)
-            downs = {
-                cfg: timed(problems[1], best_up, cfg) for cfg in dict.fromkeys([shipped_down, *down_grid])
-            }
-            best_down = min((c for c in downs if downs[c] is not None), key=downs.get, default=shipped_down)
-            fmt_us = lambda v: f"{v:.1f}" if v is not None else "failed"  # noqa: E731
-            print(f"== MoE GEMV kernels, {tag}: shipped {shipped_up} / {shipped_down} T=1 {fmt_us(base)} us")
-            for cfg, us in sorted(ups.items(), key=lambda kv: kv[1] or 1e9)[:5]:
-                print(f"  gate/up {cfg} (down {shipped_down}): {fmt_us(us)} us")
+        name = "NVFP4_DOWN" if fmt == "nvfp4" else "BF16_DOWN"
+        shipped = getattr(mod, name) or (mod.NVFP4 if fmt == "nvfp4" else mod.BF16)
+        base = timed_moe_gemv(problems[1], getattr(mod, name), fmt=fmt, name=name, by_pair=mod.DOWN_BY_PAIR)
+        for by_pair in (False, True):
+            timed = P(timed_moe_gemv, fmt=fmt, name=name, by_pair=by_pair)
+            downs = {cfg: timed(problems[1], cfg) for cfg in dict.fromkeys([shipped, *grids[by_pair]])}
+            best = min((c for c in downs if downs[c] is not None), key=downs.get, default=shipped)
+            print(f"== MoE GEMV down, {fmt}, by pair {by_pair}: shipped {shipped} T=1 {fmt_us(base)} us")
             for cfg, us in sorted(downs.items(), key=lambda kv: kv[1] or 1e9)[:5]:
-                print(f"  down {cfg} (gate/up {best_up}): {fmt_us(us)} us")
-            t2 = timed(problems[2], best_up, best_down)
-            t2_base = timed(problems[2], shipped_up, shipped_down)
-            print(f"  best {best_up} / {best_down}: T=1 {fmt_us(downs.get(best_down))} us, "
-                  f"T=2 {fmt_us(t2)} us (shipped T=2 {fmt_us(t2_base)})")  # fmt: skip
-            env = f"FT_MOE_GEMV_{up_name}={','.join(map(str, best_up))} "
-            env += f"FT_MOE_GEMV_{down_name}={','.join(map(str, best_down))}"
-            print(f"  env{' FT_MOE_GEMV_FP4_WORDS=1' if words else ''} {env}", flush=True)
-            for n, v in saved.items():
-                setattr(mod, n, v)
+                print(f"  down {cfg}: {fmt_us(us)} us")
+            t2, t2_base = (
+                timed(problems[2], best),
+                timed_moe_gemv(problems[2], getattr(mod, name), fmt=fmt, name=name, by_pair=mod.DOWN_BY_PAIR),
+            )
+            t1 = fmt_us(downs.get(best))
+            print(f"  best {best}: T=1 {t1} us, T=2 {fmt_us(t2)} us (shipped {fmt_us(t2_base)})")
+            env = f"FT_MOE_GEMV_{name}={','.join(map(str, best))}"
+            print(f"  env{' FT_MOE_GEMV_DOWN_BY_PAIR=1' if by_pair else ''} {env}", flush=True)
 
 
 GROUPED_T = [int(v) for v in os.environ.get("FT_SWEEP_GROUPED_T", "1,64").split(",")]  # e.g. 1024,8192

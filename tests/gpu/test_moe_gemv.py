@@ -5,6 +5,8 @@ whole step, the dispatch by token count, and CUDA-graph capture with the experts
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -47,18 +49,17 @@ def reference(fmt: str, x, w13, w2, weights, ids):
     return fused_moe_ref(x.float(), w13[hit].float(), w2[hit].float(), weights, local)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "nvfp4-words"])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "bf16-by-pair", "nvfp4-by-pair"])
 @pytest.mark.parametrize("inter", [512, 256, 48])
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16])
 def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
-    """``nvfp4-words``: NVFP4 with ``triton_moe_gemv.FP4_WORDS`` (codes decoded a word at a time by
-    inline PTX, a block's sum scaled once)."""
+    """``-by-pair``: with ``triton_moe_gemv.DOWN_BY_PAIR`` (a down program per pair)."""
     pytest.importorskip("triton")
     from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
 
-    monkeypatch.setattr(triton_moe_gemv, "FP4_WORDS", fmt == "nvfp4-words")
-    fmt = fmt.removesuffix("-words")
+    monkeypatch.setattr(triton_moe_gemv, "DOWN_BY_PAIR", fmt.endswith("-by-pair"))
+    fmt = fmt.removesuffix("-by-pair")
 
     x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + inter)
     got = fused_moe_gemv(x, w13, w2, weights, ids)
@@ -70,24 +71,6 @@ def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
     # same bf16 rounding of act; the MMA path also rounds each pair's term before the sum over k
     err = rel_err(got, mma(x, w13, w2, weights, ids))
     assert err < 4e-3, f"{fmt} T={t} I={inter}: relative error {err:.3g} against the MMA kernel"
-
-
-def test_inline_ptx_decode_equals_its_triton_twin():
-    """``triton_moe_gemv._eight_codes``: the inline PTX gives, bit for bit, the values its Triton
-    twin (``e2m1`` a nibble) gives, for all 16 codes in each of the eight nibbles and random words."""
-    pytest.importorskip("triton")
-    from tests.gpu.eight_codes_kernel import eight_codes_kernel
-
-    n = 1 << 16
-    words = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64)
-    words[:16] = sum(torch.arange(16) << (4 * j) for j in range(8))  # word c: code c in every nibble
-    words = ((words + 2**31) % 2**32 - 2**31).to(torch.int32).cuda()
-    got, want = (torch.empty(8, n, device="cuda") for _ in range(2))
-    eight_codes_kernel[(1,)](words, got, PTX=True, N=n)
-    eight_codes_kernel[(1,)](words, want, PTX=False, N=n)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], device="cuda")
-    assert torch.equal(got[:, :16] * 2**14, torch.cat([e2m1, -e2m1]).expand(8, 16)), "E2M1's values"
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
@@ -136,9 +119,13 @@ def test_dispatch_by_token_count(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_cuda_graph_replays_new_tokens_and_experts(fmt):
+@pytest.mark.parametrize("by_pair", [False, True])
+def test_cuda_graph_replays_new_tokens_and_experts(fmt, by_pair, monkeypatch):
     pytest.importorskip("triton")
+    from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
+
+    monkeypatch.setattr(triton_moe_gemv, "DOWN_BY_PAIR", by_pair)
 
     x, w13, w2, weights, ids = problem(fmt, 2, 512, 512, 2048, 10, seed=11)
     fused_moe_gemv(x, w13, w2, weights, ids)  # compile outside the capture
@@ -150,14 +137,18 @@ def test_cuda_graph_replays_new_tokens_and_experts(fmt):
         a.copy_(b)
     graph.replay()
     assert torch.equal(out, fused_moe_gemv(x2, w13, w2, weights2, ids2))
+    graph.replay()  # the counters were reset by the last replay
+    assert torch.equal(out, fused_moe_gemv(x2, w13, w2, weights2, ids2))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t, inter", [(1, 512), (4, 512), (2, 768)])
 def test_loop_variants_give_the_same_bits(fmt, t, inter, monkeypatch):
     """``triton_moe_gemv.IDS_AHEAD`` (the down kernel's expert ids and weights picked from
-    registers) and ``PIPELINE`` (the loops' loads run ahead) change no bit, alone or together,
-    with the shared expert as a pair and without."""
+    registers), ``PIPELINE`` (the loops' loads run ahead) and ``DOWN_BY_PAIR`` (a down program per
+    pair) change no bit, alone or together, with the shared expert as a pair and without; the
+    ticket counters are back at zero after."""
+    from ft.layers import triton_gemv
     from ft.moe.kernels import triton_moe_gemv as mod
 
     x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t)
@@ -169,11 +160,13 @@ def test_loop_variants_give_the_same_bits(fmt, t, inter, monkeypatch):
     )
     for pair in (None, shared):
         outs = []
-        for ahead, pipeline in ((False, False), (True, False), (False, True), (True, True)):
+        for ahead, pipeline, by_pair in itertools.product((False, True), repeat=3):
             monkeypatch.setattr(mod, "IDS_AHEAD", ahead)
             monkeypatch.setattr(mod, "PIPELINE", pipeline)
+            monkeypatch.setattr(mod, "DOWN_BY_PAIR", by_pair)
             outs.append(mod.fused_moe_gemv(x, w13, w2, weights, ids, pair))
         assert all(torch.equal(outs[0], o) for o in outs[1:]), pair is not None
+        assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

@@ -29,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
-from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode_f32, check_operands, e2m1, e4m3
+from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode_f32, check_operands
 from ft.quant.nvfp4 import NVFP4Tensor
 
 # (BLOCK_N weight rows per program, MAX_BLOCK_K input elements per step, NUM_WARPS, STAGES of
@@ -74,18 +75,6 @@ SHARED_AS_PAIR = os.environ.get("FT_SHARED_AS_PAIR", "1") != "0"
 # are loaded as one vector before the loop and picked from registers. Same arithmetic, same bits.
 # Off until timed on a GPU (NOT yet run on one): tests/gpu/config_sweep.py moe_gemv times both.
 IDS_AHEAD = os.environ.get("FT_MOE_GEMV_IDS_AHEAD", "0") == "1"
-# NVFP4 banks: with FP4_WORDS a step loads each row's codes as 64-bit words (a 16-element block:
-# 16 codes, one scale), decodes a word's halves eight codes at a time on 32-bit registers (inline
-# PTX: shifts and masks place a code's bits as an fp16's, two codes a register, then one convert
-# each; ``_eight_codes``) and multiplies them by the inputs' columns 16g + j, every tensor of one
-# [BN, BK/16] shape, so nothing is interleaved, broadcast or reshaped; a block's sum takes its scale
-# once. The byte-wise decode compiles to ~15 SASS instructions an element for sm_90 (uint8 lanes,
-# the nibbles' join and the scales' broadcast: 153 PRMT, 89 IMAD in the gate/up loop's 470 for 32
-# elements a thread), this one to ~4, and the GEMV runs at about 1/7 of its byte floor
-# (docs/benchmarks.md). Scaling a block's sum instead of each product changes fp32 rounding (not
-# the format's values). (FP4_GROUPS, the same scaling on bytes with the nibbles kept apart, timed
-# slower on 2026-12-01 and is gone.) Off until timed (NOT yet run on a GPU).
-FP4_WORDS = os.environ.get("FT_MOE_GEMV_FP4_WORDS", "0") == "1"
 # The kernels' loops as ``tl.range(..., num_stages=STAGES)``: Triton pipelines only the loads that
 # feed a ``tl.dot`` from the launch's num_stages, and these kernels have none (compiled for sm_90
 # they take 128 bytes of shared memory: no load buffered ahead), so each step's loads wait for
@@ -94,6 +83,15 @@ FP4_WORDS = os.environ.get("FT_MOE_GEMV_FP4_WORDS", "0") == "1"
 # batch-1 decode of the 24-layer Qwen3-Next on an H200 456 -> 464 tok/s in bf16, 407 -> 450 with
 # NVFP4 experts (docs/benchmarks.md).
 PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "1") != "0"
+# The down kernel with a program per (token, BLOCK_N rows of H, pair) instead of per (token, rows)
+# walking the token's pairs: at T=1 with k=10 and a shared pair, 2,816 programs that each load one
+# expert's rows and reduce once, where the walk's 256 each load and reduce eleven times in a chain
+# (the down kernel took about as long as gate/up for a third of its bytes: 15.4 against 17.7 us a
+# layer in the census, docs/benchmarks.md). Each program stores its rounded term into a workspace
+# [T, pairs, H] and draws a ticket from its (token, rows) counter (``triton_gemv.tickets``); the
+# last of the pairs sums the terms in pair order, the shared term last, as the walk does: the same
+# bits. Off until timed (NOT yet run on a GPU).
+DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "0") == "1"
 
 
 @triton.jit
@@ -142,120 +140,6 @@ def _expert(e, b, scale, glob, host_b, host_scale, host_glob, s_be, s_se, s_ge, 
     return b + e * s_be, scale + e * s_se, glob + e * s_ge
 
 
-# eight e2m1 codes of a 32-bit word (code i in bits 4i..4i+3) -> eight fp32 values · 2^-14, as
-# ``triton_w4a16.e2m1``: for codes i and i + 4 (16 bits apart) one register takes the magnitude
-# bits at 9..11 and 25..27 and the sign bits at 15 and 31, an fp16 pair; each half is converted
-_EIGHT_CODES_PTX = tl.constexpr(
-    """
-{
-.reg .b32 m, s, p0, p1, p2, p3;
-.reg .b16 l0, l1, l2, l3, h0, h1, h2, h3;
-shl.b32 m, $8, 9;
-shl.b32 s, $8, 12;
-and.b32 m, m, 0x0E000E00;
-and.b32 s, s, 0x80008000;
-or.b32 p0, m, s;
-shl.b32 m, $8, 5;
-shl.b32 s, $8, 8;
-and.b32 m, m, 0x0E000E00;
-and.b32 s, s, 0x80008000;
-or.b32 p1, m, s;
-shl.b32 m, $8, 1;
-shl.b32 s, $8, 4;
-and.b32 m, m, 0x0E000E00;
-and.b32 s, s, 0x80008000;
-or.b32 p2, m, s;
-shr.b32 m, $8, 3;
-and.b32 m, m, 0x0E000E00;
-and.b32 s, $8, 0x80008000;
-or.b32 p3, m, s;
-mov.b32 {l0, h0}, p0;
-mov.b32 {l1, h1}, p1;
-mov.b32 {l2, h2}, p2;
-mov.b32 {l3, h3}, p3;
-cvt.f32.f16 $0, l0;
-cvt.f32.f16 $1, l1;
-cvt.f32.f16 $2, l2;
-cvt.f32.f16 $3, l3;
-cvt.f32.f16 $4, h0;
-cvt.f32.f16 $5, h1;
-cvt.f32.f16 $6, h2;
-cvt.f32.f16 $7, h3;
-}
-"""
-)
-
-
-@triton.jit
-def _eight_codes(word, PTX: tl.constexpr):
-    # int32 [..] -> a tuple of eight fp32 tensors, code j's value · 2^-14 (PTX: the inline decode;
-    # else the same values by ``e2m1``, for the interpreter)
-    if PTX:
-        return tl.inline_asm_elementwise(
-            _EIGHT_CODES_PTX,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r",
-            [word],
-            dtype=(tl.float32,) * 8,
-            is_pure=True,
-            pack=1,
-        )
-    return (
-        e2m1(word & 0xF), e2m1((word >> 4) & 0xF), e2m1((word >> 8) & 0xF),
-        e2m1((word >> 12) & 0xF), e2m1((word >> 16) & 0xF), e2m1((word >> 20) & 0xF),
-        e2m1((word >> 24) & 0xF), e2m1((word >> 28) & 0xF),
-    )  # fmt: skip
-
-
-@triton.jit
-def _input_col(a_row, g, j: tl.constexpr, live, EVEN_K: tl.constexpr):
-    # inputs g + j (g: the first input of each 16-element block) as fp32 [1, BK/16]
-    if EVEN_K:
-        return tl.load(a_row + g + j).to(tl.float32)[None, :]
-    return tl.load(a_row + g + j, mask=live, other=0.0).to(tl.float32)[None, :]
-
-
-@triton.jit
-def _word_codes(b, rows, k0, s_bn, mask, g, PTX: tl.constexpr):
-    # rows' codes k0 .. k0+BK as 64-bit words, a 16-element block each (a row starts 8-byte aligned,
-    # as the launch checks), decoded: two tuples of eight fp32 [BN, BK/16], codes 0..7 then 8..15
-    words = b.to(tl.pointer_type(tl.int64), bitcast=True) + rows * (s_bn // 8) + (k0 // 16 + g)[None, :]
-    block = tl.load(words, mask=mask, other=0)
-    return _eight_codes(block.to(tl.int32), PTX), _eight_codes((block >> 32).to(tl.int32), PTX)
-
-
-@triton.jit
-def _word_blocks(b, scale, n, n2, k0, s_bn, s_sn, nmask, K, a_row, TWO: tl.constexpr, PTX: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    # NVFP4 rows n (and with TWO rows n2) of one expert times inputs k0 .. k0+BK, one fp32 sum per
-    # 16-element block with its scale applied: [BN, BK/16] each (without the global, · 2^-22 as
-    # ``_decode``). Every tensor has that one shape, the inputs' columns 16 g + j broadcast over rows.
-    g = tl.arange(0, BLOCK_K // 16)
-    first = k0 + g * 16
-    live = first < K  # K is a multiple of 16: a block is wholly in or out
-    rows = n[:, None].to(tl.int64)
-    rows2 = n2[:, None].to(tl.int64)
-    mask = nmask[:, None]
-    if not EVEN_K:
-        mask = mask & live[None, :]
-    lo, hi = _word_codes(b, rows, k0, s_bn, mask, g, PTX)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-    if TWO:
-        lo2, hi2 = _word_codes(b, rows2, k0, s_bn, mask, g, PTX)
-    for j in tl.static_range(8):
-        x_lo = _input_col(a_row, first, j, live, EVEN_K)
-        x_hi = _input_col(a_row, first, 8 + j, live, EVEN_K)
-        acc += lo[j] * x_lo  # one fused multiply-add a code
-        acc += hi[j] * x_hi
-        if TWO:
-            acc2 += lo2[j] * x_lo
-            acc2 += hi2[j] * x_hi
-    acc *= e4m3(tl.load(scale + rows * s_sn + (k0 // 16 + g)[None, :], mask=mask, other=0))
-    if TWO:
-        acc2 *= e4m3(tl.load(scale + rows2 * s_sn + (k0 // 16 + g)[None, :], mask=mask, other=0))
-    return acc, acc2
-
-
 @triton.jit
 def _plain_rows(b, n, k0, s_bn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # rows of a 16-bit weight (a shared expert's, beside a bank of either format) as fp32 [BN, BK]
@@ -288,8 +172,8 @@ def _gate_up_kernel(
     x, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, act, topk_ids, N, K,
     s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4_WORDS: tl.constexpr = False, PTX: tl.constexpr = True,
-    LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -322,44 +206,15 @@ def _gate_up_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
-            if FP4_WORDS:
-                gate16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-                up16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    # the up rows sit N rows below the gate rows of the same expert
-                    dg, du = _word_blocks(
-                        b_e,
-                        s_e,
-                        n,
-                        n + N,
-                        k0,
-                        s_bn,
-                        s_sn,
-                        nmask,
-                        K,
-                        x_row,
-                        True,
-                        PTX,
-                        EVEN_K,
-                        BLOCK_N,
-                        BLOCK_K,
-                    )
-                    gate16 += dg
-                    up16 += du
-                g = tl.sum(gate16, axis=1)
-                u = tl.sum(up16, axis=1)
-            else:
-                gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums
-                up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-                    gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
-                    # the up rows sit N rows below the gate rows of the same expert
-                    up += (
-                        _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
-                    )
-                g = tl.sum(gate, axis=1)
-                u = tl.sum(up, axis=1)
+            gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums
+            up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
+                gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+                # the up rows sit N rows below the gate rows of the same expert
+                up += _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+            g = tl.sum(gate, axis=1)
+            u = tl.sum(up, axis=1)
             g_ptr = g_e + n  # the rows' globals
             g *= tl.load(g_ptr, mask=nmask, other=0.0) * unfold
             u *= tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold
@@ -374,9 +229,7 @@ def _down_sum_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IDS_AHEAD: tl.constexpr = False, TOPK_P: tl.constexpr = 1,
-    FP4_WORDS: tl.constexpr = False, PTX: tl.constexpr = True, LOOP_STAGES: tl.constexpr = 1,
-    HOST: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]; with SHARED,
@@ -386,7 +239,6 @@ def _down_sum_kernel(
     nmask = n < N
     steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one slot's per-lane partial dot products
-    acc16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)  # the same, a sum per block (FP4_WORDS)
     total = tl.zeros([BLOCK_N], tl.float32)
     js = tl.arange(0, TOPK_P)
     if IDS_AHEAD:  # the token's experts and weights in registers before the loop (``IDS_AHEAD``)
@@ -404,13 +256,8 @@ def _down_sum_kernel(
         b_e, s_e, g_e = _expert(
             e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
         )
-        if FP4 and FP4_WORDS:
-            acc16 += _word_blocks(
-                b_e, s_e, n, n, k0, s_bn, s_sn, nmask, K, a_row, False, PTX, EVEN_K, BLOCK_N, BLOCK_K
-            )[0]
-        else:
-            w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
-            acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+        w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+        acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
         if i % steps == steps - 1:  # the slot's last chunk: its term, weighted and rounded
             if IDS_AHEAD:
                 scale = tl.sum(tl.where(js == slot, all_w, 0.0), 0)
@@ -420,12 +267,8 @@ def _down_sum_kernel(
                 row_scale = tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold)
             else:
                 row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
-            if FP4 and FP4_WORDS:
-                term = tl.sum(acc16, axis=1) * row_scale
-                acc16 = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
-            else:
-                term = tl.sum(acc, axis=1) * row_scale
-                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            term = tl.sum(acc, axis=1) * row_scale
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             total += term.to(out.dtype.element_ty).to(tl.float32)
     if SHARED:  # the shared expert's term last, rounded like a routed pair's
         a_row = act + (tok * (TOPK + 1) + TOPK) * s_at
@@ -435,6 +278,73 @@ def _down_sum_kernel(
         gate = tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
         total += (tl.sum(acc, axis=1) * gate).to(out.dtype.element_ty).to(tl.float32)
     tl.store(out + tok * s_ot + n, total.to(out.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _down_pair_kernel(
+    act, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, shared_logit, out, topk_w,
+    topk_ids, ws, counters, N, K,
+    s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    wait_for_previous(USE_PDL)
+    # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded as the walk rounds
+    # it, into ws[tok, slot, n]; the (tok, rows) block's last program writes out[tok, n], the sum
+    tok = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    slot = tl.program_id(2)
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if not FP4:  # one loop, as in ``_gate_up_kernel``: the shared rows differ only in start and stride
+        e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0).to(tl.int64)
+        rows = _expert(e, b, b, b, host_b, host_b, host_b, s_be, s_be, s_be, HOST)[0]
+        stride = s_bn
+        if SHARED:
+            rows, stride = tl.where(slot == TOPK, shared_b, rows), tl.where(slot == TOPK, s_hn, s_bn)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+            acc += _plain_rows(rows, n, k0, stride, nmask, K, EVEN_K, BLOCK_N, BLOCK_K) * _inputs(
+                a_row, k0, K, EVEN_K, BLOCK_K
+            )
+        scale = tl.load(topk_w + tok * s_wt + slot * s_wk, mask=slot < TOPK, other=0.0).to(tl.float32)
+        if SHARED:
+            logit = tl.load(shared_logit + tok * s_lt).to(tl.float32)
+            scale = tl.where(slot == TOPK, tl.sigmoid(logit), scale)
+        term = tl.sum(acc, axis=1) * scale
+    else:
+        is_shared = False
+        if SHARED:
+            is_shared = slot == TOPK
+        if is_shared:
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                w = _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
+                acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+            term = tl.sum(acc, axis=1) * tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
+        else:
+            e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+            b_e, s_e, g_e = _expert(
+                e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
+            )
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+                acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+            scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
+            term = tl.sum(acc, axis=1) * (tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold))
+    cell = ws + tok * (TOPK + SHARED) * N + n  # ws[tok, 0, n]
+    tl.store(cell + slot * N, term.to(out.dtype.element_ty).to(tl.float32), mask=nmask)
+    # the ticket is one thread's atomic: the barrier puts every thread's stores before its release
+    tl.debug_barrier()
+    counter = counters + tok * tl.num_programs(1) + block
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+    if ticket == TOPK + SHARED - 1:  # the others' terms past the acquire, from L2 (.cg)
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(TOPK + SHARED):
+            total += tl.load(cell + j * N, mask=nmask, other=0.0, cache_modifier=".cg")
+        tl.store(out + tok * s_ot + n, total.to(out.dtype.element_ty), mask=nmask)
+        tl.store(counter, 0)  # every ticket is drawn: clean for the next call
 
 
 def _bank(w) -> tuple:
@@ -505,13 +415,7 @@ def launch_moe_gemv(
     down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
-    words = fp4 and FP4_WORDS
-    if words:  # 64-bit loads of a row's codes
-        for codes in (b13, b2, *(() if host is None else (h13[0], h2[0]))):
-            assert codes.data_ptr() % 8 == 0 and codes.stride(1) % 8 == 0, "NVFP4 code rows are not 8-aligned"
-    ptx = os.environ.get("TRITON_INTERPRET", "0") != "1"  # the interpreter runs no inline PTX
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
-    flags.update(FP4_WORDS=words, PTX=ptx)
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         x, b13, s13, g13, *h13, sb13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
@@ -519,6 +423,20 @@ def launch_moe_gemv(
         **flags, BLOCK_N=block_n, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, num_warps=num_warps,
         num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
+    if DOWN_BY_PAIR:
+        blocks = triton.cdiv(h, down_n)
+        assert t * blocks <= triton_gemv.COUNTERS, (
+            f"T={t} x {blocks} row blocks: more than the ticket counters"
+        )
+        ws = torch.empty(t, pairs, h, dtype=torch.float32, device=x.device)  # the pairs' rounded terms
+        _down_pair_kernel[(t, blocks, pairs)](
+            act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, ws, triton_gemv.tickets(x.device), h, inter,
+            act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
+            weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
+            **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
+            num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, **pdl_args(act),
+        )  # fmt: skip
+        return out
     _down_sum_kernel[(t, triton.cdiv(h, down_n))](
         act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, h, inter,
         act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
