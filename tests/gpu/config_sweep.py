@@ -278,28 +278,31 @@ def sweep_moe_gemv() -> None:
     report("MoE GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", shipped, rows)
 
 
-def timed_moe_gemv(problem, down, *, fmt: str, name: str, by_pair: bool) -> float | None:
-    """us per call of the MoE GEMV with down tiles ``down`` (module constant ``name``) and
-    DOWN_BY_PAIR = ``by_pair``, checked against the shipped kernels' output."""
+def timed_moe_gemv(problem, down, *, fmt: str, name: str | None, by_pair: bool) -> float | None:
+    """us per call of the MoE GEMV with down tiles ``down`` (module constant ``name``; None: as
+    shipped) and DOWN_BY_PAIR = ``by_pair``, checked against the shipped kernels' output."""
     mod = triton_moe_gemv
     banks, x, routes = problem
     w13, w2 = banks[fmt]
-    shipped = getattr(mod, name), mod.DOWN_BY_PAIR
+    shipped = (getattr(mod, name) if name else None), mod.DOWN_BY_PAIR
     want = mod.launch_moe_gemv(x, w13, w2, *routes[0])
-    setattr(mod, name, down)
+    if name:
+        setattr(mod, name, down)
     mod.DOWN_BY_PAIR = by_pair
     calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
     try:
         return try_config(calls[0], want, calls, 2e-2)
     finally:
-        setattr(mod, name, shipped[0])
+        if name:
+            setattr(mod, name, shipped[0])
         mod.DOWN_BY_PAIR = shipped[1]
 
 
 def sweep_moe_gemv_kernels() -> None:
-    """The MoE GEMV's down kernel's own tiles (``BF16_DOWN``/``NVFP4_DOWN``), gate/up's as shipped,
-    per bank format with ``DOWN_BY_PAIR`` off and on: at T = 1 (a batch-1 decode step), the best
-    then timed at T = 2. Prints the env lines (``FT_MOE_GEMV_*``) that set the best."""
+    """The MoE GEMV's down kernel's own tiles, gate/up's as shipped, per bank format: the walk's
+    (``BF16_DOWN``/``NVFP4_DOWN``, ``DOWN_BY_PAIR`` off) and by pair's (``PAIR_DOWN``, on); at
+    T = 1 (a batch-1 decode step), the best then timed at T = 2. Prints the env lines
+    (``FT_MOE_GEMV_*``) that set the best."""
     mod = triton_moe_gemv
     grids = {
         False: grid((2, 4, 8, 16), (512,), (4, 8), (1, 4)),
@@ -308,24 +311,23 @@ def sweep_moe_gemv_kernels() -> None:
     problems = {t: moe_problem(t) for t in (1, 2)}
     fmt_us = lambda v: f"{v:.1f}" if v is not None else "failed"  # noqa: E731
     for fmt in MOE_FORMATS:
-        name = "NVFP4_DOWN" if fmt == "nvfp4" else "BF16_DOWN"
-        shipped = getattr(mod, name) or (mod.NVFP4 if fmt == "nvfp4" else mod.BF16)
-        base = timed_moe_gemv(problems[1], getattr(mod, name), fmt=fmt, name=name, by_pair=mod.DOWN_BY_PAIR)
+        walk = "NVFP4_DOWN" if fmt == "nvfp4" else "BF16_DOWN"
+        shipped_us = {
+            t: timed_moe_gemv(problems[t], None, fmt=fmt, name=None, by_pair=mod.DOWN_BY_PAIR) for t in (1, 2)
+        }
         for by_pair in (False, True):
+            name = "PAIR_DOWN" if by_pair else walk
+            shipped = getattr(mod, name) or (mod.NVFP4 if fmt == "nvfp4" else mod.BF16)
             timed = P(timed_moe_gemv, fmt=fmt, name=name, by_pair=by_pair)
             downs = {cfg: timed(problems[1], cfg) for cfg in dict.fromkeys([shipped, *grids[by_pair]])}
             best = min((c for c in downs if downs[c] is not None), key=downs.get, default=shipped)
-            print(f"== MoE GEMV down, {fmt}, by pair {by_pair}: shipped {shipped} T=1 {fmt_us(base)} us")
+            print(f"== MoE GEMV down, {fmt}, by pair {by_pair}: as shipped T=1 {fmt_us(shipped_us[1])} us")
             for cfg, us in sorted(downs.items(), key=lambda kv: kv[1] or 1e9)[:5]:
                 print(f"  down {cfg}: {fmt_us(us)} us")
-            t2, t2_base = (
-                timed(problems[2], best),
-                timed_moe_gemv(problems[2], getattr(mod, name), fmt=fmt, name=name, by_pair=mod.DOWN_BY_PAIR),
-            )
-            t1 = fmt_us(downs.get(best))
-            print(f"  best {best}: T=1 {t1} us, T=2 {fmt_us(t2)} us (shipped {fmt_us(t2_base)})")
+            t1, t2 = fmt_us(downs.get(best)), fmt_us(timed(problems[2], best))
+            print(f"  best {best}: T=1 {t1} us, T=2 {t2} us (as shipped {fmt_us(shipped_us[2])})")
             env = f"FT_MOE_GEMV_{name}={','.join(map(str, best))}"
-            print(f"  env{' FT_MOE_GEMV_DOWN_BY_PAIR=1' if by_pair else ''} {env}", flush=True)
+            print(f"  env FT_MOE_GEMV_DOWN_BY_PAIR={int(by_pair)} {env}", flush=True)
 
 
 GROUPED_T = [int(v) for v in os.environ.get("FT_SWEEP_GROUPED_T", "1,64").split(",")]  # e.g. 1024,8192

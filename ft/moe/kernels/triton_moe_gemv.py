@@ -42,10 +42,13 @@ from ft.quant.nvfp4 import NVFP4Tensor
 # T=1 (MMA path 46.4). T=1, k=10 with BLOCK_N 8 is 10 x 64 gate/up and 256 down programs.
 BF16 = (8, 512, 4, 4)
 NVFP4 = (8, 512, 8, 4)
-# the down kernel's own tiles (None: the gate/up kernel's): it runs one program per BLOCK_N rows of
-# H walking a token's k experts, 256 programs at T=1 against gate/up's 640, so it may want others
+# the walking down kernel's own tiles (None: the gate/up kernel's; ``DOWN_BY_PAIR`` off)
 BF16_DOWN = None
 NVFP4_DOWN = None
+# the down kernel by pair's (``DOWN_BY_PAIR``), both formats: the best of tests/gpu/config_sweep.py
+# moe_gemv_kernels on an H200 (2026-12-01), T=1 with gate/up 25.2 us in bf16 and 29.1 in NVFP4
+# against the walk's 30.8 and 41.8 at the shipped tiles; small 2-warp programs, 2,816 of them
+PAIR_DOWN = (8, 512, 2, 1)
 
 
 def _tiles_from_env(name: str, default):
@@ -57,6 +60,7 @@ def _tiles_from_env(name: str, default):
 
 BF16, NVFP4 = _tiles_from_env("BF16", BF16), _tiles_from_env("NVFP4", NVFP4)
 BF16_DOWN, NVFP4_DOWN = _tiles_from_env("BF16_DOWN", BF16_DOWN), _tiles_from_env("NVFP4_DOWN", NVFP4_DOWN)
+PAIR_DOWN = _tiles_from_env("PAIR_DOWN", PAIR_DOWN)
 # A block's (bf16) shared expert as one more pair of each token in these two launches, beside a
 # bf16 or NVFP4 bank, instead of its own four (gate/up GEMV, SiLU, down GEMV, gated add: ~12 us of
 # a Qwen3-Next decode layer in the census, where the shared expert's I equals the routed one's).
@@ -90,8 +94,10 @@ PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "1") != "0"
 # layer in the census, docs/benchmarks.md). Each program stores its rounded term into a workspace
 # [T, pairs, H] and draws a ticket from its (token, rows) counter (``triton_gemv.tickets``); the
 # last of the pairs sums the terms in pair order, the shared term last, as the walk does: the same
-# bits. Off until timed (NOT yet run on a GPU).
-DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "0") == "1"
+# bits. On since 2026-12-01 (FT_MOE_GEMV_DOWN_BY_PAIR=0 walks): batch-1 decode on an H200 with the
+# 80B's NVFP4 experts resident 243.7 -> 248.2 / 256.2 tok/s (the walk at its own best tiles), the
+# 24-layer Next in bf16 501-502 -> 511-513 (docs/benchmarks.md).
+DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "1") != "0"
 
 
 @triton.jit
@@ -412,9 +418,7 @@ def launch_moe_gemv(
     pairs = topk + (shared is not None)
     act = torch.empty(t * pairs, inter, dtype=x.dtype, device=x.device)  # [T*(k+shared), I]
     block_n, max_block_k, num_warps, stages = NVFP4 if fp4 else BF16
-    down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
-    bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         x, b13, s13, g13, *h13, sb13, act, ids, inter, h,
@@ -424,6 +428,8 @@ def launch_moe_gemv(
         num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
     if DOWN_BY_PAIR:
+        down_n, down_k, down_warps, down_stages = PAIR_DOWN
+        bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
         blocks = triton.cdiv(h, down_n)
         assert t * blocks <= triton_gemv.COUNTERS, (
             f"T={t} x {blocks} row blocks: more than the ticket counters"
@@ -437,6 +443,8 @@ def launch_moe_gemv(
             num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, **pdl_args(act),
         )  # fmt: skip
         return out
+    down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)
+    bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
     _down_sum_kernel[(t, triton.cdiv(h, down_n))](
         act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, h, inter,
         act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
