@@ -172,3 +172,48 @@ def test_pairs_of_lists_each_experts_pairs_in_order():
         row_of = list(range(len(experts))) if rows is None else rows.tolist()
         want_rows = [row_of[i] for i, e in enumerate(experts) for _ in range(int((flat == e).sum()))]
         assert sel.tolist() == want and got_rows.tolist() == want_rows
+
+
+def test_hybrid_prefill_gives_the_cpu_a_share_and_equals_resident(ckpt, monkeypatch):
+    """Hybrid prefill: the host CPU computes some host-only experts of each streamed layer (on
+    its worker thread) while the rest stream; the prompt log-probs are the resident backend's,
+    fewer bytes cross the link than with everything streamed, and with the share off none is
+    computed on the CPU."""
+    from ft.moe.backends import hybrid
+
+    # a CPU far faster than the link, whatever this machine's jobs took before: it takes a share
+    monkeypatch.setattr(hybrid, "CPU_RATES", (1e6, 1e6, 55.0))
+    monkeypatch.setattr(hybrid, "_POOL", [])
+    params = [
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2, logprobs=2, ignore_eos=True)
+    ] * len(PROMPTS)
+    with engine(ckpt, moe_backend="gpu") as llm:
+        want = llm.generate(PROMPTS, params)
+    stats = {}
+    for share in (True, False):
+        monkeypatch.setattr(hybrid, "PREFILL_CPU", share)
+        with engine(ckpt, moe_backend="hybrid", expert_cache_fraction=0.25, moe_prefetch=False) as llm:
+            assert_same(llm.generate(PROMPTS, params), want)
+            stats[share] = llm.engine.stats()
+    assert stats[True].moe_cpu_pairs > 0 and stats[False].moe_cpu_pairs == 0
+    assert stats[True].moe_bytes_h2d < stats[False].moe_bytes_h2d
+
+
+def test_cpu_share_balances_the_cpu_against_the_link():
+    """``hybrid.cpu_share``: the CPU takes the experts with the fewest pairs, as many as finish no
+    later than the link's copies of the rest; none when it is far slower, all but what the link
+    streams meanwhile when it is far faster."""
+    import numpy as np
+
+    from ft.moe.backends.hybrid import cpu_share
+
+    mb = 6 << 20
+    flops = 6.3e6
+    pairs = np.full(100, 20)
+    even = cpu_share(pairs, mb, flops, (55, 1e9, 55))  # as fast as the link, compute free: half
+    assert even == 50
+    assert cpu_share(pairs, mb, flops, (0.5, 2.4, 55)) == 0  # a slow CPU takes nothing
+    assert cpu_share(pairs, mb, flops, (5500, 1e9, 55)) == 99  # a fast one all but one
+    slower = cpu_share(pairs, mb, flops, (54, 2.4, 55))  # its measured rates: compute costs too
+    assert 30 < slower < even
+    assert cpu_share(np.zeros(0), mb, flops) == 0

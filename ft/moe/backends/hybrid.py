@@ -12,20 +12,105 @@ A miss costs CPU time instead of a blocking PCIe copy. The missed experts are th
 the cache in the background (evicting unpinned slots by the policy), for later steps: the copy
 is not waited for, and the table that this step's kernel reads was written before it, so the
 step never uses a half-copied slot. Static experts of a lean store (``placement.py``) are always
-hits, so the CPU never needs them (they have no host copy). Larger batches (prefill) use the
-offload paths, where the CPU would be the bottleneck.
+hits, so the CPU never needs them (they have no host copy).
+
+Larger batches (prefill) stream as the offload backend does, but with bf16 experts the host CPU
+takes a share of the host-only experts (``CpuShare``): those with the fewest pairs, as many as it
+computes in no more time than the link streams the rest (``cpu_share``, from the host's measured
+rates, corrected by what its jobs took), on a worker thread while the GPU streams and computes
+the others; its fp32 sum joins the layer's before the shared term. On an H200 machine's host
+(2026-12-01, tests/gpu/cpu_expert_rate.py) one bf16 expert took 116.8 us at 1 token and 166.8 at
+20 (a 1k prompt's tokens per expert), against 114 us to copy it over the link: up to about 40% of
+a 1k prompt's streamed bytes could go. NOT yet run on a GPU; FT_MOE_HYBRID_PREFILL_CPU=0 streams
+everything.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from ft.moe.backends.cpu import cpu_experts
+from ft.moe.backends.cpu import cpu_experts, cpu_sum
 from ft.moe.backends.expert_cache import unique
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.offload import OffloadBackend, decode_only
+from ft.moe.backends.pairs import Pairs
 
 HYBRID_MAX_TOKENS = 16
+PREFILL_CPU = os.environ.get("FT_MOE_HYBRID_PREFILL_CPU", "1") != "0"
+# the cost model's rates: the host CPU reading an expert's bf16 weights and its marginal TFLOPS a
+# token (H200 machines' host, 16 threads, 2026-12-01: 116.8 us an expert at T=1, 166.8 at T=20),
+# and the pinned host-to-device link (55.4 GB/s there); FT_MOE_CPU_RATES=GBPS,TFLOPS,LINK_GBPS
+CPU_RATES = tuple(float(v) for v in os.environ.get("FT_MOE_CPU_RATES", "54,2.4,55").split(","))
+
+
+def cpu_seconds(pairs: np.ndarray, expert_bytes: int, flops_per_pair: float, rates=CPU_RATES) -> np.ndarray:
+    """[n + 1] the CPU's time on the first 0, 1, ..., n experts of ``pairs`` (their pair counts):
+    each read once, then its pairs' products."""
+    gbps, tflops, _ = rates
+    each = expert_bytes / (gbps * 1e9) + pairs * flops_per_pair / (tflops * 1e12)
+    return np.concatenate([[0.0], np.cumsum(each)])
+
+
+def cpu_share(pairs: np.ndarray, expert_bytes: int, flops_per_pair: float, rates=CPU_RATES) -> int:
+    """How many of a streamed layer's host-only experts, ``pairs`` their pair counts in ascending
+    order, the CPU should compute so that the layer waits least: the m minimising max(the CPU's
+    time on the first m, the link's on the other n - m)."""
+    n = len(pairs)
+    link = expert_bytes / (rates[2] * 1e9) * (n - np.arange(n + 1))
+    return int(np.argmin(np.maximum(cpu_seconds(pairs, expert_bytes, flops_per_pair, rates), link)))
+
+
+class CpuPool:
+    """The process's worker thread for hybrid prefill's CPU shares, and how much slower than the
+    cost model its jobs have run (an average, which scales the CPU's rates: one host)."""
+
+    def __init__(self) -> None:
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="ft-hybrid-cpu")
+        self.slowdown = 1.0
+
+    def rates(self) -> tuple[float, float, float]:
+        gbps, tflops, link = CPU_RATES
+        return gbps / self.slowdown, tflops / self.slowdown, link
+
+
+_POOL: list[CpuPool] = []
+
+
+def cpu_pool() -> CpuPool:
+    if not _POOL:
+        _POOL.append(CpuPool())
+    return _POOL[0]
+
+
+@dataclass
+class CpuShare:
+    """Experts of one streamed layer computed on the CPU, ``experts``, and their fp32 [T, H] sum
+    once ``result`` has joined the job (which also counts them and updates the pool's slowdown)."""
+
+    experts: np.ndarray
+    job: Future
+    predicted_s: float  # by the uncorrected rates
+    shared: object  # the layers' ``Shared``, which counts CPU pairs
+
+    def result(self) -> torch.Tensor:
+        out, pairs, took_s = self.job.result()
+        self.shared.cpu_pairs += pairs
+        pool = cpu_pool()
+        if self.predicted_s > 0:  # within 8x of the model: a job's fixed costs dwarf a tiny one's
+            pool.slowdown = min(8.0, max(0.125, 0.5 * pool.slowdown + 0.5 * took_s / self.predicted_s))
+        return out
+
+
+def _timed_sum(*args) -> tuple[torch.Tensor, int, float]:
+    t0 = time.perf_counter()
+    out, pairs = cpu_sum(*args)
+    return out, pairs, time.perf_counter() - t0
 
 
 class HybridBackend(OffloadBackend):
@@ -40,6 +125,27 @@ class HybridBackend(OffloadBackend):
         y_cpu = torch.empty_like(x)  # [T, H] the misses' sum, filled on the host
         split_point(lambda: self._split_work(bank, x, weights, ids, pred, y_cpu))
         return self._cached(bank, x, weights, ids) + y_cpu
+
+    def _cpu_share(self, bank, x, weights, ids_h: np.ndarray, host_only: np.ndarray) -> CpuShare | None:
+        """The streamed layer's host-only experts with the fewest pairs that the CPU computes, on
+        the rank's worker thread, while the link streams the rest (``cpu_share``); bf16 banks
+        only (the CPU dequantises NVFP4 experts first, a rate not measured)."""
+        if not PREFILL_CPU or bank.format != "bf16" or len(host_only) == 0:
+            return None
+        pool = cpu_pool()
+        counts = Pairs(ids_h, self.store.num_experts).counts[host_only]
+        order = np.argsort(counts, kind="stable")
+        flops = 2.0 * sum(t[0].numel() for t in self.store.tensors.values())  # a pair's gate, up and down
+        size = self.store.layout.expert_bytes
+        m = cpu_share(counts[order], size, flops, pool.rates())
+        if m == 0:
+            return None
+        mine = order[:m]
+        x_h, w_h = x.cpu(), weights.cpu()  # ready: the host has read this layer's routing already
+        job = pool.worker.submit(_timed_sum, bank, self.store, x_h, w_h, ids_h, np.sort(host_only[mine]))
+        return CpuShare(
+            np.sort(host_only[mine]), job, cpu_seconds(counts[mine], size, flops)[-1], self.shared
+        )
 
     def _split_work(self, bank, x, weights, ids, pred, y_cpu) -> None:
         ids_h, pred_h = self._to_host(ids, pred)

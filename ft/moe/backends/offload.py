@@ -300,6 +300,9 @@ class OffloadBackend:
         early = np.isin(experts, ahead.experts) if ahead is not None else np.zeros(len(experts), dtype=bool)
         in_place = np.zeros_like(hit) if sh.hit_d2d else hit & ~early  # resident, used in their slots
         staged = experts[~early & ~in_place]
+        on_cpu = self._cpu_share(bank, x, weights, ids_h, staged[~self.map.resident(staged)])
+        if on_cpu is not None:  # computed by the host CPU while the link streams the others
+            staged = staged[~np.isin(staged, on_cpu.experts)]
         # prefetches into this layer's slots land before the hits are read: every copy issued
         # before the groups staged ahead (those are waited for group by group below)
         sh.transfer.wait(ahead.before if ahead is not None else None)
@@ -323,12 +326,19 @@ class OffloadBackend:
             st.free_after[buf] = sh.transfer.record_main()
             if g + 2 < len(groups):
                 ready[g + 2] = self._stage(groups[g + 2])
+        if on_cpu is not None:  # the host blocks here while the GPU streams what it was given
+            out += on_cpu.result().to(out.device, non_blocking=False)
         if shared is not None:  # its term, as the fused call adds it after the routed ones
             out += shared_pair_alone(x, shared).float()
         self._prefetch_next(pred_h)  # before staging ahead: the next layer waits for it, not them
         if sh.stream_ahead and len(x) * weights.shape[1] >= AHEAD_PAIRS * self.store.num_experts:
             self._stage_ahead(pred_h)
         return out.to(x.dtype)
+
+    def _cpu_share(self, bank, x, weights, ids_h: np.ndarray, host_only: np.ndarray):
+        """Experts of a streamed batch that the host CPU computes instead (``hybrid.CpuShare``):
+        none here (``host_only``: those the batch would copy from the host store)."""
+        return None
 
     def _stage_ahead(self, pred_h: np.ndarray | None) -> None:
         """Stage the next layer's likeliest host-only experts into ``AHEAD_GROUPS`` groups: the
