@@ -37,23 +37,14 @@ def cpu_experts(
     bank, store: HostStore, x: torch.Tensor, weights: torch.Tensor, ids_h: np.ndarray, experts: np.ndarray
 ) -> tuple[torch.Tensor, int]:
     """Sum over the pairs routed to ``experts`` -> ([T, H] on x's device, pairs computed)."""
-    out, pairs = cpu_sum(bank, store, x.cpu(), weights.cpu(), ids_h, experts)
-    return out.to(device=x.device, dtype=x.dtype), pairs
-
-
-def cpu_sum(
-    bank, store: HostStore, x_h: torch.Tensor, weights_h: torch.Tensor, ids_h: np.ndarray, experts: np.ndarray
-) -> tuple[torch.Tensor, int]:
-    """``cpu_experts`` on host tensors, the sum kept in fp32 on the host: ([T, H], pairs). Touches
-    no device, so a worker thread may run it while the GPU streams (hybrid prefill)."""
-    out = torch.zeros(x_h.shape, dtype=torch.float32)  # [T, H] on the host
+    out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H] on the host
     pairs = Pairs(ids_h, store.num_experts).of(experts, store.rows(experts))
-    (run,) = upload_pairs([pairs], weights_h)  # the kernel runs here
-    run_pairs(_CpuKernel(bank), store.tensors, x_h, out, *run)
-    return out, len(run[0])
+    (run,) = upload_pairs([pairs], weights.cpu())  # the kernel runs here
+    run_pairs(CpuKernel(bank), store.tensors, x.cpu(), out, *run)
+    return out.to(device=x.device, dtype=x.dtype), len(run[0])
 
 
-class _CpuKernel:
+class CpuKernel:
     """The bank as ``run_pairs`` sees it, with the CPU kernel of its format."""
 
     def __init__(self, bank) -> None:

@@ -35,11 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ft.moe.backends.cpu import cpu_experts, cpu_sum
+from ft.moe.backends.cpu import CpuKernel, cpu_experts
 from ft.moe.backends.expert_cache import unique
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.offload import OffloadBackend, decode_only
-from ft.moe.backends.pairs import Pairs
+from ft.moe.backends.pairs import Pairs, run_pairs
+from ft.utils import upload
 
 HYBRID_MAX_TOKENS = 16
 PREFILL_CPU = os.environ.get("FT_MOE_HYBRID_PREFILL_CPU", "1") != "0"
@@ -90,27 +91,32 @@ def cpu_pool() -> CpuPool:
 
 @dataclass
 class CpuShare:
-    """Experts of one streamed layer computed on the CPU, ``experts``, and their fp32 [T, H] sum
-    once ``result`` has joined the job (which also counts them and updates the pool's slowdown)."""
+    """Experts of one streamed layer computed on the CPU, ``experts``, from the rows ``tokens``
+    of the batch (on the device) that their pairs use; ``add_to`` joins the job and adds its fp32
+    sum into the layer's (counting the pairs and updating the pool's slowdown)."""
 
     experts: np.ndarray
+    tokens: torch.Tensor  # [U] rows of the batch
     job: Future
     predicted_s: float  # by the uncorrected rates
     shared: object  # the layers' ``Shared``, which counts CPU pairs
 
-    def result(self) -> torch.Tensor:
-        out, pairs, took_s = self.job.result()
+    def add_to(self, out: torch.Tensor) -> None:
+        part, pairs, took_s = self.job.result()
         self.shared.cpu_pairs += pairs
         pool = cpu_pool()
         if self.predicted_s > 0:  # within 8x of the model: a job's fixed costs dwarf a tiny one's
             pool.slowdown = min(8.0, max(0.125, 0.5 * pool.slowdown + 0.5 * took_s / self.predicted_s))
-        return out
+        out.index_add_(0, self.tokens, part.to(out.device))
 
 
-def _timed_sum(*args) -> tuple[torch.Tensor, int, float]:
+def _share_job(bank, store, x_rows, pair_w, local, rows) -> tuple[torch.Tensor, int, float]:
+    """The worker's job: the pairs (``local`` rows of ``x_rows``, weights ``pair_w``, weight rows
+    ``rows`` of the host store) summed into fp32 [U, H] on the host, with its time."""
     t0 = time.perf_counter()
-    out, pairs = cpu_sum(*args)
-    return out, pairs, time.perf_counter() - t0
+    out = torch.zeros(x_rows.shape, dtype=torch.float32)
+    run_pairs(CpuKernel(bank), store.tensors, x_rows, out, local, pair_w, rows)
+    return out, len(local), time.perf_counter() - t0
 
 
 class HybridBackend(OffloadBackend):
@@ -133,19 +139,25 @@ class HybridBackend(OffloadBackend):
         if not PREFILL_CPU or bank.format != "bf16" or len(host_only) == 0:
             return None
         pool = cpu_pool()
-        counts = Pairs(ids_h, self.store.num_experts).counts[host_only]
+        pairs = Pairs(ids_h, self.store.num_experts)
+        counts = pairs.counts[host_only]
         order = np.argsort(counts, kind="stable")
         flops = 2.0 * sum(t[0].numel() for t in self.store.tensors.values())  # a pair's gate, up and down
         size = self.store.layout.expert_bytes
         m = cpu_share(counts[order], size, flops, pool.rates())
         if m == 0:
             return None
-        mine = order[:m]
-        x_h, w_h = x.cpu(), weights.cpu()  # ready: the host has read this layer's routing already
-        job = pool.worker.submit(_timed_sum, bank, self.store, x_h, w_h, ids_h, np.sort(host_only[mine]))
-        return CpuShare(
-            np.sort(host_only[mine]), job, cpu_seconds(counts[mine], size, flops)[-1], self.shared
-        )
+        experts = np.sort(host_only[order[:m]])
+        sel, rows = pairs.of(experts, self.store.rows(experts))  # their pairs, by expert
+        tokens = np.unique(sel // ids_h.shape[1])
+        # only the rows the CPU needs cross to the host (ready: the host has read the routing)
+        on_device = upload(torch.from_numpy(np.concatenate([tokens, sel])), x.device)
+        x_rows = x[on_device[: len(tokens)]].cpu()
+        pair_w = weights.reshape(-1)[on_device[len(tokens) :]].unsqueeze(1).cpu()
+        local = torch.from_numpy(np.searchsorted(tokens, sel // ids_h.shape[1]))
+        job = pool.worker.submit(_share_job, bank, self.store, x_rows, pair_w, local, torch.from_numpy(rows))
+        predicted = cpu_seconds(counts[order[:m]], size, flops)[-1]
+        return CpuShare(experts, on_device[: len(tokens)], job, predicted, self.shared)
 
     def _split_work(self, bank, x, weights, ids, pred, y_cpu) -> None:
         ids_h, pred_h = self._to_host(ids, pred)

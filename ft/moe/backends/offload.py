@@ -327,7 +327,7 @@ class OffloadBackend:
             if g + 2 < len(groups):
                 ready[g + 2] = self._stage(groups[g + 2])
         if on_cpu is not None:  # the host blocks here while the GPU streams what it was given
-            out += on_cpu.result().to(out.device, non_blocking=False)
+            on_cpu.add_to(out)
         if shared is not None:  # its term, as the fused call adds it after the routed ones
             out += shared_pair_alone(x, shared).float()
         self._prefetch_next(pred_h)  # before staging ahead: the next layer waits for it, not them
