@@ -116,7 +116,11 @@ class ModelRunner:
         self.plan = self._allocate_pools(pools)
         self.plan = replace(self.plan, moe=self.moe.allocate(self.model))
         if cfg.progress or self.moe.offloads:
-            print(self.moe.describe(self.plan.num_blocks * cfg.block_size), flush=True)
+            rows = (self.plan.num_slots + 1 + self.plan.num_snapshots) if self.gdn_layers else 0
+            print(
+                self.moe.describe(self.plan.num_blocks * cfg.block_size, rows, self.plan.state_bytes),
+                flush=True,
+            )
         self.graphs = None
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests, self.moe.max_graph_batch())
         if self.device.type == "cuda" and not cfg.disable_cuda_graph and max_bs >= 1:

@@ -145,3 +145,17 @@ def test_what_cannot_work_is_refused_before_loading(tmp_path, no_loading, opts, 
     write_checkpoint(tmp_path, "qwen3_moe", seed=3)
     with pytest.raises(error, match=match):
         engine(tmp_path, **({"moe_backend": "offload"} | opts))
+
+
+def test_the_plan_line_gives_the_gdn_state_pool(ckpt, capsys):
+    """An offloading GDN model's plan line says what its state rows (a request slot and a prefix
+    snapshot each) take, since the expert cache gets what they leave; a model without GDN layers
+    says nothing of them."""
+    with engine(ckpt, moe_backend="offload", expert_cache_fraction=0.5, max_running_requests=3) as llm:
+        plan, gdn = runner(llm).plan, runner(llm).gdn_layers
+        line = [t for t in capsys.readouterr().out.splitlines() if "experts resident" in t][-1]
+    rows = 3 + 1 + plan.num_snapshots
+    if gdn:
+        assert f"GDN states {plan.state_bytes / 2**30:.2f} GiB in {rows} rows" in line
+    else:
+        assert "GDN states" not in line

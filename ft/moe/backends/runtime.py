@@ -275,20 +275,26 @@ class MoeRuntime:
         self.plan = replace(self.plan, policy=policy)
 
     # ---- reporting
-    def describe(self, kv_tokens: int) -> str:
+    def describe(self, kv_tokens: int, state_rows: int = 0, state_bytes: int = 0) -> str:
+        """The plan line: experts resident and where, the store, the KV pool and, for GDN models,
+        the state pool (one row a request slot and a prefix snapshot: ``--max-running-requests``
+        sizes both, and what they hold the expert cache does not get)."""
         p, gib = self.plan, GiB
         head = f"ft rank {self.tp.rank}/{self.tp.size}: moe {p.backend}"
+        pools = f"KV {kv_tokens} tokens"
+        if state_rows:
+            pools += f"; GDN states {state_bytes / gib:.2f} GiB in {state_rows} rows"
         if not p.layers:
-            return f"{head} (no MoE layers); KV {kv_tokens} tokens"
+            return f"{head} (no MoE layers); {pools}"
         if p.backend == "gpu":
             return (
                 f"{head}: {p.layers} layers x {p.experts}/{p.experts} experts resident, "
-                f"{p.cache_bytes / gib:.2f} GiB on {self.device}; KV {kv_tokens} tokens"
+                f"{p.cache_bytes / gib:.2f} GiB on {self.device}; {pools}"
             )
         if p.backend == "cpu":
             return (
                 f"{head}: {p.layers} layers x {p.experts} experts computed on the CPU from a host store of "
-                f"{p.host_bytes / gib:.2f} GiB, none resident on {self.device}; KV {kv_tokens} tokens"
+                f"{p.host_bytes / gib:.2f} GiB, none resident on {self.device}; {pools}"
             )
         extra = f"{p.policy}, prefetch {'on' if p.prefetch else 'off'}"
         lean = f"; {p.static} static + {p.slots - p.static} dynamic slots" if p.static else ""
@@ -297,7 +303,7 @@ class MoeRuntime:
             f"{head} ({extra}): {p.layers} layers x {p.slots}/{p.experts} experts resident "
             f"({p.slots / p.experts:.0%}{lean}), expert cache {p.cache_bytes / gib:.2f} GiB + staging "
             f"{p.staging_bytes / gib:.2f} GiB on {self.device}, host store {p.host_bytes / gib:.2f} GiB"
-            f"{held} {'pinned' if p.pinned else 'pageable'}; KV {kv_tokens} tokens"
+            f"{held} {'pinned' if p.pinned else 'pageable'}; {pools}"
         )
 
     def stats(self) -> dict:

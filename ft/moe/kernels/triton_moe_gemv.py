@@ -9,13 +9,14 @@ e = ids[t, j] its expert (for NVFP4, ``W = e2m1(code) · scale`` decoded in regi
     act[p, n] = silu(g_gate[e, n] · x[t]·W_gate[e, n]) · (g_up[e, n] · x[t]·W_up[e, n])   # [T*k, I]
     out[t, n] = sum_j weights[t, j] · g_down[e, n] · act[(t, j)]·W_down[e, n]              # [T, H]
 
-The first launch runs one program per (pair, BLOCK_N rows of I); the second one program per
-(token, BLOCK_N rows of H), walking its k experts and their K chunks as one flat loop, so the
-loads of consecutive experts are in flight together and the sum over k needs no third kernel
-and no [T*k, H] buffer. Dot products are fp32 multiply-accumulates of BLOCK_K-wide chunks kept
-per lane and reduced once per expert with ``tl.sum`` (no ``tl.dot``). As in the MMA paths,
-``act`` is rounded to bf16 and so is each pair's weighted term, and ``out`` sums a token's k
-terms in fp32 and rounds once: a batch computed a pair at a time (the offload backend's
+The first launch runs one program per (pair, BLOCK_N rows of I); the second, by default
+(``DOWN_BY_PAIR``), one program per (token, BLOCK_N rows of H, pair), each storing its pair's
+rounded term, the last of a row block summing them in pair order; or (``DOWN_BY_PAIR`` off) one
+program per (token, BLOCK_N rows of H) walking its k experts and their K chunks as one flat loop.
+Either way the sum over k needs no third kernel. Dot products are fp32 multiply-accumulates of
+BLOCK_K-wide chunks kept per lane and reduced once per expert with ``tl.sum`` (no ``tl.dot``).
+As in the MMA paths, ``act`` is rounded to bf16 and so is each pair's weighted term, and ``out``
+sums a token's k terms in fp32 and rounds once: a batch computed a pair at a time (the offload backend's
 streaming, k = 1 per call) and summed in fp32 gives the same bits as one call, exactly for
 k = 2 and up to the fp32 order of the terms beyond. Not here: large T (an expert hit by many
 tokens is read once per token here, once per tile there), fp16 activations with NVFP4, W4A4.
