@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|bench|bench8k|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|bench|bench8k|census|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -14,6 +14,8 @@
 #            request slot and prefix snapshot holds a GDN state (~76 MB for this model), so the
 #            default 64 of each take ~8 GiB from the expert cache (365 instead of 393 resident)
 #   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
+#   census   the full model with NVFP4 experts resident (issue 5's row) with --census: the kernels
+#            of a batch-1 decode step, what stands between it and its roofline (~2 min)
 #   hybrid   the host CPU's rate on one expert (cpu_expert_rate.py, ~30 s), then the same model
 #            with --moe-backend hybrid, batch 1 and 8 (~5 min); its TTFT and 8k prefill now give
 #            the host CPU a share of each layer's streamed experts (hybrid.py: the control is
@@ -55,6 +57,11 @@ bench8k)
   timeout 420 "${bench[@]}" --moe-backend offload --batch-sizes 1 --max-running-requests 8 --input-len 1024 \
     --output-len 8 --prefill-lens 32768 --num-tokens 40000 --chunked-prefill-size 8192 >"$out/bench8k.log" 2>&1
   grep -E "^prefill" "$out/bench8k.log" | sed 's/^/chunks of 8192: /'
+  ;;
+census)
+  timeout 300 "${bench[@]}" --quantize-experts nvfp4 --batch-sizes 1,16 --max-running-requests 16 --input-len 1024 \
+    --output-len 128 --prefill-lens 8000 --num-tokens 60000 --census >"$out/census.log" 2>&1
+  grep -vE "^ft rank" "$out/census.log" | head -60
   ;;
 hybrid)
   timeout 90 python3 tests/gpu/cpu_expert_rate.py >"$out/cpu_expert_rate.log" 2>&1
