@@ -174,16 +174,24 @@ def test_pairs_of_lists_each_experts_pairs_in_order():
         assert sel.tolist() == want and got_rows.tolist() == want_rows
 
 
-def test_hybrid_prefill_gives_the_cpu_a_share_and_equals_resident(ckpt, monkeypatch):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        dict(moe_prefill_hit_d2d=True, moe_staging_experts=2),
+        dict(moe_stream_ahead=True, moe_staging_experts=2),
+    ],
+    ids=["streamed", "hits-d2d", "stream-ahead"],
+)
+def test_hybrid_prefill_gives_the_cpu_a_share_and_equals_resident(ckpt, monkeypatch, options):
     """Hybrid prefill: the host CPU computes some host-only experts of each streamed layer (on
     its worker thread) while the rest stream; the prompt log-probs are the resident backend's,
     fewer bytes cross the link than with everything streamed, and with the share off none is
-    computed on the CPU."""
+    computed on the CPU; also with resident hits copied device-to-device and with the next
+    layer's groups staged ahead (neither is given to the CPU)."""
     from ft.moe.backends import hybrid
 
-    # a CPU far faster than the link, whatever this machine's jobs took before: it takes a share
-    monkeypatch.setattr(hybrid, "CPU_RATES", (1e6, 1e6, 55.0))
-    monkeypatch.setattr(hybrid, "_POOL", [])
+    monkeypatch.setattr(hybrid, "CPU_RATES", (1e6, 1e6, 55.0))  # a CPU far faster than the link
     params = [
         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2, logprobs=2, ignore_eos=True)
     ] * len(PROMPTS)
@@ -192,7 +200,9 @@ def test_hybrid_prefill_gives_the_cpu_a_share_and_equals_resident(ckpt, monkeypa
     stats = {}
     for share in (True, False):
         monkeypatch.setattr(hybrid, "PREFILL_CPU", share)
-        with engine(ckpt, moe_backend="hybrid", expert_cache_fraction=0.25, moe_prefetch=False) as llm:
+        with engine(
+            ckpt, moe_backend="hybrid", expert_cache_fraction=0.25, moe_prefetch=False, **options
+        ) as llm:
             assert_same(llm.generate(PROMPTS, params), want)
             stats[share] = llm.engine.stats()
     assert stats[True].moe_cpu_pairs > 0 and stats[False].moe_cpu_pairs == 0

@@ -28,7 +28,6 @@ everything.
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -46,11 +45,22 @@ HYBRID_MAX_TOKENS = 16
 PREFILL_CPU = os.environ.get("FT_MOE_HYBRID_PREFILL_CPU", "1") != "0"
 # the cost model's rates: the host CPU reading an expert's bf16 weights and its marginal TFLOPS a
 # token (H200 machines' host, 16 threads, 2026-12-01: 116.8 us an expert at T=1, 166.8 at T=20),
-# and the pinned host-to-device link (55.4 GB/s there); FT_MOE_CPU_RATES=GBPS,TFLOPS,LINK_GBPS
+# and the pinned host-to-device link (55.4 GB/s there); FT_MOE_CPU_RATES=GBPS,TFLOPS,LINK_GBPS.
+# Fixed, not adapted to what jobs take: which experts the CPU computes (its rounding differs from
+# the GPU's) then depends only on the routing, so a prompt gives the same outputs every run.
 CPU_RATES = tuple(float(v) for v in os.environ.get("FT_MOE_CPU_RATES", "54,2.4,55").split(","))
 
 
-def cpu_seconds(pairs: np.ndarray, expert_bytes: int, flops_per_pair: float, rates=CPU_RATES) -> np.ndarray:
+def rank_rates() -> tuple[float, float, float]:
+    """``CPU_RATES`` for this process: the CPU's scaled by the share of the host's cores its
+    torch threads have (a tensor-parallel rank gets 1/P of them, and a 1/P shard of each expert,
+    while each rank's GPU has a link of its own)."""
+    gbps, tflops, link = CPU_RATES
+    share = min(1.0, torch.get_num_threads() / (os.cpu_count() or 1))
+    return gbps * share, tflops * share, link
+
+
+def cpu_seconds(pairs: np.ndarray, expert_bytes: int, flops_per_pair: float, rates) -> np.ndarray:
     """[n + 1] the CPU's time on the first 0, 1, ..., n experts of ``pairs`` (their pair counts):
     each read once, then its pairs' products."""
     gbps, tflops, _ = rates
@@ -67,56 +77,56 @@ def cpu_share(pairs: np.ndarray, expert_bytes: int, flops_per_pair: float, rates
     return int(np.argmin(np.maximum(cpu_seconds(pairs, expert_bytes, flops_per_pair, rates), link)))
 
 
-class CpuPool:
-    """The process's worker thread for hybrid prefill's CPU shares, and how much slower than the
-    cost model its jobs have run (an average, which scales the CPU's rates: one host)."""
-
-    def __init__(self) -> None:
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="ft-hybrid-cpu")
-        self.slowdown = 1.0
-
-    def rates(self) -> tuple[float, float, float]:
-        gbps, tflops, link = CPU_RATES
-        return gbps / self.slowdown, tflops / self.slowdown, link
+_WORKER: list[ThreadPoolExecutor] = []
 
 
-_POOL: list[CpuPool] = []
-
-
-def cpu_pool() -> CpuPool:
-    if not _POOL:
-        _POOL.append(CpuPool())
-    return _POOL[0]
+def cpu_worker() -> ThreadPoolExecutor:
+    """The process's one worker thread for hybrid prefill's CPU shares (made on first use)."""
+    if not _WORKER:
+        _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="ft-hybrid-cpu"))
+    return _WORKER[0]
 
 
 @dataclass
 class CpuShare:
-    """Experts of one streamed layer computed on the CPU, ``experts``, from the rows ``tokens``
-    of the batch (on the device) that their pairs use; ``add_to`` joins the job and adds its fp32
-    sum into the layer's (counting the pairs and updating the pool's slowdown)."""
+    """Experts of one streamed layer computed on the CPU: ``experts``, their pairs (``sel``, pair
+    indices into the batch's [T*k], and ``rows``, host-store rows) and the batch rows ``tokens``
+    they use. ``start`` hands them to the worker; ``add_to`` joins it and adds the fp32 sum."""
 
     experts: np.ndarray
-    tokens: torch.Tensor  # [U] rows of the batch
-    job: Future
-    predicted_s: float  # by the uncorrected rates
+    sel: np.ndarray
+    rows: np.ndarray
+    tokens: np.ndarray
     shared: object  # the layers' ``Shared``, which counts CPU pairs
+    job: Future | None = None
+    on_device: torch.Tensor | None = None  # ``tokens`` on the device
+
+    def start(self, bank, store, x: torch.Tensor, weights: torch.Tensor) -> None:
+        """Only the rows the CPU needs cross to the host (one gather; the host has read the
+        routing, so they are computed), then the worker runs."""
+        k = weights.shape[1]
+        idx = upload(torch.from_numpy(np.concatenate([self.tokens, self.sel])), x.device)
+        self.on_device = idx[: len(self.tokens)]
+        x_rows = x[self.on_device].cpu()
+        pair_w = weights.reshape(-1)[idx[len(self.tokens) :]].unsqueeze(1).cpu()
+        local = torch.from_numpy(np.searchsorted(self.tokens, self.sel // k))
+        self.job = cpu_worker().submit(
+            _share_job, bank, store, x_rows, pair_w, local, torch.from_numpy(self.rows)
+        )
 
     def add_to(self, out: torch.Tensor) -> None:
-        part, pairs, took_s = self.job.result()
+        part, pairs = self.job.result()
         self.shared.cpu_pairs += pairs
-        pool = cpu_pool()
-        if self.predicted_s > 0:  # within 8x of the model: a job's fixed costs dwarf a tiny one's
-            pool.slowdown = min(8.0, max(0.125, 0.5 * pool.slowdown + 0.5 * took_s / self.predicted_s))
-        out.index_add_(0, self.tokens, part.to(out.device))
+        out.index_add_(0, self.on_device, upload(part, out.device))  # no host sync on a GPU
 
 
-def _share_job(bank, store, x_rows, pair_w, local, rows) -> tuple[torch.Tensor, int, float]:
+def _share_job(bank, store, x_rows, pair_w, local, rows) -> tuple[torch.Tensor, int]:
     """The worker's job: the pairs (``local`` rows of ``x_rows``, weights ``pair_w``, weight rows
-    ``rows`` of the host store) summed into fp32 [U, H] on the host, with its time."""
-    t0 = time.perf_counter()
-    out = torch.zeros(x_rows.shape, dtype=torch.float32)
-    run_pairs(CpuKernel(bank), store.tensors, x_rows, out, local, pair_w, rows)
-    return out, len(local), time.perf_counter() - t0
+    ``rows`` of the host store) summed into fp32 [U, H] on the host."""
+    with torch.inference_mode():  # per thread: as the engine's own
+        out = torch.zeros(x_rows.shape, dtype=torch.float32)
+        run_pairs(CpuKernel(bank), store.tensors, x_rows, out, local, pair_w, rows)
+    return out, len(local)
 
 
 class HybridBackend(OffloadBackend):
@@ -134,30 +144,21 @@ class HybridBackend(OffloadBackend):
 
     def _cpu_share(self, bank, x, weights, ids_h: np.ndarray, host_only: np.ndarray) -> CpuShare | None:
         """The streamed layer's host-only experts with the fewest pairs that the CPU computes, on
-        the rank's worker thread, while the link streams the rest (``cpu_share``); bf16 banks
-        only (the CPU dequantises NVFP4 experts first, a rate not measured)."""
+        the process's worker thread, while the link streams the rest (``cpu_share``); bf16 banks
+        only (the CPU dequantises NVFP4 experts first, a rate not measured). Host-side only: the
+        caller starts it (``CpuShare.start``) once the first staging copies are issued."""
         if not PREFILL_CPU or bank.format != "bf16" or len(host_only) == 0:
             return None
-        pool = cpu_pool()
         pairs = Pairs(ids_h, self.store.num_experts)
         counts = pairs.counts[host_only]
         order = np.argsort(counts, kind="stable")
         flops = 2.0 * sum(t[0].numel() for t in self.store.tensors.values())  # a pair's gate, up and down
-        size = self.store.layout.expert_bytes
-        m = cpu_share(counts[order], size, flops, pool.rates())
+        m = cpu_share(counts[order], self.store.layout.expert_bytes, flops, rank_rates())
         if m == 0:
             return None
         experts = np.sort(host_only[order[:m]])
         sel, rows = pairs.of(experts, self.store.rows(experts))  # their pairs, by expert
-        tokens = np.unique(sel // ids_h.shape[1])
-        # only the rows the CPU needs cross to the host (ready: the host has read the routing)
-        on_device = upload(torch.from_numpy(np.concatenate([tokens, sel])), x.device)
-        x_rows = x[on_device[: len(tokens)]].cpu()
-        pair_w = weights.reshape(-1)[on_device[len(tokens) :]].unsqueeze(1).cpu()
-        local = torch.from_numpy(np.searchsorted(tokens, sel // ids_h.shape[1]))
-        job = pool.worker.submit(_share_job, bank, self.store, x_rows, pair_w, local, torch.from_numpy(rows))
-        predicted = cpu_seconds(counts[order[:m]], size, flops)[-1]
-        return CpuShare(experts, on_device[: len(tokens)], job, predicted, self.shared)
+        return CpuShare(experts, sel, rows, np.unique(sel // ids_h.shape[1]), self.shared)
 
     def _split_work(self, bank, x, weights, ids, pred, y_cpu) -> None:
         ids_h, pred_h = self._to_host(ids, pred)

@@ -313,6 +313,8 @@ class OffloadBackend:
             sh.ahead_used += len(ahead.groups)
         for g in range(min(2, len(groups))):  # in flight while the hits compute in place
             ready[g] = ready[g] or self._stage(groups[g])
+        if on_cpu is not None:  # its rows to the host once the link is busy
+            on_cpu.start(bank, self.store, x, weights)
         # the pairs are grouped once the first copies are on their way (the link waits for nothing)
         pairs, resident = Pairs(ids_h, self.store.num_experts), experts[in_place]
         runs = upload_pairs(

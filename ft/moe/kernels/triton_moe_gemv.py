@@ -94,10 +94,14 @@ PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "1") != "0"
 # (the down kernel took about as long as gate/up for a third of its bytes: 15.4 against 17.7 us a
 # layer in the census, docs/benchmarks.md). Each program stores its rounded term into a workspace
 # [T, pairs, H] and draws a ticket from its (token, rows) counter (``triton_gemv.tickets``); the
-# last of the pairs sums the terms in pair order, the shared term last, as the walk does: the same
-# bits. On since 2026-12-01 (FT_MOE_GEMV_DOWN_BY_PAIR=0 walks): batch-1 decode on an H200 with the
-# 80B's NVFP4 experts resident 243.7 -> 248.2 / 256.2 tok/s (the walk at its own best tiles), the
-# 24-layer Next in bf16 501-502 -> 511-513 (docs/benchmarks.md).
+# last of the pairs sums the terms in pair order, the shared term last, as the walk does. A term's
+# dot product is reduced inside its program in an order its tile sets (2 warps here, the walk's 4
+# or 8), so its fp32 rounding can differ from the walk's at some widths; rounded to bf16, the terms
+# were the walk's bits at I = 512 and 768 on an H200 (tests/gpu/test_moe_gemv.py), and every
+# caller takes the same kernel, so offloaded still equals resident. On since 2026-12-01
+# (FT_MOE_GEMV_DOWN_BY_PAIR=0 walks): batch-1 decode on an H200 with the 80B's NVFP4 experts
+# resident 243.7 -> 248.2 / 256.2 tok/s (the walk at its own best tiles), the 24-layer Next in
+# bf16 501-502 -> 511-513 (docs/benchmarks.md).
 DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "1") != "0"
 
 
