@@ -17,10 +17,11 @@ hits, so the CPU never needs them (they have no host copy).
 Larger batches (prefill) stream as the offload backend does, but with bf16 experts the host CPU
 takes a share of the host-only experts (``CpuShare``): those with the fewest pairs, as many as it
 computes in no more time than the link streams the rest (``cpu_share``, from the host's measured
-rates, corrected by what its jobs took), on a worker thread while the GPU streams and computes
-the others; its fp32 sum joins the layer's before the shared term. On an H200 machine's host
-(2026-12-01, tests/gpu/cpu_expert_rate.py) one bf16 expert took 116.8 us at 1 token and 166.8 at
-20 (a 1k prompt's tokens per expert), against 114 us to copy it over the link: up to about 40% of
+rates, fixed so that the split depends on the routing alone), on a worker thread while the GPU
+streams and computes the others; its fp32 sum joins the layer's before the shared term. On an
+H200 machine's host (2026-12-01, tests/gpu/cpu_expert_rate.py) one bf16 expert took 116.8 us at
+1 token and 166.8 at 20 (a 1k prompt's tokens per expert), against 114 us to copy it over the
+link: up to about 40% of
 a 1k prompt's streamed bytes could go. NOT yet run on a GPU; FT_MOE_HYBRID_PREFILL_CPU=0 streams
 everything.
 """
