@@ -21,9 +21,8 @@ rates, fixed so that the split depends on the routing alone), on a worker thread
 streams and computes the others; its fp32 sum joins the layer's before the shared term. On an
 H200 machine's host (2026-12-01, tests/gpu/cpu_expert_rate.py) one bf16 expert took 116.8 us at
 1 token and 166.8 at 20 (a 1k prompt's tokens per expert), against 114 us to copy it over the
-link: up to about 40% of
-a 1k prompt's streamed bytes could go. NOT yet run on a GPU; FT_MOE_HYBRID_PREFILL_CPU=0 streams
-everything.
+link: up to about 40% of a 1k prompt's streamed bytes could go. NOT yet run on a GPU;
+FT_MOE_HYBRID_PREFILL_CPU=0 streams everything.
 """
 
 from __future__ import annotations
