@@ -54,6 +54,11 @@ class PoolPlan:
     moe: MoePlan | None = None
     prefill_chunk: int = 8192  # tokens a prefill chunk takes (``sizing.prefill_chunk``)
 
+    @property
+    def state_rows(self) -> int:
+        """GDN state rows: one a request slot, the scratch slot, then one a prefix snapshot."""
+        return self.num_slots + 1 + self.num_snapshots
+
 
 def effective_model_config(cfg: EngineConfig, mc: ModelConfig) -> ModelConfig:
     """The checkpoint's config as this engine builds it (``--quantize-experts`` changes the banks,
@@ -116,7 +121,7 @@ class ModelRunner:
         self.plan = self._allocate_pools(pools)
         self.plan = replace(self.plan, moe=self.moe.allocate(self.model))
         if cfg.progress or self.moe.offloads:
-            rows = (self.plan.num_slots + 1 + self.plan.num_snapshots) if self.gdn_layers else 0
+            rows = self.plan.state_rows if self.plan.has_gdn else 0
             print(
                 self.moe.describe(self.plan.num_blocks * cfg.block_size, rows, self.plan.state_bytes),
                 flush=True,
@@ -230,7 +235,7 @@ class ModelRunner:
 
     def _allocate_pools(self, plan: PoolPlan) -> PoolPlan:
         bs, num_blocks, slots = self.cfg.block_size, plan.num_blocks, plan.num_slots + 1
-        rows = slots + plan.num_snapshots
+        rows = plan.state_rows
         for m in self.attention_layers:
             h, d = m.cache_shape()
             m.kv_cache = torch.zeros(2, num_blocks, bs, h, d, dtype=self.dtype, device=self.device)

@@ -91,8 +91,10 @@ def cpu_worker() -> ThreadPoolExecutor:
 class CpuShare:
     """Experts of one streamed layer computed on the CPU: ``experts``, their pairs (``sel``, pair
     indices into the batch's [T*k], and ``rows``, host-store rows) and the batch rows ``tokens``
-    they use. ``start`` hands them to the worker; ``add_to`` joins it and adds the fp32 sum."""
+    they use; ``pairs``, the batch's pairs by expert, which the layer's GPU groups reuse. ``start``
+    hands them to the worker; ``add_to`` joins it and adds the fp32 sum."""
 
+    pairs: Pairs
     experts: np.ndarray
     sel: np.ndarray
     rows: np.ndarray
@@ -158,7 +160,7 @@ class HybridBackend(OffloadBackend):
             return None
         experts = np.sort(host_only[order[:m]])
         sel, rows = pairs.of(experts, self.store.rows(experts))  # their pairs, by expert
-        return CpuShare(experts, sel, rows, np.unique(sel // ids_h.shape[1]), self.shared)
+        return CpuShare(pairs, experts, sel, rows, np.unique(sel // ids_h.shape[1]), self.shared)
 
     def _split_work(self, bank, x, weights, ids, pred, y_cpu) -> None:
         ids_h, pred_h = self._to_host(ids, pred)

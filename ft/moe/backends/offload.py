@@ -315,8 +315,10 @@ class OffloadBackend:
             ready[g] = ready[g] or self._stage(groups[g])
         if on_cpu is not None:  # its rows to the host once the link is busy
             on_cpu.start(bank, self.store, x, weights)
-        # the pairs are grouped once the first copies are on their way (the link waits for nothing)
-        pairs, resident = Pairs(ids_h, self.store.num_experts), experts[in_place]
+        # the pairs are grouped once the first copies are on their way (the link waits for nothing),
+        # unless the CPU's share grouped them already
+        pairs = on_cpu.pairs if on_cpu is not None else Pairs(ids_h, self.store.num_experts)
+        resident = experts[in_place]
         runs = upload_pairs(
             [pairs.of(resident, self.map.slot_of[resident])] + [pairs.of(group) for group in groups], weights
         )
