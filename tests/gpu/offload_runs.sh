@@ -17,9 +17,9 @@
 #   census   the full model with NVFP4 experts resident (issue 5's row) with --census: the kernels
 #            of a batch-1 decode step, what stands between it and its roofline (~2 min)
 #   hybrid   the host CPU's rate on one expert (cpu_expert_rate.py, ~30 s), then the same model
-#            with --moe-backend hybrid, batch 1 and 8 (~5 min); its TTFT and 8k prefill now give
-#            the host CPU a share of each layer's streamed experts (hybrid.py: the control is
-#            HYBRID_CPU=0, FT_MOE_HYBRID_PREFILL_CPU=0, in a call of its own)
+#            with --moe-backend hybrid, batch 1 and 8 (~5 min); HYBRID_CPU=1 gives the host CPU a
+#            share of each prefill layer's streamed experts (FT_MOE_HYBRID_PREFILL_CPU, off by
+#            default since it measured slower: hybrid.py)
 #
 # Logs go to OUT_DIR; the last lines printed are the figures, for docs/benchmarks.md.
 set -uo pipefail
@@ -66,7 +66,7 @@ census)
 hybrid)
   timeout 90 python3 tests/gpu/cpu_expert_rate.py >"$out/cpu_expert_rate.log" 2>&1
   cat "$out/cpu_expert_rate.log"
-  FT_MOE_HYBRID_PREFILL_CPU=${HYBRID_CPU:-1} timeout 420 "${bench[@]}" --moe-backend hybrid --batch-sizes 1,8 \
+  FT_MOE_HYBRID_PREFILL_CPU=${HYBRID_CPU:-0} timeout 420 "${bench[@]}" --moe-backend hybrid --batch-sizes 1,8 \
     --max-running-requests 8 --input-len 1024 --output-len 64 --prefill-lens 8000 --num-tokens 40000 \
     --output-json "$out/hybrid.json" >"$out/hybrid.log" 2>&1
   grep -E "^(single-stream|prefill|moe| +[0-9]+ )" "$out/hybrid.log"

@@ -14,15 +14,20 @@ is not waited for, and the table that this step's kernel reads was written befor
 step never uses a half-copied slot. Static experts of a lean store (``placement.py``) are always
 hits, so the CPU never needs them (they have no host copy).
 
-Larger batches (prefill) stream as the offload backend does, but with bf16 experts the host CPU
-takes a share of the host-only experts (``CpuShare``): those with the fewest pairs, as many as it
-computes in no more time than the link streams the rest (``cpu_share``, from the host's measured
-rates, fixed so that the split depends on the routing alone), on a worker thread while the GPU
-streams and computes the others; its fp32 sum joins the layer's before the shared term. On an
-H200 machine's host (2026-12-01, tests/gpu/cpu_expert_rate.py) one bf16 expert took 116.8 us at
-1 token and 166.8 at 20 (a 1k prompt's tokens per expert), against 114 us to copy it over the
-link: up to about 40% of a 1k prompt's streamed bytes could go. NOT yet run on a GPU;
-FT_MOE_HYBRID_PREFILL_CPU=0 streams everything.
+Larger batches (prefill) stream as the offload backend does. With ``FT_MOE_HYBRID_PREFILL_CPU=1``
+and bf16 experts the host CPU also takes a share of the host-only experts (``CpuShare``): those
+with the fewest pairs, as many as it computes in no more time than the link streams the rest
+(``cpu_share``, from fixed rates, so that the split depends on the routing alone), on a worker
+thread while the GPU streams and computes the others; its fp32 sum joins the layer's before the
+shared term. Off by default: on an H200 machine (2026-12-01, tests/gpu/profile_hybrid.py, the
+80B cut to 8 layers, 77% resident) it made a 1k prefill 580 -> 4,035 ms and an 8k one 1,729 ->
+2,345 ms. The worker took 28 ms a layer for the 9 pairs of a 1k prompt, against the ~1.2 ms that
+the rates it was sized from (tests/gpu/cpu_expert_rate.py: an expert in 135 us, weights in cache,
+one thread of the process busy) predict. Small host operators that wake a pool of 16 threads, a
+second pool for the worker thread, and the host's memory shared with the link's copies are the
+likely causes, not yet separated. The same profile puts this backend's decode at 2.3 ms a layer,
+1.45 ms of it the CPU's misses (~2 a layer there); the offload backend's host reads are faster
+on these machines (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from ft.moe.backends.pairs import Pairs, run_pairs
 from ft.utils import upload
 
 HYBRID_MAX_TOKENS = 16
-PREFILL_CPU = os.environ.get("FT_MOE_HYBRID_PREFILL_CPU", "1") != "0"
+PREFILL_CPU = os.environ.get("FT_MOE_HYBRID_PREFILL_CPU", "0") == "1"  # off: see the docstring
 # the cost model's rates: the host CPU reading an expert's bf16 weights and its marginal TFLOPS a
 # token (H200 machines' host, 16 threads, 2026-12-01: 116.8 us an expert at T=1, 166.8 at T=20),
 # and the pinned host-to-device link (55.4 GB/s there); FT_MOE_CPU_RATES=GBPS,TFLOPS,LINK_GBPS.

@@ -1,0 +1,147 @@
+"""Where the hybrid backend's time goes, prefill and decode, on a cut of a model (not a test):
+
+    python tests/gpu/profile_hybrid.py CONFIG LAYERS CACHE_FRACTION [OUT.log]
+
+Builds the config cut to LAYERS layers with dummy weights and ``--moe-backend hybrid`` at the
+given expert-cache fraction (0.77: the full bf16 Qwen3-Next-80B's share on one H200). Prefill: 1k
+and 8k prompts, one step each, with the host CPU's share of the streamed experts on and off in
+turn (``hybrid.PREFILL_CPU``): the step's wall, the experts and pairs the CPU took, the worker's
+time on them and how long the layer then waited for it. Decode at batch 1 after a 1k prompt: the
+step's wall, the host time of the hybrid's parts (the graph break's work, the CPU's experts, the
+copies issued), then ``torch.profiler`` over a few steps: the host operators by self time, the
+kernels' and copies' time and the GPU's idle time. ``DEV=cpu`` runs it on the CPU (a smoke test).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from ft.config import EngineConfig  # noqa: E402
+from ft.engine.engine import LLMEngine  # noqa: E402
+from ft.moe.backends import hybrid, offload, transfer  # noqa: E402
+from ft.sampling_params import SamplingParams  # noqa: E402
+from tests.gpu.profile_offload_decode import log_profile, timed  # noqa: E402
+from tests.gpu.profiling import cut_config, logger  # noqa: E402
+
+DEVICE = os.environ.get("DEV", "cuda")
+PARTS = [
+    (hybrid.HybridBackend, "_split_work"),  # a decode layer's graph break: all of the below
+    (offload.OffloadBackend, "_to_host"),  # reading the ids: waits for the segment
+    (hybrid.HybridBackend, "_cached"),
+    (transfer.Transfer, "issue_many"),  # every copy: misses into the cache, the prefetch
+    (hybrid.CpuShare, "start"),  # prefill: the CPU's rows to the host, the job submitted
+    (hybrid.CpuShare, "add_to"),  # prefill: the layer waits for the worker here
+]
+if DEVICE == "cuda":
+    PARTS.append((torch.cuda.CUDAGraph, "replay"))
+
+
+def wrap_functions(module, names, seconds, calls) -> None:
+    """``timed`` for module-level functions (looked up at call time by their callers)."""
+    for name in names:
+        fn, key = getattr(module, name), f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+
+        def wrapper(*args, _fn=fn, _key=key, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                seconds[_key] += time.perf_counter() - t0
+                calls[_key] += 1
+
+        setattr(module, name, wrapper)
+
+
+def log_parts(log, seconds, calls, per: int) -> None:
+    for key in sorted(seconds, key=seconds.get, reverse=True):
+        per_call = seconds[key] / max(calls[key], 1) * 1e6
+        log(f"  {key:34s} {seconds[key] / per * 1e3:8.3f} ms a step  "
+            f"{calls[key] / per:6.1f} calls  {per_call:7.1f} us a call")  # fmt: skip
+
+
+def main() -> None:
+    src, layers, cache = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    log = logger(sys.argv[4] if len(sys.argv) > 4 else None)
+    path, cfg = cut_config(src, layers)
+    seconds, calls = timed(PARTS)
+    # the worker's job (cpu_experts: the decode's misses, called at the break)
+    wrap_functions(hybrid, ["_share_job", "cpu_experts"], seconds, calls)
+    engine = LLMEngine(EngineConfig(
+        config_file=path, load_format="dummy", device=DEVICE, num_tokens=20000, max_running_requests=8,
+        max_model_len=8200, progress=False, moe_backend="hybrid", expert_cache_fraction=cache,
+    ))  # fmt: skip
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    vocab = cfg["vocab_size"]
+    shared = engine.stats
+
+    def prompt(n: int, seed: int) -> list[int]:
+        return [(seed * 7919 + i * 31) % vocab for i in range(n)]
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for n in (1024, 1024, 8000, 8000) if DEVICE == "cuda" else (64, 64):
+        for on in (True, False):
+            hybrid.PREFILL_CPU = on
+            engine.add_request(prompt(n, n + on), one)
+            seconds.clear()
+            calls.clear()
+            pairs0 = shared().moe_cpu_pairs
+            sync()
+            t0 = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            sync()
+            wall = time.perf_counter() - t0
+            log(f"== prefill {n} tokens, CPU share {'on' if on else 'off'}: {wall * 1e3:.1f} ms "
+                f"({n / wall:,.0f} tok/s), {shared().moe_cpu_pairs - pairs0} pairs on the CPU")  # fmt: skip
+            log_parts(log, seconds, calls, 1)
+    hybrid.PREFILL_CPU = True
+    steps = 24 if DEVICE == "cuda" else 4
+    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompt(1024, 3), params)
+    for _ in range(6):  # the prefill and the first decode steps
+        engine.step()
+    seconds.clear()
+    calls.clear()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    wall = (time.perf_counter() - t0) / steps
+    log(f"== decode, batch 1: step {wall * 1e3:.2f} ms ({1 / wall:.1f} tok/s), "
+        f"{wall / layers * 1e6:.0f} us a layer")  # fmt: skip
+    log_parts(log, seconds, calls, steps)
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=acts) as prof:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(4):
+            engine.step()
+        sync()
+        wall = (time.perf_counter() - t0) / 4
+    ops = collections.Counter()
+    for e in prof.key_averages():
+        if e.self_cpu_time_total > 0:
+            ops[e.key[:60]] = e.self_cpu_time_total
+    log(f"host operators by self time, per profiled step (wall {wall * 1e3:.2f} ms):")
+    for name, us in ops.most_common(14):
+        log(f"  {us / 4e3:7.3f} ms  {name}")
+    if DEVICE == "cuda":
+        log_profile(log, prof, wall, 4)
+    s = shared()
+    log(f"hits {s.moe_hits}, misses {s.moe_misses}, prefetched {s.moe_prefetched}, "
+        f"{s.moe_bytes_h2d / 1e9:.2f} GB copied, {s.moe_cpu_pairs} pairs on the CPU")  # fmt: skip
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
