@@ -107,6 +107,44 @@ def check_moe_gemv_down_by_pair() -> None:
     down_switch_changes_no_bit("DOWN_BY_PAIR")
 
 
+def check_moe_gemv_fp4_planes() -> None:
+    """``triton_moe_gemv.FP4_PLANES`` (NVFP4 codes decoded from 32-bit words) against the byte-wise
+    decode and the torch reference: the same weights, so the results agree to the fp32 order of the
+    partial sums (an output within one bf16 step); k = 1, 3 and 10, H and I over one K step, with a
+    K tail and over several steps, with and without a shared expert, gate/up and both down kernels."""
+    from ft.moe.kernels import triton_moe_gemv as mod
+    from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
+    from tests.nvfp4.test_w4a16_gpu import random_bank
+
+    gen = torch.Generator().manual_seed(2)
+    e, t = 12, 3
+    for k, h, inter, shared, by_pair in ((10, 64, 32, False, True), (3, 48, 48, True, True),
+                                         (1, 1024, 640, False, True), (3, 64, 48, True, False)):  # fmt: skip
+        mod.DOWN_BY_PAIR = by_pair
+        w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+        x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        weights = torch.rand(t, k, generator=gen) / k
+        pair = None
+        if shared:
+            pair = (
+                (torch.randn(2 * inter, h, generator=gen) * h**-0.5).to(torch.bfloat16),
+                (torch.randn(h, inter, generator=gen) * inter**-0.5).to(torch.bfloat16),
+                torch.randn(t, 1, generator=gen).to(torch.bfloat16),
+            )
+        outs = []
+        for on in (False, True):
+            mod.FP4_PLANES = on
+            outs.append(mod.launch_moe_gemv(x, w13, w2, weights, ids, pair).float())
+        what = f"k={k} H={h} I={inter} shared={shared} by pair={by_pair}"
+        step = outs[0].abs().clamp(min=1e-3) * 2**-7  # one bf16 step (8 significant bits)
+        require(bool(((outs[1] - outs[0]).abs() <= step).all()), f"{what}: planes and bytes disagree")
+        if not shared:
+            want = fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids).float()
+            err = ((outs[1] - want).norm() / want.norm()).item()
+            require(err < 1e-2, f"{what}: relative error {err:.3g} against the torch reference")
+
+
 def check_gated_norm_gemv() -> None:
     """``triton_norm_gemv`` (the GDN output's gated RMSNorm inside its out_proj GEMV) against the
     torch path (``GatedRMSNorm`` then the product in fp32): 1 and 3 rows, z a strided view, an N
@@ -137,6 +175,7 @@ CHECKS = [
     "check_conv_decode_one_launch",
     "check_moe_gemv_ids_ahead",
     "check_moe_gemv_down_by_pair",
+    "check_moe_gemv_fp4_planes",
     "check_gated_norm_gemv",
 ]
 

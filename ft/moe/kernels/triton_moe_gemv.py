@@ -33,7 +33,7 @@ import triton.language as tl
 from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
-from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode_f32, check_operands
+from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode_f32, check_operands, e4m3
 from ft.quant.nvfp4 import NVFP4Tensor
 
 # (BLOCK_N weight rows per program, MAX_BLOCK_K input elements per step, NUM_WARPS, STAGES of
@@ -103,6 +103,15 @@ PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "1") != "0"
 # resident 243.7 -> 248.2 / 256.2 tok/s (the walk at its own best tiles), the 24-layer Next in
 # bf16 501-502 -> 511-513 (docs/benchmarks.md).
 DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "1") != "0"
+# NVFP4 codes read as 32-bit words of eight and decoded in place (``_fp4_words``, ``_plane``): the
+# code's magnitude bits placed into an fp32 (no fp16 step), its block's scale multiplied in per
+# element, the inputs paired with each word's eight codes by reading them as bf16 pairs (no
+# reshape of the codes): an H200's profile of the byte-wise decode (ncu, 2026-12-01) shows the
+# gate/up kernel busy issuing (60% of the SMs' throughput, 10% of DRAM's), its loop 509 SASS
+# instructions for 32 weights a thread, 153 of them byte permutes. The weights are the same values
+# (exact products either way); the per-lane partial sums run over other lanes, so their fp32
+# order, and a rounding, can differ. Off until timed on a GPU (NOT yet run on one).
+FP4_PLANES = os.environ.get("FT_MOE_GEMV_FP4_PLANES", "0") == "1"
 
 
 @triton.jit
@@ -166,6 +175,64 @@ def _inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    # rows n, inputs k0 .. k0+BK of one NVFP4 expert (``FP4_PLANES``): (codes as [BN, BK/16, 2]
+    # 32-bit words, the two of each 16-wide block, code j of a word in its bits 4j..4j+3; the blocks'
+    # scales [BN, BK/16, 1] as fp32 times 2^104, ``e4m3`` giving them times 2^-8: ``_plane`` takes
+    # 2^-126 back). One 3-d shape for codes, scales and inputs keeps them in one register layout.
+    kb = tl.arange(0, BLOCK_K // 16)[None, :, None]
+    half = tl.arange(0, 2)[None, None, :]
+    rows = n[:, None, None].to(tl.int64)
+    w_ptr = (b_e + rows * s_bn + k0 // 2).to(tl.pointer_type(tl.uint32)) + 2 * kb + half
+    s_ptr = s_e + rows * s_sn + k0 // 16 + kb
+    if EVEN_K:
+        wmask = nmask[:, None, None]
+        smask = nmask[:, None, None]
+    else:  # K is a multiple of 16: whole blocks are in or out
+        smask = nmask[:, None, None] & (kb < (K - k0) // 16)
+        wmask = smask
+    words = tl.load(w_ptr, mask=wmask, other=0)
+    return words, e4m3(tl.load(s_ptr, mask=smask, other=0)) * 5.192296858534828e33  # 2^112
+
+
+@triton.jit
+def _plane(words, scale, J: tl.constexpr):
+    # code J of each word as fp32 e2m1 · scale · 2^-22, as ``_rows`` gives it: the three magnitude
+    # bits go to an fp32's lowest two exponent bits and top mantissa bit (e2m1 · 2^-126, subnormal
+    # for a zero exponent, which fp32 arithmetic on the GPU keeps: not flushed), the sign bit to
+    # the sign; its product with the scale is exact and normal
+    t = words >> (4 * J)
+    return (((t & 7) << 22) | ((t & 8) << 28)).to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit
+def _input_pair(a_row, k0, Q: tl.constexpr, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    # inputs 8w + 2Q and 8w + 2Q + 1 of each word w of a BK step (bf16 pairs read as 32-bit words)
+    # as fp32 [1, BK/16, 2] each, in the words' shape
+    kb = tl.arange(0, BLOCK_K // 16)[None, :, None]
+    half = tl.arange(0, 2)[None, None, :]
+    ptr = (a_row + k0).to(tl.pointer_type(tl.uint32)) + 8 * kb + 4 * half + Q
+    if EVEN_K:
+        pair = tl.load(ptr)
+    else:
+        pair = tl.load(ptr, mask=kb < (K - k0) // 16, other=0)
+    lo = (pair << 16).to(tl.float32, bitcast=True)
+    hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _fp4_planes_dot(acc, words, scale, a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    # acc [BN, BK/16, 2] += each word's eight weights times their inputs
+    for q in tl.static_range(4):
+        lo, hi = _input_pair(a_row, k0, q, K, EVEN_K, BLOCK_K)
+        acc += _plane(words, scale, 2 * q) * lo  # one fused multiply-add each
+        acc += _plane(words, scale, 2 * q + 1) * hi
+    return acc
+
+
+@triton.jit
 def _plain_gate_up(x_row, rows, stride, n, N, nmask, K, LOOP_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # (gate, up) [BN] of 16-bit rows n and n + N (the up rows sit N below the gate rows) times x_row
@@ -184,7 +251,7 @@ def _gate_up_kernel(
     s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -217,13 +284,29 @@ def _gate_up_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
-            gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums
-            up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
-                gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
-                # the up rows sit N rows below the gate rows of the same expert
-                up += _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+            if PLANES:  # codes as words (``FP4_PLANES``)
+                gate = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
+                up = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                    wg, sg = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
+                    wu, su = _fp4_words(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
+                    for q in tl.static_range(4):  # the inputs once for both
+                        lo, hi = _input_pair(x_row, k0, q, K, EVEN_K, BLOCK_K)
+                        gate += _plane(wg, sg, 2 * q) * lo  # one fused multiply-add each
+                        gate += _plane(wg, sg, 2 * q + 1) * hi
+                        up += _plane(wu, su, 2 * q) * lo
+                        up += _plane(wu, su, 2 * q + 1) * hi
+                gate = tl.sum(gate, axis=2)
+                up = tl.sum(up, axis=2)
+            else:
+                gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-lane partial sums
+                up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                    xin = _inputs(x_row, k0, K, EVEN_K, BLOCK_K)
+                    gate += _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K) * xin
+                    # the up rows sit N rows below the gate rows of the same expert
+                    w_up = _rows(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+                    up += w_up * xin
             g = tl.sum(gate, axis=1)
             u = tl.sum(up, axis=1)
             g_ptr = g_e + n  # the rows' globals
@@ -240,7 +323,8 @@ def _down_sum_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IDS_AHEAD: tl.constexpr = False, TOPK_P: tl.constexpr = 1,
-    LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False, PLANES: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]; with SHARED,
@@ -250,6 +334,7 @@ def _down_sum_kernel(
     nmask = n < N
     steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one slot's per-lane partial dot products
+    part = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)  # the same, codes as words (PLANES)
     total = tl.zeros([BLOCK_N], tl.float32)
     js = tl.arange(0, TOPK_P)
     if IDS_AHEAD:  # the token's experts and weights in registers before the loop (``IDS_AHEAD``)
@@ -267,8 +352,12 @@ def _down_sum_kernel(
         b_e, s_e, g_e = _expert(
             e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
         )
-        w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
-        acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+        if PLANES:  # codes as words (``FP4_PLANES``)
+            words, sc = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
+            part = _fp4_planes_dot(part, words, sc, a_row, k0, K, EVEN_K, BLOCK_K)
+        else:
+            w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+            acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
         if i % steps == steps - 1:  # the slot's last chunk: its term, weighted and rounded
             if IDS_AHEAD:
                 scale = tl.sum(tl.where(js == slot, all_w, 0.0), 0)
@@ -278,8 +367,12 @@ def _down_sum_kernel(
                 row_scale = tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold)
             else:
                 row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
-            term = tl.sum(acc, axis=1) * row_scale
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            if PLANES:
+                term = tl.sum(tl.sum(part, axis=2), axis=1) * row_scale
+                part = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
+            else:
+                term = tl.sum(acc, axis=1) * row_scale
+                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             total += term.to(out.dtype.element_ty).to(tl.float32)
     if SHARED:  # the shared expert's term last, rounded like a routed pair's
         a_row = act + (tok * (TOPK + 1) + TOPK) * s_at
@@ -298,7 +391,7 @@ def _down_pair_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded as the walk rounds
@@ -339,11 +432,19 @@ def _down_pair_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
-                acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+            if PLANES:  # codes as words (``FP4_PLANES``)
+                part = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                    words, sc = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
+                    part = _fp4_planes_dot(part, words, sc, a_row, k0, K, EVEN_K, BLOCK_K)
+                dot = tl.sum(tl.sum(part, axis=2), axis=1)
+            else:
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                    w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+                    acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+                dot = tl.sum(acc, axis=1)
             scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
-            term = tl.sum(acc, axis=1) * (tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold))
+            term = dot * (tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold))
     cell = ws + tok * (TOPK + SHARED) * N + n  # ws[tok, 0, n]
     tl.store(cell + slot * N, term.to(out.dtype.element_ty).to(tl.float32), mask=nmask)
     # the ticket is one thread's atomic: the barrier puts every thread's stores before its release
@@ -429,8 +530,8 @@ def launch_moe_gemv(
         x, b13, s13, g13, *h13, sb13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
         UNFOLD,
-        **flags, BLOCK_N=block_n, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up, num_warps=num_warps,
-        num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
+        **flags, PLANES=fp4 and FP4_PLANES, BLOCK_N=block_n, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up,
+        num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
     if DOWN_BY_PAIR:
         down_n, down_k, down_warps, down_stages = PAIR_DOWN
@@ -444,7 +545,8 @@ def launch_moe_gemv(
             act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, ws, triton_gemv.tickets(x.device), h, inter,
             act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
             weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
-            **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
+            **flags, PLANES=fp4 and FP4_PLANES, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down,
+            num_warps=down_warps,
             num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, **pdl_args(act),
         )  # fmt: skip
         return out
@@ -455,7 +557,8 @@ def launch_moe_gemv(
         act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
         weights.stride(1),
         ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
-        **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, IDS_AHEAD=IDS_AHEAD,
+        **flags, PLANES=fp4 and FP4_PLANES, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down,
+        IDS_AHEAD=IDS_AHEAD,
         TOPK_P=triton.next_power_of_2(max(topk, 1)), num_warps=down_warps, num_stages=down_stages,
         LOOP_STAGES=down_stages if PIPELINE else 1, **pdl_args(act),
     )  # fmt: skip
