@@ -108,10 +108,11 @@ def check_moe_gemv_down_by_pair() -> None:
 
 
 def check_moe_gemv_fp4_planes() -> None:
-    """``triton_moe_gemv.FP4_PLANES`` (NVFP4 codes decoded from 32-bit words) against the byte-wise
-    decode and the torch reference: the same weights, so the results agree to the fp32 order of the
-    partial sums (an output within one bf16 step); k = 1, 3 and 10, H and I over one K step, with a
-    K tail and over several steps, with and without a shared expert, gate/up and both down kernels."""
+    """``triton_moe_gemv.FP4_PLANES`` (the gate/up kernel's NVFP4 codes decoded from 32-bit words)
+    against the byte-wise decode and the torch reference: the same weights, so the results agree to
+    the fp32 order of the partial sums (an output within one bf16 step); k = 1, 3 and 10, H over one
+    K step, with a K tail and over several steps, with and without a shared expert, either down
+    kernel after it."""
     from ft.moe.kernels import triton_moe_gemv as mod
     from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
     from tests.nvfp4.test_w4a16_gpu import random_bank

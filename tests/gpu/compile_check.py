@@ -86,8 +86,7 @@ def entries():
             yield f"MoE GEMV gate/up {tag}", triton_moe_gemv._gate_up_kernel, ptrs, {
                 **common, "LOOP_STAGES": stages, "HOST": host, "PLANES": False}, warps, 4  # fmt: skip
             for ahead in (False, True):
-                down = {**common, "IDS_AHEAD": ahead, "TOPK_P": 16, "LOOP_STAGES": stages, "HOST": host,
-                        "PLANES": False}  # fmt: skip
+                down = {**common, "IDS_AHEAD": ahead, "TOPK_P": 16, "LOOP_STAGES": stages, "HOST": host}
                 yield (
                     f"MoE GEMV down {tag}, ids ahead {ahead}",
                     triton_moe_gemv._down_sum_kernel,
@@ -96,14 +95,12 @@ def entries():
                     warps,
                     4,
                 )
-            pair = {**common, "LOOP_STAGES": stages, "HOST": host, "PLANES": False}
+            pair = {**common, "LOOP_STAGES": stages, "HOST": host}
             ptrs_pair = {**ptrs, "ws": F32, "counters": I32}
             yield f"MoE GEMV down by pair {tag}", triton_moe_gemv._down_pair_kernel, ptrs_pair, pair, warps, 4
-            if is4 and stages == 4:  # codes read as words (FP4_PLANES); by pair at its shipped 2 warps
+            if is4 and stages == 4:  # codes read as words (FP4_PLANES)
                 gu = {**common, "LOOP_STAGES": stages, "HOST": host, "PLANES": True}
                 yield f"MoE GEMV gate/up {tag}, planes", triton_moe_gemv._gate_up_kernel, ptrs, gu, warps, 4
-                yield f"MoE GEMV down by pair {tag}, planes", triton_moe_gemv._down_pair_kernel, ptrs_pair, {
-                    **pair, "PLANES": True}, 2, 1  # fmt: skip
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):

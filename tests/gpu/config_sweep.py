@@ -1,7 +1,7 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
-    python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels] [grouped] [conv]
-        [extend]
+    python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels] [moe_gemv_planes]
+        [grouped] [conv] [extend]
 
 (all sections when none is named). Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b,
 FT_SWEEP_MOE=E,I,H,k (Qwen3-30B: 128,768,2048,8; also the router section's E, H, k),
@@ -330,6 +330,28 @@ def sweep_moe_gemv_kernels() -> None:
             print(f"  env FT_MOE_GEMV_DOWN_BY_PAIR={int(by_pair)} {env}", flush=True)
 
 
+def sweep_moe_gemv_planes() -> None:
+    """The NVFP4 gate/up kernel's tiles with its codes read as words (``FP4_PLANES``) against the
+    byte-wise decode at the shipped tiles, the down kernel as shipped, at T = 1 and 2."""
+    mod = triton_moe_gemv
+    saved = mod.NVFP4, mod.FP4_PLANES
+    configs = grid((4, 8, 16, 32), (256, 512), (4, 8), (3, 4))
+    rows = {}
+    for t in (1, 2):
+        banks, x, routes = moe_problem(t)
+        w13, w2 = banks["nvfp4"]
+        want = mod.launch_moe_gemv(x, w13, w2, *routes[0])
+        calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
+        times = {"bytes, shipped tiles": try_config(calls[0], want, calls, 2e-2)}
+        mod.FP4_PLANES = True
+        for cfg in dict.fromkeys([saved[0], *configs]):
+            mod.NVFP4 = cfg
+            times[cfg] = try_config(calls[0], want, calls, 2e-2)
+        mod.NVFP4, mod.FP4_PLANES = saved
+        rows[f"T={t} nvfp4, planes"] = times
+    report("MoE GEMV gate/up, NVFP4 codes as words (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", saved[0], rows)
+
+
 GROUPED_T = [int(v) for v in os.environ.get("FT_SWEEP_GROUPED_T", "1,64").split(",")]  # e.g. 1024,8192
 
 
@@ -464,6 +486,7 @@ def sweep_extend() -> None:
 
 SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router, "moe_gemv": sweep_moe_gemv,
             "moe_gemv_kernels": sweep_moe_gemv_kernels,
+            "moe_gemv_planes": sweep_moe_gemv_planes,
             "grouped": sweep_grouped, "conv": sweep_conv, "extend": sweep_extend}  # fmt: skip
 
 

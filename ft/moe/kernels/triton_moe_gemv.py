@@ -103,14 +103,18 @@ PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "1") != "0"
 # resident 243.7 -> 248.2 / 256.2 tok/s (the walk at its own best tiles), the 24-layer Next in
 # bf16 501-502 -> 511-513 (docs/benchmarks.md).
 DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "1") != "0"
-# NVFP4 codes read as 32-bit words of eight and decoded in place (``_fp4_words``, ``_plane``): the
-# code's magnitude bits placed into an fp32 (no fp16 step), its block's scale multiplied in per
-# element, the inputs paired with each word's eight codes by reading them as bf16 pairs (no
-# reshape of the codes): an H200's profile of the byte-wise decode (ncu, 2026-12-01) shows the
-# gate/up kernel busy issuing (60% of the SMs' throughput, 10% of DRAM's), its loop 509 SASS
-# instructions for 32 weights a thread, 153 of them byte permutes. The weights are the same values
-# (exact products either way); the per-lane partial sums run over other lanes, so their fp32
-# order, and a rounding, can differ. Off until timed on a GPU (NOT yet run on one).
+# The gate/up kernel's NVFP4 codes read as 32-bit words of eight and decoded in place
+# (``_fp4_words``, ``_plane``): the code's magnitude bits placed into an fp32 (no fp16 step), its
+# block's scale multiplied in per element, the inputs paired with each word's eight codes by
+# reading them as bf16 pairs (no reshape of the codes). An H200's profile of the byte-wise decode
+# (ncu, 2026-12-01, docs/benchmarks.md) has the gate/up kernel busy issuing (60% of the SMs'
+# throughput, 10% of DRAM's), its loop 470 SASS instructions for 32 weights a thread, 153 of them
+# byte permutes; this loop is 306, at 47 registers instead of 99. Under ncu gate/up went 23.8 ->
+# 20.5 us at the shipped tiles; the down kernel by pair, decoded the same way, went 16.7 -> 24.8
+# us, so the down kernels keep the byte-wise decode. The weights are the same values (exact
+# products either way); the per-lane partial sums run over other lanes, so their fp32 order, and a
+# rounding, can differ (greedy tokens of a random-weight 80B diverge). Off: no batch-1 gain timed
+# yet (80B NVFP4 241.1 / 237.2 against 244.2 / 254.0 tok/s with the down kernel's too).
 FP4_PLANES = os.environ.get("FT_MOE_GEMV_FP4_PLANES", "0") == "1"
 
 
@@ -223,16 +227,6 @@ def _input_pair(a_row, k0, Q: tl.constexpr, K, EVEN_K: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _fp4_planes_dot(acc, words, scale, a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    # acc [BN, BK/16, 2] += each word's eight weights times their inputs
-    for q in tl.static_range(4):
-        lo, hi = _input_pair(a_row, k0, q, K, EVEN_K, BLOCK_K)
-        acc += _plane(words, scale, 2 * q) * lo  # one fused multiply-add each
-        acc += _plane(words, scale, 2 * q + 1) * hi
-    return acc
-
-
-@triton.jit
 def _plain_gate_up(x_row, rows, stride, n, N, nmask, K, LOOP_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # (gate, up) [BN] of 16-bit rows n and n + N (the up rows sit N below the gate rows) times x_row
@@ -323,8 +317,7 @@ def _down_sum_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IDS_AHEAD: tl.constexpr = False, TOPK_P: tl.constexpr = 1,
-    LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False, PLANES: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]; with SHARED,
@@ -334,7 +327,6 @@ def _down_sum_kernel(
     nmask = n < N
     steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one slot's per-lane partial dot products
-    part = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)  # the same, codes as words (PLANES)
     total = tl.zeros([BLOCK_N], tl.float32)
     js = tl.arange(0, TOPK_P)
     if IDS_AHEAD:  # the token's experts and weights in registers before the loop (``IDS_AHEAD``)
@@ -352,12 +344,8 @@ def _down_sum_kernel(
         b_e, s_e, g_e = _expert(
             e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
         )
-        if PLANES:  # codes as words (``FP4_PLANES``)
-            words, sc = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
-            part = _fp4_planes_dot(part, words, sc, a_row, k0, K, EVEN_K, BLOCK_K)
-        else:
-            w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
-            acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+        w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+        acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
         if i % steps == steps - 1:  # the slot's last chunk: its term, weighted and rounded
             if IDS_AHEAD:
                 scale = tl.sum(tl.where(js == slot, all_w, 0.0), 0)
@@ -367,12 +355,8 @@ def _down_sum_kernel(
                 row_scale = tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold)
             else:
                 row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
-            if PLANES:
-                term = tl.sum(tl.sum(part, axis=2), axis=1) * row_scale
-                part = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
-            else:
-                term = tl.sum(acc, axis=1) * row_scale
-                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            term = tl.sum(acc, axis=1) * row_scale
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             total += term.to(out.dtype.element_ty).to(tl.float32)
     if SHARED:  # the shared expert's term last, rounded like a routed pair's
         a_row = act + (tok * (TOPK + 1) + TOPK) * s_at
@@ -391,7 +375,7 @@ def _down_pair_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
-    PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded as the walk rounds
@@ -432,19 +416,11 @@ def _down_pair_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
-            if PLANES:  # codes as words (``FP4_PLANES``)
-                part = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
-                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    words, sc = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
-                    part = _fp4_planes_dot(part, words, sc, a_row, k0, K, EVEN_K, BLOCK_K)
-                dot = tl.sum(tl.sum(part, axis=2), axis=1)
-            else:
-                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
-                    acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
-                dot = tl.sum(acc, axis=1)
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+                acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
             scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
-            term = dot * (tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold))
+            term = tl.sum(acc, axis=1) * (tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold))
     cell = ws + tok * (TOPK + SHARED) * N + n  # ws[tok, 0, n]
     tl.store(cell + slot * N, term.to(out.dtype.element_ty).to(tl.float32), mask=nmask)
     # the ticket is one thread's atomic: the barrier puts every thread's stores before its release
@@ -545,8 +521,7 @@ def launch_moe_gemv(
             act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, ws, triton_gemv.tickets(x.device), h, inter,
             act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
             weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
-            **flags, PLANES=fp4 and FP4_PLANES, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down,
-            num_warps=down_warps,
+            **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
             num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, **pdl_args(act),
         )  # fmt: skip
         return out
@@ -557,8 +532,7 @@ def launch_moe_gemv(
         act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
         weights.stride(1),
         ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
-        **flags, PLANES=fp4 and FP4_PLANES, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down,
-        IDS_AHEAD=IDS_AHEAD,
+        **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, IDS_AHEAD=IDS_AHEAD,
         TOPK_P=triton.next_power_of_2(max(topk, 1)), num_warps=down_warps, num_stages=down_stages,
         LOOP_STAGES=down_stages if PIPELINE else 1, **pdl_args(act),
     )  # fmt: skip
