@@ -331,10 +331,11 @@ def sweep_moe_gemv_kernels() -> None:
 
 
 def sweep_moe_gemv_planes() -> None:
-    """The NVFP4 gate/up kernel's tiles with its codes read as words (``FP4_PLANES``) against the
-    byte-wise decode at the shipped tiles, the down kernel as shipped, at T = 1 and 2."""
+    """The NVFP4 gate/up kernel's tiles with its codes read as words (``FP4_PLANES``, tiles
+    ``NVFP4_PLANES``) against the byte-wise decode at its shipped tiles, the down kernel as shipped,
+    at T = 1 and 2."""
     mod = triton_moe_gemv
-    saved = mod.NVFP4, mod.FP4_PLANES
+    saved = mod.NVFP4_PLANES, mod.FP4_PLANES
     configs = grid((4, 8, 16, 32), (256, 512), (4, 8), (3, 4))
     rows = {}
     for t in (1, 2):
@@ -345,9 +346,9 @@ def sweep_moe_gemv_planes() -> None:
         times = {"bytes, shipped tiles": try_config(calls[0], want, calls, 2e-2)}
         mod.FP4_PLANES = True
         for cfg in dict.fromkeys([saved[0], *configs]):
-            mod.NVFP4 = cfg
+            mod.NVFP4_PLANES = cfg
             times[cfg] = try_config(calls[0], want, calls, 2e-2)
-        mod.NVFP4, mod.FP4_PLANES = saved
+        mod.NVFP4_PLANES, mod.FP4_PLANES = saved
         rows[f"T={t} nvfp4, planes"] = times
     report("MoE GEMV gate/up, NVFP4 codes as words (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", saved[0], rows)
 

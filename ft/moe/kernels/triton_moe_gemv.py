@@ -116,6 +116,8 @@ DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "1") != "0"
 # rounding, can differ (greedy tokens of a random-weight 80B diverge). Off: no batch-1 gain timed
 # yet (80B NVFP4 241.1 / 237.2 against 244.2 / 254.0 tok/s with the down kernel's too).
 FP4_PLANES = os.environ.get("FT_MOE_GEMV_FP4_PLANES", "0") == "1"
+# its own gate/up tiles (47 registers a thread where the byte-wise loop takes 99: other tiles fit)
+NVFP4_PLANES = _tiles_from_env("NVFP4_PLANES", NVFP4)
 
 
 @triton.jit
@@ -499,14 +501,15 @@ def launch_moe_gemv(
         assert sb13.stride(1) == sb2.stride(1) == 1 and logit.numel() == t, "rows contiguous, a logit a token"
     pairs = topk + (shared is not None)
     act = torch.empty(t * pairs, inter, dtype=x.dtype, device=x.device)  # [T*(k+shared), I]
-    block_n, max_block_k, num_warps, stages = NVFP4 if fp4 else BF16
+    planes = fp4 and FP4_PLANES
+    block_n, max_block_k, num_warps, stages = (NVFP4_PLANES if planes else NVFP4) if fp4 else BF16
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         x, b13, s13, g13, *h13, sb13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
         UNFOLD,
-        **flags, PLANES=fp4 and FP4_PLANES, BLOCK_N=block_n, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up,
+        **flags, PLANES=planes, BLOCK_N=block_n, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
     if DOWN_BY_PAIR:
