@@ -113,11 +113,14 @@ DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "1") != "0"
 # 20.5 us at the shipped tiles; the down kernel by pair, decoded the same way, went 16.7 -> 24.8
 # us, so the down kernels keep the byte-wise decode. The weights are the same values (exact
 # products either way); the per-lane partial sums run over other lanes, so their fp32 order, and a
-# rounding, can differ (greedy tokens of a random-weight 80B diverge). Off: no batch-1 gain timed
-# yet (80B NVFP4 241.1 / 237.2 against 244.2 / 254.0 tok/s with the down kernel's too).
-FP4_PLANES = os.environ.get("FT_MOE_GEMV_FP4_PLANES", "0") == "1"
-# its own gate/up tiles (47 registers a thread where the byte-wise loop takes 99: other tiles fit)
-NVFP4_PLANES = _tiles_from_env("NVFP4_PLANES", NVFP4)
+# rounding, can differ (greedy tokens of a random-weight 80B diverge: 2% agree). With its own tiles
+# from tests/gpu/config_sweep.py moe_gemv_planes (T=1 25.2 us with the down kernel, against 30.5
+# byte-wise) the 80B's batch-1 decode with NVFP4 experts went 248.5 / 253.6 / 247.3 -> 273.5 /
+# 272.9 tok/s on an H200 (docs/benchmarks.md, 2026-12-01). On (FT_MOE_GEMV_FP4_PLANES=0: bytes).
+FP4_PLANES = os.environ.get("FT_MOE_GEMV_FP4_PLANES", "1") != "0"
+# its own gate/up tiles (47 registers a thread where the byte-wise loop takes 99: other tiles fit);
+# the sweep's best over T = 1 and 2 (T=2 42.3 us at (8, 256, 4, 3), 43.2 here)
+NVFP4_PLANES = _tiles_from_env("NVFP4_PLANES", (4, 512, 4, 3))
 
 
 @triton.jit
