@@ -111,8 +111,8 @@ def check_moe_gemv_fp4_planes() -> None:
     """``triton_moe_gemv.FP4_PLANES`` (the gate/up kernel's NVFP4 codes decoded from 32-bit words)
     against the byte-wise decode and the torch reference: the same weights, so the results agree to
     the fp32 order of the partial sums (an output within one bf16 step); k = 1, 3 and 10, H over one
-    K step, with a K tail and over several steps, with and without a shared expert, either down
-    kernel after it."""
+    K step, one with a tail, several, and several then a tail, with and without a shared expert,
+    either down kernel after it."""
     from ft.moe.kernels import triton_moe_gemv as mod
     from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
     from tests.nvfp4.test_w4a16_gpu import random_bank
@@ -120,7 +120,8 @@ def check_moe_gemv_fp4_planes() -> None:
     gen = torch.Generator().manual_seed(2)
     e, t = 12, 3
     for k, h, inter, shared, by_pair in ((10, 64, 32, False, True), (3, 48, 48, True, True),
-                                         (1, 1024, 640, False, True), (3, 64, 48, True, False)):  # fmt: skip
+                                         (1, 1024, 640, False, True), (3, 528, 32, False, True),
+                                         (3, 64, 48, True, False)):  # fmt: skip
         mod.DOWN_BY_PAIR = by_pair
         w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
         x = torch.randn(t, h, generator=gen).to(torch.bfloat16)

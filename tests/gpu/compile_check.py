@@ -98,9 +98,19 @@ def entries():
             pair = {**common, "LOOP_STAGES": stages, "HOST": host}
             ptrs_pair = {**ptrs, "ws": F32, "counters": I32}
             yield f"MoE GEMV down by pair {tag}", triton_moe_gemv._down_pair_kernel, ptrs_pair, pair, warps, 4
-            if is4 and stages == 4:  # codes read as words (FP4_PLANES)
-                gu = {**common, "LOOP_STAGES": stages, "HOST": host, "PLANES": True}
-                yield f"MoE GEMV gate/up {tag}, planes", triton_moe_gemv._gate_up_kernel, ptrs, gu, warps, 4
+            if is4 and stages == 4:  # codes read as words (FP4_PLANES), at its tiles, with a K tail too
+                bn, bk, pw, ps = triton_moe_gemv.NVFP4_PLANES
+                for even in (True, False):
+                    gu = {**common, "LOOP_STAGES": ps, "HOST": host, "PLANES": True, "BLOCK_N": bn,
+                          "BLOCK_K": bk, "EVEN_K": even}  # fmt: skip
+                    yield (
+                        f"MoE GEMV gate/up {tag}, planes, even K {even}",
+                        triton_moe_gemv._gate_up_kernel,
+                        ptrs,
+                        gu,
+                        pw,
+                        ps,
+                    )
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):

@@ -231,19 +231,24 @@ def moe_problem(t: int):
     return banks, x, routes
 
 
-# the MoE GEMV's loop switches (off on main until timed), each timed at the shipped tiles
-MOE_GEMV_SWITCHES = ("IDS_AHEAD", "PIPELINE", "FP4_WORDS")
+# the MoE GEMV's loop switches, each timed on at the shipped tiles
+MOE_GEMV_SWITCHES = ("IDS_AHEAD", "PIPELINE", "FP4_PLANES")
 
 
 def moe_gemv_variants(mod, fmt: str) -> list[tuple[str, ...]]:
-    """The switch combinations worth timing for a bank format (FP4_WORDS only changes NVFP4)."""
-    names = [n for n in MOE_GEMV_SWITCHES if fmt == "nvfp4" or n != "FP4_WORDS"]
+    """The switch combinations worth timing for a bank format (FP4_PLANES only changes NVFP4)."""
+    names = [n for n in MOE_GEMV_SWITCHES if fmt == "nvfp4" or n != "FP4_PLANES"]
     return [(n,) for n in names] + [tuple(names)]
+
+
+def gate_up_tiles(mod, fmt: str) -> str:
+    """The module constant of the tiles a bank format's gate/up kernel takes as shipped."""
+    return "BF16" if fmt == "bf16" else "NVFP4_PLANES" if mod.FP4_PLANES else "NVFP4"
 
 
 def sweep_moe_gemv() -> None:
     mod = triton_moe_gemv
-    saved = mod.BF16, mod.NVFP4
+    saved = {name: getattr(mod, name) for name in ("BF16", "NVFP4", "NVFP4_PLANES")}
     configs = grid((4, 8, 16, 32), (128, 256, 512), (4, 8), (3, 4))
     rows, shipped = {}, {}
     for t in (1, 2, 4):
@@ -259,12 +264,13 @@ def sweep_moe_gemv() -> None:
                 triton_moe.GEMV_MAX_TOKENS = triton_w4a16.GEMV_MAX_TOKENS = 0
                 times["MMA path"] = timer([P(mma, x, w13, w2, w, i) for w, i in routes])
                 triton_moe.GEMV_MAX_TOKENS, triton_w4a16.GEMV_MAX_TOKENS = switches
-            shipped[f"T={t} {fmt}"] = saved[fmt == "nvfp4"]
-            for cfg in dict.fromkeys([saved[fmt == "nvfp4"], *configs]):
-                mod.BF16 = mod.NVFP4 = cfg
+            tiles = gate_up_tiles(mod, fmt)
+            shipped[f"T={t} {fmt}"] = saved[tiles]
+            for cfg in dict.fromkeys([saved[tiles], *configs]):
+                setattr(mod, tiles, cfg)
                 calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
                 times[cfg] = try_config(calls[0], want, calls, 2e-2)
-                mod.BF16, mod.NVFP4 = saved
+                setattr(mod, tiles, saved[tiles])
             calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
             for on in moe_gemv_variants(mod, fmt):
                 flags = {n: getattr(mod, n) for n in MOE_GEMV_SWITCHES}
@@ -341,14 +347,17 @@ def sweep_moe_gemv_planes() -> None:
     for t in (1, 2):
         banks, x, routes = moe_problem(t)
         w13, w2 = banks["nvfp4"]
-        want = mod.launch_moe_gemv(x, w13, w2, *routes[0])
         calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
-        times = {"bytes, shipped tiles": try_config(calls[0], want, calls, 2e-2)}
-        mod.FP4_PLANES = True
-        for cfg in dict.fromkeys([saved[0], *configs]):
-            mod.NVFP4_PLANES = cfg
-            times[cfg] = try_config(calls[0], want, calls, 2e-2)
-        mod.NVFP4_PLANES, mod.FP4_PLANES = saved
+        try:
+            mod.FP4_PLANES = False  # the byte-wise decode: the reference and the row to beat
+            want = calls[0]()
+            times = {"bytes, shipped tiles": try_config(calls[0], want, calls, 2e-2)}
+            mod.FP4_PLANES = True
+            for cfg in dict.fromkeys([saved[0], *configs]):
+                mod.NVFP4_PLANES = cfg
+                times[cfg] = try_config(calls[0], want, calls, 2e-2)
+        finally:
+            mod.NVFP4_PLANES, mod.FP4_PLANES = saved
         rows[f"T={t} nvfp4, planes"] = times
     report("MoE GEMV gate/up, NVFP4 codes as words (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", saved[0], rows)
 

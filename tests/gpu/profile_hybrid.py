@@ -3,9 +3,10 @@
     python tests/gpu/profile_hybrid.py CONFIG LAYERS CACHE_FRACTION [OUT.log]
 
 Builds the config cut to LAYERS layers with dummy weights and ``--moe-backend hybrid`` at the
-given expert-cache fraction (0.77: the full bf16 Qwen3-Next-80B's share on one H200). Prefill: 1k
-and 8k prompts, one step each, with the host CPU's share of the streamed experts on and off in
-turn (``hybrid.PREFILL_CPU``): the step's wall, the experts and pairs the CPU took, the worker's
+given expert-cache fraction (0.77: the full bf16 Qwen3-Next-80B's share on one H200), prefix
+caching off. Prefill: after an unmeasured one of each kind, 1k and 8k prompts of their own, one
+step each, with the host CPU's share of the streamed experts on, off, off, on
+(``hybrid.PREFILL_CPU``): the step's wall, the experts and pairs the CPU took, the worker's
 time on them and how long the layer then waited for it. Decode at batch 1 after a 1k prompt: the
 step's wall, the host time of the hybrid's parts (the graph break's work, the CPU's experts, the
 copies issued), then ``torch.profiler`` over a few steps: the host operators by self time, the
@@ -76,6 +77,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(
         config_file=path, load_format="dummy", device=DEVICE, num_tokens=20000, max_running_requests=8,
         max_model_len=8200, progress=False, moe_backend="hybrid", expert_cache_fraction=cache,
+        enable_prefix_cache=False,  # every prefill computes its whole prompt
     ))  # fmt: skip
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     vocab = cfg["vocab_size"]
@@ -85,23 +87,32 @@ def main() -> None:
         return [(seed * 7919 + i * 31) % vocab for i in range(n)]
 
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for n in (1024, 1024, 8000, 8000) if DEVICE == "cuda" else (64, 64):
+
+    def prefill(n: int, seed: int) -> float:
+        engine.add_request(prompt(n, seed), one)
+        sync()
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        sync()
+        return time.perf_counter() - t0
+
+    lens = (1024, 8000) if DEVICE == "cuda" else (64,)
+    for n in lens:  # unmeasured: both paths' kernels compiled for the shapes
         for on in (True, False):
             hybrid.PREFILL_CPU = on
-            engine.add_request(prompt(n, n + on), one)
-            seconds.clear()
-            calls.clear()
-            pairs0 = shared().moe_cpu_pairs
-            sync()
-            t0 = time.perf_counter()
-            while engine.has_unfinished_requests():
-                engine.step()
-            sync()
-            wall = time.perf_counter() - t0
-            log(f"== prefill {n} tokens, CPU share {'on' if on else 'off'}: {wall * 1e3:.1f} ms "
-                f"({n / wall:,.0f} tok/s), {shared().moe_cpu_pairs - pairs0} pairs on the CPU")  # fmt: skip
-            log_parts(log, seconds, calls, 1)
-    hybrid.PREFILL_CPU = True
+            prefill(n, 1)
+    runs = [(n, on) for n in lens for on in (True, False, False, True)]  # each order once
+    for i, (n, on) in enumerate(runs):
+        hybrid.PREFILL_CPU = on
+        seconds.clear()
+        calls.clear()
+        pairs0 = shared().moe_cpu_pairs
+        wall = prefill(n, 2 + i)  # a prompt of its own
+        log(f"== prefill {n} tokens, CPU share {'on' if on else 'off'}: {wall * 1e3:.1f} ms "
+            f"({n / wall:,.0f} tok/s), {shared().moe_cpu_pairs - pairs0} pairs on the CPU")  # fmt: skip
+        log_parts(log, seconds, calls, 1)
+    hybrid.PREFILL_CPU = False  # the default; decode does not take the share
     steps = 24 if DEVICE == "cuda" else 4
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     engine.add_request(prompt(1024, 3), params)

@@ -20,14 +20,14 @@ with the fewest pairs, as many as it computes in no more time than the link stre
 (``cpu_share``, from fixed rates, so that the split depends on the routing alone), on a worker
 thread while the GPU streams and computes the others; its fp32 sum joins the layer's before the
 shared term. Off by default: on an H200 machine (2026-12-01, tests/gpu/profile_hybrid.py, the
-80B cut to 8 layers, 77% resident) it made a 1k prefill 580 -> 4,035 ms and an 8k one 1,729 ->
-2,345 ms. The worker took 28 ms a layer for the 9 pairs of a 1k prompt, against the ~1.2 ms that
-the rates it was sized from (tests/gpu/cpu_expert_rate.py: an expert in 135 us, weights in cache,
-one thread of the process busy) predict. Small host operators that wake a pool of 16 threads, a
-second pool for the worker thread, and the host's memory shared with the link's copies are the
-likely causes, not yet separated. The same profile puts this backend's decode at 2.3 ms a layer,
-1.45 ms of it the CPU's misses (~2 a layer there); the offload backend's host reads are faster
-on these machines (docs/benchmarks.md).
+80B cut to 8 layers, 77% resident, a first prefill of each kind) it made an 8k prefill 172 ms ->
+11.9 s, the worker taking ~80 ms a layer for its ~2,600 pairs, the layer waiting ~65 ms of it.
+The rates it was sized from (tests/gpu/cpu_expert_rate.py on that host: an expert in 135 us at
+T=1 and 618 at T=156, its weights in cache, the benchmark alone on the host) predict about a
+tenth of that. Small host operators on a pool of 16 threads, a second pool for the worker thread,
+and the host memory shared with the link's copies are the likely causes, not yet separated. The
+same profile puts this backend's decode at 2.3 ms a layer, 1.45 ms of it the CPU's misses (~2 a
+layer there); the offload backend's host reads are faster on these machines (docs/benchmarks.md).
 """
 
 from __future__ import annotations

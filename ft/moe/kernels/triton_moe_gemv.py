@@ -291,7 +291,7 @@ def _gate_up_kernel(
                     wu, su = _fp4_words(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
                     for q in tl.static_range(4):  # the inputs once for both
                         lo, hi = _input_pair(x_row, k0, q, K, EVEN_K, BLOCK_K)
-                        gate += _plane(wg, sg, 2 * q) * lo  # one fused multiply-add each
+                        gate += _plane(wg, sg, 2 * q) * lo  # a multiply-add each (and the scale's)
                         gate += _plane(wg, sg, 2 * q + 1) * hi
                         up += _plane(wu, su, 2 * q) * lo
                         up += _plane(wu, su, 2 * q + 1) * hi
@@ -504,7 +504,8 @@ def launch_moe_gemv(
         assert sb13.stride(1) == sb2.stride(1) == 1 and logit.numel() == t, "rows contiguous, a logit a token"
     pairs = topk + (shared is not None)
     act = torch.empty(t * pairs, inter, dtype=x.dtype, device=x.device)  # [T*(k+shared), I]
-    planes = fp4 and FP4_PLANES
+    # the words read x as bf16 pairs: 4-byte aligned rows (any view the engine passes; else bytes)
+    planes = fp4 and FP4_PLANES and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
     block_n, max_block_k, num_warps, stages = (NVFP4_PLANES if planes else NVFP4) if fp4 else BF16
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
