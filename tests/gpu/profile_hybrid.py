@@ -29,7 +29,7 @@ from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.moe.backends import hybrid, offload, transfer  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profile_offload_decode import log_profile, timed  # noqa: E402
-from tests.gpu.profiling import cut_config, logger  # noqa: E402
+from tests.gpu.profiling import cut_config, log_parts, logger, time_steps  # noqa: E402
 
 DEVICE = os.environ.get("DEV", "cuda")
 PARTS = [
@@ -39,32 +39,11 @@ PARTS = [
     (transfer.Transfer, "issue_many"),  # every copy: misses into the cache, the prefetch
     (hybrid.CpuShare, "start"),  # prefill: the CPU's rows to the host, the job submitted
     (hybrid.CpuShare, "add_to"),  # prefill: the layer waits for the worker here
+    (hybrid, "_share_job"),  # the worker's job
+    (hybrid, "cpu_experts"),  # decode: the misses, at the break
 ]
 if DEVICE == "cuda":
     PARTS.append((torch.cuda.CUDAGraph, "replay"))
-
-
-def wrap_functions(module, names, seconds, calls) -> None:
-    """``timed`` for module-level functions (looked up at call time by their callers)."""
-    for name in names:
-        fn, key = getattr(module, name), f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
-
-        def wrapper(*args, _fn=fn, _key=key, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                seconds[_key] += time.perf_counter() - t0
-                calls[_key] += 1
-
-        setattr(module, name, wrapper)
-
-
-def log_parts(log, seconds, calls, per: int) -> None:
-    for key in sorted(seconds, key=seconds.get, reverse=True):
-        per_call = seconds[key] / max(calls[key], 1) * 1e6
-        log(f"  {key:34s} {seconds[key] / per * 1e3:8.3f} ms a step  "
-            f"{calls[key] / per:6.1f} calls  {per_call:7.1f} us a call")  # fmt: skip
 
 
 def main() -> None:
@@ -72,8 +51,6 @@ def main() -> None:
     log = logger(sys.argv[4] if len(sys.argv) > 4 else None)
     path, cfg = cut_config(src, layers)
     seconds, calls = timed(PARTS)
-    # the worker's job (cpu_experts: the decode's misses, called at the break)
-    wrap_functions(hybrid, ["_share_job", "cpu_experts"], seconds, calls)
     engine = LLMEngine(EngineConfig(
         config_file=path, load_format="dummy", device=DEVICE, num_tokens=20000, max_running_requests=8,
         max_model_len=8200, progress=False, moe_backend="hybrid", expert_cache_fraction=cache,
@@ -116,16 +93,7 @@ def main() -> None:
     steps = 24 if DEVICE == "cuda" else 4
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     engine.add_request(prompt(1024, 3), params)
-    for _ in range(6):  # the prefill and the first decode steps
-        engine.step()
-    seconds.clear()
-    calls.clear()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
-    wall = (time.perf_counter() - t0) / steps
+    wall = time_steps(engine, steps, sync, (seconds, calls), warmup=6)
     log(f"== decode, batch 1: step {wall * 1e3:.2f} ms ({1 / wall:.1f} tok/s), "
         f"{wall / layers * 1e6:.0f} us a layer")  # fmt: skip
     log_parts(log, seconds, calls, steps)
@@ -133,12 +101,7 @@ def main() -> None:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     with profile(activities=acts) as prof:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(4):
-            engine.step()
-        sync()
-        wall = (time.perf_counter() - t0) / 4
+        wall = time_steps(engine, 4, sync)
     ops = collections.Counter()
     for e in prof.key_averages():
         if e.self_cpu_time_total > 0:

@@ -27,7 +27,7 @@ from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.moe.backends import expert_cache, host_reads, offload, prefetch, transfer  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
-from tests.gpu.profiling import cut_config, logger  # noqa: E402
+from tests.gpu.profiling import cut_config, log_parts, logger, time_steps  # noqa: E402
 
 DEVICE = os.environ.get("DEV", "cuda")
 PARTS = [
@@ -49,10 +49,11 @@ if DEVICE == "cuda":
 
 
 def timed(parts):
-    """Wrap each (class, method) to add its wall time and calls into the returned counters."""
+    """Wrap each (class, method), or (module, function) that callers look up at call time, to add
+    its wall time and calls into the returned counters."""
     seconds, calls = collections.Counter(), collections.Counter()
     for cls, name in parts:
-        fn, key = getattr(cls, name), f"{cls.__name__}.{name}"
+        fn, key = getattr(cls, name), f"{cls.__name__.rsplit('.', 1)[-1]}.{name}"  # a class or a module
 
         def wrapper(*args, _fn=fn, _key=key, **kwargs):
             t0 = time.perf_counter()
@@ -81,22 +82,10 @@ def main() -> None:
     params = SamplingParams(max_tokens=steps + 10, temperature=0.0, ignore_eos=True)
     for seed in range(2):
         engine.add_request([(seed * 7919 + i * 31) % vocab for i in range(1024)], params)
-        for _ in range(6):  # the prefill and the first decode steps
-            engine.step()
-        seconds.clear()
-        calls.clear()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync()
-        wall = (time.perf_counter() - t0) / steps
+        wall = time_steps(engine, steps, sync, (seconds, calls), warmup=6)
         log(f"== run {seed}: {layers} layers, cache {cache}: decode step {wall * 1e3:.2f} ms "
             f"({1 / wall:.1f} tok/s), {wall / layers * 1e6:.0f} us a layer")  # fmt: skip
-        for key in sorted(seconds, key=seconds.get, reverse=True):
-            per_call = seconds[key] / max(calls[key], 1) * 1e6
-            log(f"  {key:34s} {seconds[key] / steps * 1e3:8.3f} ms a step  "
-                f"{calls[key] / steps:6.1f} calls  {per_call:7.1f} us a call")  # fmt: skip
+        log_parts(log, seconds, calls, steps)
         while engine.has_unfinished_requests():
             engine.step()
     s = engine.stats()
@@ -110,12 +99,7 @@ def main() -> None:
         for _ in range(6):
             engine.step()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(4):
-                engine.step()
-            sync()
-            wall = (time.perf_counter() - t0) / 4
+            wall = time_steps(engine, 4, sync)
         log_profile(log, prof, wall, 4)
     engine.shutdown()
 
