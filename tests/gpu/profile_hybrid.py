@@ -6,11 +6,11 @@ Builds the config cut to LAYERS layers with dummy weights and ``--moe-backend hy
 given expert-cache fraction (0.77: the full bf16 Qwen3-Next-80B's share on one H200), prefix
 caching off. Prefill: after an unmeasured one of each kind, 1k and 8k prompts of their own, one
 step each, with the host CPU's share of the streamed experts on, off, off, on
-(``hybrid.PREFILL_CPU``): the step's wall, the experts and pairs the CPU took, the worker's
-time on them and how long the layer then waited for it. Decode at batch 1 after a 1k prompt: the
-step's wall, the host time of the hybrid's parts (the graph break's work, the CPU's experts, the
-copies issued), then ``torch.profiler`` over a few steps: the host operators by self time, the
-kernels' and copies' time and the GPU's idle time. ``DEV=cpu`` runs it on the CPU (a smoke test).
+(``hybrid.PREFILL_CPU``): the step's wall, the pairs the CPU took and its time on them. Decode
+at batch 1 after a 1k prompt: the step's wall, the host time of the hybrid's parts (the graph
+break's work, the CPU's experts, the copies issued), then ``torch.profiler`` over a few steps:
+the host operators by self time, the kernels' and copies' time and the GPU's idle time.
+``DEV=cpu`` runs it on the CPU (a smoke test).
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ PARTS = [
     (offload.OffloadBackend, "_to_host"),  # reading the ids: waits for the segment
     (hybrid.HybridBackend, "_cached"),
     (transfer.Transfer, "issue_many"),  # every copy: misses into the cache, the prefetch
-    (hybrid.CpuShare, "start"),  # prefill: the CPU's rows to the host, the job submitted
-    (hybrid.CpuShare, "add_to"),  # prefill: the layer waits for the worker here
-    (hybrid, "_share_job"),  # the worker's job
+    (hybrid.CpuShare, "start"),  # prefill: the CPU's rows to the host
+    (hybrid.CpuShare, "add_to"),  # prefill: the CPU's share computed, once the GPU's work is issued
     (hybrid, "cpu_experts"),  # decode: the misses, at the break
 ]
 if DEVICE == "cuda":

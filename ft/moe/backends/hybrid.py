@@ -15,25 +15,28 @@ step never uses a half-copied slot. Static experts of a lean store (``placement.
 hits, so the CPU never needs them (they have no host copy).
 
 Larger batches (prefill) stream as the offload backend does. With ``FT_MOE_HYBRID_PREFILL_CPU=1``
-and bf16 experts the host CPU also takes a share of the host-only experts (``CpuShare``): those
-with the fewest pairs, as many as it computes in no more time than the link streams the rest
-(``cpu_share``, from fixed rates, so that the split depends on the routing alone), on a worker
-thread while the GPU streams and computes the others; its fp32 sum joins the layer's before the
-shared term. Off by default: on an H200 machine (2026-12-01, tests/gpu/profile_hybrid.py, the
-80B cut to 8 layers, 77% resident, a first prefill of each kind) it made an 8k prefill 172 ms ->
-11.9 s, the worker taking ~80 ms a layer for its ~2,600 pairs, the layer waiting ~65 ms of it.
-The rates it was sized from (tests/gpu/cpu_expert_rate.py on that host: an expert in 135 us at
-T=1 and 618 at T=156, its weights in cache, the benchmark alone on the host) predict about a
-tenth of that. Small host operators on a pool of 16 threads, a second pool for the worker thread,
-and the host memory shared with the link's copies are the likely causes, not yet separated. The
-same profile puts this backend's decode at 2.3 ms a layer, 1.45 ms of it the CPU's misses (~2 a
-layer there); the offload backend's host reads are faster on these machines (docs/benchmarks.md).
+and bf16 experts the host CPU also takes a share of the host-only experts (``CpuShare``): those with
+the fewest pairs, as many as it computes in no more time than the link streams the rest
+(``cpu_share``, from fixed rates, so that the split depends on the routing alone). The engine's
+thread computes them once the layer's copies and kernels are issued, while the GPU streams and
+computes the others; their fp32 sum joins the layer's before the shared term. Off by default: on an
+H200 machine (2026-12-01, tests/gpu/profile_hybrid.py, the 80B cut to 8 layers, 77% resident, a
+first prefill of each kind) it made an 8k prefill 172 ms -> 11.9 s, a worker thread then taking ~80
+ms a layer for its ~2,600 pairs, the layer waiting ~65 ms of it. The rates it was sized from
+(tests/gpu/cpu_expert_rate.py on that host: an expert in 135 us at T=1 and 618 at T=156, its weights
+in cache, the benchmark alone on the host) predict about a tenth of that. Once a worker thread had
+run a share, its torch threads (a second pool beside the engine's) slowed the whole process: on a
+2-core CPU machine (tests/gpu/profile_hybrid.py on a tiny config, docs/benchmarks.md) every prefill
+of 64 tokens, share on or off, took 125-189 ms, and 26-45 ms with the share on the engine's thread,
+hence that thread (NOT yet timed on a GPU). Small host operators and the host memory shared with the
+link's copies may cost the rest. The same profile puts this backend's decode at 2.3 ms a layer, 1.45
+ms of it the CPU's misses (~2 a layer there); the offload backend's host reads are faster on these
+machines (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,22 +85,13 @@ def cpu_share(pairs: np.ndarray, expert_bytes: int, flops_per_pair: float, rates
     return int(np.argmin(np.maximum(cpu_seconds(pairs, expert_bytes, flops_per_pair, rates), link)))
 
 
-_WORKER: list[ThreadPoolExecutor] = []
-
-
-def cpu_worker() -> ThreadPoolExecutor:
-    """The process's one worker thread for hybrid prefill's CPU shares (made on first use)."""
-    if not _WORKER:
-        _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="ft-hybrid-cpu"))
-    return _WORKER[0]
-
-
 @dataclass
 class CpuShare:
     """Experts of one streamed layer computed on the CPU: ``experts``, their pairs (``sel``, pair
     indices into the batch's [T*k], and ``rows``, host-store rows) and the batch rows ``tokens``
     they use; ``pairs``, the batch's pairs by expert, which the layer's GPU groups reuse. ``start``
-    hands them to the worker; ``add_to`` joins it and adds the fp32 sum."""
+    brings their inputs to the host; ``add_to``, called once the layer's GPU work is issued,
+    computes them on this thread and adds the fp32 sum."""
 
     pairs: Pairs
     experts: np.ndarray
@@ -105,35 +99,28 @@ class CpuShare:
     rows: np.ndarray
     tokens: np.ndarray
     shared: object  # the layers' ``Shared``, which counts CPU pairs
-    job: Future | None = None
+    inputs: tuple | None = None  # (x rows, pair weights, pair -> row) on the host
     on_device: torch.Tensor | None = None  # ``tokens`` on the device
 
     def start(self, bank, store, x: torch.Tensor, weights: torch.Tensor) -> None:
         """Only the rows the CPU needs cross to the host (one gather; the host has read the
-        routing, so they are computed), then the worker runs."""
+        routing, so they are computed)."""
         k = weights.shape[1]
         idx = upload(torch.from_numpy(np.concatenate([self.tokens, self.sel])), x.device)
         self.on_device = idx[: len(self.tokens)]
         x_rows = x[self.on_device].cpu()
         pair_w = weights.reshape(-1)[idx[len(self.tokens) :]].unsqueeze(1).cpu()
-        local = torch.from_numpy(np.searchsorted(self.tokens, self.sel // k))
-        self.job = cpu_worker().submit(
-            _share_job, bank, store, x_rows, pair_w, local, torch.from_numpy(self.rows)
-        )
+        self.inputs = (x_rows, pair_w, torch.from_numpy(np.searchsorted(self.tokens, self.sel // k)))
 
-    def add_to(self, out: torch.Tensor) -> None:
-        part, pairs = self.job.result()
-        self.shared.cpu_pairs += pairs
+    def add_to(self, bank, store, out: torch.Tensor) -> None:
+        """The pairs summed into fp32 [U, H] on the host, on the calling thread (the engine's own:
+        a worker thread ran the same job 2-2.5x slower on a 2-core machine, its torch threads a
+        second pool beside the engine's), then added to ``out``'s rows."""
+        x_rows, pair_w, local = self.inputs
+        part = torch.zeros(x_rows.shape, dtype=torch.float32)
+        run_pairs(CpuKernel(bank), store.tensors, x_rows, part, local, pair_w, torch.from_numpy(self.rows))
+        self.shared.cpu_pairs += len(local)
         out.index_add_(0, self.on_device, upload(part, out.device))  # no host sync on a GPU
-
-
-def _share_job(bank, store, x_rows, pair_w, local, rows) -> tuple[torch.Tensor, int]:
-    """The worker's job: the pairs (``local`` rows of ``x_rows``, weights ``pair_w``, weight rows
-    ``rows`` of the host store) summed into fp32 [U, H] on the host."""
-    with torch.inference_mode():  # per thread: as the engine's own
-        out = torch.zeros(x_rows.shape, dtype=torch.float32)
-        run_pairs(CpuKernel(bank), store.tensors, x_rows, out, local, pair_w, rows)
-    return out, len(local)
 
 
 class HybridBackend(OffloadBackend):
@@ -150,10 +137,11 @@ class HybridBackend(OffloadBackend):
         return self._cached(bank, x, weights, ids) + y_cpu
 
     def _cpu_share(self, bank, x, weights, ids_h: np.ndarray, host_only: np.ndarray) -> CpuShare | None:
-        """The streamed layer's host-only experts with the fewest pairs that the CPU computes, on
-        the process's worker thread, while the link streams the rest (``cpu_share``); bf16 banks
-        only (the CPU dequantises NVFP4 experts first, a rate not measured). Host-side only: the
-        caller starts it (``CpuShare.start``) once the first staging copies are issued."""
+        """The streamed layer's host-only experts with the fewest pairs that the CPU computes while
+        the link streams the rest (``cpu_share``); bf16 banks only (the CPU dequantises NVFP4
+        experts first, a rate not measured). Host-side only: the caller starts it
+        (``CpuShare.start``) once the first staging copies are issued, and adds it
+        (``CpuShare.add_to``) once the layer's GPU work is."""
         if not PREFILL_CPU or bank.format != "bf16" or len(host_only) == 0:
             return None
         pairs = Pairs(ids_h, self.store.num_experts)

@@ -330,13 +330,15 @@ class OffloadBackend:
             st.free_after[buf] = sh.transfer.record_main()
             if g + 2 < len(groups):
                 ready[g + 2] = self._stage(groups[g + 2])
-        if on_cpu is not None:  # the host blocks here while the GPU streams what it was given
-            on_cpu.add_to(out)
-        if shared is not None:  # its term, as the fused call adds it after the routed ones
-            out += shared_pair_alone(x, shared).float()
+        # its term, as the fused call adds it after the routed ones (issued now, added last)
+        shared_term = shared_pair_alone(x, shared).float() if shared is not None else None
         self._prefetch_next(pred_h)  # before staging ahead: the next layer waits for it, not them
         if sh.stream_ahead and len(x) * weights.shape[1] >= AHEAD_PAIRS * self.store.num_experts:
             self._stage_ahead(pred_h)
+        if on_cpu is not None:  # the host computes its share while the GPU runs what it was given
+            on_cpu.add_to(bank, self.store, out)
+        if shared_term is not None:
+            out += shared_term
         return out.to(x.dtype)
 
     def _cpu_share(self, bank, x, weights, ids_h: np.ndarray, host_only: np.ndarray):
