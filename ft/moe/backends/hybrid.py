@@ -102,7 +102,7 @@ class CpuShare:
     inputs: tuple | None = None  # (x rows, pair weights, pair -> row) on the host
     on_device: torch.Tensor | None = None  # ``tokens`` on the device
 
-    def start(self, bank, store, x: torch.Tensor, weights: torch.Tensor) -> None:
+    def start(self, x: torch.Tensor, weights: torch.Tensor) -> None:
         """Only the rows the CPU needs cross to the host (one gather; the host has read the
         routing, so they are computed)."""
         k = weights.shape[1]

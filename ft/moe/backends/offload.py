@@ -314,7 +314,7 @@ class OffloadBackend:
         for g in range(min(2, len(groups))):  # in flight while the hits compute in place
             ready[g] = ready[g] or self._stage(groups[g])
         if on_cpu is not None:  # its rows to the host once the link is busy
-            on_cpu.start(bank, self.store, x, weights)
+            on_cpu.start(x, weights)
         # the pairs are grouped once the first copies are on their way (the link waits for nothing),
         # unless the CPU's share grouped them already
         pairs = on_cpu.pairs if on_cpu is not None else Pairs(ids_h, self.store.num_experts)

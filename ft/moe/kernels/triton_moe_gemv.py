@@ -195,14 +195,11 @@ def _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOC
     rows = n[:, None, None].to(tl.int64)
     w_ptr = (b_e + rows * s_bn + k0 // 2).to(tl.pointer_type(tl.uint32)) + 2 * kb + half
     s_ptr = s_e + rows * s_sn + k0 // 16 + kb
-    if EVEN_K:
-        wmask = nmask[:, None, None]
-        smask = nmask[:, None, None]
-    else:  # K is a multiple of 16: whole blocks are in or out
-        smask = nmask[:, None, None] & (kb < (K - k0) // 16)
-        wmask = smask
-    words = tl.load(w_ptr, mask=wmask, other=0)
-    return words, e4m3(tl.load(s_ptr, mask=smask, other=0)) * 5.192296858534828e33  # 2^112
+    mask = nmask[:, None, None]
+    if not EVEN_K:  # K is a multiple of 16: whole blocks (both words, one scale) are in or out
+        mask = mask & (kb < (K - k0) // 16)
+    words = tl.load(w_ptr, mask=mask, other=0)
+    return words, e4m3(tl.load(s_ptr, mask=mask, other=0)) * 5.192296858534828e33  # 2^112
 
 
 @triton.jit
