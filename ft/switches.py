@@ -22,6 +22,8 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_moe_gemv", "PIPELINE", "FT_MOE_GEMV_PIPELINE"),
     ("ft.moe.kernels.triton_moe_gemv", "DOWN_BY_PAIR", "FT_MOE_GEMV_DOWN_BY_PAIR"),
     ("ft.moe.kernels.triton_moe_gemv", "FP4_PLANES", "FT_MOE_GEMV_FP4_PLANES"),
+    ("ft.moe.kernels.triton_moe_gemv", "FP4_BLOCK_SUMS", "FT_MOE_GEMV_FP4_BLOCK_SUMS"),
+    ("ft.moe.kernels.triton_moe_gemv", "FP4_DOWN_PLANES", "FT_MOE_GEMV_FP4_DOWN_PLANES"),
     ("ft.layers.triton_gemv", "SPLIT_K", "FT_GEMV_SPLIT_K"),
     ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
     ("ft.attention.triton_paged", "FUSED_DECODE", "FT_FUSED_ATTN_DECODE"),

@@ -107,9 +107,13 @@ def check_moe_gemv_down_by_pair() -> None:
     down_switch_changes_no_bit("DOWN_BY_PAIR")
 
 
+VARIANTS = ((), ("FP4_PLANES",), ("FP4_BLOCK_SUMS",), ("FP4_BLOCK_SUMS", "FP4_DOWN_PLANES"))
+
+
 def check_moe_gemv_fp4_planes() -> None:
-    """``triton_moe_gemv.FP4_PLANES`` (the gate/up kernel's NVFP4 codes decoded from 32-bit words)
-    against the byte-wise decode and the torch reference: the same weights, so the results agree to
+    """``triton_moe_gemv.FP4_PLANES`` (the gate/up kernel's NVFP4 codes decoded from 32-bit words),
+    with ``FP4_BLOCK_SUMS`` (a block's scale once) and ``FP4_DOWN_PLANES`` (the down kernel by pair
+    too), against the byte-wise decode and the torch reference: the same weights, so the results agree to
     the fp32 order of the partial sums (an output within one bf16 step); k = 1, 3 and 10, H over one
     K step, one with a tail, several, and several then a tail, with and without a shared expert,
     either down kernel after it."""
@@ -134,17 +138,20 @@ def check_moe_gemv_fp4_planes() -> None:
                 (torch.randn(h, inter, generator=gen) * inter**-0.5).to(torch.bfloat16),
                 torch.randn(t, 1, generator=gen).to(torch.bfloat16),
             )
-        outs = []
-        for on in (False, True):
-            mod.FP4_PLANES = on
-            outs.append(mod.launch_moe_gemv(x, w13, w2, weights, ids, pair).float())
-        what = f"k={k} H={h} I={inter} shared={shared} by pair={by_pair}"
-        step = outs[0].abs().clamp(min=1e-3) * 2**-7  # one bf16 step (8 significant bits)
-        require(bool(((outs[1] - outs[0]).abs() <= step).all()), f"{what}: planes and bytes disagree")
-        if not shared:
-            want = fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids).float()
-            err = ((outs[1] - want).norm() / want.norm()).item()
-            require(err < 1e-2, f"{what}: relative error {err:.3g} against the torch reference")
+        outs = {}
+        for on in VARIANTS:  # bytes first, then words as they are switched on
+            for name in ("FP4_PLANES", *VARIANTS[-1]):
+                setattr(mod, name, name in on or (name == "FP4_PLANES" and bool(on)))
+            outs[on] = mod.launch_moe_gemv(x, w13, w2, weights, ids, pair).float()
+        bytes_out = outs[()]
+        step = bytes_out.abs().clamp(min=1e-3) * 2**-7  # one bf16 step (8 significant bits)
+        want = None if shared else fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids).float()
+        for on, got in outs.items():
+            what = f"k={k} H={h} I={inter} shared={shared} by pair={by_pair} words {on}"
+            require(bool(((got - bytes_out).abs() <= step).all()), f"{what}: disagrees with bytes")
+            if want is not None:
+                err = ((got - want).norm() / want.norm()).item()
+                require(err < 1e-2, f"{what}: relative error {err:.3g} against the torch reference")
 
 
 def check_gated_norm_gemv() -> None:

@@ -337,29 +337,71 @@ def sweep_moe_gemv_kernels() -> None:
 
 
 def sweep_moe_gemv_planes() -> None:
-    """The NVFP4 gate/up kernel's tiles with its codes read as words (``FP4_PLANES``, tiles
-    ``NVFP4_PLANES``) against the byte-wise decode at its shipped tiles, the down kernel as shipped,
-    at T = 1 and 2."""
+    """The NVFP4 MoE GEMV's codes read as words: gate/up's tiles (``NVFP4_PLANES``) with a block's
+    scale per element and once (``FP4_BLOCK_SUMS``), against the byte-wise decode at its shipped
+    tiles, the down kernel as shipped; then the down kernel by pair reading words too
+    (``FP4_DOWN_PLANES``, tiles ``NVFP4_DOWN_PLANES``) after the best gate/up; T = 1 and 2."""
     mod = triton_moe_gemv
-    saved = mod.NVFP4_PLANES, mod.FP4_PLANES
-    configs = grid((4, 8, 16, 32), (256, 512), (4, 8), (3, 4))
-    rows = {}
-    for t in (1, 2):
-        banks, x, routes = moe_problem(t)
+    names = ("NVFP4_PLANES", "FP4_PLANES", "FP4_BLOCK_SUMS", "FP4_DOWN_PLANES", "NVFP4_DOWN_PLANES")
+    saved = {n: getattr(mod, n) for n in names}
+    gate_up = grid((4, 8, 16), (256, 512, 1024, 2048), (4, 8), (1, 3))
+    downs = grid((4, 8, 16, 32), (128, 256, 512), (1, 2, 4), (1, 2))
+    problems = {t: moe_problem(t) for t in (1, 2)}
+
+    def timed(t: int, **values) -> float | None:
+        banks, x, routes = problems[t]
         w13, w2 = banks["nvfp4"]
         calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
         try:
+            for n in names:
+                setattr(mod, n, saved[n])
             mod.FP4_PLANES = False  # the byte-wise decode: the reference and the row to beat
             want = calls[0]()
-            times = {"bytes, shipped tiles": try_config(calls[0], want, calls, 2e-2)}
-            mod.FP4_PLANES = True
-            for cfg in dict.fromkeys([saved[0], *configs]):
-                mod.NVFP4_PLANES = cfg
-                times[cfg] = try_config(calls[0], want, calls, 2e-2)
+            for n, v in values.items():
+                setattr(mod, n, v)
+            return try_config(calls[0], want, calls, 2e-2)
         finally:
-            mod.NVFP4_PLANES, mod.FP4_PLANES = saved
-        rows[f"T={t} nvfp4, planes"] = times
-    report("MoE GEMV gate/up, NVFP4 codes as words (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", saved[0], rows)
+            for n in names:
+                setattr(mod, n, saved[n])
+
+    rows: dict = {}
+    for t in (1, 2):
+        rows[f"T={t} gate/up, per element"] = {"bytes, shipped tiles": timed(t, FP4_PLANES=False)}
+        rows[f"T={t} gate/up, block sums"] = {}
+        for cfg in dict.fromkeys([saved["NVFP4_PLANES"], *gate_up]):
+            for sums in (False, True):
+                us = timed(t, FP4_PLANES=True, FP4_BLOCK_SUMS=sums, FP4_DOWN_PLANES=False, NVFP4_PLANES=cfg)
+                rows[f"T={t} gate/up, {'block sums' if sums else 'per element'}"][cfg] = us
+    report(
+        "MoE GEMV gate/up, NVFP4 codes as words (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)",
+        saved["NVFP4_PLANES"],
+        rows,
+    )
+    ok = {
+        (sums, c): us
+        for sums in (False, True)
+        for c, us in rows[f"T=1 gate/up, {'block sums' if sums else 'per element'}"].items()
+        if us and isinstance(c, tuple)
+    }
+    best_sums, best_up = min(ok, key=ok.get) if ok else (saved["FP4_BLOCK_SUMS"], saved["NVFP4_PLANES"])
+    tiles = ",".join(map(str, best_up))
+    print(
+        f"  best gate/up: FT_MOE_GEMV_FP4_BLOCK_SUMS={int(best_sums)} FT_MOE_GEMV_NVFP4_PLANES={tiles}",
+        flush=True,
+    )
+    rows = {}
+    for t in (1, 2):
+        up = dict(FP4_PLANES=True, FP4_BLOCK_SUMS=best_sums, NVFP4_PLANES=best_up)
+        rows[f"T={t} down by pair, words"] = {"bytes, shipped tiles": timed(t, **up, FP4_DOWN_PLANES=False)}
+        for cfg in dict.fromkeys([saved["NVFP4_DOWN_PLANES"], *downs]):
+            rows[f"T={t} down by pair, words"][cfg] = timed(
+                t, **up, FP4_DOWN_PLANES=True, NVFP4_DOWN_PLANES=cfg
+            )
+    report(
+        "MoE GEMV down by pair, NVFP4 words, block sums (after the best gate/up)",
+        saved["NVFP4_DOWN_PLANES"],
+        rows,
+    )
 
 
 GROUPED_T = [int(v) for v in os.environ.get("FT_SWEEP_GROUPED_T", "1,64").split(",")]  # e.g. 1024,8192

@@ -73,24 +73,30 @@ def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
     assert err < 4e-3, f"{fmt} T={t} I={inter}: relative error {err:.3g} against the MMA kernel"
 
 
+@pytest.mark.parametrize("words", ["gate/up", "gate/up, block sums", "both, block sums"])
 @pytest.mark.parametrize("t", [1, 2])
 @pytest.mark.parametrize("h", [2048, 2880])
-def test_nvfp4_codes_as_words_equal_bytes(t, h, monkeypatch):
-    """``FP4_PLANES`` (the gate/up kernel's NVFP4 codes decoded from 32-bit words) against the
-    byte-wise decode, within one bf16 step, and the torch reference: H = 2048 whole steps, 2880 five
-    steps of 512 and a tail of 320."""
+def test_nvfp4_codes_as_words_equal_bytes(t, h, words, monkeypatch):
+    """``FP4_PLANES`` (the gate/up kernel's NVFP4 codes decoded from 32-bit words; with
+    ``FP4_BLOCK_SUMS`` a block's scale once; with ``FP4_DOWN_PLANES`` the down kernel by pair too)
+    against the byte-wise decode, within one bf16 step, and the torch reference: H = 2048 whole
+    steps, 2880 five steps of 512 and a tail of 320."""
     pytest.importorskip("triton")
     from ft.moe.kernels import triton_moe_gemv
 
     x, w13, w2, weights, ids = problem("nvfp4", t, 64, 256, h, 8, seed=h + t)
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(triton_moe_gemv, "FP4_PLANES", on)
-        outs.append(triton_moe_gemv.fused_moe_gemv(x, w13, w2, weights, ids).float())
-    step = outs[0].abs().clamp(min=1e-3) * 2**-7
-    assert ((outs[1] - outs[0]).abs() <= step).all(), f"T={t} H={h}: words and bytes disagree"
-    err = rel_err(outs[1], reference("nvfp4", x, w13, w2, weights, ids))
-    assert err < 2e-2, f"T={t} H={h}: relative error {err:.3g} against the torch reference"
+    monkeypatch.setattr(triton_moe_gemv, "FP4_PLANES", False)
+    monkeypatch.setattr(triton_moe_gemv, "FP4_BLOCK_SUMS", False)
+    monkeypatch.setattr(triton_moe_gemv, "FP4_DOWN_PLANES", False)
+    want = triton_moe_gemv.fused_moe_gemv(x, w13, w2, weights, ids).float()
+    monkeypatch.setattr(triton_moe_gemv, "FP4_PLANES", True)
+    monkeypatch.setattr(triton_moe_gemv, "FP4_BLOCK_SUMS", "block sums" in words)
+    monkeypatch.setattr(triton_moe_gemv, "FP4_DOWN_PLANES", words.startswith("both"))
+    got = triton_moe_gemv.fused_moe_gemv(x, w13, w2, weights, ids).float()
+    step = want.abs().clamp(min=1e-3) * 2**-7
+    assert ((got - want).abs() <= step).all(), f"T={t} H={h} words {words}: words and bytes disagree"
+    err = rel_err(got, reference("nvfp4", x, w13, w2, weights, ids))
+    assert err < 2e-2, f"T={t} H={h} words {words}: relative error {err:.3g} against the torch reference"
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

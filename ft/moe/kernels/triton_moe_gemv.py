@@ -121,6 +121,17 @@ FP4_PLANES = os.environ.get("FT_MOE_GEMV_FP4_PLANES", "1") != "0"
 # its own gate/up tiles (47 registers a thread where the byte-wise loop takes 99: other tiles fit);
 # the sweep's best over T = 1 and 2 (T=2 42.3 us at (8, 256, 4, 3), 43.2 here)
 NVFP4_PLANES = _tiles_from_env("NVFP4_PLANES", (4, 512, 4, 3))
+FP4_BLOCK_SUMS = os.environ.get("FT_MOE_GEMV_FP4_BLOCK_SUMS", "0") == "1"
+FP4_DOWN_PLANES = os.environ.get("FT_MOE_GEMV_FP4_DOWN_PLANES", "0") == "1"
+NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 512, 2, 1))
+
+
+# the words' factors (powers of two, exact): per element, scale · 2^112 (``_plane``: e2m1 · 2^-126 ·
+# scale · 2^104 = the byte-wise e2m1 · scale · 2^-22); with block sums, inputs · 2^64 keep every
+# product e2m1 · x · 2^-62 normal, and the block's sum times scale · 2^40 is again · 2^-22
+PLANE_BY: tl.constexpr = tl.constexpr(2.0**112)
+SUMS_BY: tl.constexpr = tl.constexpr(2.0**48)
+INPUT_BY: tl.constexpr = tl.constexpr(2.0**64)
 
 
 @triton.jit
@@ -185,7 +196,7 @@ def _inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):  # fmt: skip
+               BLOCK_K: tl.constexpr, SCALE_BY: tl.constexpr):  # fmt: skip
     # rows n, inputs k0 .. k0+BK of one NVFP4 expert (``FP4_PLANES``): (codes as [BN, BK/16, 2]
     # 32-bit words, the two of each 16-wide block, code j of a word in its bits 4j..4j+3; the blocks'
     # scales [BN, BK/16, 1] as fp32 times 2^104, ``e4m3`` giving them times 2^-8: ``_plane`` takes
@@ -199,7 +210,7 @@ def _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOC
     if not EVEN_K:  # K is a multiple of 16: whole blocks (both words, one scale) are in or out
         mask = mask & (kb < (K - k0) // 16)
     words = tl.load(w_ptr, mask=mask, other=0)
-    return words, e4m3(tl.load(s_ptr, mask=mask, other=0)) * 5.192296858534828e33  # 2^112
+    return words, e4m3(tl.load(s_ptr, mask=mask, other=0)) * SCALE_BY
 
 
 @triton.jit
@@ -208,12 +219,20 @@ def _plane(words, scale, J: tl.constexpr):
     # bits go to an fp32's lowest two exponent bits and top mantissa bit (e2m1 · 2^-126, subnormal
     # for a zero exponent, which fp32 arithmetic on the GPU keeps: not flushed), the sign bit to
     # the sign; its product with the scale is exact and normal
-    t = words >> (4 * J)
-    return (((t & 7) << 22) | ((t & 8) << 28)).to(tl.float32, bitcast=True) * scale
+    return _code(words, J) * scale
 
 
 @triton.jit
-def _input_pair(a_row, k0, Q: tl.constexpr, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _code(words, J: tl.constexpr):
+    # code J of each word as fp32 e2m1 · 2^-126 (``_plane`` without the scale)
+    t = words >> (4 * J)
+    return (((t & 7) << 22) | ((t & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _input_pair(
+    a_row, k0, Q: tl.constexpr, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, TIMES: tl.constexpr = 1.0
+):
     # inputs 8w + 2Q and 8w + 2Q + 1 of each word w of a BK step (bf16 pairs read as 32-bit words)
     # as fp32 [1, BK/16, 2] each, in the words' shape
     kb = tl.arange(0, BLOCK_K // 16)[None, :, None]
@@ -225,6 +244,8 @@ def _input_pair(a_row, k0, Q: tl.constexpr, K, EVEN_K: tl.constexpr, BLOCK_K: tl
         pair = tl.load(ptr, mask=kb < (K - k0) // 16, other=0)
     lo = (pair << 16).to(tl.float32, bitcast=True)
     hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+    if TIMES != 1.0:  # exact (a power of two)
+        lo, hi = lo * TIMES, hi * TIMES
     return lo, hi
 
 
@@ -247,7 +268,7 @@ def _gate_up_kernel(
     s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
-    PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    PLANES: tl.constexpr = False, BLOCK_SUMS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -280,12 +301,38 @@ def _gate_up_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
-            if PLANES:  # codes as words (``FP4_PLANES``)
+            if PLANES and BLOCK_SUMS:  # codes as words, a block's scale once (``FP4_BLOCK_SUMS``)
+                gate = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
+                up = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                    wg, sg = _fp4_words(
+                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, 2.0**48
+                    )
+                    wu, su = _fp4_words(
+                        b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, 2.0**48
+                    )
+                    bg = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)  # the blocks' sums, unscaled
+                    bu = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
+                    for q in tl.static_range(4):
+                        lo, hi = _input_pair(x_row, k0, q, K, EVEN_K, BLOCK_K, INPUT_BY)
+                        bg += _code(wg, 2 * q) * lo  # e2m1 · x · 2^-62: normal
+                        bg += _code(wg, 2 * q + 1) * hi
+                        bu += _code(wu, 2 * q) * lo
+                        bu += _code(wu, 2 * q + 1) * hi
+                    gate += tl.sum(bg, axis=2, keep_dims=True) * sg  # scale · 2^40
+                    up += tl.sum(bu, axis=2, keep_dims=True) * su
+                gate = tl.sum(gate, axis=2)
+                up = tl.sum(up, axis=2)
+            elif PLANES:  # codes as words (``FP4_PLANES``)
                 gate = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
                 up = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    wg, sg = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
-                    wu, su = _fp4_words(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
+                    wg, sg = _fp4_words(
+                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, 2.0**112
+                    )
+                    wu, su = _fp4_words(
+                        b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, 2.0**112
+                    )
                     for q in tl.static_range(4):  # the inputs once for both
                         lo, hi = _input_pair(x_row, k0, q, K, EVEN_K, BLOCK_K)
                         gate += _plane(wg, sg, 2 * q) * lo  # a multiply-add each (and the scale's)
@@ -377,7 +424,7 @@ def _down_pair_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded as the walk rounds
@@ -418,11 +465,26 @@ def _down_pair_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
-                acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+            if PLANES:  # codes as words, a block's scale once (``FP4_DOWN_PLANES``)
+                blocks = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                    wd, sd = _fp4_words(
+                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, 2.0**48
+                    )
+                    bd = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
+                    for q in tl.static_range(4):
+                        lo, hi = _input_pair(a_row, k0, q, K, EVEN_K, BLOCK_K, INPUT_BY)
+                        bd += _code(wd, 2 * q) * lo
+                        bd += _code(wd, 2 * q + 1) * hi
+                    blocks += tl.sum(bd, axis=2, keep_dims=True) * sd
+                dot = tl.sum(tl.sum(blocks, axis=2), axis=1)
+            else:
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                    w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
+                    acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
+                dot = tl.sum(acc, axis=1)
             scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
-            term = tl.sum(acc, axis=1) * (tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold))
+            term = dot * (tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold))
     cell = ws + tok * (TOPK + SHARED) * N + n  # ws[tok, 0, n]
     tl.store(cell + slot * N, term.to(out.dtype.element_ty).to(tl.float32), mask=nmask)
     # the ticket is one thread's atomic: the barrier puts every thread's stores before its release
@@ -510,11 +572,13 @@ def launch_moe_gemv(
         x, b13, s13, g13, *h13, sb13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
         UNFOLD,
-        **flags, PLANES=planes, BLOCK_N=block_n, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up,
+        **flags, PLANES=planes, BLOCK_SUMS=planes and FP4_BLOCK_SUMS, BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
+        BLOCK_K=bk_up,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
     if DOWN_BY_PAIR:
-        down_n, down_k, down_warps, down_stages = PAIR_DOWN
+        down_planes = fp4 and FP4_DOWN_PLANES and act.stride(0) % 2 == 0
+        down_n, down_k, down_warps, down_stages = NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
         bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
         blocks = triton.cdiv(h, down_n)
         assert t * blocks <= triton_gemv.COUNTERS, (
@@ -526,7 +590,8 @@ def launch_moe_gemv(
             act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
             weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
             **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
-            num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, **pdl_args(act),
+            num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
+            **pdl_args(act),
         )  # fmt: skip
         return out
     down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)
