@@ -120,10 +120,10 @@ DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "1") != "0"
 FP4_PLANES = os.environ.get("FT_MOE_GEMV_FP4_PLANES", "1") != "0"
 # its own gate/up tiles (47 registers a thread where the byte-wise loop takes 99: other tiles fit);
 # the sweep's best over T = 1 and 2 (T=2 42.3 us at (8, 256, 4, 3), 43.2 here)
-NVFP4_PLANES = _tiles_from_env("NVFP4_PLANES", (4, 512, 4, 3))
-FP4_BLOCK_SUMS = os.environ.get("FT_MOE_GEMV_FP4_BLOCK_SUMS", "0") == "1"
-FP4_DOWN_PLANES = os.environ.get("FT_MOE_GEMV_FP4_DOWN_PLANES", "0") == "1"
-NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 512, 2, 1))
+NVFP4_PLANES = _tiles_from_env("NVFP4_PLANES", (4, 512, 4, 1))
+FP4_BLOCK_SUMS = os.environ.get("FT_MOE_GEMV_FP4_BLOCK_SUMS", "1") != "0"
+FP4_DOWN_PLANES = os.environ.get("FT_MOE_GEMV_FP4_DOWN_PLANES", "1") != "0"
+NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 256, 2, 1))
 
 
 # the words' factors (powers of two, exact): per element, scale · 2^112 (``_plane``: e2m1 · 2^-126 ·
@@ -224,9 +224,15 @@ def _plane(words, scale, J: tl.constexpr):
 
 @triton.jit
 def _code(words, J: tl.constexpr):
-    # code J of each word as fp32 e2m1 · 2^-126 (``_plane`` without the scale)
-    t = words >> (4 * J)
-    return (((t & 7) << 22) | ((t & 8) << 28)).to(tl.float32, bitcast=True)
+    # code J of each word as fp32 e2m1 · 2^-126 (``_plane`` without the scale). Its four bits alone
+    # (q), one multiply writes two copies, at bits 22..25 and 28..31, without overlap or carries; the
+    # mask keeps the first's magnitude and the second's sign: three instructions a code
+    q = words & (15 << (4 * J))
+    if J < 6:
+        both = q * ((1 << (22 - 4 * J)) + (1 << (28 - 4 * J)))
+    else:  # the copies shifted right, then left: bits 24..27 or 28..31 to 22..25, and to 28..31
+        both = (q >> (4 * J - 22)) | (q << (28 - 4 * J))
+    return (both & 0x81C00000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
