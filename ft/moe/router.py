@@ -8,7 +8,7 @@ GEMM of its own is two kernels and their launch gaps per layer).
 ``route`` is the reference in torch ops; on a GPU the router runs ``triton_router.softmax_topk``,
 one kernel with the same results (ids equal, weights to fp32 rounding) instead of about six.
 Both read the first E columns of the logits as a strided view, without a copy. With
-``triton_router_gemv.FUSED_ROUTER`` on (off by default, not yet timed on a GPU) a decode batch's
+``triton_router_gemv.FUSED_ROUTER`` on (the default, up to its ``MAX_TOKENS``) a decode batch's
 GEMV and top-k are one launch instead: logits rounded once to x's dtype as ``dense``'s (the
 same bits when ``dense`` splits K the same way, ``triton_gemv.SPLIT_K``), the same top-k maths.
 

@@ -3,8 +3,9 @@ token->expert sort, no 16-row MMA tiles, two launches.
 
 Same contract as ``triton_moe.fused_moe_triton`` and ``triton_w4a16.fused_moe_w4a16``, which
 dispatch here up to their ``GEMV_MAX_TOKENS``. With p = (t, j) a (token, top-k slot) pair and
-e = ids[t, j] its expert (for NVFP4, ``W = e2m1(code) · scale`` decoded in registers by
-``triton_w4a16._decode`` and ``g`` the per-row globals; for bf16, g = 1):
+e = ids[t, j] its expert (for NVFP4, ``W = e2m1(code) · scale`` decoded in registers, from 32-bit
+words of eight codes by ``_code`` or byte-wise by ``triton_w4a16._decode``, and ``g`` the per-row
+globals; for bf16, g = 1):
 
     act[p, n] = silu(g_gate[e, n] · x[t]·W_gate[e, n]) · (g_up[e, n] · x[t]·W_up[e, n])   # [T*k, I]
     out[t, n] = sum_j weights[t, j] · g_down[e, n] · act[(t, j)]·W_down[e, n]              # [T, H]
@@ -111,17 +112,32 @@ DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "1") != "0"
 # throughput, 10% of DRAM's), its loop 470 SASS instructions for 32 weights a thread, 153 of them
 # byte permutes; this loop is 306, at 47 registers instead of 99. Under ncu gate/up went 23.8 ->
 # 20.5 us at the shipped tiles; the down kernel by pair, decoded the same way, went 16.7 -> 24.8
-# us, so the down kernels keep the byte-wise decode. The weights are the same values (exact
+# us (it reads words only with block sums, ``FP4_DOWN_PLANES``). The weights are the same values (exact
 # products either way); the per-lane partial sums run over other lanes, so their fp32 order, and a
 # rounding, can differ (greedy tokens of a random-weight 80B diverge: 2% agree). With its own tiles
 # from tests/gpu/config_sweep.py moe_gemv_planes (T=1 25.2 us with the down kernel, against 30.5
 # byte-wise) the 80B's batch-1 decode with NVFP4 experts went 248.5 / 253.6 / 247.3 -> 273.5 /
 # 272.9 tok/s on an H200 (docs/benchmarks.md, 2026-12-01). On (FT_MOE_GEMV_FP4_PLANES=0: bytes).
 FP4_PLANES = os.environ.get("FT_MOE_GEMV_FP4_PLANES", "1") != "0"
-# its own gate/up tiles (47 registers a thread where the byte-wise loop takes 99: other tiles fit);
-# the sweep's best over T = 1 and 2 (T=2 42.3 us at (8, 256, 4, 3), 43.2 here)
+# its own gate/up tiles: the sweep's best at T=1 with ``FP4_BLOCK_SUMS`` (one loop stage: 4,096
+# codes a program, four steps of 512)
 NVFP4_PLANES = _tiles_from_env("NVFP4_PLANES", (4, 512, 4, 1))
+# With the words (either kernel): a block's sixteen products summed first, its scale multiplied in
+# once (``_code``: no scale in the decode), instead of the scale times each code. The inputs are
+# multiplied by 2^64 (exact) so that every product e2m1 · 2^-126 · x · 2^64 is a normal fp32 (an
+# input below 2^-63 in magnitude gives a subnormal product, a few bits short: against sums of
+# order 1e-2, nothing); the block's sum times scale · 2^40 is the per-element path's value. Each
+# code is then three instructions (``_code``) and one multiply-add. The same weights, the fp32
+# order of the sums changes (greedy tokens of a random-weight 80B: 2% agree). Under ncu (H200,
+# 2026-12-01, docs/benchmarks.md) gate/up went 20.5 -> 17.2 us; its issue rate stays the limit
+# (0.63 warps a scheduler a cycle, 14% of DRAM's throughput).
 FP4_BLOCK_SUMS = os.environ.get("FT_MOE_GEMV_FP4_BLOCK_SUMS", "1") != "0"
+# The down kernel by pair reads words too (with block sums; the per-element words were slower
+# there, 16.7 -> 24.8 us under ncu), at tiles of its own. tests/gpu/config_sweep.py moe_gemv_planes
+# on an H200 (2026-12-01, 94b9f7a), gate/up + down a call: T=1 23.0 us byte-wise -> 18.9, T=2
+# 37.5 -> 28.0. The 80B's batch-1 decode with NVFP4 experts: 269.3 tok/s with the down kernel on
+# bytes, 283.8 with words, 272.8 without block sums (docs/benchmarks.md). On for both
+# (FT_MOE_GEMV_FP4_BLOCK_SUMS=0, FT_MOE_GEMV_FP4_DOWN_PLANES=0 turn them off).
 FP4_DOWN_PLANES = os.environ.get("FT_MOE_GEMV_FP4_DOWN_PLANES", "1") != "0"
 NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 256, 2, 1))
 
