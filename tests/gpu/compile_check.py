@@ -98,19 +98,32 @@ def entries():
             pair = {**common, "LOOP_STAGES": stages, "HOST": host}
             ptrs_pair = {**ptrs, "ws": F32, "counters": I32}
             yield f"MoE GEMV down by pair {tag}", triton_moe_gemv._down_pair_kernel, ptrs_pair, pair, warps, 4
-            if is4 and stages == 4:  # codes read as words (FP4_PLANES), at its tiles, with a K tail too
+            if is4 and stages == 4:  # codes read as words (FP4_PLANES), at their tiles, with a K tail too
                 bn, bk, pw, ps = triton_moe_gemv.NVFP4_PLANES
-                for even in (True, False):
-                    gu = {**common, "LOOP_STAGES": ps, "HOST": host, "PLANES": True, "BLOCK_N": bn,
-                          "BLOCK_K": bk, "EVEN_K": even}  # fmt: skip
+                dn, dk, dw, ds = triton_moe_gemv.NVFP4_DOWN_PLANES
+                for even, sums in ((True, False), (True, True), (False, True)):
+                    gu = {**common, "LOOP_STAGES": ps, "HOST": host, "PLANES": True, "BLOCK_SUMS": sums,
+                          "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": even}  # fmt: skip
+                    words = f"planes{', block sums' if sums else ''}, even K {even}"
                     yield (
-                        f"MoE GEMV gate/up {tag}, planes, even K {even}",
+                        f"MoE GEMV gate/up {tag}, {words}",
                         triton_moe_gemv._gate_up_kernel,
                         ptrs,
                         gu,
                         pw,
                         ps,
                     )
+                    if sums:  # the down kernel by pair reads words only with block sums
+                        dp = {**common, "LOOP_STAGES": ds, "HOST": host, "PLANES": True, "BLOCK_N": dn,
+                              "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
+                        yield (
+                            f"MoE GEMV down by pair {tag}, {words}",
+                            triton_moe_gemv._down_pair_kernel,
+                            ptrs_pair,
+                            dp,
+                            dw,
+                            ds,
+                        )
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):

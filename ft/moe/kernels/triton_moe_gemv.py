@@ -230,6 +230,15 @@ def _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOC
 
 
 @triton.jit
+def _gate_up_words(b_e, s_e, n, N, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SCALE_BY: tl.constexpr):  # fmt: skip
+    # ``_fp4_words`` of the gate rows n and of the up rows N below them
+    wg, sg = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, SCALE_BY)
+    wu, su = _fp4_words(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, SCALE_BY)
+    return wg, sg, wu, su
+
+
+@triton.jit
 def _plane(words, scale, J: tl.constexpr):
     # code J of each word as fp32 e2m1 · scale · 2^-22, as ``_rows`` gives it: the three magnitude
     # bits go to an fp32's lowest two exponent bits and top mantissa bit (e2m1 · 2^-126, subnormal
@@ -327,11 +336,8 @@ def _gate_up_kernel(
                 gate = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 up = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    wg, sg = _fp4_words(
-                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, 2.0**48
-                    )
-                    wu, su = _fp4_words(
-                        b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, 2.0**48
+                    wg, sg, wu, su = _gate_up_words(
+                        b_e, s_e, n, N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, SUMS_BY
                     )
                     bg = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)  # the blocks' sums, unscaled
                     bu = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
@@ -349,11 +355,8 @@ def _gate_up_kernel(
                 gate = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
                 up = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    wg, sg = _fp4_words(
-                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, 2.0**112
-                    )
-                    wu, su = _fp4_words(
-                        b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, 2.0**112
+                    wg, sg, wu, su = _gate_up_words(
+                        b_e, s_e, n, N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, PLANE_BY
                     )
                     for q in tl.static_range(4):  # the inputs once for both
                         lo, hi = _input_pair(x_row, k0, q, K, EVEN_K, BLOCK_K)
@@ -491,7 +494,7 @@ def _down_pair_kernel(
                 blocks = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
                     wd, sd = _fp4_words(
-                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, 2.0**48
+                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, SUMS_BY
                     )
                     bd = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
                     for q in tl.static_range(4):

@@ -29,10 +29,12 @@ from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K, softmax_topk_rows
 
-# On from 2026-12-01 (FT_FUSED_ROUTER=0 turns it off for a process and the ranks it spawns): the
-# 80B's batch-1 decode with NVFP4 experts on an H200 283.8 -> 299.9 tok/s (docs/benchmarks.md,
-# 18:50 UTC); on the 24-layer bf16 model of 2026-11-30 it had gained nothing (482.8 against 482.9).
-# GPU tests: tests/gpu/test_router_fold.py, and test_engine_cuda.py's decode-switch tolerance.
+# On from 2026-12-01 (FT_FUSED_ROUTER=0 turns it off for a process and the ranks it spawns), one
+# launch fewer a layer: the 80B's batch-1 decode with NVFP4 experts on an H200, two calls, on
+# 299.9 / 294.4 and 293.3 / 293.4 tok/s against off 283.8 / 283.2 and 297.1 / 281.6 / 297.5 / 291.9
+# (docs/benchmarks.md, 18:30-19:00 UTC): about 2%, near the rows' spread. On the 24-layer bf16
+# model of 2026-11-30 it had gained nothing (482.8 against 482.9). GPU tests:
+# tests/gpu/test_router_fold.py, and test_engine_cuda.py's decode-switch tolerance (both passed).
 FUSED_ROUTER = os.environ.get("FT_FUSED_ROUTER", "1") != "0"
 MAX_TOKENS = 4  # the epilogue's program holds T x E_P int64 keys
 
