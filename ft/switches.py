@@ -26,6 +26,7 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_moe_gemv", "FP4_DOWN_PLANES", "FT_MOE_GEMV_FP4_DOWN_PLANES"),
     ("ft.layers.triton_gemv", "SPLIT_K", "FT_GEMV_SPLIT_K"),
     ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
+    ("ft.moe.kernels.triton_router", "KEYS32", "FT_ROUTER_KEYS32"),
     ("ft.attention.triton_paged", "FUSED_DECODE", "FT_FUSED_ATTN_DECODE"),
     ("ft.layers.triton_norm_gemv", "FUSED_GATED_NORM", "FT_FUSED_GATED_NORM"),
     ("ft.distributed", "SYMM_ALL_REDUCE", "FT_SYMM_ALL_REDUCE"),

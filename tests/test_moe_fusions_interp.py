@@ -47,6 +47,44 @@ def check_router() -> None:
     assert launch_softmax_topk(ties, 4, False)[1].tolist() == [[3, 9, 0, 1]]
 
 
+def check_router_keys32() -> None:
+    """``triton_router.KEYS32`` (bf16 logits picked with int32 keys): the same ids and the same
+    weights, bit for bit, as the int64 keys, on logits with ties (the lower expert first), negative
+    values, both zeros and an E padded with -inf; the fused router's epilogue likewise, on bf16
+    activations; and ``route``'s ids on tie-free logits."""
+    from ft.layers import triton_gemv
+    from ft.moe.kernels import triton_router
+    from ft.moe.kernels.triton_router_gemv import launch_router_topk
+    from ft.moe.router import route
+
+    gen = torch.Generator().manual_seed(5)
+    for (e, k), t, renormalize in (((512, 10), 3, True), ((60, 4), 2, False), ((128, 8), 2, True)):
+        tied = torch.randint(-12, 12, (t, e), generator=gen).float() / 4
+        tied[1::2] -= 8  # every pick negative
+        tied[0, :3] = torch.tensor([0.0, -0.0, 0.0])
+        tied = tied.to(torch.bfloat16)
+        for logits in (tied, tie_free_logits(t, e, torch.bfloat16)):
+            outs = []
+            for on in (False, True):
+                triton_router.KEYS32 = on
+                outs.append(triton_router.launch_softmax_topk(logits, k, renormalize))
+            assert torch.equal(outs[0][1], outs[1][1]), (e, k, t, "ids")
+            assert torch.equal(outs[0][0], outs[1][0]), (e, k, t, "weights")
+        ref_w, ref_ids = route(logits, k, renormalize)  # the tie-free logits
+        assert torch.equal(outs[1][1], ref_ids), (e, k, t)
+    for t, h in ((1, 512), (4, 300)):
+        x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        w = (torch.randn(513, h, generator=gen) * h**-0.5).to(torch.bfloat16)
+        outs = []
+        for on in (False, True):
+            triton_router.KEYS32 = on
+            outs.append(launch_router_topk(x, w, 10, True, True))
+        for a, b, what in zip(outs[0], outs[1], ("weights", "ids", "gate logit")):
+            assert torch.equal(a, b), (t, h, what)
+        assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
+    triton_router.KEYS32 = False
+
+
 def check_sums() -> None:
     from ft.moe.kernels.triton_combine import launch_sum_topk
 
@@ -384,6 +422,7 @@ def check_fused_router() -> None:
 
 CHECKS = [
     "check_router",
+    "check_router_keys32",
     "check_split_k_gemv",
     "check_fused_router",
     "check_sums",

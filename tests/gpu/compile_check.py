@@ -196,13 +196,17 @@ def entries():
         "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "EVEN_K": True, "USE_PDL": 2}, 4, 4  # fmt: skip
     split = {"M_P": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "USE_PDL": 2}
     yield "dense GEMV split over K", triton_gemv._gemv_split_k_kernel, gemv, split, 4, 4
-    yield "softmax top-k", triton_router._softmax_topk_kernel, {"logits": BF, "weights": F32, "ids": I64}, {
-        "K": 10, "K_P": 16, "E_P": 512, "RENORMALIZE": True, "USE_PDL": 2}, 1, 3  # fmt: skip
-    router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32}
-    for t_p in (1, 4):
-        yield f"router GEMV + top-k, {t_p} tokens", triton_router_gemv._router_topk_kernel, router, {
-            "M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "TOP_K": 10,
-            "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "USE_PDL": 2}, 4, 4  # fmt: skip
+    for keys32 in (False, True):  # int64 keys, int32 (``triton_router.KEYS32``)
+        yield f"softmax top-k, int32 keys {keys32}", triton_router._softmax_topk_kernel, {
+            "logits": BF, "weights": F32, "ids": I64}, {"K": 10, "K_P": 16, "E_P": 512, "RENORMALIZE": True,
+            "KEYS32": keys32, "USE_PDL": 2}, 1, 3  # fmt: skip
+        router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32}
+        for t_p in (1, 4):
+            label = f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}"
+            yield label, triton_router_gemv._router_topk_kernel, \
+                router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
+                         "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
+                         "USE_PDL": 2}, 4, 4  # fmt: skip
 
 
 def main() -> None:

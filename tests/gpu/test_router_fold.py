@@ -173,3 +173,29 @@ def test_fused_router_replays_in_a_cuda_graph():
     x.copy_(torch.randn(4, 2048, generator=g, device="cuda").to(torch.bfloat16))
     graph.replay()
     assert all(torch.equal(a, b) for a, b in zip(out, router_topk(x, w, 10, True, True)))
+
+
+@gpu
+@torch.no_grad()
+@pytest.mark.parametrize("t", [1, 3, 4, 7])
+def test_int32_keys_pick_as_the_int64_keys(t, monkeypatch):
+    """``triton_router.KEYS32`` on CUDA: bf16 logits with ties and negative rows give the same ids
+    and weights, bit for bit, through ``softmax_topk`` and the fused router (up to its 4 tokens)."""
+    pytest.importorskip("triton")
+    from ft.moe.kernels import triton_router, triton_router_gemv
+
+    g = torch.Generator(device="cuda").manual_seed(t)
+    tied = torch.randint(-12, 12, (t, 512), generator=g, device="cuda").float() / 4
+    tied[1::2] -= 8
+    tied = tied.to(torch.bfloat16)
+    x = torch.randn(t, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(513, 2048, generator=g, device="cuda") * 2048**-0.5).to(torch.bfloat16)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(triton_router, "KEYS32", on)
+        got = [*triton_router.softmax_topk(tied, 10, True)]
+        if t <= triton_router_gemv.MAX_TOKENS:
+            got += [*triton_router_gemv.router_topk(x, w, 10, True, True)]
+        outs.append(got)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

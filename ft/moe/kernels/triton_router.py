@@ -21,6 +21,8 @@ power of two with -inf. The maths is ``softmax_topk_rows``, on a block of rows, 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,30 +30,49 @@ import triton.language as tl
 from ft.layers.pdl import pdl_args, wait_for_previous
 
 MAX_EXPERTS = 4096  # one row lives in one program's registers
+# bf16 logits picked with int32 keys (``softmax_topk_rows``: the same picks, reductions half as
+# wide), here and in the fused router's epilogue. Off until timed on a GPU (NOT yet run on one):
+# FT_ROUTER_KEYS32=1 turns it on for a process and the ranks it spawns.
+KEYS32 = os.environ.get("FT_ROUTER_KEYS32", "0") == "1"
 MAX_TOP_K = 64  # the k passes are unrolled
 
 
 @triton.jit
-def softmax_topk_rows(x, K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+def softmax_topk_rows(x, K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr,
+                      KEYS32: tl.constexpr = False):  # fmt: skip
     # x [R, E_P] fp32 logits, padded with -inf -> (weights [R, K_P] fp32, ids [R, K_P] int64), the
-    # k picks largest first in slots 0 .. K-1 (the fused router's epilogue runs this too)
+    # k picks largest first in slots 0 .. K-1 (the fused router's epilogue runs this too). Each pick
+    # is one max over keys (the logit's order bits, then the expert reversed: ties go to the lower
+    # expert). With KEYS32 the logits are bf16 values (their fp32 low 16 bits zero), so a key is
+    # their 16 order bits and 16 of the expert's in an int32, the same picks as the int64 keys
+    # with reductions of half the width.
     e = tl.arange(0, E_P)[None, :]
     m = tl.max(x, 1)[:, None]
     total = tl.sum(tl.exp(x - m), 1)[:, None]  # the softmax denominator
     bits = x.to(tl.int32, bitcast=True)
     order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # sortable: signed order == float order
-    key = (order.to(tl.int64) << 32) | (E_P - 1 - e).to(tl.int64)  # [R, E_P], distinct in a row
+    if KEYS32:  # a negative value's order has 0xFFFF below, a positive's 0: the top half decides
+        key = (order & -65536) | (E_P - 1 - e)  # [R, E_P] int32, distinct in a row
+        lowest = -0x7FFFFFFF - 1
+    else:
+        key = (order.to(tl.int64) << 32) | (E_P - 1 - e).to(tl.int64)  # [R, E_P], distinct in a row
+        lowest = -0x7FFFFFFFFFFFFFFF
     slot = tl.arange(0, K_P)[None, :]
     picked = tl.full([x.shape[0], K_P], -float("inf"), tl.float32)  # the k largest logits
     picked_ids = tl.zeros([x.shape[0], K_P], tl.int64)
     for j in tl.static_range(K):
         best = tl.max(key, 1)[:, None]  # [R, 1]
-        hi = (best >> 32).to(tl.int32)
-        logit = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the flip undone
+        if KEYS32:
+            hi = best & -65536
+            logit = ((hi ^ ((hi >> 31) & 0x7FFFFFFF)) & -65536).to(tl.float32, bitcast=True)
+            low = (best & 0xFFFF).to(tl.int64)  # E_P - 1 - expert
+        else:
+            hi = (best >> 32).to(tl.int32)
+            logit = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the flip undone
+            low = best - (hi.to(tl.int64) << 32)  # E_P - 1 - expert
         picked = tl.where(slot == j, logit, picked)
-        low = best - (hi.to(tl.int64) << 32)  # E_P - 1 - expert
         picked_ids = tl.where(slot == j, E_P - 1 - low, picked_ids)
-        key = tl.where(key == best, -0x7FFFFFFFFFFFFFFF, key)  # below every real key
+        key = tl.where(key == best, lowest, key)  # below every real key
     p = tl.exp(picked - m) / total  # [R, K_P] softmax of the picks; padded slots are exp(-inf) = 0
     if RENORMALIZE:
         p = p / tl.sum(p, 1)[:, None]
@@ -69,13 +90,14 @@ def _softmax_topk_kernel(
     K_P: tl.constexpr,
     E_P: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    KEYS32: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P)[None, :]
     x = tl.load(logits + row * s_l + e, mask=e < E, other=-float("inf")).to(tl.float32)  # [1, E_P]
-    p, picked_ids = softmax_topk_rows(x, K, K_P, E_P, RENORMALIZE)
+    p, picked_ids = softmax_topk_rows(x, K, K_P, E_P, RENORMALIZE, KEYS32)
     slot = tl.arange(0, K_P)[None, :]
     out = row * K + slot
     tl.store(weights + out, p, mask=slot < K)
@@ -105,6 +127,7 @@ def launch_softmax_topk(
             K_P=triton.next_power_of_2(top_k),
             E_P=e_p,
             RENORMALIZE=renormalize,
+            KEYS32=KEYS32 and logits.dtype == torch.bfloat16,
             num_warps=max(1, min(8, e_p // 512)),  # E <= 512: one warp, reductions are shuffles
             **pdl_args(logits),
         )

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args, wait_for_previous
+from ft.moe.kernels import triton_router
 from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K, softmax_topk_rows
 
 # On from 2026-12-01 (FT_FUSED_ROUTER=0 turns it off for a process and the ranks it spawns), one
@@ -44,7 +45,7 @@ def _router_topk_kernel(
     x, w, logits, weights, ids, ws, counters, M, N, E, K, K_SPLIT, s_xm, s_wn,
     M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
-    E_P: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr = False,
+    E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,7 +64,7 @@ def _router_topk_kernel(
             row = tl.load(logits + t * N + e, mask=(t < M) & (e < E), other=-float("inf"),
                           cache_modifier=".cg").to(tl.float32)  # [T_P, E_P]  # fmt: skip
             row = tl.where(t < M, row, 0.0)  # padding tokens: finite, never stored
-            p, picked_ids = softmax_topk_rows(row, TOP_K, TOP_K_P, E_P, RENORMALIZE)
+            p, picked_ids = softmax_topk_rows(row, TOP_K, TOP_K_P, E_P, RENORMALIZE, KEYS32)
             slot = tl.arange(0, TOP_K_P)[None, :]
             out = t * TOP_K + slot
             tl.store(weights + out, p, mask=(t < M) & (slot < TOP_K))
@@ -106,6 +107,7 @@ def launch_router_topk(
         x.stride(0), w.stride(0), M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
+        KEYS32=triton_router.KEYS32 and x.dtype == torch.bfloat16,
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip
     return weights, ids, logits[:, e:] if shared_gate else None
