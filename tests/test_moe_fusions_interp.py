@@ -57,6 +57,7 @@ def check_router_keys32() -> None:
     from ft.moe.kernels.triton_router_gemv import launch_router_topk
     from ft.moe.router import route
 
+    shipped = triton_router.KEYS32
     gen = torch.Generator().manual_seed(5)
     for (e, k), t, renormalize in (((512, 10), 3, True), ((60, 4), 2, False), ((128, 8), 2, True)):
         tied = torch.randint(-12, 12, (t, e), generator=gen).float() / 4
@@ -82,7 +83,7 @@ def check_router_keys32() -> None:
         for a, b, what in zip(outs[0], outs[1], ("weights", "ids", "gate logit")):
             assert torch.equal(a, b), (t, h, what)
         assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
-    triton_router.KEYS32 = False
+    triton_router.KEYS32 = shipped
 
 
 def check_sums() -> None:

@@ -31,9 +31,11 @@ from ft.layers.pdl import pdl_args, wait_for_previous
 
 MAX_EXPERTS = 4096  # one row lives in one program's registers
 # bf16 logits picked with int32 keys (``softmax_topk_rows``: the same picks, reductions half as
-# wide), here and in the fused router's epilogue. Off until timed on a GPU (NOT yet run on one):
-# FT_ROUTER_KEYS32=1 turns it on for a process and the ranks it spawns.
-KEYS32 = os.environ.get("FT_ROUTER_KEYS32", "0") == "1"
+# wide), here and in the fused router's epilogue (compiled for sm_90: 2,152 -> 1,640 instructions).
+# On from 2026-12-01 (FT_ROUTER_KEYS32=0 turns it off for a process and the ranks it spawns): the
+# same ids and weights bit for bit (tests/gpu/test_router_fold.py), the 80B's batch-1 decode with
+# NVFP4 experts on an H200 287.3 -> 291.0 tok/s, the same greedy tokens (docs/benchmarks.md).
+KEYS32 = os.environ.get("FT_ROUTER_KEYS32", "1") != "0"
 MAX_TOP_K = 64  # the k passes are unrolled
 
 
