@@ -68,6 +68,7 @@ def down_switch_changes_no_bit(switch: str) -> None:
     gen = torch.Generator().manual_seed(1)
     e, h, t = 12, 64, 3
     mod.DOWN_BY_PAIR = False  # the walk, which the other switches change (by pair: their own off)
+    mod.FP4_DOWN_PLANES = False  # the walk reads bytes: by pair on bytes too, for the same bits
     for k, inter, fmt, shared in ((10, 48, "fp16", False), (3, 640, "fp16", True), (1, 32, "nvfp4", False),
                                   (3, 48, "nvfp4", True), (0, 48, "fp16", True)):  # fmt: skip
         if fmt == "nvfp4":
@@ -194,3 +195,16 @@ CHECKS = [
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernel_under_the_interpreter(check):
     run_check("tests.test_decode_switches_interp", check, optimize=True)
+
+
+def test_codes_read_as_words_only_when_4_byte_aligned():
+    """``triton_moe_gemv._word_aligned``: the words' paths take a code tensor whose start and row
+    strides are multiples of 4 bytes; a view off by a byte, or rows of an odd width, read bytes."""
+    pytest.importorskip("triton")
+    from ft.moe.kernels.triton_moe_gemv import _word_aligned
+
+    flat = torch.zeros(4 * 8 * 1024 + 4, dtype=torch.uint8)
+    whole = flat[: 4 * 8 * 1024].view(4, 8, 1024)
+    assert _word_aligned(whole)
+    assert not _word_aligned(whole, flat[1 : 1 + 4 * 8 * 1024].view(4, 8, 1024))  # a byte in
+    assert not _word_aligned(torch.zeros(4, 8, 1026, dtype=torch.uint8)[:, :, :1024])  # rows 1026 apart

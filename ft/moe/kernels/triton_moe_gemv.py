@@ -126,18 +126,20 @@ NVFP4_PLANES = _tiles_from_env("NVFP4_PLANES", (4, 512, 4, 1))
 # once (``_code``: no scale in the decode), instead of the scale times each code. The inputs are
 # multiplied by 2^64 (exact) so that every product e2m1 · 2^-126 · x · 2^64 is a normal fp32 (an
 # input below 2^-63 in magnitude gives a subnormal product, a few bits short: against sums of
-# order 1e-2, nothing); the block's sum times scale · 2^40 is the per-element path's value. Each
-# code is then three instructions (``_code``) and one multiply-add. The same weights, the fp32
-# order of the sums changes (greedy tokens of a random-weight 80B: 2% agree). Under ncu (H200,
-# 2026-12-01, docs/benchmarks.md) gate/up went 20.5 -> 17.2 us; its issue rate stays the limit
-# (0.63 warps a scheduler a cycle, 14% of DRAM's throughput).
+# order 1e-2, nothing; one of 2^64 or more overflows to inf, and a zero code's product is then NaN
+# where the byte-wise sum stays finite); the block's sum times scale · 2^40 is the per-element
+# path's value. Each code is then three instructions (``_code``) and one multiply-add. The same
+# weights, the fp32 order of the sums changes (greedy tokens of a random-weight 80B: 2% agree).
+# Under ncu (H200, 2026-12-01, docs/benchmarks.md) gate/up went 20.5 -> 17.2 us; its issue rate
+# stays the limit (0.63 warps a scheduler a cycle, 14% of DRAM's throughput).
 FP4_BLOCK_SUMS = os.environ.get("FT_MOE_GEMV_FP4_BLOCK_SUMS", "1") != "0"
 # The down kernel by pair reads words too (with block sums; the per-element words were slower
 # there, 16.7 -> 24.8 us under ncu), at tiles of its own. tests/gpu/config_sweep.py moe_gemv_planes
 # on an H200 (2026-12-01, 94b9f7a), gate/up + down a call: T=1 23.0 us byte-wise -> 18.9, T=2
 # 37.5 -> 28.0. The 80B's batch-1 decode with NVFP4 experts: 269.3 tok/s with the down kernel on
-# bytes, 283.8 with words, 272.8 without block sums (docs/benchmarks.md). On for both
-# (FT_MOE_GEMV_FP4_BLOCK_SUMS=0, FT_MOE_GEMV_FP4_DOWN_PLANES=0 turn them off).
+# bytes, 283.8 with words, 272.8 with gate/up's block sums off (the down kernel then still read
+# words; from 414020d it reads bytes without them) (docs/benchmarks.md). On for both
+# (FT_MOE_GEMV_FP4_BLOCK_SUMS=0: both kernels' block sums off; FT_MOE_GEMV_FP4_DOWN_PLANES=0).
 FP4_DOWN_PLANES = os.environ.get("FT_MOE_GEMV_FP4_DOWN_PLANES", "1") != "0"
 NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 256, 2, 1))
 
@@ -524,6 +526,12 @@ def _down_pair_kernel(
         tl.store(counter, 0)  # every ticket is drawn: clean for the next call
 
 
+def _word_aligned(*codes: torch.Tensor) -> bool:
+    """Whether NVFP4 code tensors [E, N, K/2] (slots, and a host store beside them) can be read as
+    32-bit words: their start and row strides multiples of 4 bytes (else the kernels read bytes)."""
+    return all(c.data_ptr() % 4 == 0 and c.stride(0) % 4 == 0 and c.stride(1) % 4 == 0 for c in codes)
+
+
 def _bank(w) -> tuple:
     """(codes or weights, scale bytes, globals, FP4) with the strides the kernels take."""
     if isinstance(w, NVFP4Tensor):
@@ -589,7 +597,9 @@ def launch_moe_gemv(
     pairs = topk + (shared is not None)
     act = torch.empty(t * pairs, inter, dtype=x.dtype, device=x.device)  # [T*(k+shared), I]
     # the words read x as bf16 pairs: 4-byte aligned rows (any view the engine passes; else bytes)
-    planes = fp4 and FP4_PLANES and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
+    planes = (
+        fp4 and FP4_PLANES and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and _word_aligned(b13, *h13[:1])
+    )
     block_n, max_block_k, num_warps, stages = (NVFP4_PLANES if planes else NVFP4) if fp4 else BF16
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
@@ -602,7 +612,9 @@ def launch_moe_gemv(
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
     if DOWN_BY_PAIR:
-        down_planes = fp4 and FP4_DOWN_PLANES and act.stride(0) % 2 == 0
+        # words in the down kernel only beside words with block sums in gate/up (``FP4_PLANES=0``:
+        # bytes in both), codes 4-byte aligned
+        down_planes = planes and FP4_BLOCK_SUMS and FP4_DOWN_PLANES and _word_aligned(b2, *h2[:1])
         down_n, down_k, down_warps, down_stages = NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
         bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
         blocks = triton.cdiv(h, down_n)

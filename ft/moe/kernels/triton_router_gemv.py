@@ -37,7 +37,7 @@ from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K, softmax_topk_ro
 # model of 2026-11-30 it had gained nothing (482.8 against 482.9). GPU tests:
 # tests/gpu/test_router_fold.py, and test_engine_cuda.py's decode-switch tolerance (both passed).
 FUSED_ROUTER = os.environ.get("FT_FUSED_ROUTER", "1") != "0"
-MAX_TOKENS = 4  # the epilogue's program holds T x E_P int64 keys
+MAX_TOKENS = 4  # the epilogue's program holds T x E_P keys (int64, or int32 with triton_router.KEYS32)
 
 
 @triton.jit
