@@ -143,8 +143,8 @@ def check_moe_gemv_fp4_planes() -> None:
         # bytes first, then words as they are switched on (the largest case without the per-element
         # words, which the others cover: the interpreter's time)
         for on in VARIANTS if h < 1024 else (VARIANTS[0], *VARIANTS[2:]):
-            for name in ("FP4_PLANES", *VARIANTS[-1]):
-                setattr(mod, name, name in on or (name == "FP4_PLANES" and bool(on)))
+            mod.FP4_PLANES = bool(on)  # every variant but bytes reads words in gate/up
+            mod.FP4_BLOCK_SUMS, mod.FP4_DOWN_PLANES = "FP4_BLOCK_SUMS" in on, "FP4_DOWN_PLANES" in on
             outs[on] = mod.launch_moe_gemv(x, w13, w2, weights, ids, pair).float()
         bytes_out = outs[()]
         step = bytes_out.abs().clamp(min=1e-3) * 2**-7  # one bf16 step (8 significant bits)

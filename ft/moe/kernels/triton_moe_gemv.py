@@ -217,8 +217,8 @@ def _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOC
                BLOCK_K: tl.constexpr, SCALE_BY: tl.constexpr):  # fmt: skip
     # rows n, inputs k0 .. k0+BK of one NVFP4 expert (``FP4_PLANES``): (codes as [BN, BK/16, 2]
     # 32-bit words, the two of each 16-wide block, code j of a word in its bits 4j..4j+3; the blocks'
-    # scales [BN, BK/16, 1] as fp32 times 2^104, ``e4m3`` giving them times 2^-8: ``_plane`` takes
-    # 2^-126 back). One 3-d shape for codes, scales and inputs keeps them in one register layout.
+    # scales [BN, BK/16, 1] as fp32 times SCALE_BY · 2^-8, the 2^-8 ``e4m3``'s: ``PLANE_BY`` or
+    # ``SUMS_BY``). One 3-d shape for codes, scales and inputs keeps them in one register layout.
     kb = tl.arange(0, BLOCK_K // 16)[None, :, None]
     half = tl.arange(0, 2)[None, None, :]
     rows = n[:, None, None].to(tl.int64)
@@ -600,6 +600,7 @@ def launch_moe_gemv(
     planes = (
         fp4 and FP4_PLANES and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and _word_aligned(b13, *h13[:1])
     )
+    sums = planes and FP4_BLOCK_SUMS
     block_n, max_block_k, num_warps, stages = (NVFP4_PLANES if planes else NVFP4) if fp4 else BF16
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
@@ -607,14 +608,14 @@ def launch_moe_gemv(
         x, b13, s13, g13, *h13, sb13, act, ids, inter, h,
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
         UNFOLD,
-        **flags, PLANES=planes, BLOCK_SUMS=planes and FP4_BLOCK_SUMS, BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
+        **flags, PLANES=planes, BLOCK_SUMS=sums, BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
         BLOCK_K=bk_up,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
     if DOWN_BY_PAIR:
         # words in the down kernel only beside words with block sums in gate/up (``FP4_PLANES=0``:
         # bytes in both), codes 4-byte aligned
-        down_planes = planes and FP4_BLOCK_SUMS and FP4_DOWN_PLANES and _word_aligned(b2, *h2[:1])
+        down_planes = sums and FP4_DOWN_PLANES and _word_aligned(b2, *h2[:1])
         down_n, down_k, down_warps, down_stages = NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
         bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
         blocks = triton.cdiv(h, down_n)

@@ -39,6 +39,11 @@ KEYS32 = os.environ.get("FT_ROUTER_KEYS32", "1") != "0"
 MAX_TOP_K = 64  # the k passes are unrolled
 
 
+def keys32(dtype: torch.dtype) -> bool:
+    """Whether logits of ``dtype`` are picked with int32 keys (``KEYS32``: bf16 only)."""
+    return KEYS32 and dtype == torch.bfloat16
+
+
 @triton.jit
 def softmax_topk_rows(x, K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr,
                       KEYS32: tl.constexpr = False):  # fmt: skip
@@ -129,7 +134,7 @@ def launch_softmax_topk(
             K_P=triton.next_power_of_2(top_k),
             E_P=e_p,
             RENORMALIZE=renormalize,
-            KEYS32=KEYS32 and logits.dtype == torch.bfloat16,
+            KEYS32=keys32(logits.dtype),
             num_warps=max(1, min(8, e_p // 512)),  # E <= 512: one warp, reductions are shuffles
             **pdl_args(logits),
         )

@@ -107,7 +107,7 @@ def launch_router_topk(
         x.stride(0), w.stride(0), M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
-        KEYS32=triton_router.KEYS32 and x.dtype == torch.bfloat16,
+        KEYS32=triton_router.keys32(logits.dtype),
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip
     return weights, ids, logits[:, e:] if shared_gate else None
