@@ -228,15 +228,18 @@ def check_moe_gemv_shared_pair() -> None:
     torch.testing.assert_close(fused.float(), routed + gate * mlp, atol=2e-3, rtol=1e-2)
     # beside an NVFP4 bank (bf16 activations, so to the interpreter's bf16 truncation): the pairs
     # one at a time, then the shared term as a one-expert bf16 call, summed in fp32
+    from ft.moe.kernels import triton_moe_gemv
     from tests.nvfp4.test_w4a16_gpu import random_bank
 
     q13, q2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
     xb, s13, s2, lb = x.bfloat16(), w13[e].bfloat16(), w2[e].bfloat16(), logit.bfloat16()
-    fused = launch_moe_gemv(xb, q13, q2, weights, ids, shared=(s13, s2, lb)).float()
     alone = launch_moe_gemv(xb, s13[None], s2[None], gate, torch.zeros(t, 1, dtype=torch.long)).float()
     for j in range(k):
         alone += launch_moe_gemv(xb, q13, q2, weights[:, j : j + 1], ids[:, j : j + 1]).float()
-    torch.testing.assert_close(fused, alone.bfloat16().float(), atol=0, rtol=2**-7)
+    for steps in ((0, 0), (16, 16), (32, 16)):  # the shared rows' own steps (``NVFP4_SHARED_BK``), K tails
+        triton_moe_gemv.NVFP4_SHARED_BK, triton_moe_gemv.NVFP4_SHARED_BK_DOWN = steps
+        fused = launch_moe_gemv(xb, q13, q2, weights, ids, shared=(s13, s2, lb)).float()
+        torch.testing.assert_close(fused, alone.bfloat16().float(), atol=0, rtol=2**-7)
 
 
 def check_moe_gemv_host_rows() -> None:

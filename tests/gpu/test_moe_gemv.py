@@ -99,13 +99,19 @@ def test_nvfp4_codes_as_words_equal_bytes(t, h, words, monkeypatch):
     assert err < 2e-2, f"T={t} H={h} words {words}: relative error {err:.3g} against the torch reference"
 
 
+@pytest.mark.parametrize("steps", [(0, 0), (128, 64)])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t", [1, 2, 4])
-def test_shared_expert_as_one_more_pair(fmt, t):
+def test_shared_expert_as_one_more_pair(fmt, t, steps, monkeypatch):
     """A bf16 shared expert beside a bf16 or NVFP4 bank, run as one more pair of each token: the
-    routed call plus sigmoid(logit) · the shared expert's MLP, within bf16 error."""
+    routed call plus sigmoid(logit) · the shared expert's MLP, within bf16 error; beside NVFP4 also
+    with the shared rows' own steps (``NVFP4_SHARED_BK``, ``NVFP4_SHARED_BK_DOWN``)."""
     pytest.importorskip("triton")
+    from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
+
+    monkeypatch.setattr(triton_moe_gemv, "NVFP4_SHARED_BK", steps[0])
+    monkeypatch.setattr(triton_moe_gemv, "NVFP4_SHARED_BK_DOWN", steps[1])
 
     x, w13, w2, weights, ids = problem(fmt, t, 512, 512, 2048, 10, seed=t)
     gen = torch.Generator(device="cuda").manual_seed(t)

@@ -142,6 +142,17 @@ FP4_BLOCK_SUMS = os.environ.get("FT_MOE_GEMV_FP4_BLOCK_SUMS", "1") != "0"
 # (FT_MOE_GEMV_FP4_BLOCK_SUMS=0: both kernels' block sums off; FT_MOE_GEMV_FP4_DOWN_PLANES=0).
 FP4_DOWN_PLANES = os.environ.get("FT_MOE_GEMV_FP4_DOWN_PLANES", "1") != "0"
 NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 256, 2, 1))
+# Beside an NVFP4 bank the bf16 shared pair is a branch of its own in both kernels, and its per-lane
+# partial sums over BLOCK_K (fp32 [BLOCK_N, BLOCK_K], e.g. 32 registers a thread at (4, 512, 4 warps))
+# set the kernel's registers for every program: compiled for sm_90, gate/up at its tiles takes 72
+# registers with the shared branch and 39 without, so an SM holds 7 of its 4-warp programs and the
+# 1,408 of a Qwen3-Next batch-1 step (11 pairs x 128) run in 1.5 waves. Stepping the shared rows by
+# fewer inputs (NVFP4_SHARED_BK for gate/up, NVFP4_SHARED_BK_DOWN for down; 0: BLOCK_K, a power of two
+# below it otherwise) shrinks the branch: gate/up 72 -> 40 registers at 128 (12 programs an SM,
+# one wave), the down kernel by pair 72 -> 32 at 64 (2,816 2-warp programs in one wave). The shared
+# pair's fp32 sums run in another order (a rounding of its term can differ). Timing: NOT yet run on a GPU.
+NVFP4_SHARED_BK = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK", "0"))
+NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "0"))
 
 
 # the words' factors (powers of two, exact): per element, scale · 2^112 (``_plane``: e2m1 · 2^-126 ·
@@ -302,6 +313,7 @@ def _gate_up_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, BLOCK_SUMS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    SHARED_BLOCK_K: tl.constexpr = 0,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -325,9 +337,9 @@ def _gate_up_kernel(
         is_shared = False
         if SHARED:  # static: without a shared expert only the routed branch below is compiled
             is_shared = slot == TOPK
-        if is_shared:
+        if is_shared:  # its own step (``SHARED_BLOCK_K``, 0: BLOCK_K)
             g, u = _plain_gate_up(
-                x_row, shared_b, s_hn, n, N, nmask, K, LOOP_STAGES, EVEN_K, BLOCK_N, BLOCK_K
+                x_row, shared_b, s_hn, n, N, nmask, K, LOOP_STAGES, EVEN_K, BLOCK_N, SHARED_BLOCK_K or BLOCK_K
             )
         else:
             e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
@@ -451,7 +463,7 @@ def _down_pair_kernel(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
-    PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded as the walk rounds
@@ -482,11 +494,13 @@ def _down_pair_kernel(
         is_shared = False
         if SHARED:
             is_shared = slot == TOPK
-        if is_shared:
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                w = _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
-                acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
-            term = tl.sum(acc, axis=1) * tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
+        if is_shared:  # its own step (``SHARED_BLOCK_K``, 0: BLOCK_K)
+            SBK: tl.constexpr = SHARED_BLOCK_K or BLOCK_K
+            sacc = tl.zeros([BLOCK_N, SBK], tl.float32)
+            for k0 in tl.range(0, K, SBK, num_stages=LOOP_STAGES):
+                w = _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, SBK)
+                sacc += w * _inputs(a_row, k0, K, EVEN_K, SBK)
+            term = tl.sum(sacc, axis=1) * tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
         else:
             e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
             b_e, s_e, g_e = _expert(
@@ -585,6 +599,8 @@ def launch_moe_gemv(
         return out
     b13, s13, g13, fp4 = _bank(w13)
     b2, s2, g2, _ = _bank(w2)
+    for step in (NVFP4_SHARED_BK, NVFP4_SHARED_BK_DOWN):
+        assert step == 0 or (step >= 16 and step & (step - 1) == 0), f"shared step {step}: 0 or a power of 2"
     h13 = (b13, s13, g13) if host is None else _host_operands(w13, host[0])  # unread without host
     h2 = (b2, s2, g2) if host is None else _host_operands(w2, host[1])
     sb13, sb2, logit = (x, x, weights) if shared is None else shared  # unread without a shared expert
@@ -609,7 +625,7 @@ def launch_moe_gemv(
         x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
         UNFOLD,
         **flags, PLANES=planes, BLOCK_SUMS=sums, BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
-        BLOCK_K=bk_up,
+        BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
     if DOWN_BY_PAIR:
@@ -629,7 +645,7 @@ def launch_moe_gemv(
             weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
             **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
             num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
-            **pdl_args(act),
+            SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0, **pdl_args(act),
         )  # fmt: skip
         return out
     down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)
