@@ -16,7 +16,6 @@ import importlib
 SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.layers.pdl", "ENABLED", "FT_PDL"),
     ("ft.layers.pdl", "EARLY", "FT_PDL"),
-    ("ft.layers.pdl", "PREFETCH_MB", "FT_PDL_PREFETCH"),  # on: MiB > 0
     ("ft.moe.kernels.triton_moe_gemv", "SHARED_AS_PAIR", "FT_SHARED_AS_PAIR"),
     ("ft.gdn.triton_conv", "DECODE_ONE_LAUNCH", "FT_CONV_DECODE_ONE_LAUNCH"),
     ("ft.moe.kernels.triton_moe_gemv", "IDS_AHEAD", "FT_MOE_GEMV_IDS_AHEAD"),

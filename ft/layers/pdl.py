@@ -58,37 +58,3 @@ def wait_for_previous(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
     if USE_PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-# L2 prefetch of a kernel's own weights before its wait (``PREFETCH_MB``, a budget per launch in MiB; 0:
-# off). With ``EARLY`` the next kernel's programs are resident while this one runs; a weight is never
-# written by the kernel before (a decode step reads its weights only), so those programs can ask for
-# their weight rows (``prefetch_rows``: one bulk L2 prefetch per row, sm_90) before they wait, and read
-# them from L2 after. A prefetch returns no data: nothing it fetches can be stale (L2 is where the
-# device's writes meet) and no value changes, only where the first reads find the bytes. The budget
-# keeps a launch from asking for more than L2 keeps (an H200's is 50 MB): a projection larger than it
-# prefetches the first bytes of each row. Off until timed (NOT yet run on a GPU); FT_PDL_PREFETCH=MB.
-PREFETCH_MB = int(os.environ.get("FT_PDL_PREFETCH", "0"))
-
-
-def prefetch_bytes(w: torch.Tensor, rows: int, row_bytes: int) -> int:
-    """The bytes a row of ``w`` that a launch's programs prefetch (``prefetch_rows``; 0: none): PDL
-    and the budget on, w's rows 16-byte aligned and ``row_bytes`` (a row's bytes one program reads,
-    from a 16-byte aligned start) a multiple of 16; ``rows`` rows in all, within the budget."""
-    aligned = w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0 and row_bytes % 16 == 0
-    if not (PREFETCH_MB > 0 and pdl_args(w) and w.stride(-1) == 1 and aligned and rows > 0):
-        return 0
-    return min(row_bytes, (PREFETCH_MB << 20) // rows // 16 * 16)
-
-
-@triton.jit
-def prefetch_rows(first, rows, row_bytes, s_row_bytes):
-    # bulk L2 prefetch of ``rows`` rows (at most the program's threads) of ``row_bytes`` bytes,
-    # s_row_bytes apart from pointer ``first``, one thread a row; addresses and sizes 16-byte
-    # multiples (``prefetch_bytes``)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; .reg .b64 a; mov.u32 t, %tid.x; setp.lt.u32 p, t, $2; "
-        "mad.wide.u32 a, t, $4, $1; @p cp.async.bulk.prefetch.L2.global [a], $3; mov.u32 $0, 0; }",
-        "=r,l,r,r,r", [first.to(tl.uint64, bitcast=True), rows, row_bytes, s_row_bytes], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip

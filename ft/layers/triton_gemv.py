@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.layers.pdl import pdl_args, prefetch_bytes, prefetch_rows, wait_for_previous
+from ft.layers.pdl import pdl_args, wait_for_previous
 
 GEMV_MAX_TOKENS = 4  # M = 5 .. 16 not timed yet
 MAX_M = 16  # rows of x one program pads to (one MMA tile)
@@ -117,24 +117,11 @@ def split_k_sum(
 
 
 @triton.jit
-def prefetch_split(w, N, K, K_SPLIT, s_wn, pf_bytes, BLOCK_N: tl.constexpr):
-    # ``prefetch_rows`` of a split program's rows: its K_SPLIT inputs of each (fewer in the last split;
-    # K_SPLIT = K: a program of the unsplit kernel)
-    n0 = tl.program_id(0) * BLOCK_N
-    k_lo = tl.program_id(1) * K_SPLIT
-    first = w + n0.to(tl.int64) * s_wn + k_lo
-    row_bytes = tl.minimum(pf_bytes, (tl.minimum(K, k_lo + K_SPLIT) - k_lo) * 2)
-    prefetch_rows(first, tl.minimum(BLOCK_N, N - n0), row_bytes, s_wn * 2)
-
-
-@triton.jit
 def _gemv_kernel(
-    x, w, out, M, N, K, s_xm, s_wn, s_om, pf_bytes,
+    x, w, out, M, N, K, s_xm, s_wn, s_om,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    if PREFETCH:  # this program's rows, while the kernel before runs (``pdl.PREFETCH_MB``)
-        prefetch_split(w, N, K, K, s_wn, pf_bytes, BLOCK_N)
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_P)
@@ -145,12 +132,10 @@ def _gemv_kernel(
 
 @triton.jit
 def _gemv_split_k_kernel(
-    x, w, out, ws, counters, M, N, K, K_SPLIT, s_xm, s_wn, s_om, pf_bytes,
+    x, w, out, ws, counters, M, N, K, K_SPLIT, s_xm, s_wn, s_om,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    if PREFETCH:
-        prefetch_split(w, N, K, K_SPLIT, s_wn, pf_bytes, BLOCK_N)
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     last, total = split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P, BLOCK_N,
@@ -204,15 +189,6 @@ def plan(n: int, k: int, splits: int) -> Plan:
                 num_stages)  # fmt: skip
 
 
-def split_prefetch_bytes(w: torch.Tensor, p: Plan) -> int:
-    """``pdl.prefetch_bytes`` for the programs of plan p over w [N, K]: each a split's K_SPLIT inputs of
-    its BLOCK_N rows (K a multiple of 8, so every split's bytes are a multiple of 16)."""
-    n, k = w.shape
-    if k % 8 or p.block_n > 32 * p.num_warps:  # a thread a row
-        return 0
-    return prefetch_bytes(w, n * p.splits, min(k, p.k_split) * w.element_size())
-
-
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -246,18 +222,17 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, splits: int = 0) -> torch.Tens
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     p = plan(n, k, splits or splits_for(n, k, x.device))
-    pf = split_prefetch_bytes(w, p)
-    common = dict(M_P=MAX_M, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_K=p.even_k, PREFETCH=pf > 0,
+    common = dict(M_P=MAX_M, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_K=p.even_k,
                   num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x))  # fmt: skip
     if p.splits == 1:
         _gemv_kernel[(p.blocks,)](
-            x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), pf, **common
+            x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), **common
         )  # fmt: skip
         return out
     assert p.blocks <= COUNTERS and p.splits * m * n < 2**31, f"N={n} x M={m} too large to split"
     ws = torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device)  # the partials
     _gemv_split_k_kernel[(p.blocks, p.splits)](
-        x, w, out, ws, tickets(x.device), m, n, k, p.k_split, x.stride(0), w.stride(0), out.stride(0), pf,
+        x, w, out, ws, tickets(x.device), m, n, k, p.k_split, x.stride(0), w.stride(0), out.stride(0),
         SPLITS=p.splits, **common,
     )  # fmt: skip
     return out

@@ -192,12 +192,10 @@ def entries():
     tiles = {"D": 128, "ROUND_MID": True, "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "USE_PDL": 2}
     yield "gated RMSNorm inside out_proj GEMV", triton_norm_gemv._gated_norm_gemv_kernel, gated, tiles, 4, 4
     gemv = {"x": BF, "w": BF, "out": BF, "ws": F32, "counters": I32}
-    for pf in (False, True):  # with the weights' L2 prefetch before the wait (``pdl.PREFETCH_MB``)
-        unsplit = {"M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "EVEN_K": True, "USE_PDL": 2, "PREFETCH": pf}
-        yield f"dense GEMV, prefetch {pf}", triton_gemv._gemv_kernel, gemv, unsplit, 4, 4
-        split = {"M_P": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "USE_PDL": 2,
-                 "PREFETCH": pf}  # fmt: skip
-        yield f"dense GEMV split over K, prefetch {pf}", triton_gemv._gemv_split_k_kernel, gemv, split, 4, 4
+    yield "dense GEMV", triton_gemv._gemv_kernel, gemv, {
+        "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "EVEN_K": True, "USE_PDL": 2}, 4, 4  # fmt: skip
+    split = {"M_P": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "USE_PDL": 2}
+    yield "dense GEMV split over K", triton_gemv._gemv_split_k_kernel, gemv, split, 4, 4
     for keys32 in (False, True):  # int64 keys, int32 (``triton_router.KEYS32``)
         yield f"softmax top-k, int32 keys {keys32}", triton_router._softmax_topk_kernel, {
             "logits": BF, "weights": F32, "ids": I64}, {"K": 10, "K_P": 16, "E_P": 512, "RENORMALIZE": True,
@@ -208,7 +206,7 @@ def entries():
             yield label, triton_router_gemv._router_topk_kernel, \
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
-                         "USE_PDL": 2, "PREFETCH": keys32}, 4, 4  # fmt: skip
+                         "USE_PDL": 2}, 4, 4  # fmt: skip
 
 
 def main() -> None:

@@ -119,29 +119,3 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph(n, k, monkeypatch)
     x.copy_(x2)
     graph.replay()
     assert torch.equal(out, triton_gemv.gemv(x2, w))
-
-
-@pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("n,k", [(2048, 4096), (513, 2048), (4104, 304)])
-def test_prefetched_weights_give_the_same_bits_eagerly_and_in_a_graph(n, k, splits, monkeypatch):
-    pytest.importorskip("triton")
-    from ft.layers import pdl, triton_gemv
-
-    x, w = operands(1, n, k, seed=n + k)
-    monkeypatch.setattr(pdl, "PREFETCH_MB", 0)
-    want = triton_gemv.launch_gemv(x, w, splits)
-    monkeypatch.setattr(pdl, "PREFETCH_MB", 1)  # 1 MiB: the larger weights prefetch a row's first bytes
-    p = triton_gemv.plan(n, k, splits)
-    pf = triton_gemv.split_prefetch_bytes(w, p)
-    assert pdl.ENABLED and 0 < pf <= min(k, p.k_split) * 2 and pf % 16 == 0, pf
-    got = triton_gemv.launch_gemv(x, w, splits)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = triton_gemv.launch_gemv(x, w, splits)
-    for seed in range(3):  # new inputs, the same weights
-        x.copy_(operands(1, n, k, seed=seed)[0])
-        graph.replay()
-        monkeypatch.setattr(pdl, "PREFETCH_MB", 0)
-        torch.testing.assert_close(out, triton_gemv.launch_gemv(x, w, splits), atol=0, rtol=0)
-        monkeypatch.setattr(pdl, "PREFETCH_MB", 1)

@@ -199,29 +199,3 @@ def test_int32_keys_pick_as_the_int64_keys(t, monkeypatch):
         outs.append(got)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
-
-
-@gpu
-@torch.no_grad()
-@pytest.mark.parametrize("t", [1, 4])
-def test_prefetched_router_rows_route_the_same(t, monkeypatch):
-    """``pdl.PREFETCH_MB`` on: the fused router's programs prefetch their rows, the same ids, weights
-    and gate logits bit for bit, eagerly and replayed in a CUDA graph."""
-    pytest.importorskip("triton")
-    from ft.layers import pdl, triton_gemv
-    from ft.moe.kernels.triton_router_gemv import router_topk
-
-    g = torch.Generator(device="cuda").manual_seed(t)
-    x = torch.randn(t, 2048, generator=g, device="cuda").to(torch.bfloat16)
-    w = (torch.randn(513, 2048, generator=g, device="cuda") * 2048**-0.5).to(torch.bfloat16)
-    monkeypatch.setattr(pdl, "PREFETCH_MB", 0)
-    want = router_topk(x, w, 10, True, True)
-    monkeypatch.setattr(pdl, "PREFETCH_MB", 24)
-    p = triton_gemv.plan(513, 2048, triton_gemv.balanced_splits(513, 2048, x.device))
-    assert triton_gemv.split_prefetch_bytes(w, p) == p.k_split * 2  # every row's whole split
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = router_topk(x, w, 10, True, True)
-    for got in (router_topk(x, w, 10, True, True), out):
-        graph.replay()
-        assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -42,14 +42,11 @@ MAX_TOKENS = 4  # the epilogue's program holds T x E_P keys (int64, or int32 wit
 
 @triton.jit
 def _router_topk_kernel(
-    x, w, logits, weights, ids, ws, counters, M, N, E, K, K_SPLIT, s_xm, s_wn, pf_bytes,
+    x, w, logits, weights, ids, ws, counters, M, N, E, K, K_SPLIT, s_xm, s_wn,
     M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
     E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
-    if PREFETCH:  # the program's router rows, while the kernel before runs (``pdl.PREFETCH_MB``)
-        triton_gemv.prefetch_split(w, N, K, K_SPLIT, s_wn, pf_bytes, BLOCK_N)
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     last, total = triton_gemv.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
@@ -105,10 +102,9 @@ def launch_router_topk(
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     ws = torch.empty(p.splits, t, n, dtype=torch.float32, device=x.device)  # the partials
-    pf = triton_gemv.split_prefetch_bytes(w, p)
     _router_topk_kernel[(p.blocks, p.splits)](
         x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), t, n, e, h, p.k_split,
-        x.stride(0), w.stride(0), pf, PREFETCH=pf > 0, M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
+        x.stride(0), w.stride(0), M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
         KEYS32=triton_router.keys32(logits.dtype),
