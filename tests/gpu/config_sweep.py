@@ -1,7 +1,7 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
     python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels] [moe_gemv_planes]
-        [grouped] [conv] [extend]
+        [moe_gemv_shared] [grouped] [conv] [extend]
 
 (all sections when none is named). Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b,
 FT_SWEEP_MOE=E,I,H,k (Qwen3-30B: 128,768,2048,8; also the router section's E, H, k),
@@ -231,6 +231,17 @@ def moe_problem(t: int):
     return banks, x, routes
 
 
+def shared_pair(problem) -> tuple:
+    """A bf16 shared expert with the bank's I and H (gate_up [2I, H], down [H, I], logits [T, 1])."""
+    banks, x, _ = problem
+    e, two_i, h = banks["bf16"][0].shape
+    return (
+        (torch.randn(two_i, h, device=DEV) * h**-0.5).to(torch.bfloat16),
+        (torch.randn(h, two_i // 2, device=DEV) * (two_i // 2) ** -0.5).to(torch.bfloat16),
+        torch.randn(x.shape[0], 1, device=DEV).to(torch.bfloat16),
+    )
+
+
 # the MoE GEMV's loop switches, each timed on at the shipped tiles
 MOE_GEMV_SWITCHES = ("IDS_AHEAD", "PIPELINE", "FP4_PLANES")
 
@@ -347,11 +358,14 @@ def sweep_moe_gemv_planes() -> None:
     gate_up = grid((4, 8, 16), (256, 512, 1024, 2048), (4, 8), (1, 3))
     downs = grid((4, 8, 16, 32), (128, 256, 512), (1, 2, 4), (1, 2))
     problems = {t: moe_problem(t) for t in (1, 2)}
+    # with the bf16 shared pair, as the engine runs them (``SHARED_AS_PAIR``): its branch sets the
+    # kernels' registers (``NVFP4_SHARED_BK``, from the environment here)
+    shared = {t: shared_pair(problems[t]) for t in (1, 2)}
 
     def timed(t: int, **values) -> float | None:
         banks, x, routes = problems[t]
         w13, w2 = banks["nvfp4"]
-        calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
+        calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i, shared=shared[t]) for w, i in routes]
         try:
             for n in names:
                 setattr(mod, n, saved[n])
@@ -532,9 +546,46 @@ def sweep_extend() -> None:
     report("extend attention (BLOCK_M, BLOCK_N, warps, stages)", shipped, rows)
 
 
+def sweep_moe_gemv_shared() -> None:
+    """The NVFP4 MoE GEMV (words, block sums, the down kernel on words) with the bf16 shared pair, as
+    the engine runs it: gate/up and down tiles against the shared rows' own steps
+    (``NVFP4_SHARED_BK``, ``NVFP4_SHARED_BK_DOWN``; 0: BLOCK_K), gate/up + down a call over 8
+    routings; every combination timed twice, in two passes, the second in reverse order."""
+    mod = triton_moe_gemv
+    names = ("NVFP4_PLANES", "NVFP4_DOWN_PLANES", "NVFP4_SHARED_BK", "NVFP4_SHARED_BK_DOWN")
+    saved = {n: getattr(mod, n) for n in names}
+    ups, downs = [(4, 512, 4, 1), (8, 512, 8, 1)], [(8, 256, 2, 1), (8, 256, 4, 1)]
+    steps = [(0, 0), (64, 0), (128, 0), (0, 64), (0, 128), (64, 64), (128, 128)]
+    if DRY:
+        ups, downs, steps = ups[:1], downs[:1], [(0, 0), (16, 16)]
+    combos = [(u, d, s) for u in ups for d in downs for s in steps]
+    for t in (1, 2):
+        problem = moe_problem(t)
+        banks, x, routes = problem
+        w13, w2 = banks["nvfp4"]
+        pair = shared_pair(problem)
+        calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i, shared=pair) for w, i in routes]
+        want = calls[0]()
+        times: dict = {c: [] for c in combos}
+        for order in (combos, combos[::-1]):
+            for c in order:
+                (mod.NVFP4_PLANES, mod.NVFP4_DOWN_PLANES), (mod.NVFP4_SHARED_BK, mod.NVFP4_SHARED_BK_DOWN) = (
+                    c[:2],
+                    c[2],
+                )
+                times[c].append(try_config(calls[0], want, calls, 2e-2))
+                for n in names:
+                    setattr(mod, n, saved[n])
+        ok = {c: sum(v) / 2 for c, v in times.items() if None not in v}
+        print(f"== T={t} NVFP4 MoE GEMV with the shared pair, gate/up + down a call (two passes)", flush=True)
+        for c in sorted(ok, key=ok.get):
+            print(f"  gate/up {c[0]} down {c[1]} shared steps {c[2]}: {ok[c]:7.1f} us"
+                  f" ({times[c][0]:.1f}, {times[c][1]:.1f})", flush=True)  # fmt: skip
+
+
 SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router, "moe_gemv": sweep_moe_gemv,
             "moe_gemv_kernels": sweep_moe_gemv_kernels,
-            "moe_gemv_planes": sweep_moe_gemv_planes,
+            "moe_gemv_planes": sweep_moe_gemv_planes, "moe_gemv_shared": sweep_moe_gemv_shared,
             "grouped": sweep_grouped, "conv": sweep_conv, "extend": sweep_extend}  # fmt: skip
 
 
