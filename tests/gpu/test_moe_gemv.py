@@ -99,7 +99,7 @@ def test_nvfp4_codes_as_words_equal_bytes(t, h, words, monkeypatch):
     assert err < 2e-2, f"T={t} H={h} words {words}: relative error {err:.3g} against the torch reference"
 
 
-@pytest.mark.parametrize("steps", [(0, 0), (128, 64)])
+@pytest.mark.parametrize("steps", [(0, 0), (0, 128), (128, 64)])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_shared_expert_as_one_more_pair(fmt, t, steps, monkeypatch):

@@ -145,14 +145,19 @@ NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 256, 2, 1))
 # Beside an NVFP4 bank the bf16 shared pair is a branch of its own in both kernels, and its per-lane
 # partial sums over BLOCK_K (fp32 [BLOCK_N, BLOCK_K], e.g. 32 registers a thread at (4, 512, 4 warps))
 # set the kernel's registers for every program: compiled for sm_90, gate/up at its tiles takes 72
-# registers with the shared branch and 39 without, so an SM holds 7 of its 4-warp programs and the
-# 1,408 of a Qwen3-Next batch-1 step (11 pairs x 128) run in 1.5 waves. Stepping the shared rows by
-# fewer inputs (NVFP4_SHARED_BK for gate/up, NVFP4_SHARED_BK_DOWN for down; 0: BLOCK_K, a power of two
-# below it otherwise) shrinks the branch: gate/up 72 -> 40 registers at 128 (12 programs an SM,
-# one wave), the down kernel by pair 72 -> 32 at 64 (2,816 2-warp programs in one wave). The shared
-# pair's fp32 sums run in another order (a rounding of its term can differ). Timing: NOT yet run on a GPU.
+# registers with the shared branch and 39 without (an SM then holds 7 of its 4-warp programs, and
+# the 1,408 of a Qwen3-Next batch-1 step, 11 pairs x 128, run in 1.5 waves), the down kernel by pair
+# 72 (at its own BLOCK_K of 256). Stepping the shared rows by fewer inputs (NVFP4_SHARED_BK for
+# gate/up, NVFP4_SHARED_BK_DOWN for down; 0: BLOCK_K, else a power of two from 16, at most BLOCK_K)
+# shrinks the branch (gate/up 40 registers at 64 or 128; down 48 at 128, 32 at 64) but walks the
+# shared rows in more, shorter steps. H200, tests/gpu/config_sweep.py moe_gemv_shared (2026-12-02,
+# gate/up + down with the shared pair a call over 8 routings, two passes): at the shipped tiles T=1
+# 21.1 us at (0, 0), 20.3 at (0, 128), 20.4 at (64, 0), 20.6 at (128, 128); T=2 35.4 -> 33.5 at
+# (0, 128); the 80B's batch-1 decode 303.1 tok/s at (0, 128) against 292.0-298.2 for three rows of
+# the defaults then (docs/benchmarks.md). The shared term's fp32 sums run in another order (a
+# rounding of it can differ). Down at 128 is the default; FT_MOE_GEMV_NVFP4_SHARED_BK(_DOWN)=N.
 NVFP4_SHARED_BK = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK", "0"))
-NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "0"))
+NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "128"))
 
 
 # the words' factors (powers of two, exact): per element, scale · 2^112 (``_plane``: e2m1 · 2^-126 ·
