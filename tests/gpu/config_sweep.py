@@ -234,7 +234,7 @@ def moe_problem(t: int):
 def shared_pair(problem) -> tuple:
     """A bf16 shared expert with the bank's I and H (gate_up [2I, H], down [H, I], logits [T, 1])."""
     banks, x, _ = problem
-    e, two_i, h = banks["bf16"][0].shape
+    _, two_i, h = banks["bf16"][0].shape
     return (
         (torch.randn(two_i, h, device=DEV) * h**-0.5).to(torch.bfloat16),
         (torch.randn(h, two_i // 2, device=DEV) * (two_i // 2) ** -0.5).to(torch.bfloat16),
@@ -569,10 +569,9 @@ def sweep_moe_gemv_shared() -> None:
         times: dict = {c: [] for c in combos}
         for order in (combos, combos[::-1]):
             for c in order:
-                (mod.NVFP4_PLANES, mod.NVFP4_DOWN_PLANES), (mod.NVFP4_SHARED_BK, mod.NVFP4_SHARED_BK_DOWN) = (
-                    c[:2],
-                    c[2],
-                )
+                (up, down, (step_up, step_down)) = c
+                for n, v in zip(names, (up, down, step_up, step_down)):
+                    setattr(mod, n, v)
                 times[c].append(try_config(calls[0], want, calls, 2e-2))
                 for n in names:
                     setattr(mod, n, saved[n])
