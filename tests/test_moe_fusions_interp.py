@@ -242,6 +242,42 @@ def check_moe_gemv_shared_pair() -> None:
         torch.testing.assert_close(fused, alone.bfloat16().float(), atol=0, rtol=2**-7)
 
 
+def check_moe_gemv_int_dot() -> None:
+    """``FP4_INT_DOT`` (gate/up's NVFP4 products as int16 inputs times int8 codes), its steps as
+    the interpreter runs them (integer arithmetic, no PTX): the inputs' blocks as the torch rule
+    makes them, bit for bit, with a block of zeros, one clamped and one spanning 2^40; an input at
+    least 2^-7 of its block's largest held exactly, the rest to 2^-15 of it; the call within one
+    bf16 step of the words with block sums, with a K tail."""
+    from ft.moe.kernels import triton_moe_gemv
+    from tests.gpu.test_moe_gemv import quantize_blocks_ref
+    from tests.nvfp4.test_w4a16_gpu import random_bank
+
+    gen = torch.Generator().manual_seed(3)
+    e, inter, t, k = 4, 16, 2, 2
+    for h in (64, 48):
+        w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+        x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        x[0, :16] = torch.tensor([2.0**-100, -(2.0**-120)] + [0.0] * 14)
+        x[1, :16] = 0.0
+        x[1, 16:32] = torch.logspace(-20, 20, 16, base=2)
+        blocks = triton_moe_gemv.quantize_blocks(x)
+        for got, want in zip(blocks, quantize_blocks_ref(x)):
+            assert torch.equal(got, want), h
+        # an input at least 2^-7 of its block's largest is held exactly: x times 2^(14 - E) is an integer
+        back = (blocks[0].float().view(t, -1, 16) * blocks[1][..., None] * 2**15).view(t, h)
+        top = x.float().abs().view(t, -1, 16).amax(-1, keepdim=True).expand(t, h // 16, 16).reshape(t, h)
+        held = x.float().abs() >= top * 2**-7
+        assert torch.equal(back[held], x.float()[held]), h
+        assert ((back - x.float()).abs() <= top.clamp(min=2.0**-96) * 2**-15).all(), h  # the rest to 2^-15
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        weights = torch.rand(t, k, generator=gen) / k
+        outs = []
+        for on in (False, True):
+            triton_moe_gemv.FP4_INT_DOT = on
+            outs.append(triton_moe_gemv.launch_moe_gemv(x, w13, w2, weights, ids).float())
+        assert ((outs[0] - outs[1]).abs() <= outs[0].abs().clamp(min=1e-3) * 2**-7).all(), h
+
+
 def check_moe_gemv_host_rows() -> None:
     """Experts read from a host store inside the kernel (``launch_moe_gemv(..., host=...)``, ids
     e < 0 meaning host row -e - 1) give the bits of the same call on a bank holding every expert:
@@ -435,6 +471,7 @@ CHECKS = [
     "check_moe_gemv_pairs",
     "check_moe_gemv_shared_pair",
     "check_moe_gemv_host_rows",
+    "check_moe_gemv_int_dot",
     "check_qk_norm_rope",
 ]
 

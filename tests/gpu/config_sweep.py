@@ -582,9 +582,59 @@ def sweep_moe_gemv_shared() -> None:
                   f" ({times[c][0]:.1f}, {times[c][1]:.1f})", flush=True)  # fmt: skip
 
 
+def sweep_moe_gemv_int() -> None:
+    """The NVFP4 MoE GEMV's gate/up products as integer dot products (``FP4_INT_DOT``: int16
+    inputs, codes to int8 by byte permutes, ``dp2a``; tiles ``NVFP4_INT``) against the shipped
+    words with block sums (``NVFP4_PLANES``), each with the bf16 shared rows' step at BLOCK_K and
+    at 64 (``NVFP4_SHARED_BK``: the shared branch sets the kernel's registers); the down kernel as
+    shipped, the inputs' quantisation inside each call. Gate/up + down a call over 8 routings,
+    every row timed twice, in two passes, the second in reverse order. The last line names the
+    best integer row's settings as environment variables."""
+    mod = triton_moe_gemv
+    saved = {n: getattr(mod, n) for n in ("NVFP4_PLANES", "NVFP4_INT", "FP4_INT_DOT", "NVFP4_SHARED_BK")}
+    ups = [(4, 512, 4, 1), (4, 1024, 4, 1), (8, 1024, 8, 1), (4, 2048, 8, 1), (2, 2048, 4, 1), (8, 512, 8, 1),
+           (8, 256, 2, 1)]  # fmt: skip
+    combos = [(False, saved["NVFP4_PLANES"], s) for s in (0, 64)] + [(False, u, 64) for u in ups[1:4]]
+    combos += [(True, u, s) for u in ups for s in (0, 64)]
+    if DRY:
+        combos = combos[:1] + combos[-1:]
+    best = None
+    for t in (1, 2):
+        problem = moe_problem(t)
+        banks, x, routes = problem
+        w13, w2 = banks["nvfp4"]
+        pair = shared_pair(problem)
+        calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i, shared=pair) for w, i in routes]
+        mod.FP4_INT_DOT = False
+        want = calls[0]()
+        times: dict = {c: [] for c in combos}
+        for order in (combos, combos[::-1]):
+            for c in order:
+                mod.FP4_INT_DOT, tile, mod.NVFP4_SHARED_BK = c
+                mod.NVFP4_INT = mod.NVFP4_PLANES = tile
+                times[c].append(try_config(calls[0], want, calls, 2e-2))
+                for n, v in saved.items():
+                    setattr(mod, n, v)
+        ok = {c: sum(v) / 2 for c, v in times.items() if None not in v}
+        print(f"== T={t} NVFP4 MoE GEMV, integer products or words, shared pair in (two passes)", flush=True)
+        for c in sorted(ok, key=ok.get):
+            print(f"  {'int' if c[0] else 'words'} gate/up {c[1]} shared step {c[2]}: {ok[c]:7.1f} us"
+                  f" ({times[c][0]:.1f}, {times[c][1]:.1f})", flush=True)  # fmt: skip
+        for c in combos:
+            if c not in ok:
+                print(f"  {'int' if c[0] else 'words'} gate/up {c[1]} shared step {c[2]}: failed", flush=True)
+        ints = [c for c in ok if c[0]]
+        if t == 1 and ints:
+            best = min(ints, key=ok.get)
+    if best:
+        print(f"best integer row at T=1: FT_MOE_GEMV_NVFP4_INT={','.join(map(str, best[1]))} "
+              f"FT_MOE_GEMV_NVFP4_SHARED_BK={best[2]}", flush=True)  # fmt: skip
+
+
 SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router, "moe_gemv": sweep_moe_gemv,
             "moe_gemv_kernels": sweep_moe_gemv_kernels,
             "moe_gemv_planes": sweep_moe_gemv_planes, "moe_gemv_shared": sweep_moe_gemv_shared,
+            "moe_gemv_int": sweep_moe_gemv_int,
             "grouped": sweep_grouped, "conv": sweep_conv, "extend": sweep_extend}  # fmt: skip
 
 

@@ -2,12 +2,13 @@
 
     ncu -k regex:"_gate_up_kernel|_down_pair_kernel" --launch-skip 4 --launch-count 2 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        python tests/gpu/moe_gemv_once.py [bf16|nvfp4] [TOKENS]
+        python tests/gpu/moe_gemv_once.py [bf16|nvfp4] [TOKENS] [--shared]
 
 512 experts of 2 x 512 x 2048, top-10 (``config_sweep.moe_problem``; FT_SWEEP_MOE=E,I,H,k for
 another shape), eight routings in turn, ten calls, the tiles and switches as shipped (or as the
-``FT_MOE_GEMV_*`` variables set them). Prints the mean time a call from CUDA events, which
-includes what the profiler adds when it runs under one."""
+``FT_MOE_GEMV_*`` variables set them); ``--shared`` adds a bf16 shared pair, as the engine runs
+it. Prints the mean time a call from CUDA events, which includes what the profiler adds when it
+runs under one."""
 
 from __future__ import annotations
 
@@ -19,22 +20,25 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ft.moe.kernels import triton_moe_gemv  # noqa: E402
-from tests.gpu.config_sweep import moe_problem  # noqa: E402
+from tests.gpu.config_sweep import moe_problem, shared_pair  # noqa: E402
 
 
 def main() -> None:
-    fmt = sys.argv[1] if len(sys.argv) > 1 else "nvfp4"
-    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    banks, x, routes = moe_problem(tokens)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    fmt = args[0] if args else "nvfp4"
+    tokens = int(args[1]) if len(args) > 1 else 1
+    problem = moe_problem(tokens)
+    banks, x, routes = problem
     w13, w2 = banks[fmt]
+    pair = shared_pair(problem) if "--shared" in sys.argv else None
     for w, i in routes[:2]:  # compile, warm
-        triton_moe_gemv.fused_moe_gemv(x, w13, w2, w, i)
+        triton_moe_gemv.fused_moe_gemv(x, w13, w2, w, i, pair)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for c in range(10):
         w, i = routes[c % len(routes)]
-        triton_moe_gemv.fused_moe_gemv(x, w13, w2, w, i)
+        triton_moe_gemv.fused_moe_gemv(x, w13, w2, w, i, pair)
     end.record()
     torch.cuda.synchronize()
     print(f"{fmt} T={tokens}: {start.elapsed_time(end) / 10 * 1e3:.1f} us a call (gate/up + down)")

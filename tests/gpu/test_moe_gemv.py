@@ -99,6 +99,84 @@ def test_nvfp4_codes_as_words_equal_bytes(t, h, words, monkeypatch):
     assert err < 2e-2, f"T={t} H={h} words {words}: relative error {err:.3g} against the torch reference"
 
 
+def quantize_blocks_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``triton_moe_gemv.quantize_blocks`` in torch: each 16-wide block times 2^(14 - E), E its
+    largest magnitude's exponent clamped to [-96, 127], to the nearest integer (halves away from
+    zero); the factor 2^(E - 29)."""
+    t, k = x.shape
+    v = x.float().view(t, k // 16, 16)
+    top = v.abs().amax(-1)
+    e = torch.frexp(top)[1] - 1  # frexp: m · 2^e with m in [0.5, 1)
+    e = torch.where(top == 0, -127, e).clamp(min=-96, max=127)  # zero: the kernel reads exponent bits 0
+    q = v * torch.exp2(14 - e.float())[..., None]
+    q = torch.trunc(q + torch.where(q >= 0, 0.5, -0.5))
+    return q.to(torch.int16).view(t, k), torch.exp2(e.float() - 29)
+
+
+def test_int8_codes_and_dp2a_equal_their_arithmetic():
+    """``FP4_INT_DOT``'s PTX (``prmt`` from the code table, ``dp2a``) gives the bits of the same
+    steps written as integer arithmetic (what the interpreter runs): every code in every nibble,
+    random words, pairs and accumulators."""
+    pytest.importorskip("triton")
+    from tests.gpu.int_dot_probe import int_dot_steps
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    words = torch.randint(-(2**31), 2**31, (1024,), generator=gen, device="cuda", dtype=torch.int64)
+    words[:16] = torch.arange(16, device="cuda") * 0x11111111  # each code in all eight nibbles
+    words = words.to(torch.int32)
+    pairs = torch.randint(-(2**31), 2**31, (1024,), generator=gen, device="cuda", dtype=torch.int64).int()
+    acc = torch.randint(-(2**20), 2**20, (1024,), generator=gen, device="cuda", dtype=torch.int32)
+    outs = []
+    for asm in (True, False):
+        out = torch.empty(6 * 1024, dtype=torch.int32, device="cuda")
+        int_dot_steps[(1,)](words, pairs, acc, out, N=1024, ASM=asm)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    table = [0, 1, 2, 3, 4, 6, 8, 12]  # 2 · e2m1, by the code's magnitude bits
+    first = outs[0].view(6, 1024)[:4, :16].contiguous().cpu().view(torch.uint8).view(4, 16, 4)
+    for code in range(16):  # all four bytes of each word are this code's
+        pos, neg = (table[code & 7], 0) if code < 8 else (0, table[code & 7])
+        assert (first[:2, code] == pos).all() and (first[2:, code] == neg).all(), code
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("h", [2048, 2880])
+def test_nvfp4_integer_products(t, h, shared, monkeypatch):
+    """``FP4_INT_DOT`` (gate/up's products as int16 inputs times int8 codes, ``dp2a``): the inputs'
+    blocks as the torch rule makes them, bit for bit; the call within one bf16 step of the words
+    with block sums and within bf16 error of the torch reference, with the bf16 shared pair too;
+    H = 2048 whole steps, 2880 five steps of 512 and a tail of 320."""
+    pytest.importorskip("triton")
+    from ft.moe.kernels import triton_moe_gemv
+
+    x, w13, w2, weights, ids = problem("nvfp4", t, 64, 256, h, 8, seed=h + t + 7)
+    x[0, :16] = torch.tensor([2.0**-100, -(2.0**-120)] + [0.0] * 14)  # a block clamped to 2^-96
+    x[0, 16:32] = 0.0
+    x[-1, 32:48] = torch.logspace(-8, 6, 16, base=2)  # a block spanning 2^14: its small inputs rounded
+    for got, want in zip(triton_moe_gemv.quantize_blocks(x), quantize_blocks_ref(x)):
+        assert torch.equal(got, want)
+    pair = None
+    if shared:
+        gen = torch.Generator(device="cuda").manual_seed(t)
+        s13 = (torch.randn(512, h, generator=gen, device="cuda") * h**-0.5).to(torch.bfloat16)
+        s2 = (torch.randn(h, 256, generator=gen, device="cuda") * 256**-0.5).to(torch.bfloat16)
+        pair = (s13, s2, torch.randn(t, 1, generator=gen, device="cuda").to(torch.bfloat16))
+    monkeypatch.setattr(triton_moe_gemv, "FP4_INT_DOT", False)
+    words = triton_moe_gemv.fused_moe_gemv(x, w13, w2, weights, ids, pair).float()
+    monkeypatch.setattr(triton_moe_gemv, "FP4_INT_DOT", True)
+    got = triton_moe_gemv.fused_moe_gemv(x, w13, w2, weights, ids, pair).float()
+    # each output is a sum of bf16-rounded terms, some of which cancel: a rounding of act or of a
+    # term (the fp32 order differs) moves an output by a term's ulp, many of a small output's
+    # (within a row's largest magnitude · 2^-6)
+    scale = words.abs().amax(1, keepdim=True)
+    assert ((got - words).abs() <= scale * 2**-6).all(), f"T={t} H={h}: integer products and words disagree"
+    if not shared:
+        want = reference("nvfp4", x, w13, w2, weights, ids)
+        err, err_words = rel_err(got, want), rel_err(words, want)
+        assert err < 1.25 * err_words + 1e-3, f"T={t} H={h}: relative error {err:.3g}, words {err_words:.3g}"
+
+
 @pytest.mark.parametrize("steps", [(0, 0), (0, 128), (128, 64)])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t", [1, 2, 4])

@@ -158,6 +158,32 @@ NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 256, 2, 1))
 # rounding of it can differ). Down at 128 is the default; FT_MOE_GEMV_NVFP4_SHARED_BK(_DOWN)=N.
 NVFP4_SHARED_BK = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK", "0"))
 NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "128"))
+# The gate/up kernel's NVFP4 products as integer dot products (with the words and block sums): the
+# inputs come as int16 blocks (``quantize_blocks``, one small launch before gate/up: each 16-wide
+# block of x times the power of two 2^(14 - E), E its largest magnitude's exponent, rounded to an
+# integer; the block's factor kept in fp32), each block's codes are one 64-bit load of two words
+# whose codes become int8 magnitudes 2 · |e2m1| by one ``prmt`` from a table per four codes
+# (``_int8_codes``: the positive and the negative codes apart), and ``dp2a`` (two int16 inputs
+# times two int8 codes into an int32) takes the products: a block's sum is an exact integer
+# (|sum| < 16 · 12 · 2^15 < 2^24, exact in fp32 too), multiplied once by its scale times the input
+# block's factor. Compiled for sm_90 at (4, 512, 4, 1) the loop is 125 SASS instructions for 32
+# weights a thread (the words with block sums: 224), no shared-memory exchange in it, 40 registers
+# without the shared branch. An input is exact in its block's int16 unless it is below 2^-7 of the
+# block's largest magnitude, whose bits below 2^-15 of that magnitude are rounded off (bf16 keeps 8
+# bits: x = m · 2^(e-7), and 2^(14-E) · 2^(e-7) is an integer for e >= E - 7). H200 (2026-12-02,
+# docs/benchmarks.md; tests/gpu/config_sweep.py moe_gemv_int, gate/up + down with the shared pair
+# and the quantising launch, shared step 64): T=1 19.9 -> 19.0 us, T=2 31.1 -> 29.5; under ncu
+# gate/up alone 17.6 -> 15.9 us, still waiting on its loads (long-scoreboard stalls ~half of a
+# warp's cycles), plus 2.9 us of the quantising launch; the 80B's batch-1 decode 310.3 / 310.5
+# tok/s without, 312.7 / 309.9 / 312.2 with: no gain beyond the rows' spread. OFF
+# (FT_MOE_GEMV_FP4_INT_DOT=1 turns it on for a process and the ranks it spawns) until the inputs'
+# blocks come from a kernel that runs anyway (the router reads every input) instead of a launch.
+FP4_INT_DOT = os.environ.get("FT_MOE_GEMV_FP4_INT_DOT", "0") == "1"
+NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
+# the quantised inputs' block exponents are clamped to [MIN_EXP, 127] (a block of zeros, or of
+# values below 2^-96, then rounds to zeros) so that 2^(14 - E) and the factor 2^(E - 29) are normal
+MIN_EXP: tl.constexpr = tl.constexpr(-96)
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # runs no PTX: ``_int8_codes`` by arithmetic
 
 
 # the words' factors (powers of two, exact): per element, scale · 2^112 (``_plane``: e2m1 · 2^-126 ·
@@ -299,6 +325,189 @@ def _input_pair(
 
 
 @triton.jit
+def _quantize_kernel(x, xq, xf, K, s_xt, s_qt, s_ft, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    wait_for_previous(USE_PDL)
+    # x[t, k] -> xq[t, k] int16 = round(x · 2^(14 - E)) and xf[t, b] = 2^(E - 29), E the exponent of
+    # block b's largest magnitude (16 inputs a block, ``FP4_INT_DOT``): the int16 never overflows,
+    # |x| < 2^(E+1) gives |xq| < 2^15. The factor's 2^(E-14) undoes the int16's scaling, 2^-1 the
+    # codes' factor 2, and 2^-14 with ``e4m3``'s 2^-8 makes the kernels' unit of 2^-22
+    t = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.reshape(tl.load(x + t * s_xt + k, mask=k < K, other=0.0).to(tl.float32), [BLOCK // 16, 16])
+    top = tl.max(tl.abs(v), axis=1)  # [BLOCK/16]
+    e = ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.minimum(tl.maximum(e, MIN_EXP), 127)
+    q = v * ((141 - e) << 23).to(tl.float32, bitcast=True)[:, None]  # x · 2^(14 - E): exact
+    q = (q + tl.where(q >= 0, 0.5, -0.5)).to(tl.int32)  # to the nearest, halves away from zero
+    tl.store(xq + t * s_qt + k, tl.reshape(q, [BLOCK]).to(tl.int16), mask=k < K)
+    b = tl.program_id(1) * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+    tl.store(xf + t * s_ft + b, ((98 + e) << 23).to(tl.float32, bitcast=True), mask=b < K // 16)
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (K a multiple of 16) -> (xq [T, K] int16, xf [T, K/16] fp32), ``_quantize_kernel``."""
+    t, k = x.shape
+    assert k % 16 == 0, f"K={k}: the int16 blocks are 16 inputs wide"
+    xq = torch.empty(t, k, dtype=torch.int16, device=x.device)
+    xf = torch.empty(t, k // 16, dtype=torch.float32, device=x.device)
+    block = min(1024, triton.next_power_of_2(k))
+    if t > 0:
+        _quantize_kernel[(t, triton.cdiv(k, block))](
+            x, xq, xf, k, x.stride(0), xq.stride(0), xf.stride(0), BLOCK=block, num_warps=4, **pdl_args(x)
+        )
+    return xq, xf
+
+
+# 2 · e2m1 of codes 0..7 as bytes (the table ``prmt`` indexes, two words), and the codes' sign bits
+POS_LO: tl.constexpr = tl.constexpr(0x03020100)
+POS_HI: tl.constexpr = tl.constexpr(0x0C080604)
+SIGNS: tl.constexpr = tl.constexpr(0x88888888 - (1 << 32))
+
+
+@triton.jit
+def _asm3(op: tl.constexpr, a, b, c):
+    # one PTX instruction ``op d, a, b, c`` on int32 tensors of one shape
+    return tl.inline_asm_elementwise(
+        op + " $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _byte(v, J: tl.constexpr):
+    # byte J of int32 v as a signed value
+    return (v << (24 - 8 * J)) >> 24
+
+
+@triton.jit
+def _int8_codes(words, ASM: tl.constexpr):
+    # a word's eight codes (code j in bits 4j..4j+3, int32) as int8 magnitudes 2 · |e2m1|, split by
+    # sign: (pos0, pos1, neg0, neg1), codes 0..3 in the first word of each pair and 4..7 in the
+    # second, code j in byte j % 4, a code's magnitude in pos if it is positive, in neg if negative
+    # (the other holds 0). With ASM each word is one ``prmt`` from one table of eight bytes: the
+    # selector's nibble (the code) picks byte (its 3 low bits) of the table, or with bit 3 set
+    # (prmt's sign mode) replicates that byte's top bit, 0 for this table; neg takes the codes with
+    # the sign bit flipped. prmt reads the selector's low 16 bits, so codes 4..7 are shifted down.
+    # Seven instructions a word (a flip, two shifts, four permutes), no select.
+    flipped = words ^ SIGNS
+    if ASM:
+        lo = tl.full(words.shape, POS_LO, tl.int32)
+        hi = tl.full(words.shape, POS_HI, tl.int32)
+        return (
+            _asm3("prmt.b32", lo, hi, words), _asm3("prmt.b32", lo, hi, words >> 16),
+            _asm3("prmt.b32", lo, hi, flipped), _asm3("prmt.b32", lo, hi, flipped >> 16),
+        )  # fmt: skip
+    return _magnitudes(words, 0), _magnitudes(words, 4), _magnitudes(flipped, 0), _magnitudes(flipped, 4)
+
+
+@triton.jit
+def _magnitudes(words, J0: tl.constexpr):
+    # codes J0 .. J0+3 of each word as bytes 2 · |e2m1| where the code's sign bit is clear, else 0
+    # (``_int8_codes`` by arithmetic: the interpreter runs no PTX)
+    out = tl.zeros(words.shape, tl.int32)
+    for j in tl.static_range(4):
+        c = (words >> (4 * (J0 + j))) & 15
+        m = c & 7
+        mag = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+        out |= tl.where(c < 8, mag, 0) << (8 * j)
+    return out
+
+
+@triton.jit
+def _dp2a(pairs, codes, acc, HI: tl.constexpr, ASM: tl.constexpr):
+    # acc + pairs.lo16 · codes.byte(2·HI) + pairs.hi16 · codes.byte(2·HI + 1), all signed (``dp2a``)
+    if ASM:
+        if HI:
+            return _asm3("dp2a.hi.s32.s32", pairs, codes, acc)
+        return _asm3("dp2a.lo.s32.s32", pairs, codes, acc)
+    return acc + ((pairs << 16) >> 16) * _byte(codes, 2 * HI) + (pairs >> 16) * _byte(codes, 2 * HI + 1)
+
+
+@triton.jit
+def _fp4_blocks(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    # rows n, inputs k0 .. k0+BK of one NVFP4 expert (``FP4_INT_DOT``): each 16-wide block's codes
+    # as one 64-bit load, split into its two words (int32 [BN, BK/16] each, code j of a word in
+    # bits 4j..4j+3), and the blocks' scales (fp32 · 2^-8, ``e4m3``), all in one 2-d shape (one
+    # register layout: no shared-memory exchange between the codes' and the scales' in the loop)
+    kb = tl.arange(0, BLOCK_K // 16)[None, :]
+    rows = n[:, None].to(tl.int64)
+    w_ptr = (b_e + rows * s_bn + k0 // 2).to(tl.pointer_type(tl.uint64)) + kb
+    s_ptr = s_e + rows * s_sn + k0 // 16 + kb
+    mask = nmask[:, None]
+    if not EVEN_K:  # K is a multiple of 16: whole blocks are in or out
+        mask = mask & (kb < (K - k0) // 16)
+    w = tl.load(w_ptr, mask=mask, other=0)
+    lo = (w & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+    hi = (w >> 32).to(tl.uint32).to(tl.int32, bitcast=True)
+    return lo, hi, e4m3(tl.load(s_ptr, mask=mask, other=0))
+
+
+@triton.jit
+def _int_inputs(xq_row, xf_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    # int16 inputs k0 .. k0+BK (``quantize_blocks``): four 64-bit loads a block, each two pairs,
+    # as eight int32 [1, BK/16] (pair Q holds the block's inputs 2Q, low half, and 2Q + 1), and the
+    # blocks' factors [1, BK/16]
+    kb = tl.arange(0, BLOCK_K // 16)[None, :]
+    ptr = (xq_row + k0).to(tl.pointer_type(tl.uint64)) + 4 * kb
+    f_ptr = xf_row + k0 // 16 + kb
+    if EVEN_K:
+        q0, q1, q2, q3 = tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
+        factor = tl.load(f_ptr)
+    else:
+        mask = kb < (K - k0) // 16
+        q0, q1 = tl.load(ptr, mask=mask, other=0), tl.load(ptr + 1, mask=mask, other=0)
+        q2, q3 = tl.load(ptr + 2, mask=mask, other=0), tl.load(ptr + 3, mask=mask, other=0)
+        factor = tl.load(f_ptr, mask=mask, other=0.0)
+    return (
+        _low32(q0),
+        _high32(q0),
+        _low32(q1),
+        _high32(q1),
+        _low32(q2),
+        _high32(q2),
+        _low32(q3),
+        _high32(q3),
+        factor,
+    )
+
+
+@triton.jit
+def _low32(v):
+    return (v & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _high32(v):
+    return (v >> 32).to(tl.uint32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _int_block_sums(lo, hi, p0, p1, p2, p3, p4, p5, p6, p7, ASM: tl.constexpr):
+    # the sixteen products of each block (words lo and hi, [BN, BK/16]) with its int16 inputs
+    # (pairs p0..p7, [1, BK/16]), summed: int32 [BN, BK/16], exact. The positive codes' products
+    # and the negative ones' are summed apart (``_int8_codes``), eight ``dp2a`` a word
+    a0, a1, n0, n1 = _int8_codes(lo, ASM)
+    b0, b1, m0, m1 = _int8_codes(hi, ASM)
+    zero = tl.zeros(lo.shape, tl.int32)
+    pos = _dp4(a0, p0, p1, zero, ASM)
+    neg = _dp4(n0, p0, p1, zero, ASM)
+    pos = _dp4(a1, p2, p3, pos, ASM)
+    neg = _dp4(n1, p2, p3, neg, ASM)
+    pos = _dp4(b0, p4, p5, pos, ASM)
+    neg = _dp4(m0, p4, p5, neg, ASM)
+    pos = _dp4(b1, p6, p7, pos, ASM)
+    neg = _dp4(m1, p6, p7, neg, ASM)
+    return pos - neg
+
+
+@triton.jit
+def _dp4(codes, pa, pb, acc, ASM: tl.constexpr):
+    # acc + the four products of a word's bytes with their inputs (pairs pa, pb): two ``dp2a``
+    acc = _dp2a(tl.broadcast_to(pa, codes.shape), codes, acc, False, ASM)
+    return _dp2a(tl.broadcast_to(pb, codes.shape), codes, acc, True, ASM)
+
+
+@triton.jit
 def _plain_gate_up(x_row, rows, stride, n, N, nmask, K, LOOP_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # (gate, up) [BN] of 16-bit rows n and n + N (the up rows sit N below the gate rows) times x_row
@@ -313,12 +522,12 @@ def _plain_gate_up(x_row, rows, stride, n, N, nmask, K, LOOP_STAGES: tl.constexp
 
 @triton.jit
 def _gate_up_kernel(
-    x, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, act, topk_ids, N, K,
-    s_xt, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
+    x, xq, xf, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, act, topk_ids, N, K,
+    s_xt, s_qt, s_ft, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, BLOCK_SUMS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    SHARED_BLOCK_K: tl.constexpr = 0,
+    SHARED_BLOCK_K: tl.constexpr = 0, INT_DOT: tl.constexpr = False, ASM: tl.constexpr = True,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -351,7 +560,26 @@ def _gate_up_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
-            if PLANES and BLOCK_SUMS:  # codes as words, a block's scale once (``FP4_BLOCK_SUMS``)
+            if PLANES and INT_DOT:  # int16 inputs, integer block sums (``FP4_INT_DOT``)
+                gate = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+                up = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+                xq_row = xq + tok.to(tl.int64) * s_qt
+                xf_row = xf + tok.to(tl.int64) * s_ft
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                    g_lo, g_hi, sg = _fp4_blocks(
+                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K
+                    )
+                    u_lo, u_hi, su = _fp4_blocks(
+                        b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K
+                    )
+                    p0, p1, p2, p3, p4, p5, p6, p7, factor = _int_inputs(
+                        xq_row, xf_row, k0, K, EVEN_K, BLOCK_K
+                    )
+                    ig = _int_block_sums(g_lo, g_hi, p0, p1, p2, p3, p4, p5, p6, p7, ASM)
+                    iu = _int_block_sums(u_lo, u_hi, p0, p1, p2, p3, p4, p5, p6, p7, ASM)
+                    gate += ig.to(tl.float32) * (sg * factor)
+                    up += iu.to(tl.float32) * (su * factor)
+            elif PLANES and BLOCK_SUMS:  # codes as words, a block's scale once (``FP4_BLOCK_SUMS``)
                 gate = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 up = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
@@ -545,10 +773,13 @@ def _down_pair_kernel(
         tl.store(counter, 0)  # every ticket is drawn: clean for the next call
 
 
-def _word_aligned(*codes: torch.Tensor) -> bool:
+def _word_aligned(*codes: torch.Tensor, size: int = 4) -> bool:
     """Whether NVFP4 code tensors [E, N, K/2] (slots, and a host store beside them) can be read as
-    32-bit words: their start and row strides multiples of 4 bytes (else the kernels read bytes)."""
-    return all(c.data_ptr() % 4 == 0 and c.stride(0) % 4 == 0 and c.stride(1) % 4 == 0 for c in codes)
+    words of ``size`` bytes: their start and row strides multiples of it (else the kernels read
+    bytes)."""
+    return all(
+        c.data_ptr() % size == 0 and c.stride(0) % size == 0 and c.stride(1) % size == 0 for c in codes
+    )
 
 
 def _bank(w) -> tuple:
@@ -622,14 +853,19 @@ def launch_moe_gemv(
         fp4 and FP4_PLANES and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and _word_aligned(b13, *h13[:1])
     )
     sums = planes and FP4_BLOCK_SUMS
-    block_n, max_block_k, num_warps, stages = (NVFP4_PLANES if planes else NVFP4) if fp4 else BF16
+    int_dot = sums and FP4_INT_DOT and _word_aligned(b13, *h13[:1], size=8)  # a block's codes: 8 bytes
+    block_n, max_block_k, num_warps, stages = (
+        (NVFP4_INT if int_dot else NVFP4_PLANES if planes else NVFP4) if fp4 else BF16
+    )
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
+    xq, xf = quantize_blocks(x) if int_dot else (x, x)  # unread without the integer products
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
-        x, b13, s13, g13, *h13, sb13, act, ids, inter, h,
-        x.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0), ids.stride(0), ids.stride(1),
-        UNFOLD,
-        **flags, PLANES=planes, BLOCK_SUMS=sums, BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
+        x, xq, xf, b13, s13, g13, *h13, sb13, act, ids, inter, h,
+        x.stride(0), xq.stride(0), xf.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0),
+        ids.stride(0), ids.stride(1), UNFOLD,
+        **flags, PLANES=planes, BLOCK_SUMS=sums, INT_DOT=int_dot, ASM=not INTERPRETER,
+        BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
         BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
