@@ -177,7 +177,7 @@ def test_nvfp4_integer_products(t, h, shared, monkeypatch):
         assert err < 1.25 * err_words + 1e-3, f"T={t} H={h}: relative error {err:.3g}, words {err_words:.3g}"
 
 
-@pytest.mark.parametrize("steps", [(0, 0), (0, 128), (128, 64)])
+@pytest.mark.parametrize("steps", [(0, 0), (0, 128), (128, 64), (64, 128)])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_shared_expert_as_one_more_pair(fmt, t, steps, monkeypatch):

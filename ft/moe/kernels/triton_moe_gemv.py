@@ -155,8 +155,10 @@ NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 256, 2, 1))
 # 21.1 us at (0, 0), 20.3 at (0, 128), 20.4 at (64, 0), 20.6 at (128, 128); T=2 35.4 -> 33.5 at
 # (0, 128); the 80B's batch-1 decode 303.1 tok/s at (0, 128) against 292.0-298.2 for three rows of
 # the defaults then (docs/benchmarks.md). The shared term's fp32 sums run in another order (a
-# rounding of it can differ). Down at 128 is the default; FT_MOE_GEMV_NVFP4_SHARED_BK(_DOWN)=N.
-NVFP4_SHARED_BK = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK", "0"))
+# rounding of it can differ). Again on an H200 (2026-12-02, config_sweep.py moe_gemv_int, two
+# passes) gate/up at 64 against 0: T=1 20.4 -> 19.9 us, T=2 34.6 -> 31.1. Defaults: 64 in gate/up,
+# 128 in down; FT_MOE_GEMV_NVFP4_SHARED_BK(_DOWN)=N.
+NVFP4_SHARED_BK = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK", "64"))
 NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "128"))
 # The gate/up kernel's NVFP4 products as integer dot products (with the words and block sums): the
 # inputs come as int16 blocks (``quantize_blocks``, one small launch before gate/up: each 16-wide
