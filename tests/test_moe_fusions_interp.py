@@ -459,6 +459,15 @@ def check_fused_router() -> None:
         ref_w, ref_ids = route(exact, k, renormalize)
         assert torch.equal(ids, ref_ids), (e, t)
         torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-6)
+        if h % 16 == 0 and t <= 2:  # the int16 blocks for the MoE GEMV, over every split
+            from ft.moe.kernels import triton_moe_gemv
+            from tests.gpu.test_moe_gemv import quantize_blocks_ref
+
+            blocks = triton_moe_gemv.empty_blocks(x)
+            again = launch_router_topk(x, w, k, renormalize, gate, blocks=blocks)
+            assert torch.equal(again[1], ids), (e, t)
+            for got, want in zip(blocks, quantize_blocks_ref(x)):
+                assert torch.equal(got, want), (e, t, h)
 
 
 CHECKS = [

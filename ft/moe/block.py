@@ -84,6 +84,7 @@ class SparseMoeBlock(nn.Module):
         )
         if expert_format not in BANKS:
             raise ValueError(f"expert format {expert_format!r} is not supported (known: {sorted(BANKS)})")
+        self.expert_format = expert_format
         self.experts = BANKS[expert_format](num_experts, hidden_size, intermediate_size, checkpoint_format)
         self.backend = ResidentBackend()  # a plain object, not a module: holds no parameters
         self.shared_expert = (
@@ -99,7 +100,8 @@ class SparseMoeBlock(nn.Module):
             ahead(self, residual, norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids, shared_logit = self.gate(x)  # shared_logit [T, 1] when there is a shared expert
+        # shared_logit [T, 1] when there is a shared expert
+        weights, ids, shared_logit = self.gate(x, blocks=self._int_blocks(x))
         if self._shared_as_pair(x):  # one pair more per token in the routed GEMV's two launches
             mlp = self.shared_expert
             shared = (mlp.gate_up_proj.weight, mlp.down_proj.weight, shared_logit)
@@ -108,6 +110,17 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             y = gated_add(y, shared_logit, self.shared_expert.partial(x))
         return all_reduce(y, self.tp)
+
+    def _int_blocks(self, x: torch.Tensor) -> bool:
+        """Whether the router should make x's int16 blocks (``triton_moe_gemv.FP4_INT_DOT``: an
+        NVFP4 bank's MoE GEMV takes its products as integer dot products of them)."""
+        return (
+            triton_moe_gemv is not None
+            and triton_moe_gemv.FP4_INT_DOT
+            and self.expert_format == "nvfp4"
+            and x.is_cuda
+            and self.experts.takes_gemv(len(x))
+        )
 
     def _shared_as_pair(self, x: torch.Tensor) -> bool:
         """Whether the shared expert runs inside the routed experts' GEMV

@@ -56,12 +56,15 @@ class TopKRouter(nn.Module):
         self.weight.weight_loader = PartsLoader(rows)
         self._padded = padded  # not a parameter: the same storage, seen whole by the GEMM
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, blocks: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int64, largest weight first;
-        the shared expert's gate logit [T, 1], or None without a shared gate)."""
+        the shared expert's gate logit [T, 1], or None without a shared gate). ``blocks``: the
+        fused router also leaves x's int16 blocks on x for the MoE GEMV (``triton_router_gemv``)."""
         fused = triton_router_gemv
         if fused is not None and fused.takes_fused(x, self.weight):  # a decode batch: one launch
-            return fused.router_topk(x, self.weight, self.top_k, self.renormalize, self.shared_gate)
+            return fused.router_topk(x, self.weight, self.top_k, self.renormalize, self.shared_gate, blocks)
         e = self.weight.shape[0] - self.shared_gate
         # the padded storage for prefill-sized batches on a GPU, unless the parameter was given new
         # storage since; decode batches keep the parameter (at T = 1 the 520-row GEMV timed 23.3 us

@@ -44,6 +44,8 @@ BF, I32, I64, F32, U8 = "*bf16", "*i32", "*i64", "*fp32", "*u8"
 
 
 def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3) -> str:
+    # a constexpr left out takes its default, as a launch that does not pass it does
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {
         a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a in FLOATS else "i32") for a in fn.arg_names
     }
@@ -71,7 +73,8 @@ def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3) -> str:
 
 
 def entries():
-    moe = {"x": BF, "b": BF, "b_scale": BF, "b_global": BF, "shared_b": BF, "act": BF, "topk_ids": I64,
+    moe = {"x": BF, "xq": BF, "xf": BF, "b": BF, "b_scale": BF, "b_global": BF, "shared_b": BF, "act": BF,
+           "topk_ids": I64,
            "shared_logit": BF, "out": BF, "topk_w": F32, "host_b": BF, "host_scale": BF,
            "host_global": BF}  # fmt: skip
     fp4 = {**moe, "b": U8, "b_scale": U8, "b_global": F32, "host_b": U8, "host_scale": U8, "host_global": F32}
@@ -113,6 +116,23 @@ def entries():
                         pw,
                         ps,
                     )
+                    if sums:  # integer products too (FP4_INT_DOT), at their tiles
+                        ib, ik, iw, i_s = triton_moe_gemv.NVFP4_INT
+                        yield (
+                            f"MoE GEMV gate/up {tag}, {words}, integer products",
+                            triton_moe_gemv._gate_up_kernel,
+                            {**ptrs, "xq": "*i16", "xf": F32},
+                            {
+                                **gu,
+                                "INT_DOT": True,
+                                "BLOCK_N": ib,
+                                "BLOCK_K": ik,
+                                "LOOP_STAGES": i_s,
+                                "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK,
+                            },  # fmt: skip
+                            iw,
+                            i_s,
+                        )
                     if sums:  # the down kernel by pair reads words only with block sums
                         dp = {**common, "LOOP_STAGES": ds, "HOST": host, "PLANES": True, "BLOCK_N": dn,
                               "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
@@ -200,13 +220,16 @@ def entries():
         yield f"softmax top-k, int32 keys {keys32}", triton_router._softmax_topk_kernel, {
             "logits": BF, "weights": F32, "ids": I64}, {"K": 10, "K_P": 16, "E_P": 512, "RENORMALIZE": True,
             "KEYS32": keys32, "USE_PDL": 2}, 1, 3  # fmt: skip
-        router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32}
-        for t_p in (1, 4):
-            label = f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}"
+        router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32,
+                  "xq": "*i16", "xf": F32}  # fmt: skip
+        for t_p, blocks in ((1, False), (4, False), (1, True), (2, True)):  # blocks: x's int16 blocks too
+            label = f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}" + (
+                ", int16 blocks" if blocks else ""
+            )
             yield label, triton_router_gemv._router_topk_kernel, \
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
-                         "USE_PDL": 2}, 4, 4  # fmt: skip
+                         "USE_PDL": 2, "BLOCKS": blocks}, 4, 4  # fmt: skip
 
 
 def main() -> None:

@@ -92,6 +92,74 @@ FUSED_CASES = [((512, 10, True), 2048), ((128, 8, False), 2048)]  # (E, k, share
 
 @gpu
 @torch.no_grad()
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("h", [2048, 2880])
+def test_fused_router_leaves_the_int16_blocks_on_x(t, h):
+    """``router_topk(..., blocks=True)``: the same routing, and x's int16 blocks for the MoE GEMV
+    (``triton_moe_gemv.FP4_INT_DOT``) as ``quantize_blocks`` makes them and the torch rule, bit
+    for bit, over every split; left on x once (``take_blocks``)."""
+    pytest.importorskip("triton")
+    from ft.moe.kernels import triton_moe_gemv
+    from ft.moe.kernels.triton_router_gemv import router_topk
+    from tests.gpu.test_moe_gemv import quantize_blocks_ref
+
+    g = torch.Generator(device="cuda").manual_seed(t + h)
+    x = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
+    x[0, 16:32] = 0.0
+    w = (torch.randn(513, h, generator=g, device="cuda") * h**-0.5).to(torch.bfloat16)
+    plain = router_topk(x, w, 10, True, True)
+    assert getattr(x, triton_moe_gemv.BLOCKS_ATTR, None) is None
+    routed = router_topk(x, w, 10, True, True, blocks=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, routed))
+    blocks = triton_moe_gemv.take_blocks(x)
+    assert blocks is not None and triton_moe_gemv.take_blocks(x) is None
+    for got, launch, ref in zip(blocks, triton_moe_gemv.quantize_blocks(x), quantize_blocks_ref(x)):
+        assert torch.equal(got, launch) and torch.equal(got, ref)
+
+
+@gpu
+@torch.no_grad()
+@pytest.mark.parametrize("t", [1, 2])
+def test_moe_block_takes_the_routers_int16_blocks(t, monkeypatch):
+    """An NVFP4 ``SparseMoeBlock`` with ``FP4_INT_DOT``: the router makes x's int16 blocks, the MoE
+    GEMV takes them instead of its own quantising launch (never called), and the output is the
+    bits of the block whose GEMV quantises x itself."""
+    pytest.importorskip("triton")
+    from ft.distributed import TPInfo, tp_context
+    from ft.moe.block import SparseMoeBlock
+    from ft.moe.kernels import triton_moe_gemv
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # the bank picks its kernel for the default dtype
+    try:
+        with tp_context(TPInfo(0, 1)), torch.device("cuda"):
+            block = SparseMoeBlock(2048, 64, 8, 256, True, 256, expert_format="nvfp4")
+    finally:
+        torch.set_default_dtype(previous)
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    for name, p in block.named_parameters():  # codes any bytes, scales and globals positive
+        if p.dtype == torch.uint8:
+            p.copy_(torch.randint(0, 256, p.shape, generator=gen, device="cuda", dtype=torch.uint8))
+        elif p.dtype == torch.float8_e4m3fn or name.endswith("global"):
+            p.copy_((torch.rand(p.shape, generator=gen, device="cuda") * 0.5 + 0.25).to(p.dtype))
+        else:
+            p.copy_((torch.randn(p.shape, generator=gen, device="cuda") * p.shape[-1] ** -0.5).to(p.dtype))
+    x = torch.randn(t, 2048, device="cuda").to(torch.bfloat16)
+    monkeypatch.setattr(triton_moe_gemv, "FP4_INT_DOT", True)
+    assert block._int_blocks(x)
+    own = block(x.clone())  # a fresh x each call: nothing left on it
+    launches = []
+    quantize = triton_moe_gemv.quantize_blocks
+    monkeypatch.setattr(triton_moe_gemv, "quantize_blocks", lambda v: launches.append(v) or quantize(v))
+    routed = block(x.clone())
+    assert not launches, "the MoE GEMV quantised x although the router had"
+    monkeypatch.setattr(triton_moe_gemv, "take_blocks", lambda v: None)
+    apart = block(x.clone())
+    assert len(launches) == 1 and torch.equal(routed, apart) and torch.equal(routed, own)
+
+
+@gpu
+@torch.no_grad()
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
 @pytest.mark.parametrize("case", FUSED_CASES)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args, wait_for_previous
-from ft.moe.kernels import triton_router
+from ft.moe.kernels import triton_moe_gemv, triton_router
 from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K, softmax_topk_rows
 
 # On from 2026-12-01 (FT_FUSED_ROUTER=0 turns it off for a process and the ranks it spawns), one
@@ -42,15 +42,23 @@ MAX_TOKENS = 4  # the epilogue's program holds T x E_P keys (int64, or int32 wit
 
 @triton.jit
 def _router_topk_kernel(
-    x, w, logits, weights, ids, ws, counters, M, N, E, K, K_SPLIT, s_xm, s_wn,
+    x, w, logits, weights, ids, ws, counters, xq, xf, M, N, E, K, K_SPLIT, s_xm, s_wn, s_qt, s_ft,
     M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
     E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    BLOCKS: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     last, total = triton_gemv.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
                                           BLOCK_N, BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
+    if BLOCKS:  # noqa: SIM102 (static: compiled only with blocks) the first column block of each split
+        # quantises the inputs it read, x's int16 blocks for the MoE GEMV
+        if tl.program_id(0) == 0:
+            k_lo = tl.program_id(1) * K_SPLIT
+            k_hi = tl.minimum(K, k_lo + K_SPLIT)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                triton_moe_gemv.quantize_range(x, xq, xf, M, k0, k_hi, s_xm, s_qt, s_ft, T_P, BLOCK_K)
     if last:
         m = tl.arange(0, M_P)
         mask = (m < M)[:, None] & (n < N)[None, :]
@@ -85,11 +93,19 @@ def takes_fused(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def launch_router_topk(
-    x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, shared_gate: bool, splits: int = 0
+    x: torch.Tensor,
+    w: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    shared_gate: bool,
+    splits: int = 0,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [T, H], w [E (+ 1), H] (the shared gate's row last) -> (weights [T, k] fp32, ids [T, k]
     int64, largest first; the gate logit [T, 1] in x's dtype or None), over ``splits`` K splits
-    (0: ``triton_gemv.balanced_splits``). Without the device check (the interpreter runs it)."""
+    (0: ``triton_gemv.balanced_splits``). ``blocks``: buffers (``triton_moe_gemv.empty_blocks``)
+    the launch also fills with x's int16 blocks (``triton_moe_gemv.quantize_range``), for the MoE
+    GEMV's integer products. Without the device check (the interpreter runs it)."""
     x, w = triton_gemv.check_operands(x, w)
     (t, h), n = x.shape, w.shape[0]
     e = n - shared_gate
@@ -102,9 +118,11 @@ def launch_router_topk(
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     ws = torch.empty(p.splits, t, n, dtype=torch.float32, device=x.device)  # the partials
+    xq, xf = blocks if blocks is not None else (x, x)  # unwritten without blocks
     _router_topk_kernel[(p.blocks, p.splits)](
-        x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), t, n, e, h, p.k_split,
-        x.stride(0), w.stride(0), M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
+        x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), xq, xf, t, n, e, h, p.k_split,
+        x.stride(0), w.stride(0), xq.stride(0), xf.stride(0), BLOCKS=blocks is not None,
+        M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
         KEYS32=triton_router.keys32(logits.dtype),
@@ -114,8 +132,13 @@ def launch_router_topk(
 
 
 def router_topk(
-    x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, shared_gate: bool
+    x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, shared_gate: bool, blocks: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``launch_router_topk`` on CUDA tensors; graph-capturable (the grid comes from shapes)."""
+    """``launch_router_topk`` on CUDA tensors; graph-capturable (the grid comes from shapes). With
+    ``blocks`` x's int16 blocks are left on x for the MoE GEMV (``triton_moe_gemv.BLOCKS_ATTR``)."""
     assert x.is_cuda and w.device == x.device, "router_topk needs CUDA tensors on one device"
-    return launch_router_topk(x, w, top_k, renormalize, shared_gate)
+    made = triton_moe_gemv.empty_blocks(x) if blocks else None
+    out = launch_router_topk(x, w, top_k, renormalize, shared_gate, blocks=made)
+    if made is not None:
+        setattr(x, triton_moe_gemv.BLOCKS_ATTR, made)
+    return out
