@@ -546,6 +546,16 @@ def sweep_extend() -> None:
     report("extend attention (BLOCK_M, BLOCK_N, warps, stages)", shipped, rows)
 
 
+def nvfp4_calls_with_shared_pair(t: int) -> list[Callable]:
+    """The NVFP4 MoE GEMV over ``moe_problem(t)``'s routings with a bf16 shared pair, as the engine
+    runs it: one call a routing."""
+    problem = moe_problem(t)
+    banks, x, routes = problem
+    w13, w2 = banks["nvfp4"]
+    pair = shared_pair(problem)
+    return [P(triton_moe_gemv.launch_moe_gemv, x, w13, w2, w, i, shared=pair) for w, i in routes]
+
+
 def sweep_moe_gemv_shared() -> None:
     """The NVFP4 MoE GEMV (words, block sums, the down kernel on words) with the bf16 shared pair, as
     the engine runs it: gate/up and down tiles against the shared rows' own steps
@@ -560,11 +570,7 @@ def sweep_moe_gemv_shared() -> None:
         ups, downs, steps = ups[:1], downs[:1], [(0, 0), (16, 16)]
     combos = [(u, d, s) for u in ups for d in downs for s in steps]
     for t in (1, 2):
-        problem = moe_problem(t)
-        banks, x, routes = problem
-        w13, w2 = banks["nvfp4"]
-        pair = shared_pair(problem)
-        calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i, shared=pair) for w, i in routes]
+        calls = nvfp4_calls_with_shared_pair(t)
         want = calls[0]()
         times: dict = {c: [] for c in combos}
         for order in (combos, combos[::-1]):
@@ -600,11 +606,7 @@ def sweep_moe_gemv_int() -> None:
         combos = combos[:1] + combos[-1:]
     best = None
     for t in (1, 2):
-        problem = moe_problem(t)
-        banks, x, routes = problem
-        w13, w2 = banks["nvfp4"]
-        pair = shared_pair(problem)
-        calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i, shared=pair) for w, i in routes]
+        calls = nvfp4_calls_with_shared_pair(t)
         mod.FP4_INT_DOT = False
         want = calls[0]()
         times: dict = {c: [] for c in combos}
