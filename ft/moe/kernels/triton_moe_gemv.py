@@ -476,9 +476,7 @@ def _fp4_blocks(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLO
     if not EVEN_K:  # K is a multiple of 16: whole blocks are in or out
         mask = mask & (kb < (K - k0) // 16)
     w = tl.load(w_ptr, mask=mask, other=0)
-    lo = (w & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
-    hi = (w >> 32).to(tl.uint32).to(tl.int32, bitcast=True)
-    return lo, hi, e4m3(tl.load(s_ptr, mask=mask, other=0))
+    return _low32(w), _high32(w), e4m3(tl.load(s_ptr, mask=mask, other=0))
 
 
 @triton.jit
@@ -512,11 +510,13 @@ def _int_inputs(xq_row, xf_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constex
 
 @triton.jit
 def _low32(v):
+    # the low word of 64-bit v, as int32 bits
     return (v & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
 
 
 @triton.jit
 def _high32(v):
+    # the high word of 64-bit v, as int32 bits
     return (v >> 32).to(tl.uint32).to(tl.int32, bitcast=True)
 
 
