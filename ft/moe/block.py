@@ -84,7 +84,6 @@ class SparseMoeBlock(nn.Module):
         )
         if expert_format not in BANKS:
             raise ValueError(f"expert format {expert_format!r} is not supported (known: {sorted(BANKS)})")
-        self.expert_format = expert_format
         self.experts = BANKS[expert_format](num_experts, hidden_size, intermediate_size, checkpoint_format)
         self.backend = ResidentBackend()  # a plain object, not a module: holds no parameters
         self.shared_expert = (
@@ -117,7 +116,7 @@ class SparseMoeBlock(nn.Module):
         return (
             triton_moe_gemv is not None
             and triton_moe_gemv.FP4_INT_DOT
-            and self.expert_format == "nvfp4"
+            and self.experts.format == "nvfp4"
             and x.is_cuda
             and self.experts.takes_gemv(len(x))
         )

@@ -556,6 +556,21 @@ def nvfp4_calls_with_shared_pair(t: int) -> list[Callable]:
     return [P(triton_moe_gemv.launch_moe_gemv, x, w13, w2, w, i, shared=pair) for w, i in routes]
 
 
+def two_passes(combos: list, set_combo: Callable, saved: dict, calls: list[Callable], want: torch.Tensor):
+    """Each combination timed twice, in two passes, the second in reverse order: ``set_combo(c)``
+    sets ``triton_moe_gemv``'s attributes for it, ``saved`` (name -> value) puts them back after
+    each. -> (times: combination -> the two us figures, or None where it failed or disagreed;
+    the mean of those that ran both times)."""
+    times: dict = {c: [] for c in combos}
+    for order in (combos, combos[::-1]):
+        for c in order:
+            set_combo(c)
+            times[c].append(try_config(calls[0], want, calls, 2e-2))
+            for n, v in saved.items():
+                setattr(triton_moe_gemv, n, v)
+    return times, {c: sum(v) / 2 for c, v in times.items() if None not in v}
+
+
 def sweep_moe_gemv_shared() -> None:
     """The NVFP4 MoE GEMV (words, block sums, the down kernel on words) with the bf16 shared pair, as
     the engine runs it: gate/up and down tiles against the shared rows' own steps
@@ -569,19 +584,16 @@ def sweep_moe_gemv_shared() -> None:
     if DRY:
         ups, downs, steps = ups[:1], downs[:1], [(0, 0), (16, 16)]
     combos = [(u, d, s) for u in ups for d in downs for s in steps]
+
+    def set_combo(c):
+        (up, down, (step_up, step_down)) = c
+        for n, v in zip(names, (up, down, step_up, step_down)):
+            setattr(mod, n, v)
+
     for t in (1, 2):
         calls = nvfp4_calls_with_shared_pair(t)
         want = calls[0]()
-        times: dict = {c: [] for c in combos}
-        for order in (combos, combos[::-1]):
-            for c in order:
-                (up, down, (step_up, step_down)) = c
-                for n, v in zip(names, (up, down, step_up, step_down)):
-                    setattr(mod, n, v)
-                times[c].append(try_config(calls[0], want, calls, 2e-2))
-                for n in names:
-                    setattr(mod, n, saved[n])
-        ok = {c: sum(v) / 2 for c, v in times.items() if None not in v}
+        times, ok = two_passes(combos, set_combo, saved, calls, want)
         print(f"== T={t} NVFP4 MoE GEMV with the shared pair, gate/up + down a call (two passes)", flush=True)
         for c in sorted(ok, key=ok.get):
             print(f"  gate/up {c[0]} down {c[1]} shared steps {c[2]}: {ok[c]:7.1f} us"
@@ -604,20 +616,17 @@ def sweep_moe_gemv_int() -> None:
     combos += [(True, u, s) for u in ups for s in (0, 64)]
     if DRY:
         combos = combos[:1] + combos[-1:]
+
+    def set_combo(c):
+        mod.FP4_INT_DOT, tile, mod.NVFP4_SHARED_BK = c
+        mod.NVFP4_INT = mod.NVFP4_PLANES = tile
+
     best = None
     for t in (1, 2):
         calls = nvfp4_calls_with_shared_pair(t)
         mod.FP4_INT_DOT = False
         want = calls[0]()
-        times: dict = {c: [] for c in combos}
-        for order in (combos, combos[::-1]):
-            for c in order:
-                mod.FP4_INT_DOT, tile, mod.NVFP4_SHARED_BK = c
-                mod.NVFP4_INT = mod.NVFP4_PLANES = tile
-                times[c].append(try_config(calls[0], want, calls, 2e-2))
-                for n, v in saved.items():
-                    setattr(mod, n, v)
-        ok = {c: sum(v) / 2 for c, v in times.items() if None not in v}
+        times, ok = two_passes(combos, set_combo, saved, calls, want)
         print(f"== T={t} NVFP4 MoE GEMV, integer products or words, shared pair in (two passes)", flush=True)
         for c in sorted(ok, key=ok.get):
             print(f"  {'int' if c[0] else 'words'} gate/up {c[1]} shared step {c[2]}: {ok[c]:7.1f} us"
