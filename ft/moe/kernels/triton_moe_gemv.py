@@ -180,12 +180,11 @@ NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "1
 # gate/up alone 17.6 -> 15.9 us, still waiting on its loads (long-scoreboard stalls about half of
 # a warp's cycles), the quantising launch 2.9 us alone. The 80B's batch-1 decode with the blocks
 # from the router, rows alternating in one process: off 294.8 / 295.9, on 303.5 / 303.9 / 302.4
-# tok/s. OFF for now (FT_MOE_GEMV_FP4_INT_DOT=1 turns it on for a process and the ranks it spawns):
-# with it on, run_gpu_tests.sh kernels gave 557 passed and 1 failed, test_loop_variants_give_the_
-# same_bits[4-512-nvfp4], whose walking and by-pair down kernels sum NVFP4 terms in other fp32
-# orders (bytes against words with block sums) and so agree bit for bit only by luck; the test
-# now allows them a rounding apart, NOT yet run on a GPU. Turn this on once that run passes.
-FP4_INT_DOT = os.environ.get("FT_MOE_GEMV_FP4_INT_DOT", "0") == "1"
+# tok/s. On (FT_MOE_GEMV_FP4_INT_DOT=0 turns it off for a process and the ranks it spawns): with it on,
+# run_gpu_tests.sh kernels gave 558 passed and the offload NVFP4 tests 19 passed (2026-12-02 05:10;
+# test_loop_variants_give_the_same_bits allows the walking and by-pair down kernels a rounding apart,
+# as they sum NVFP4 terms in other fp32 orders).
+FP4_INT_DOT = os.environ.get("FT_MOE_GEMV_FP4_INT_DOT", "1") != "0"
 NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
 # the quantised inputs' block exponents are clamped to [MIN_EXP, 127] (a block of zeros, or of
 # values below 2^-96, then rounds to zeros) so that 2^(14 - E) and the factor 2^(E - 29) are normal
