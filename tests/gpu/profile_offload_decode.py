@@ -10,7 +10,8 @@ replays) or host reads' between-step work (counting, promotions, publishing the 
 step's wall time, and, from ``torch.profiler``, its kernel and copy time, the time the GPU sat
 idle, and the costliest kernels. At batch 1 the PCIe floor is the copies (or the host rows the
 MoE GEMV reads); what the wall has beyond the kernels is host time. ``DEV=cpu`` runs it on the
-CPU (a smoke test)."""
+CPU (a smoke test); ``QUANT=nvfp4`` quantises the experts while loading. Last, the busiest
+stream's critical path by kernel (``profiling.critical_path``)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.moe.backends import expert_cache, host_reads, offload, prefetch, transfer  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
-from tests.gpu.profiling import cut_config, log_parts, logger, time_steps  # noqa: E402
+from tests.gpu.profiling import critical_path, cut_config, log_parts, logger, time_steps  # noqa: E402
 
 DEVICE = os.environ.get("DEV", "cuda")
 PARTS = [
@@ -75,7 +76,8 @@ def main() -> None:
     budget = {"max_gpu_memory": cache} if cache[-1].isalpha() else {"expert_cache_fraction": float(cache)}
     engine = LLMEngine(EngineConfig(
         config_file=path, load_format="dummy", device=DEVICE, num_tokens=20000, max_running_requests=8,
-        max_model_len=4096, progress=False, moe_backend="offload", **budget,
+        max_model_len=4096, progress=False, moe_backend="offload", quantize_experts=os.environ.get("QUANT"),
+        **budget,
     ))  # fmt: skip
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     vocab, steps = cfg["vocab_size"], 40
@@ -101,6 +103,10 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             wall = time_steps(engine, 4, sync)
         log_profile(log, prof, wall, 4)
+        trace = f"/tmp/ft_offload_decode_{os.getpid()}.json"
+        prof.export_chrome_trace(trace)
+        for line in critical_path(trace, 4):
+            log(line)
     engine.shutdown()
 
 
