@@ -38,17 +38,65 @@ def test_copy_rows_fills_only_the_picked_rows():
     assert not dst[:4].any() and not dst[5].any()
 
 
+def test_copy_rows_from_a_byte_on_leaves_the_rows_start():
+    """A down-only copy (``first``: the down projection's offset) moves each row's tail alone."""
+    src_block = torch.arange(3 * 24, dtype=torch.uint8).view(3, 24)
+    dst = torch.zeros(4, 24, dtype=torch.uint8)
+    copy_rows(src_block, dst, 2, torch.tensor([1, 2]), first=16)
+    assert torch.equal(dst[2, 16:], src_block[1, 16:]) and torch.equal(dst[3, 16:], src_block[2, 16:])
+    assert not dst[:, :16].any() and not dst[:2].any()
+    with pytest.raises(AssertionError, match="whole word"):
+        copy_rows(src_block, dst, 2, torch.tensor([1, 2]), first=4)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_the_down_part_of_a_row_is_its_w2_parts(fmt):
+    from ft.distributed import TPInfo, tp_context
+    from ft.moe.backends.layout import ExpertLayout
+    from ft.moe.banks import BF16ExpertBank
+    from ft.moe.nvfp4_bank import NVFP4ExpertBank
+
+    with torch.device("meta"), tp_context(TPInfo(0, 1)):
+        bank = (BF16ExpertBank if fmt == "bf16" else NVFP4ExpertBank)(4, 64, 32)
+    layout = ExpertLayout.of(bank)
+    w2 = [p for p in layout.parts if p.name.startswith("w2")]
+    assert host_prefetch.down_offset(layout) == w2[0].offset > 0
+    assert host_prefetch.down_payload(layout) == sum(p.nbytes for p in w2) < layout.payload_bytes
+    assert all(p.offset < w2[0].offset for p in layout.parts if not p.name.startswith("w2"))
+
+
+def test_one_bank_with_down_ids_reads_each_rows_down_projection_from_them():
+    """The CPU reference of host reads with a down-only prefetch: gate/up rows by ``ids``, each
+    such row's down projection from the row ``down_ids`` names, host ids (e < 0) past the slots."""
+    from ft.moe.backends.host_reads import as_one_bank
+
+    def bank(first, n, width):
+        return first + torch.arange(float(n))[:, None, None].expand(n, 2, width)
+
+    slots, host = (bank(0, 4, 2), bank(10, 4, 1)), (bank(100, 2, 2), bank(200, 2, 1))
+    ids = torch.tensor([[0, -2], [-1, 2]])
+    w13, w2, rows = as_one_bank(slots, host, ids, torch.tensor([[0, 3], [-1, 2]]))
+    assert rows.tolist() == [[0, 5], [4, 2]]  # the host rows past the four slots
+    assert torch.equal(w13, torch.cat([slots[0], host[0]]))
+    assert w2[:, 0, 0].tolist() == [10, 11, 12, 13, 200, 13]  # row 5 (host row 1) reads slot 3's
+    w13, w2, same = as_one_bank(slots, host, ids)
+    assert torch.equal(same, rows) and torch.equal(w2, torch.cat([slots[1], host[1]]))
+
+
 @pytest.fixture
 def prefetching(monkeypatch):
     monkeypatch.setattr(host_reads, "ENABLED", True)
     monkeypatch.setattr(host_prefetch, "ROWS", 2)
 
 
+@pytest.mark.parametrize("down_only", [True, False])
 @pytest.mark.parametrize("deferred", [False, True])
-def test_host_reads_with_prefetch_equal_resident(ckpt, refs, prefetching, monkeypatch, deferred):
-    """Exactly the resident backend's outputs; the picks are counted (some of them used) and the
-    bytes over PCIe are the copies plus what the kernel still read from the host."""
+def test_host_reads_with_prefetch_equal_resident(ckpt, refs, prefetching, monkeypatch, deferred, down_only):
+    """Exactly the resident backend's outputs, whole experts copied or their down projections
+    alone; the picks are counted (some of them used) and the bytes over PCIe are the copies plus
+    what the kernel still read from the host."""
     monkeypatch.setattr(host_reads, "DEFERRED", deferred)
+    monkeypatch.setattr(host_prefetch, "DOWN_ONLY", down_only)
     outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
     assert_same(outs, refs[8192])
     assert s.moe_prefetched > 0 and 0 < s.moe_prefetch_hits <= s.moe_prefetched
@@ -95,9 +143,12 @@ def check_kernels() -> None:
     src_block = torch.randint(-(2**62), 2**62, (6, 40), generator=g)
     dst, want_dst = torch.zeros(9, 40, dtype=torch.int64), torch.zeros(9, 40, dtype=torch.int64)
     rows = torch.tensor([5, -1, 2])
-    _copy_rows_kernel[(3,)](src_block, dst, rows, 6, 40, ROWS=3, BLOCK=16, PROGRAMS=3)
-    copy_rows(src_block.view(torch.uint8), want_dst.view(torch.uint8), 6, rows)
-    assert torch.equal(dst, want_dst)
+    for first in (0, 13):  # words: a whole row, or from a down projection's offset on
+        _copy_rows_kernel[(3,)](src_block, dst, rows, 6, 40, first, ROWS=3, BLOCK=16, PROGRAMS=3)
+        copy_rows(src_block.view(torch.uint8), want_dst.view(torch.uint8), 6, rows, first * 8)
+        assert torch.equal(dst, want_dst), first
+        dst.zero_()
+        want_dst.zero_()
 
 
 @INTERPRETER[0]
@@ -106,10 +157,14 @@ def test_kernels_under_the_interpreter():
     run_check("tests.offload.test_host_prefetch", "check_kernels")
 
 
-def test_the_kernel_reads_the_picked_experts_from_the_spare_rows(ckpt, refs, prefetching, monkeypatch):
+@pytest.mark.parametrize("down_only", [True, False])
+def test_the_kernel_reads_the_picked_experts_from_the_spare_rows(
+    ckpt, refs, prefetching, monkeypatch, down_only
+):
     """With a copy that moves nothing (the spare rows stay zeros) the outputs change: the picks
     are read from the spare rows, not from the host store (the equality above then shows the
     copies land)."""
+    monkeypatch.setattr(host_prefetch, "DOWN_ONLY", down_only)
     monkeypatch.setattr(host_prefetch, "copy_rows", lambda *args: None)
     outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
     assert s.moe_prefetch_hits > 0
@@ -117,9 +172,11 @@ def test_the_kernel_reads_the_picked_experts_from_the_spare_rows(ckpt, refs, pre
         assert_same(outs, refs[8192])
 
 
-def test_picked_experts_count_their_copy_once_and_their_uses_not_as_host_reads():
+@pytest.mark.parametrize("down_only", [False, True])
+def test_picked_experts_count_their_copy_once_and_their_uses_not_as_host_reads(monkeypatch, down_only):
     """Between steps: a pick is copied once whether used or not; the uses of a picked miss are
-    not host reads; the other misses' uses are (``HostReads._count_and_promote``)."""
+    not host reads; the other misses' uses are (``HostReads._count_and_promote``). A down-only
+    copy moves the down projection alone, and each use of the pick still reads its gate/up rows."""
     import numpy as np
 
     from ft.moe.backends.expert_cache import ExpertCache, SlotMap
@@ -130,7 +187,8 @@ def test_picked_experts_count_their_copy_once_and_their_uses_not_as_host_reads()
     from ft.moe.backends.transfer import Transfer
 
     cpu = torch.device("cpu")
-    layout = ExpertLayout((Part("w", (4,), torch.float32, 0),), 256)
+    monkeypatch.setattr(host_prefetch, "DOWN_ONLY", down_only)
+    layout = ExpertLayout((Part("w13", (4,), torch.float32, 0), Part("w2", (2,), torch.float32, 16)), 256)
     maps = [SlotMap(8, 4) for _ in range(2)]
     shared = Shared(Transfer(cpu), None, False, maps)
     backends = []
@@ -147,6 +205,10 @@ def test_picked_experts_count_their_copy_once_and_their_uses_not_as_host_reads()
     uses[1, 8:] = [5 + 1, 7 + 1]  # its picks: 5 (used) and 7 (not used)
     reads._count_and_promote(uses, 2, [b.cache.published() for b in backends])
     payload = layout.payload_bytes
-    assert reads.bytes_read == 2 * payload + 1 * payload  # two copies, one host read of 6 (not 3 + 1 reads)
+    assert payload == 24
+    if down_only:  # two copies of 8 bytes, pick 5's gate/up read three times, miss 6 read once
+        assert reads.bytes_read == 2 * 8 + 3 * 16 + 1 * payload
+    else:  # two copies, one host read of 6 (not 3 + 1 reads)
+        assert reads.bytes_read == 2 * payload + 1 * payload
     assert (maps[1].counts.prefetched, maps[1].counts.prefetch_hits) == (2, 1)
     assert maps[1].counts.misses == 2 and maps[0].counts.prefetched == 0

@@ -210,18 +210,21 @@ def test_tp2_offload_equals_tp1(tmp_path):
     assert max_logprob_diff(got, want) < 1e-4
 
 
+@pytest.mark.parametrize("down_only", [True, False])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monkeypatch, fmt):
+def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monkeypatch, fmt, down_only):
     """``host_prefetch.ROWS``: before its mixer each layer picks its predicted host experts and
     copies them into its spare rows on a side stream inside the decode graph; graphed, eager and resident
     give the same tokens, and some picks were used. The choice is held back on the main stream
     (a copy not ordered after it would read the last step's rows to copy) and the copy on the side
     stream (a kernel not waiting for it would read the last step's spare rows), each ~0.5 ms.
-    Not yet run on a GPU when written (2026-12-01)."""
+    With ``DOWN_ONLY`` the copy moves the picks' down projections, which only the down kernel
+    waits for: a down kernel not joined to it would read the last step's."""
     from ft.moe.backends import host_prefetch, host_reads
 
     monkeypatch.setattr(host_reads, "ENABLED", True)
     monkeypatch.setattr(host_prefetch, "ROWS", 3)
+    monkeypatch.setattr(host_prefetch, "DOWN_ONLY", down_only)
     select, copy = host_prefetch.select_into, host_prefetch.copy_rows
 
     def late_select(*args):

@@ -30,6 +30,17 @@ never a result). The spare rows are rewritten only after the main stream passed 
 reader (the fork is ordered after it). Families whose layers are not ``DecoderLayer`` (qwen4_exp)
 make no guess, so prefetch nothing.
 
+``DOWN_ONLY`` (on; FT_MOE_HOST_PREFETCH_DOWN=0 copies whole experts): only the picks' down
+projections (the row's bytes from its first ``w2`` part on, a third of a bf16 expert) are copied,
+and only the layer's down kernel waits for them and reads them there; its gate/up kernel reads
+the picks from the host store as if unpicked, and runs while the copy finishes. A whole
+expert's copy (~0.23 ms for a bf16 one at 55 GB/s) outlasts the mixer it hides behind (~0.07
+ms), so the MoE kernel used to wait most of it out, wrong guesses included; a down projection's
+copy fits beside the mixer and the gate/up kernel that follows it. H200, 2026-12-02, the 16-layer
+Qwen3-Next cut in bf16 under 48 GiB (86% of the experts resident), batch 1: no prefetch 212.0
+tok/s, two rows down-only 212.4, three rows of whole experts 176.0 (docs/benchmarks.md): down-only
+copies cost nothing that whole ones did, and they gain nothing either.
+
 Off (``ROWS`` = 0) until a GPU run measures it: FT_MOE_HOST_PREFETCH=N sets N rows per layer,
 read when the engine sizes its caches (the spare rows: offload backend with ``--moe-prefetch``)
 and at each call (at most the rows sized; 0 turns it off; a captured graph keeps the value it was
@@ -40,10 +51,12 @@ statistics' prefetched / prefetch hits count the picks and the picks the layer t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
 ROWS = int(os.environ.get("FT_MOE_HOST_PREFETCH", "0"))
+DOWN_ONLY = os.environ.get("FT_MOE_HOST_PREFETCH_DOWN", "1") != "0"  # read at each call
 COPY_PROGRAMS = 16  # programs of the copy kernel (each streams its share of every row)
 COPY_BLOCK = 2048  # int64 words a program moves per iteration (16 KB)
 
@@ -62,41 +75,65 @@ class Spare:
         self.first_row = cache.map.num_slots + 1  # past the null row
         self.eff = torch.empty_like(cache.route)  # [E] the route with this step's picks
         self.src = torch.full((cache.spare,), -1, dtype=torch.int64, device=dev)  # host rows to copy
+        self.down_from = down_offset(cache.layout)  # where a row's down projection starts (bytes)
         self.picks = picks  # [spare] int32 (a view of the layer's use counts): expert + 1, 0 none
         self.scratch = torch.zeros(cache.map.num_experts, dtype=torch.int32, device=dev)
         self.done = torch.cuda.Event() if dev.type == "cuda" else None
         self.pending = False  # this forward's copy started; the layer's kernel joins it
+        self.down_only = False  # what the pending copy moved: the down projections alone
+
+
+def down_offset(layout) -> int:
+    """Bytes from a row's start to its first down-projection part (``w2``, then its scales; 0, the
+    whole row, for a layout without one)."""
+    return next((p.offset for p in layout.parts if p.name.startswith("w2")), 0)
+
+
+def down_payload(layout) -> int:
+    """Bytes a row's down-projection parts really hold (a down-only copy's payload; the whole
+    row's for a layout without one)."""
+    return sum(p.nbytes for p in layout.parts if p.offset >= down_offset(layout))
 
 
 def start(pred: torch.Tensor, real: torch.Tensor, backend, stream: torch.cuda.Stream | None) -> None:
     """Pick and copy the layer ``backend``'s predicted host experts (``pred`` [T, k]) into its spare rows:
     the choice on the current stream, the copy on ``stream`` after it (at once on a CPU); its
-    MoE kernel then reads them there (``route_of``)."""
+    MoE kernel then reads them there (``routes``)."""
     sp = backend.spare
     n = min(ROWS, len(sp.src))  # the switch's rows, at most the spare rows sized at start
     src, picks = sp.src[:n], sp.picks[:n]  # picks past n stay 0 (the use counts zero every step)
     select_into(pred, real, backend.cache.route, sp.eff, src, picks, sp.scratch, sp.first_row)
+    sp.down_only = DOWN_ONLY
+    first = sp.down_from if DOWN_ONLY else 0
     if stream is None:
-        copy_rows(backend.store.block, backend.cache.block, sp.first_row, src)
+        copy_rows(backend.store.block, backend.cache.block, sp.first_row, src, first)
     else:
         stream.wait_stream(torch.cuda.current_stream(stream.device))  # after the choice
         with torch.cuda.stream(stream):
-            copy_rows(backend.store.block, backend.cache.block, sp.first_row, src)
+            copy_rows(backend.store.block, backend.cache.block, sp.first_row, src, first)
             sp.done.record(stream)
     sp.pending = True
 
 
-def route_of(backend) -> torch.Tensor:
-    """The route a host-read layer's kernel takes: through its spare rows when its lookahead
-    started their copy in this forward (the current stream then waits for it), else the published
-    one."""
+def routes(backend) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+    """(the route of a host-read layer's gate/up kernel, its down kernel's, what the current
+    stream runs between the two launches): through the spare rows when its lookahead started
+    their copy in this forward, else the published route for both. A copy of whole experts is
+    waited for before either kernel; one of the down projections (``DOWN_ONLY``) only before
+    the down kernel, whose route alone goes through the spare rows."""
     sp = backend.spare
     if sp is None or not sp.pending:
-        return backend.cache.route
+        return backend.cache.route, backend.cache.route, None
     sp.pending = False
-    if sp.done is not None:
-        torch.cuda.current_stream(backend.cache.device).wait_event(sp.done)
-    return sp.eff
+
+    def join() -> None:
+        if sp.done is not None:
+            torch.cuda.current_stream(backend.cache.device).wait_event(sp.done)
+
+    if sp.down_only:
+        return backend.cache.route, sp.eff, join
+    join()
+    return sp.eff, sp.eff, None
 
 
 def select(
@@ -125,20 +162,22 @@ def select(
 
 
 def copy_rows(
-    src_block: torch.Tensor, dst_block: torch.Tensor, first_row: int, src_rows: torch.Tensor
+    src_block: torch.Tensor, dst_block: torch.Tensor, first_row: int, src_rows: torch.Tensor, first: int = 0
 ) -> None:
-    """``dst_block[first_row + i] = src_block[src_rows[i]]`` where ``src_rows[i]`` >= 0 (uint8
-    blocks of equal row size; on CUDA the source is the pinned host store, read in place)."""
+    """``dst_block[first_row + i, first:] = src_block[src_rows[i], first:]`` where ``src_rows[i]``
+    >= 0 (uint8 blocks of equal row size, ``first`` a multiple of 8; on CUDA the source is the
+    pinned host store, read in place)."""
+    assert first % 8 == 0, f"a copy starts on a whole word: {first} bytes"
     if dst_block.is_cuda:
         words = dst_block.shape[1] // 8
         _copy_rows_kernel[(COPY_PROGRAMS,)](
-            src_block.view(torch.int64), dst_block.view(torch.int64), src_rows, first_row, words,
+            src_block.view(torch.int64), dst_block.view(torch.int64), src_rows, first_row, words, first // 8,
             ROWS=len(src_rows), BLOCK=COPY_BLOCK, PROGRAMS=COPY_PROGRAMS,
         )  # fmt: skip
         return
     valid = src_rows >= 0
-    picked = src_block[src_rows.clamp(min=0).to(src_block.device)].to(dst_block.device)
-    spare = dst_block[first_row : first_row + len(src_rows)]
+    picked = src_block[src_rows.clamp(min=0).to(src_block.device), first:].to(dst_block.device)
+    spare = dst_block[first_row : first_row + len(src_rows), first:]
     spare.copy_(torch.where(valid[:, None], picked, spare))
 
 
@@ -199,17 +238,18 @@ if triton is not None:
 
     @triton.jit
     def _copy_rows_kernel(
-        src_block, dst_block, src_rows, first_row, WORDS,
+        src_block, dst_block, src_rows, first_row, WORDS, FIRST,
         ROWS: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
     ):  # fmt: skip
+        # words FIRST .. WORDS of each picked row
         pid = tl.program_id(0)
-        chunks = tl.cdiv(WORDS, BLOCK)
+        chunks = tl.cdiv(WORDS - FIRST, BLOCK)
         for i in tl.static_range(ROWS):
             row = tl.load(src_rows + i)
             if row >= 0:
                 src = src_block + row.to(tl.int64) * WORDS
                 dst = dst_block + (first_row + i).to(tl.int64) * WORDS
                 for c in range(pid, chunks, PROGRAMS):
-                    offs = c * BLOCK + tl.arange(0, BLOCK)
+                    offs = FIRST + c * BLOCK + tl.arange(0, BLOCK)
                     m = offs < WORDS
                     tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)

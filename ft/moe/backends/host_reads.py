@@ -87,6 +87,9 @@ class HostReads:
         self.taken = False  # a batch took host reads (eagerly or while a graph was captured)
         self.tables = Tables([b.cache for b in backends], device)  # every layer's, one copy to publish
         self.payload = np.array([b.store.layout.payload_bytes for b in backends], dtype=np.int64)
+        self.payload_down = np.array(  # what a down-only prefetch copies of an expert
+            [host_prefetch.down_payload(b.store.layout) for b in backends], dtype=np.int64
+        )
         for i, b in enumerate(backends):
             b.reads, b.uses = self, self.uses[i]
             b.spare = host_prefetch.Spare(b.cache, self.uses[i, e:]) if spare else None
@@ -180,11 +183,15 @@ class HostReads:
             picked[np.arange(len(uses))[:, None], picks] = True
             picked = picked[:, 1:]
             copies = picked.sum(1)
-            self.bytes_read += int(copies @ self.payload)
+            down_only = host_prefetch.DOWN_ONLY  # what the copies moved (the switch as it is now)
+            self.bytes_read += int(copies @ (self.payload_down if down_only else self.payload))
             for b, n, h in zip(self.backends, copies.tolist(), (missed & picked).sum(1).tolist()):
                 b.map.counts.prefetched += n
                 b.map.counts.prefetch_hits += h
             read = missed & ~picked
+            if down_only:  # a used pick's gate/up rows were still read from the host
+                used_picks = np.where(missed & picked, counts, 0).sum(1)
+                self.bytes_read += int(used_picks @ (self.payload - self.payload_down))
         self.bytes_read += int(np.where(read, counts, 0).sum(1) @ self.payload)
         self.credit += PROMOTE_SHARE * missed.sum(1)
         owed = self.credit.astype(np.int64)  # whole promotions (credit >= 0: a floor)
@@ -245,13 +252,27 @@ if triton is not None:
         tl.atomic_add(uses + e, tl.full([BLOCK], 1, tl.int32), mask=in_p & is_real)
 
 
-def as_one_bank(slots: tuple, host: tuple, ids: torch.Tensor) -> tuple:
+def as_one_bank(slots: tuple, host: tuple, ids: torch.Tensor, down_ids: torch.Tensor | None = None) -> tuple:
     """(w13, w2, ids) of one bank holding the slots, then the host store's rows, with the host
     rows' ids (e < 0: row -e - 1) moved past the slots: what host reads compute, for kernels that
-    cannot read host memory from a device (the CPU reference, in tests)."""
+    cannot read host memory from a device (the CPU reference, in tests). With ``down_ids`` (the
+    down kernel's rows, ids as ``ids``; one per expert, as a route gives them) each row that
+    ``ids`` reads takes its down projection from the row ``down_ids`` names."""
     n = _rows(slots[0])
-    out = tuple(_cat(s, h) for s, h in zip(slots, host))
-    return (*out, torch.where(ids >= 0, ids, n - 1 - ids))
+    w13, w2 = (_cat(s, h) for s, h in zip(slots, host))
+    ids, down = (None if i is None else torch.where(i >= 0, i, n - 1 - i) for i in (ids, down_ids))
+    if down is not None:
+        w2 = _moved(w2, ids.reshape(-1), down.reshape(-1))
+    return w13, w2, ids
+
+
+def _moved(w, dst: torch.Tensor, src: torch.Tensor):
+    """``w`` with rows ``dst`` replaced by rows ``src`` (each dst row given one src row)."""
+    if isinstance(w, NVFP4Tensor):
+        return NVFP4Tensor(*(_moved(p, dst, src) for p in w.parts))
+    out = w.clone()
+    out[dst] = w[src]
+    return out
 
 
 def _rows(w) -> int:

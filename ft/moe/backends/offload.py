@@ -59,7 +59,7 @@ from ft.forward_context import get_forward_context
 from ft.moe.backends import host_prefetch
 from ft.moe.backends.expert_cache import ExpertCache, unique
 from ft.moe.backends.graph_split import capturing, split_point
-from ft.moe.backends.host_prefetch import Spare, route_of
+from ft.moe.backends.host_prefetch import Spare, routes
 from ft.moe.backends.host_reads import HostReads, route_and_count
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout
@@ -261,8 +261,12 @@ class OffloadBackend:
         waits for the host (``host_reads.py``). Rows that only pad a graphed batch (KV slot -1)
         read the null slot (zeros, on the device) and count no use: their output is dropped."""
         real = real_rows(len(x), x.device)  # [T] bool
-        rows = route_and_count(ids, real, route_of(self), self.map.null, self.uses)  # [T, k]
-        return bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors)
+        route, route_down, join = routes(self)  # the down kernel's differs after a down-only prefetch
+        rows = route_and_count(ids, real, route, self.map.null, self.uses)  # [T, k]
+        down = None
+        if route_down is not route:
+            down = (torch.where(real[:, None], route_down[ids], self.map.null), join)
+        return bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors, down=down)
 
     def lookahead(self, block, residual: torch.Tensor, norm) -> None:
         """Before the layer's mixer (``SparseMoeBlock.lookahead``): with host reads' prefetch,

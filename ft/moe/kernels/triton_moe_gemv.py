@@ -852,6 +852,7 @@ def launch_moe_gemv(
     ids: torch.Tensor,
     shared: tuple | None = None,
     host: tuple | None = None,
+    down: tuple | None = None,
 ) -> torch.Tensor:
     """Checks and launches without the device check (the Triton interpreter runs it on CPU
     tensors): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] bf16 tensors or NVFP4 stacks;
@@ -860,10 +861,17 @@ def launch_moe_gemv(
     routed experts), computed as one more pair of each token, weighted by sigmoid(logit), its
     term added after the routed ones (``SHARED_AS_PAIR``). ``host``: (w13, w2) of the offload
     backend's host store, laid out as ``w13``/``w2`` (its cache slots); an id e < 0 then reads
-    host row -e - 1 instead of a slot, over PCIe, inside the same launch (``host_reads.py``)."""
+    host row -e - 1 instead of a slot, over PCIe, inside the same launch (``host_reads.py``).
+    ``down``: (ids [T, k] of the down kernel's rows, a callable run between the two launches or
+    None), when the down projections are read from other rows than gate/up (``host_prefetch``'s
+    down-only copies, joined by the callable); the same bytes give the same result."""
     t, h = x.shape
     check = check_operands if isinstance(w13, NVFP4Tensor) else check_bf16_operands
     _, inter, topk = check(x, w13, w2, weights, ids)
+    down_ids, before_down = down if down is not None else (ids, None)
+    assert down_ids.shape == ids.shape and down_ids.dtype == ids.dtype, (
+        f"down ids {down_ids.dtype} {tuple(down_ids.shape)}, gate/up ids {ids.dtype} {tuple(ids.shape)}"
+    )
     assert not ids.is_floating_point() and weights.is_floating_point(), (
         f"ids must be integers and weights floats, got {ids.dtype} and {weights.dtype}"
     )
@@ -908,6 +916,9 @@ def launch_moe_gemv(
         BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
+    if before_down is not None:
+        before_down()
+    ids = down_ids  # what the down kernel reads
     if DOWN_BY_PAIR:
         # words in the down kernel only beside words with block sums in gate/up (``FP4_PLANES=0``:
         # bytes in both), codes 4-byte aligned
@@ -950,6 +961,7 @@ def fused_moe_gemv(
     ids: torch.Tensor,
     shared: tuple | None = None,
     host: tuple | None = None,
+    down: tuple | None = None,
 ) -> torch.Tensor:
     """``launch_moe_gemv`` on CUDA tensors (``host``: pinned host tensors the GPU can address).
     Graph-capturable: the grid comes from shapes, the experts are read on the device."""
@@ -958,7 +970,7 @@ def fused_moe_gemv(
     if host is not None:
         hw = host[0].weight if isinstance(host[0], NVFP4Tensor) else host[0]
         assert hw.is_pinned(), "a host store read by the kernel must be pinned (page-locked) memory"
-    return launch_moe_gemv(x, w13, w2, weights, ids, shared, host)
+    return launch_moe_gemv(x, w13, w2, weights, ids, shared, host, down)
 
 
 def shared_pair_alone(x: torch.Tensor, shared: tuple) -> torch.Tensor:
