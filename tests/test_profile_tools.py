@@ -33,3 +33,27 @@ def test_gap_causes_tells_a_late_host_from_a_copy_waiting_on_the_device():
     assert late.endswith("fla/ops/chunk.py(10): forward")  # the innermost range at the gap's start
     assert "link idle 0.50 ms" in waited and "0.40 ms before the gap (it waited on the device)" in waited
     assert waited.endswith("ft/models/decoder.py(5): fwd")
+
+
+def test_critical_path_charges_an_early_launched_kernel_only_for_what_it_adds(tmp_path):
+    """``profiling.critical_path``: a kernel started before its predecessor ended (programmatic
+    dependent launch) is charged from that end; a gap on the busiest stream is idle time, named
+    by its neighbours; other streams are reported apart."""
+    import json
+
+    from tests.gpu.profiling import critical_path
+
+    def kernel(name, ts, dur, stream=7):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    events = [kernel("a", 0, 10), kernel("b", 2, 20), kernel("c", 30, 5), kernel("a", 35, 1000)]
+    events.append(
+        {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": 0, "dur": 400, "args": {"stream": 9}}
+    )
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    lines = critical_path(str(trace), steps=1)
+    assert lines[0] == "stream 7: kernels' own time 1.03 ms a step, idle between them 0.01 ms"
+    assert lines[1:4] == ["    1.010 ms  a", "    0.012 ms  b", "    0.005 ms  c"]  # b: 22 - 10
+    assert lines[4] == "  idle     8.0 us after b before c"
+    assert lines[-1] == "stream 9: busy 0.40 ms a step"
