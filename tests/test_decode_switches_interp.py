@@ -122,6 +122,7 @@ def check_moe_gemv_fp4_planes() -> None:
     from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
     from tests.nvfp4.test_w4a16_gpu import random_bank
 
+    mod.FP4_INT_DOT = False  # the words' own products (the integer ones: check_moe_gemv_int_dot)
     gen = torch.Generator().manual_seed(2)
     e, t = 12, 3
     for k, h, inter, shared, by_pair in ((10, 64, 32, False, True), (3, 48, 48, True, True),
