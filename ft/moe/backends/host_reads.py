@@ -234,6 +234,12 @@ def route_and_count(
         return rows
     count = real.to(torch.int32)[:, None].expand(ids.shape).reshape(-1)  # a use per real pair
     uses.index_add_(0, ids.reshape(-1), count)
+    return route_rows(ids, real, route, null)
+
+
+def route_rows(ids: torch.Tensor, real: torch.Tensor, route: torch.Tensor, null: int) -> torch.Tensor:
+    """``route[ids]`` for the real rows of the batch, the null slot for rows that pad it (what
+    ``route_and_count`` returns, without counting: a down kernel's own route)."""
     return torch.where(real[:, None], route[ids], null)
 
 
@@ -260,8 +266,9 @@ def as_one_bank(slots: tuple, host: tuple, ids: torch.Tensor, down_ids: torch.Te
     ``ids`` reads takes its down projection from the row ``down_ids`` names."""
     n = _rows(slots[0])
     w13, w2 = (_cat(s, h) for s, h in zip(slots, host))
-    ids, down = (None if i is None else torch.where(i >= 0, i, n - 1 - i) for i in (ids, down_ids))
-    if down is not None:
+    ids = torch.where(ids >= 0, ids, n - 1 - ids)
+    if down_ids is not None:
+        down = torch.where(down_ids >= 0, down_ids, n - 1 - down_ids)
         w2 = _moved(w2, ids.reshape(-1), down.reshape(-1))
     return w13, w2, ids
 

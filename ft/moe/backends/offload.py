@@ -60,7 +60,7 @@ from ft.moe.backends import host_prefetch
 from ft.moe.backends.expert_cache import ExpertCache, unique
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.host_prefetch import Spare, routes
-from ft.moe.backends.host_reads import HostReads, route_and_count
+from ft.moe.backends.host_reads import HostReads, route_and_count, route_rows
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout
 from ft.moe.backends.pairs import Pairs, run_pairs, upload_pairs
@@ -265,7 +265,7 @@ class OffloadBackend:
         rows = route_and_count(ids, real, route, self.map.null, self.uses)  # [T, k]
         down = None
         if route_down is not route:
-            down = (torch.where(real[:, None], route_down[ids], self.map.null), join)
+            down = (route_rows(ids, real, route_down, self.map.null), join)
         return bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors, down=down)
 
     def lookahead(self, block, residual: torch.Tensor, norm) -> None:
