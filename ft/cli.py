@@ -77,8 +77,9 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--moe-stream-ahead",
-        action="store_true",
-        help="long batches: stage the next layer's first group of experts before its router runs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="long batches: stage each layer's first groups of experts before its router runs (on)",
     )
     g.add_argument("--moe-staging-experts", type=int, default=None, help="experts per prefill staging buffer")
     g.add_argument(

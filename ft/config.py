@@ -67,7 +67,7 @@ class EngineConfig:
     static_experts: int | None = None
     moe_prefetch: bool = True  # predict the next layer's experts from its router, copy them early
     moe_prefill_hit_d2d: bool = False  # prefill: copy resident experts into staging (else in place)
-    moe_stream_ahead: bool = False  # long batches: stage the next layer's first group early (offload.py)
+    moe_stream_ahead: bool = True  # long batches: stage each layer's first groups early (offload.py)
     moe_staging_experts: int | None = None  # experts per prefill staging buffer (default ~256 MiB)
     dummy_routing_skew: float = 0.0  # dummy routers prefer experts with a Zipf-like popularity
     ple_backend: str = "device"  # device | pinned: where a PLE n-gram table lives

@@ -39,7 +39,7 @@ decode)
   ;;
 prefill)
   for ahead in 0 1 2; do
-    flags=()
+    flags=(STREAM_AHEAD=0)
     [[ $ahead != 0 ]] && flags=(STREAM_AHEAD=1 FT_MOE_AHEAD_GROUPS=$ahead)
     env "${flags[@]}" PROFILE_CPU=1 TIMELINE=1 PROFILE_STACK=1 timeout 170 \
       python3 tests/gpu/profile_offload_prefill.py "$next" 16 0.6 8000 "$out/prefill_ahead$ahead.log" \

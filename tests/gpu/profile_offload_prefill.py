@@ -1,7 +1,7 @@
 """How busy the PCIe link is while an offloaded prefill streams experts (not a test):
 
     python tests/gpu/profile_offload_prefill.py CONFIG LAYERS CACHE_FRACTION [TOKENS] [OUT.log]
-    STREAM_AHEAD=1 python tests/gpu/profile_offload_prefill.py ...   # with --moe-stream-ahead
+    STREAM_AHEAD=0 python tests/gpu/profile_offload_prefill.py ...   # with --no-moe-stream-ahead
     PROFILE_CPU=1 python tests/gpu/profile_offload_prefill.py ...    # and the host's operators
     TIMELINE=1 python tests/gpu/profile_offload_prefill.py ...       # around the largest gaps, and why
     PROFILE_STACK=1 python tests/gpu/profile_offload_prefill.py ...  # host time by Python function
@@ -31,7 +31,7 @@ from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profiling import cut_config, logger  # noqa: E402
 
-AHEAD = os.environ.get("STREAM_AHEAD", "0") == "1"
+AHEAD = os.environ.get("STREAM_AHEAD", "1") == "1"  # the engine's default (on); STREAM_AHEAD=0: off
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

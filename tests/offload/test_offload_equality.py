@@ -85,8 +85,8 @@ def test_a_prefill_chunk_prefetches_nothing(ckpt):
 def test_a_long_batch_streams_the_next_layers_experts_ahead(ckpt, refs, d2d, ahead, monkeypatch):
     """The three prompts prefill as one batch of 24 tokens x top-2, 6 pairs per expert: with
     --moe-stream-ahead each layer stages the next one's first ``AHEAD_GROUPS`` groups (of 2
-    experts; 6 of the 8 are on the host) before that layer's router runs; results are
-    unchanged."""
+    experts; 6 of the 8 are on the host) before that layer's router runs, and the first layer
+    stages its own before its mixer; results are unchanged."""
     from ft.moe.backends import offload
 
     monkeypatch.setattr(offload, "AHEAD_GROUPS", max(ahead, 1))
@@ -96,7 +96,7 @@ def test_a_long_batch_streams_the_next_layers_experts_ahead(ckpt, refs, d2d, ahe
         shared = llm.engine.executor.runner.moe.shared
         layers = llm.engine.stats().moe_layers
     assert_same(outs, refs[8192])
-    assert shared.ahead_used == (layers - 1) * ahead  # each layer after the first, its groups once
+    assert shared.ahead_used == layers * ahead  # each layer, its groups once
 
 
 def test_streamed_pairs_take_their_batchs_kernel_path(ckpt):
@@ -177,8 +177,8 @@ def test_pairs_of_lists_each_experts_pairs_in_order():
 @pytest.mark.parametrize(
     "options",
     [
-        {},
-        dict(moe_prefill_hit_d2d=True, moe_staging_experts=2),
+        dict(moe_stream_ahead=False),
+        dict(moe_prefill_hit_d2d=True, moe_staging_experts=2, moe_stream_ahead=False),
         dict(moe_stream_ahead=True, moe_staging_experts=2),
     ],
     ids=["streamed", "hits-d2d", "stream-ahead"],

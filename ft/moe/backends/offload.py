@@ -27,16 +27,17 @@ computes). A group runs the kernel on the pairs (token, k) routed into it, k = 1
 into an fp32 accumulator. Prefill never inserts into the cache (a long prompt would flush the
 decode working set); its accesses still count for the policy.
 
-Streaming ahead (``--moe-stream-ahead``; off by default until measured on a GPU): a batch with
+Streaming ahead (``--moe-stream-ahead``, on; ``--no-moe-stream-ahead`` turns it off): a batch with
 at least ``AHEAD_PAIRS`` (token, k) pairs per expert routes to nearly every expert of every
 layer, so the next layer's host-only experts are needed before its router says so. Once a layer
 has queued its last group, both staging buffers are filled with the next layer's first groups
 (``AHEAD_GROUPS``, the second once this layer's last group has read its buffer; the host-only
 experts it is predicted to use most: the prefetch router's picks, else the policy's use
 counts), so the copy engine keeps streaming through that layer's attention or GDN
-mixer and its router instead of idling until the router's ids reach the host. The next layer
-computes the staged experts that its routing hits and streams the rest; an expert staged but not
-routed to costs its copy, never a result.
+mixer and its router instead of idling until the router's ids reach the host. The first MoE
+layer of a prefill, which no layer before it stages for, stages its own before its mixer
+(``lookahead``). The next layer computes the staged experts that its routing hits and streams
+the rest; an expert staged but not routed to costs its copy, never a result.
 
 CUDA graphs: the host work sits behind ``split_point`` (``graph_split.py``), so a captured decode
 step breaks at each MoE layer to make the batch's experts resident, then replays the kernel,
@@ -74,7 +75,9 @@ except ImportError:  # no triton: the block never asks for it
 
 AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's first groups early
 # groups staged ahead (at most the two staging buffers): 1 gained 2% on the 8k prefill (554 ->
-# 542 ms, 16 layers, one H200, 2026-12-01); 2 keep both buffers streaming (not yet measured)
+# 542 ms, 16 layers, one H200, 2026-12-01); 1 and 2 on that cut 438 / 437 ms, link busy 84% /
+# 85% (2026-12-02, no same-day row without); 2 with the first layer's own staging on the full
+# 80B bf16 at --memory-ratio 0.94: 8k prefill 9,114 -> 10,990 tok/s (61 -> 74% of the link)
 AHEAD_GROUPS = min(2, max(1, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "2"))))  # a third would reuse a buffer
 
 
@@ -269,9 +272,18 @@ class OffloadBackend:
         return bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors, down=down)
 
     def lookahead(self, block, residual: torch.Tensor, norm) -> None:
-        """Before the layer's mixer (``SparseMoeBlock.lookahead``): with host reads' prefetch,
-        route the guess ``norm(residual)`` through this layer's router and start copying the
-        predicted host experts into the spare rows (``host_prefetch.py``)."""
+        """Before the layer's mixer (``SparseMoeBlock.lookahead``). Streaming ahead: a long batch
+        whose first groups the previous layer did not stage (the first MoE layer, or one after a
+        layer that did not stream) stages them now, so the link streams through this layer's
+        mixer and router as it does through the later layers'. With host reads' prefetch, route
+        the guess ``norm(residual)`` through this layer's router and start copying the predicted
+        host experts into the spare rows (``host_prefetch.py``)."""
+        if self._streams_ahead(len(residual), block.gate.top_k):
+            staged = self.shared.ahead
+            # a decode batch is left to the previous layer: it may find its experts in the cache
+            if not decode_only() and not capturing() and (staged is None or staged.backend is not self):
+                self.stage_first_groups(None)
+            return
         reads = self.reads
         if reads is None or self.spare is None or not host_prefetch.ROWS:
             return
@@ -337,8 +349,8 @@ class OffloadBackend:
         # its term, as the fused call adds it after the routed ones (issued now, added last)
         shared_term = shared_pair_alone(x, shared).float() if shared is not None else None
         self._prefetch_next(pred_h)  # before staging ahead: the next layer waits for it, not them
-        if sh.stream_ahead and len(x) * weights.shape[1] >= AHEAD_PAIRS * self.store.num_experts:
-            self._stage_ahead(pred_h)
+        if self.next is not None and self._streams_ahead(len(x), weights.shape[1]):
+            self.next.stage_first_groups(pred_h)
         if on_cpu is not None:  # the host computes its share while the GPU runs what it was given
             on_cpu.add_to(bank, self.store, out)
         if shared_term is not None:
@@ -350,25 +362,34 @@ class OffloadBackend:
         none here (``host_only``: those the batch would copy from the host store)."""
         return None
 
-    def _stage_ahead(self, pred_h: np.ndarray | None) -> None:
-        """Stage the next layer's likeliest host-only experts into ``AHEAD_GROUPS`` groups: the
-        first into the buffer this layer's second-to-last group freed, the second into the one
-        its last group is reading (its copy waits for that kernel), so that both buffers stream
-        through the next layer's mixer and router."""
-        nxt = self.next
-        if nxt is None or nxt.map is None:
-            return
-        host_only = nxt.map.absent()
+    def _streams_ahead(self, tokens: int, top_k: int) -> bool:
+        """Whether a batch of ``tokens`` stages layers' first groups ahead of their routers
+        (``--moe-stream-ahead``): at least ``AHEAD_PAIRS`` (token, k) pairs per expert, so it
+        routes to nearly every expert of every layer."""
+        sh = self.shared
+        return (
+            sh.stream_ahead
+            and sh.staging is not None
+            and tokens * top_k >= AHEAD_PAIRS * self.store.num_experts
+        )
+
+    def stage_first_groups(self, pred_h: np.ndarray | None) -> None:
+        """Stage this layer's likeliest host-only experts into ``AHEAD_GROUPS`` groups before its
+        router runs (``pred_h``: the prefetch router's picks for it, else the policy's use counts
+        rank them). Called by the previous layer once it has queued its last group: the first
+        goes into the buffer that layer's second-to-last group freed, the second into the one its
+        last group is reading (its copy waits for that kernel), so that both buffers stream
+        through this layer's mixer and router; or by this layer's lookahead, before its mixer."""
+        host_only = self.map.absent() if self.map is not None else []
         if len(host_only) == 0:
             return
-        use = (
-            nxt.map.freq if pred_h is None else np.bincount(pred_h.reshape(-1), minlength=nxt.map.num_experts)
-        )
+        freq = self.map.freq
+        use = freq if pred_h is None else np.bincount(pred_h.reshape(-1), minlength=len(freq))
         rows = self.shared.staging.rows
         ranked = host_only[np.argsort(-use[host_only], kind="stable")][: AHEAD_GROUPS * rows]
         groups = [np.sort(ranked[i : i + rows]) for i in range(0, len(ranked), rows)]
-        before = self.shared.transfer.record_copies()  # what the next layer waits for at its start
-        self.shared.ahead = Ahead(nxt, groups, [nxt._stage(group) for group in groups], before)
+        before = self.shared.transfer.record_copies()  # what this layer waits for at its start
+        self.shared.ahead = Ahead(self, groups, [self._stage(group) for group in groups], before)
 
     def _stage(self, group: np.ndarray) -> tuple[int, torch.cuda.Event | None]:
         """Copy a group of experts into the next staging buffer; returns the buffer and the event
