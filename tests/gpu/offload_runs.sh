@@ -7,7 +7,8 @@
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
 #            under 16 GiB (about two thirds resident), where a launch is a larger share (~5 min)
 #   prefill  the 16-layer cut's 8k prefill profiled (TIMELINE: why each large gap of the link),
-#            streaming ahead off (compiling), one group ahead, two (the default), off again (~8 min)
+#            streaming ahead off (compiling), two groups ahead (the default), the same with the
+#            pairs grouped on the device (FT_MOE_DEVICE_PAIRS=1), off again (~8 min)
 #   bench    the full Qwen3-Next-80B-A3B in bf16, uniform routing: batch 1, 8k and 32k prefill
 #            with the chunk the engine now picks (16384), each prefill's share of the link
 #            (~6 min: 215 s of it loading). --max-running-requests 8 as in the earlier rows: each
@@ -38,14 +39,18 @@ decode)
   grep -hE "tok/s" "$out/decode.log" "$out/decode_nvfp4.log" | cut -c1-200
   ;;
 prefill)
-  for ahead in 0 1 2 0; do  # the first run compiles (cold machine: 2026-12-02's ran past 170 s); the last is the warm control
-    flags=(STREAM_AHEAD=0)
-    [[ $ahead != 0 ]] && flags=(STREAM_AHEAD=1 FT_MOE_AHEAD_GROUPS=$ahead)
+  # the first run compiles (a cold machine's passed 170 s on 2026-12-02); the last is the warm control
+  for variant in off ahead2 pairs off; do
+    case $variant in
+    off) flags=(STREAM_AHEAD=0) ;;
+    ahead2) flags=(STREAM_AHEAD=1) ;;                      # the defaults: two groups ahead
+    pairs) flags=(STREAM_AHEAD=1 FT_MOE_DEVICE_PAIRS=1) ;;  # and the pairs grouped on the device
+    esac
     env "${flags[@]}" PROFILE_CPU=1 TIMELINE=1 PROFILE_STACK=1 timeout 300 \
-      python3 tests/gpu/profile_offload_prefill.py "$next" 16 0.6 8000 "$out/prefill_ahead$ahead.log" \
-      >"$out/prefill_ahead$ahead.out" 2>&1
-    echo "ahead $ahead: $(grep -E '^== prefill' "$out/prefill_ahead$ahead.log")"
-    grep -E "^  link idle" "$out/prefill_ahead$ahead.log" | head -4
+      python3 tests/gpu/profile_offload_prefill.py "$next" 16 0.6 8000 "$out/prefill_$variant.log" \
+      >"$out/prefill_$variant.out" 2>&1
+    echo "$variant: $(grep -E '^== prefill' "$out/prefill_$variant.log")"
+    grep -E "^  link idle" "$out/prefill_$variant.log" | head -4
   done
   ;;
 bench)

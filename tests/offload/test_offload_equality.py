@@ -154,6 +154,52 @@ def test_a_streamed_layer_uploads_its_pairs_once(ckpt, refs, monkeypatch):
     assert streamed and len(uploads) == len(streamed)  # one a streamed layer, whatever its groups
 
 
+def test_device_runs_equal_the_hosts_grouping():
+    """``device_runs`` gives ``upload_pairs`` of ``Pairs.of``'s runs: the same tokens, pair
+    weights and weight rows in the same order, for runs with given rows (the hits' slots), an
+    empty run, experts routed to but in no run (left out) and experts in a run but not routed."""
+    import numpy as np
+
+    from ft.moe.backends.pairs import Pairs, device_runs, upload_pairs
+
+    rng = np.random.default_rng(3)
+    num_experts, k = 12, 3
+    ids_h = np.stack([rng.choice(num_experts, k, replace=False) for _ in range(40)])
+    weights = torch.rand(40, k)
+    calls = [
+        (np.array([1, 4, 7]), np.array([9, 0, 5])),
+        (np.zeros(0, np.int64), np.zeros(0, np.int64)),
+        (np.array([0, 2, 3]), np.arange(3)),
+        (np.array([11, 5, 8]), np.arange(3)),  # 6, 9, 10: in no run
+    ]
+    grouped = Pairs(ids_h, num_experts)
+    want = upload_pairs([grouped.of(*c) for c in calls], weights)
+    got = device_runs(torch.from_numpy(ids_h), weights, calls, np.bincount(ids_h.reshape(-1), minlength=12))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert torch.equal(a, b)
+    assert sum(len(g[0]) for g in got) == 40 * k - sum((ids_h == e).sum() for e in (6, 9, 10))
+
+
+@pytest.mark.parametrize("options", [dict(moe_stream_ahead=False), dict(moe_prefill_hit_d2d=True)])
+def test_pairs_grouped_on_the_device_give_the_same_outputs(ckpt, refs, monkeypatch, options):
+    """With ``pairs.DEVICE_PAIRS`` every streamed layer groups its pairs with ``device_runs`` and
+    none with ``Pairs``; the outputs are the resident backend's."""
+    from ft.moe.backends import pairs
+
+    grouped = []
+    real = pairs.device_runs
+    monkeypatch.setattr(pairs, "DEVICE_PAIRS", True)
+    monkeypatch.setattr(pairs, "device_runs", lambda *a: (grouped.append(1), real(*a))[1])
+    monkeypatch.setattr(pairs, "Pairs", None)  # the host's grouping is not called
+    options = dict(options, expert_cache_fraction=0.25, moe_staging_experts=2)
+    with engine(ckpt, moe_backend="offload", **options) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+    assert_same(outs, refs[8192])
+    assert grouped
+
+
 def test_pairs_of_lists_each_experts_pairs_in_order():
     """``Pairs.of``: the pairs routed to each expert asked for, in the order asked, each expert's
     ascending, with the weight row given for it (default its position) — against a scan."""

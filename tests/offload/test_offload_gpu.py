@@ -72,6 +72,20 @@ def test_fp32_offload_equals_resident_exactly(ckpt):
         assert all(info["pinned"]) and info["stats"].moe_bytes_h2d > 0
 
 
+def test_fp32_offload_with_pairs_grouped_on_the_device_equals_resident_exactly(ckpt, monkeypatch):
+    """``pairs.DEVICE_PAIRS``: the streamed layers' pairs sorted on the GPU give the same runs,
+    so the same bits as the resident backend."""
+    from ft.moe.backends import pairs
+
+    monkeypatch.setattr(pairs, "DEVICE_PAIRS", True)
+    want, _ = generate(ckpt, dtype="float32", moe_backend="gpu")
+    for options in (OFFLOAD, dict(OFFLOAD, moe_prefill_hit_d2d=True)):
+        got, info = generate(ckpt, dtype="float32", **options)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert max_logprob_diff(got, want) == 0.0
+        assert info["stats"].moe_bytes_h2d > 0
+
+
 def test_bf16_offload_with_graphed_decode_equals_resident(ckpt, copying_decode):
     want, ref_info = generate(ckpt, dtype="bfloat16", moe_backend="gpu")
     got, info = generate(ckpt, dtype="bfloat16", **OFFLOAD)

@@ -57,14 +57,14 @@ import torch
 from torch.profiler import record_function
 
 from ft.forward_context import get_forward_context
-from ft.moe.backends import host_prefetch
+from ft.moe.backends import host_prefetch, pairs
 from ft.moe.backends.expert_cache import ExpertCache, unique
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.host_prefetch import Spare, routes
 from ft.moe.backends.host_reads import HostReads, route_and_count, route_rows
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout
-from ft.moe.backends.pairs import Pairs, run_pairs, upload_pairs
+from ft.moe.backends.pairs import run_pairs
 from ft.moe.backends.prefetch import Prefetch
 from ft.moe.backends.transfer import Transfer
 
@@ -191,7 +191,7 @@ class OffloadBackend:
             prefetch()
             return out
         with record_function("ft.offload.stream"):
-            return self._stream(bank, x, weights, ids_h, experts, pred_h, ahead, shared)
+            return self._stream(bank, x, weights, (ids, ids_h), experts, pred_h, ahead, shared)
 
     # ---- host side (eager, or at a graph break)
     def _predict(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -304,13 +304,14 @@ class OffloadBackend:
         bank,
         x,
         weights,
-        ids_h: np.ndarray,
+        routed: tuple[torch.Tensor, np.ndarray],
         experts: np.ndarray,
         pred_h,
         ahead: Ahead | None,
         shared=None,
     ) -> torch.Tensor:
         sh, st = self.shared, self.shared.staging
+        ids, ids_h = routed  # [T, k] on the device and on the host
         hit = self.map.classify(experts)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         early = np.isin(experts, ahead.experts) if ahead is not None else np.zeros(len(experts), dtype=bool)
@@ -333,11 +334,14 @@ class OffloadBackend:
             on_cpu.start(x, weights)
         # the pairs are grouped once the first copies are on their way (the link waits for nothing),
         # unless the CPU's share grouped them already
-        pairs = on_cpu.pairs if on_cpu is not None else Pairs(ids_h, self.store.num_experts)
         resident = experts[in_place]
-        runs = upload_pairs(
-            [pairs.of(resident, self.map.slot_of[resident])] + [pairs.of(group) for group in groups], weights
-        )
+        calls = [(resident, self.map.slot_of[resident])] + [(g, np.arange(len(g))) for g in groups]
+        if on_cpu is None and pairs.DEVICE_PAIRS:
+            counts = np.bincount(ids_h.reshape(-1), minlength=self.store.num_experts)
+            runs = pairs.device_runs(ids, weights, calls, counts)
+        else:
+            grouped = on_cpu.pairs if on_cpu is not None else pairs.Pairs(ids_h, self.store.num_experts)
+            runs = pairs.upload_pairs([grouped.of(*call) for call in calls], weights)
         run_pairs(bank, self.cache.tensors, x, out, *runs[0])
         for g in range(len(groups)):
             buf, event = ready[g]

@@ -6,10 +6,19 @@ is staged where, and when, is theirs."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from ft.utils import upload
+
+# The pairs grouped on the device (``device_runs``) instead of on the host (``Pairs`` +
+# ``upload_pairs``): the same runs bit for bit, with O(E) host work instead of O(T·k). OFF until
+# timed on a GPU (FT_MOE_DEVICE_PAIRS=1 turns it on for a process and the ranks it spawns). The
+# 16-layer cut's 8k prefill on 2026-12-02 had the link idle 2.6 ms (one host) to 6-9 ms (another)
+# while the host grouped a layer's 80k pairs; this CPU machine takes ~5 ms for them.
+DEVICE_PAIRS = os.environ.get("FT_MOE_DEVICE_PAIRS", "0") != "0"
 
 
 class Pairs:
@@ -53,6 +62,40 @@ def upload_pairs(
     for r in runs:
         m = len(r[0])
         out.append((dev[n + at : n + at + m], pair_w[at : at + m], dev[2 * n + at : 2 * n + at + m]))
+        at += m
+    return out
+
+
+def device_runs(
+    ids: torch.Tensor, weights: torch.Tensor, runs: list[tuple[np.ndarray, np.ndarray]], counts: np.ndarray
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``upload_pairs([Pairs(ids_h, E).of(experts, rows) for experts, rows in runs], weights)``
+    computed on ``ids``' device: ``ids`` [T, k] the batch's routed experts there, ``runs`` the
+    (experts, weight rows) of each kernel call, an expert in one run at most, ``counts`` [E] the
+    batch's pairs per expert (on the host). The host uploads each expert's position in the runs
+    and its weight row ([E] each); the device sorts the batch's pairs by position. The sort is
+    stable, so an expert's pairs keep their ascending order, and the runs come out as the
+    host's grouping gives them, the same tokens, weights and rows in the same order."""
+    num_experts, k = len(counts), ids.shape[1]
+    position = np.full(num_experts, num_experts, np.int64)  # experts in no run sort last, unused
+    row_of = np.zeros(num_experts, np.int64)
+    sizes, at = [], 0
+    for experts, rows in runs:
+        position[experts] = at + np.arange(len(experts))
+        row_of[experts] = rows
+        at += len(experts)
+        sizes.append(int(counts[experts].sum()))
+    tables = upload(torch.from_numpy(np.concatenate([position, row_of])), ids.device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(tables[:num_experts][flat], stable=True)  # [T*k] pairs by position
+    n = sum(sizes)
+    order = order[:n]
+    tok = order // k
+    pair_w = weights.reshape(-1)[order].unsqueeze(1)  # [P, 1]
+    rows = tables[num_experts:][flat[order]]
+    out, at = [], 0
+    for m in sizes:
+        out.append((tok[at : at + m], pair_w[at : at + m], rows[at : at + m]))
         at += m
     return out
 
