@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|bench|bench8k|census|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|bench8k|census|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -9,6 +9,8 @@
 #   prefill  the 16-layer cut's 8k prefill profiled (TIMELINE: why each large gap of the link),
 #            streaming ahead off (compiling), two groups ahead (the default), the same with the
 #            pairs grouped on the device (FT_MOE_DEVICE_PAIRS=1), off again (~8 min)
+#   prefill16k  the same cut's 16k prefill (one chunk), the hits in place before or after the
+#            first group staged ahead (FT_MOE_HITS_AFTER_AHEAD; ~7 min)
 #   bench    the full Qwen3-Next-80B-A3B in bf16, uniform routing: batch 1, 8k and 32k prefill
 #            with the chunk the engine now picks (16384), each prefill's share of the link
 #            (~6 min: 215 s of it loading). --max-running-requests 8 as in the earlier rows: each
@@ -51,6 +53,18 @@ prefill)
       >"$out/prefill_$variant.out" 2>&1
     echo "$variant: $(grep -E '^== prefill' "$out/prefill_$variant.log")"
     grep -E "^  link idle" "$out/prefill_$variant.log" | head -4
+  done
+  ;;
+prefill16k)
+  # one 16k chunk, where the two groups staged ahead land during the mixer: the hits first (the
+  # default; the first run compiles), the first group before the hits (FT_MOE_HITS_AFTER_AHEAD=1)
+  for variant in first first after first; do
+    flags=(FT_MOE_HITS_AFTER_AHEAD=0)
+    [[ $variant == after ]] && flags=(FT_MOE_HITS_AFTER_AHEAD=1)
+    env "${flags[@]}" TIMELINE=1 timeout 300 \
+      python3 tests/gpu/profile_offload_prefill.py "$next" 16 0.6 16000 "$out/prefill16k_$variant.log" \
+      >"$out/prefill16k_$variant.out" 2>&1
+    echo "hits $variant: $(grep -E '^== prefill' "$out/prefill16k_$variant.log")"
   done
   ;;
 bench)

@@ -99,6 +99,38 @@ def test_a_long_batch_streams_the_next_layers_experts_ahead(ckpt, refs, d2d, ahe
     assert shared.ahead_used == layers * ahead  # each layer, its groups once
 
 
+@pytest.mark.parametrize("d2d", [False, True])
+def test_hits_after_the_first_group_staged_ahead(ckpt, refs, d2d, monkeypatch):
+    """``offload.HITS_AFTER_AHEAD``: a layer with groups staged ahead computes its first group,
+    then its hits in place (with --moe-prefill-hit-d2d there are none), then the rest; a layer
+    without (streaming ahead off) its hits first. The outputs stay the resident backend's."""
+    from ft.moe.backends import offload
+
+    monkeypatch.setattr(offload, "HITS_AFTER_AHEAD", True)
+    real, order = offload.run_pairs, []
+
+    def spy(bank, tensors, x, out, tok, *rest):
+        order.append((id(out), "staged" if any(tensors is t for t in staging.tensors) else "hits", len(tok)))
+        return real(bank, tensors, x, out, tok, *rest)
+
+    monkeypatch.setattr(offload, "run_pairs", spy)
+    options = dict(expert_cache_fraction=0.25, moe_staging_experts=2, moe_prefill_hit_d2d=d2d)
+    for ahead in (True, False):
+        order.clear()
+        with engine(ckpt, moe_backend="offload", moe_stream_ahead=ahead, **options) as llm:
+            staging = llm.engine.executor.runner.moe.shared.staging
+            outs = llm.generate(PROMPTS, PARAMS)
+        assert_same(outs, refs[8192])
+        layers = {}
+        for out, kind, n in order:
+            if n:  # a call with pairs (with d2d the hits' call has none)
+                layers.setdefault(out, []).append(kind)
+        prefill = [kinds for kinds in layers.values() if len(kinds) > 1]  # the streamed layers' calls
+        assert prefill
+        want = (["staged", "hits"] if ahead else ["hits", "staged"]) if not d2d else ["staged", "staged"]
+        assert all(kinds[:2] == want for kinds in prefill), prefill
+
+
 def test_streamed_pairs_take_their_batchs_kernel_path(ckpt):
     """Every kernel call of a streamed batch is told the batch's size (``batch_tokens``), so a GPU
     kernel that picks GEMV or MMA by size picks for the pairs what it picks for the batch."""

@@ -72,12 +72,15 @@ def test_fp32_offload_equals_resident_exactly(ckpt):
         assert all(info["pinned"]) and info["stats"].moe_bytes_h2d > 0
 
 
-def test_fp32_offload_with_pairs_grouped_on_the_device_equals_resident_exactly(ckpt, monkeypatch):
-    """``pairs.DEVICE_PAIRS``: the streamed layers' pairs sorted on the GPU give the same runs,
-    so the same bits as the resident backend."""
-    from ft.moe.backends import pairs
+@pytest.mark.parametrize("switch", ["pairs:DEVICE_PAIRS", "offload:HITS_AFTER_AHEAD"])
+def test_fp32_offload_with_a_prefill_switch_equals_resident_exactly(ckpt, monkeypatch, switch):
+    """``pairs.DEVICE_PAIRS`` (the streamed layers' pairs sorted on the GPU: the same runs) and
+    ``offload.HITS_AFTER_AHEAD`` (the hits after the first group staged ahead) keep the
+    resident backend's outputs."""
+    import importlib
 
-    monkeypatch.setattr(pairs, "DEVICE_PAIRS", True)
+    module, attr = switch.split(":")
+    monkeypatch.setattr(importlib.import_module(f"ft.moe.backends.{module}"), attr, True)
     want, _ = generate(ckpt, dtype="float32", moe_backend="gpu")
     for options in (OFFLOAD, dict(OFFLOAD, moe_prefill_hit_d2d=True)):
         got, info = generate(ckpt, dtype="float32", **options)

@@ -79,6 +79,13 @@ AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's f
 # 85% (2026-12-02, no same-day row without); 2 with the first layer's own staging on the full
 # 80B bf16 at --memory-ratio 0.94: 8k prefill 9,114 -> 10,990 tok/s (61 -> 74% of the link)
 AHEAD_GROUPS = min(2, max(1, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "2"))))  # a third would reuse a buffer
+# A layer whose first groups were staged ahead computes its first group before its hits in place,
+# so the third group's copy (waiting for that buffer) overlaps the hits' compute. Expected to
+# matter where a chunk's mixer outlasts the two staged groups' copies, so both have landed when
+# the layer's MoE starts and the link idles through the hits (16k chunks: the full 80B's 32k
+# prefill streamed at 50% of the link, 2026-12-02). OFF until timed on a GPU
+# (FT_MOE_HITS_AFTER_AHEAD=1 turns it on for a process and the ranks it spawns).
+HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "0") != "0"
 
 
 class Staging:
@@ -342,7 +349,12 @@ class OffloadBackend:
         else:
             grouped = on_cpu.pairs if on_cpu is not None else pairs.Pairs(ids_h, self.store.num_experts)
             runs = pairs.upload_pairs([grouped.of(*call) for call in calls], weights)
-        run_pairs(bank, self.cache.tensors, x, out, *runs[0])
+        # the hits in place first, unless a group staged ahead can go first: its kernel frees a
+        # buffer, so the third group streams while the hits compute (the order is fixed by whether
+        # groups were staged ahead, not by timing: the same sums every run)
+        hits_later = HITS_AFTER_AHEAD and ahead is not None and len(ahead.groups) > 0
+        if not hits_later:
+            run_pairs(bank, self.cache.tensors, x, out, *runs[0])
         for g in range(len(groups)):
             buf, event = ready[g]
             sh.transfer.wait(event)
@@ -350,6 +362,8 @@ class OffloadBackend:
             st.free_after[buf] = sh.transfer.record_main()
             if g + 2 < len(groups):
                 ready[g + 2] = self._stage(groups[g + 2])
+            if g == 0 and hits_later:
+                run_pairs(bank, self.cache.tensors, x, out, *runs[0])
         # its term, as the fused call adds it after the routed ones (issued now, added last)
         shared_term = shared_pair_alone(x, shared).float() if shared is not None else None
         self._prefetch_next(pred_h)  # before staging ahead: the next layer waits for it, not them
