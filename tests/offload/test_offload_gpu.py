@@ -12,6 +12,8 @@ segmented CUDA graphs, against the resident backend.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -63,30 +65,20 @@ def max_logprob_diff(a, b, decode: bool = True) -> float:
 ckpt = family_checkpoints(seed=31, weight_scale=0.8)
 
 
-def test_fp32_offload_equals_resident_exactly(ckpt):
+@pytest.mark.parametrize("switch", [None, "pairs:DEVICE_PAIRS", "offload:HITS_AFTER_AHEAD"])
+def test_fp32_offload_equals_resident_exactly(ckpt, monkeypatch, switch):
+    """Also with a prefill switch on: ``pairs.DEVICE_PAIRS`` (the streamed layers' pairs sorted
+    on the GPU: the same runs) and ``offload.HITS_AFTER_AHEAD`` (the hits after the first group
+    staged ahead)."""
+    if switch is not None:
+        module, attr = switch.split(":")
+        monkeypatch.setattr(importlib.import_module(f"ft.moe.backends.{module}"), attr, True)
     want, _ = generate(ckpt, dtype="float32", moe_backend="gpu")
     for options in (OFFLOAD, dict(OFFLOAD, moe_prefill_hit_d2d=True, expert_cache_policy="lfu")):
         got, info = generate(ckpt, dtype="float32", **options)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert max_logprob_diff(got, want) == 0.0
         assert all(info["pinned"]) and info["stats"].moe_bytes_h2d > 0
-
-
-@pytest.mark.parametrize("switch", ["pairs:DEVICE_PAIRS", "offload:HITS_AFTER_AHEAD"])
-def test_fp32_offload_with_a_prefill_switch_equals_resident_exactly(ckpt, monkeypatch, switch):
-    """``pairs.DEVICE_PAIRS`` (the streamed layers' pairs sorted on the GPU: the same runs) and
-    ``offload.HITS_AFTER_AHEAD`` (the hits after the first group staged ahead) keep the
-    resident backend's outputs."""
-    import importlib
-
-    module, attr = switch.split(":")
-    monkeypatch.setattr(importlib.import_module(f"ft.moe.backends.{module}"), attr, True)
-    want, _ = generate(ckpt, dtype="float32", moe_backend="gpu")
-    for options in (OFFLOAD, dict(OFFLOAD, moe_prefill_hit_d2d=True)):
-        got, info = generate(ckpt, dtype="float32", **options)
-        assert [o.token_ids for o in got] == [o.token_ids for o in want]
-        assert max_logprob_diff(got, want) == 0.0
-        assert info["stats"].moe_bytes_h2d > 0
 
 
 def test_bf16_offload_with_graphed_decode_equals_resident(ckpt, copying_decode):
