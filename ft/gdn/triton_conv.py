@@ -60,6 +60,8 @@ def _conv_out_kernel(
     qlen = tl.load(cu_seqlens + b + 1).to(tl.int64) - bos
     if tb * BLOCK_T >= qlen:
         return
+    # a scalar flag: masks take it through tl.where (triton 3.9's interpreter makes a scalar bool
+    # and a bool block an int32 mask, which its loads refuse)
     has_hist = tl.load(context_lens + b) > 0
     slot = tl.load(state_slots + b).to(tl.int64)
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -70,7 +72,7 @@ def _conv_out_kernel(
         p = t - (KC - 1) + j  # input position relative to the chunk; < 0 reads the history
         wj = tl.load(w + c * s_wc + j, mask=c < C, other=0.0).to(tl.float32)
         xin = tl.load(x + (bos + p)[:, None] * s_xt + c[None, :], mask=live & (p >= 0)[:, None], other=0.0)
-        hmask = live & (p < 0)[:, None] & has_hist
+        hmask = tl.where(has_hist, live & (p < 0)[:, None], False)
         hin = tl.load(
             conv_state + slot * s_ss + c[None, :] * s_sc + (KC - 1 + p)[:, None], mask=hmask, other=0.0
         )
@@ -109,7 +111,7 @@ def _conv_state_kernel(
     from_x = (idx >= KC - 1)[None, :]
     xin = tl.load(x + (bos + idx - (KC - 1))[None, :] * s_xt + c[:, None], mask=live & from_x, other=0.0)
     base = conv_state + slot * s_ss + c[:, None] * s_sc
-    hin = tl.load(base + idx[None, :], mask=live & ~from_x & has_hist, other=0.0)
+    hin = tl.load(base + idx[None, :], mask=tl.where(has_hist, live & ~from_x, False), other=0.0)
     # each program owns its (slot, channel block): all loads above happen before this store
     tl.store(base + m[None, :], tl.where(from_x, xin.to(hin.dtype), hin), mask=live)
 
@@ -145,8 +147,9 @@ def _conv_decode_kernel(
     slot = tl.load(state_slots + b).to(tl.int64)
     base = conv_state + slot * s_ss + c[:, None] * s_sc
     live = cmask[:, None] & (m < KC - 1)[None, :]  # [BC, KP]
-    hist = tl.load(base + m[None, :], mask=live & has_hist, other=0.0)
-    ahead = tl.load(base + m[None, :] + 1, mask=live & (m < KC - 2)[None, :] & has_hist, other=0.0)
+    hist = tl.load(base + m[None, :], mask=tl.where(has_hist, live, False), other=0.0)
+    ahead_cols = live & (m < KC - 2)[None, :]
+    ahead = tl.load(base + m[None, :] + 1, mask=tl.where(has_hist, ahead_cols, False), other=0.0)
     xin = tl.load(x + b * s_xt + c, mask=cmask, other=0.0)  # [BC]
     acc = tl.zeros([BLOCK_C], tl.float32)
     for j in tl.static_range(KC):

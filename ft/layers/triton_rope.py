@@ -75,7 +75,7 @@ def _qk_norm_rope_kernel(
         slot = tl.load(slots + t)
         at = tl.maximum(slot, 0)  # a padding row's address, never written through
         row = (at // PAGE) * s_cb + (at % PAGE) * s_cs + kh * s_ch  # [HEADS, 1]
-        kv = mask & (head >= HQ) & (slot >= 0)
+        kv = tl.where(slot >= 0, mask & (head >= HQ), False)  # a scalar flag via tl.where, as in triton_conv
         tl.store(k_cache + row + d, y.to(k_cache.dtype.element_ty), mask=kv)
         vt = tl.load(v + t * s_vt + kh * s_vh + d, mask=kv)
         tl.store(v_cache + row + d, vt.to(v_cache.dtype.element_ty), mask=kv)
