@@ -1,7 +1,7 @@
 """The MoE block's Triton kernels, the attention's q/k norm + rope, the split-K dense GEMV and the
 router GEMV with its top-k epilogue, run by Triton's interpreter on CPU tensors.
 
-Skipped where triton is not installed (CPU CI); ``tests/gpu/test_moe_fusions.py`` checks the
+Skipped without triton (CI has it); ``tests/gpu/test_moe_fusions.py`` checks the
 compiled kernels on a GPU. The interpreter is chosen when a kernel is decorated, so each check
 runs in a fresh process with ``TRITON_INTERPRET=1``. It truncates fp32 -> bf16 where the GPU
 rounds to nearest, so exact rounding is checked in fp16 and fp32 only.
@@ -169,10 +169,11 @@ def check_qk_norm_rope() -> None:
     from ft.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(1)
+    triton_rope.PREFILL_TOKENS = 16  # eight heads a program from 16 tokens (shipped: 64; the interpreter)
     for t, (hq, hkv, d, rot, zc) in [
         (3, (5, 2, 64, 32, True)),
-        (70, (5, 2, 64, 32, True)),
-        (64, (6, 1, 32, 32, False)),
+        (22, (5, 2, 64, 32, True)),
+        (16, (6, 1, 32, 32, False)),
     ]:
         rope = RotaryEmbedding(d, rot, 1e6)
         norms = [RMSNorm(d, 1e-6, zc) for _ in range(2)]
@@ -189,7 +190,7 @@ def check_qk_norm_rope() -> None:
         triton_rope.PREFILL_TOKENS = 10**9  # the same call a head per program
         for g, o in zip(got, triton_rope.qk_norm_rope(*args)):
             assert torch.equal(g, o), t
-        triton_rope.PREFILL_TOKENS = 64
+        triton_rope.PREFILL_TOKENS = 16
 
 
 def check_moe_gemv_shared_pair() -> None:
@@ -439,11 +440,8 @@ def check_fused_router() -> None:
         ((512, 10, True), 1, 2048, True),
         ((512, 10, True), 2, 512, False),
         ((512, 10, True), 3, 512, True),
-        ((512, 10, True), 4, 2048, True),
-        ((128, 8, False), 1, 512, True),
         ((128, 8, False), 2, 300, True),
-        ((128, 8, False), 3, 512, False),
-        ((128, 8, False), 4, 1000, True),
+        ((128, 8, False), 4, 1000, False),
     ):
         x = torch.randn(t, h, generator=gen).half()
         w = (torch.randn(e + gate, h, generator=gen) * h**-0.5).half()
