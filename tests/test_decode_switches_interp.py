@@ -59,11 +59,12 @@ def check_conv_decode_one_launch() -> None:
 def down_switch_changes_no_bit(switch: str) -> None:
     """A down-kernel switch of ``triton_moe_gemv`` gives the same bits on and off: bf16-free formats
     (fp16 and NVFP4 with fp16 arithmetic checked exactly), k = 0 (the shared term alone), 1, 3 and
-    10, I over one K chunk and over several, with and without a shared expert; every ticket
-    counter is back at zero after it."""
+    10, I over one K chunk and over several, with and without a shared expert, H over several row
+    blocks, each launch's programs in a random order; every ticket counter is back at zero after it."""
     from ft.layers import triton_gemv
     from ft.moe.kernels import triton_moe_gemv as mod
     from tests.nvfp4.test_w4a16_gpu import random_bank
+    from tests.test_moe_fusions_interp import programs_shuffled
 
     gen = torch.Generator().manual_seed(1)
     e, h, t = 12, 320, 3  # H: two row blocks and a tail at the interpreter's down tiles
@@ -91,7 +92,8 @@ def down_switch_changes_no_bit(switch: str) -> None:
         outs = []
         for on in (False, True):
             setattr(mod, switch, on)
-            outs.append(mod.launch_moe_gemv(x, w13, w2, weights, ids, pair))
+            with programs_shuffled(k + inter):  # else a row block's pairs always finish in order
+                outs.append(mod.launch_moe_gemv(x, w13, w2, weights, ids, pair))
         require(
             torch.equal(outs[0], outs[1]), f"{switch} k={k} I={inter} {fmt} shared={shared}: results differ"
         )
