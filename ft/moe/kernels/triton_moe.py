@@ -71,22 +71,12 @@ def _grouped_gemm_kernel(
 ):
     wait_for_previous(USE_PDL)
     # c[rows] = f(a[rows] @ b[e].T) for one BLOCK_M run of (token, k) pairs that share expert e
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(EM, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = pair_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded):
         return
-    e = tl.load(block_expert + pid_m).to(tl.int64)
-    rows = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # flat pair ids [BM]
-    rmask = rows < num_pairs
-    a_rows = (rows // TOPK) if A_PER_TOKEN else rows
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    e, rows, rmask, a_rows, n, nmask = tile_pairs(
+        pid_m, pid_n, sorted_ids, block_expert, num_pairs, N, TOPK, A_PER_TOKEN, BLOCK_M, BLOCK_N
+    )
     kk = tl.arange(0, BLOCK_K)
     a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
     b_ptr = b + e * s_be + n[None, :].to(tl.int64) * s_bn + kk[:, None]  # [BK, BN]
@@ -112,6 +102,42 @@ def _grouped_gemm_kernel(
         b_ptr += BLOCK_K
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
+    store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, MUL_W)
+
+
+@triton.jit
+def pair_tile(pid, EM, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # a grouped GEMM program -> (its BLOCK_M rows of the sorted pairs, its BLOCK_N columns), the
+    # programs of GROUP_M consecutive row blocks taking each column block in turn (their experts'
+    # columns stay in L2 across those row blocks)
+    num_m = tl.cdiv(EM, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def tile_pairs(
+    pid_m, pid_n, sorted_ids, block_expert, num_pairs, N,
+    TOPK: tl.constexpr, A_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # a tile's expert, its flat pair ids [BM] (the padding's id, num_pairs, masked off), the input
+    # row each reads (its token's, or its own), and its output columns [BN]
+    e = tl.load(block_expert + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rmask = rows < num_pairs
+    a_rows = (rows // TOPK) if A_PER_TOKEN else rows
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, rows, rmask, a_rows, n, n < N
+
+
+@triton.jit
+def store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, MUL_W: tl.constexpr):
+    # a tile's fp32 results, times each pair's routing weight (``MUL_W``), into its rows of c
     if MUL_W:
         acc = acc * tl.load(topk_w + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     c_ptr = c + rows[:, None].to(tl.int64) * s_cm + n[None, :]

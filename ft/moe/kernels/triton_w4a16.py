@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_combine import sum_topk
-from ft.moe.kernels.triton_moe import align_by_expert, pick_config
+from ft.moe.kernels.triton_moe import align_by_expert, pair_tile, pick_config, store_pairs, tile_pairs
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 
 UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
@@ -109,22 +109,12 @@ def _w4a16_gemm_kernel(
 ):
     wait_for_previous(USE_PDL)
     # c[rows] = f(g[e] · (a[rows] @ W[e].T)) for one BLOCK_M run of (token, k) pairs sharing expert e
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(EM, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = pair_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded):
         return
-    e = tl.load(block_expert + pid_m).to(tl.int64)
-    rows = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # flat pair ids [BM]
-    rmask = rows < num_pairs
-    a_rows = (rows // TOPK) if A_PER_TOKEN else rows
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    e, rows, rmask, a_rows, n, nmask = tile_pairs(
+        pid_m, pid_n, sorted_ids, block_expert, num_pairs, N, TOPK, A_PER_TOKEN, BLOCK_M, BLOCK_N
+    )
     kk = tl.arange(0, BLOCK_K)
     kb = tl.arange(0, BLOCK_K // 2)
     ks = tl.arange(0, BLOCK_K // 16)
@@ -176,10 +166,7 @@ def _w4a16_gemm_kernel(
     if SWIGLU:
         acc_up = acc_up * (tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold)[None, :]
         acc = acc * tl.sigmoid(acc) * acc_up
-    if MUL_W:
-        acc = acc * tl.load(topk_w + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    c_ptr = c + rows[:, None].to(tl.int64) * s_cm + n[None, :]
-    tl.store(c_ptr, acc.to(c.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, MUL_W)
 
 
 def _launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, mul_w, cfg):
