@@ -73,12 +73,17 @@ class CheckServer:
 
     def run(self, check: str, timeout: float) -> None:
         with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
-            self.proc.stdin.write(f"{check}\t{log.name}\n")
-            self.proc.stdin.flush()
-            if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            try:
+                self.proc.stdin.write(f"{check}\t{log.name}\n")
+                self.proc.stdin.flush()
+                ready = select.select([self.proc.stdout], [], [], timeout)[0]
+                answer = self.proc.stdout.readline() if ready else None
+            except BaseException:  # pytest-timeout's, say: the answer still owed would be misread
+                self.close()
+                raise
+            if answer is None:
                 self.close()
                 raise AssertionError(f"{check} ran past {timeout} s:\n{log.read()[-4000:]}")
-            answer = self.proc.stdout.readline()
             if not answer:  # the server died (in an import: its stderr is the test's output)
                 self.close()
                 raise AssertionError(f"the checks' server for {self.key[0]} exited")
