@@ -388,7 +388,7 @@ def programs_shuffled(seed: int):
 def check_split_k_gemv() -> None:
     """The split-K GEMV (``launch_gemv(x, w, splits)``): on integer operands, whose fp32 sums are
     exact in any order, it equals the product rounded once to fp16, bit for bit; on random ones it
-    is within an fp16 ulp of it, the same bits on a second call and with its programs run in a
+    is within an fp16 ulp of it, the same bits on a second call with its programs run in a
     random order (the partials are summed in split order, not finishing order), and it leaves
     every ticket counter at zero. M = 1..4, 1..8 splits, N and K off the block sizes."""
     from ft.layers import triton_gemv
@@ -419,8 +419,7 @@ def check_split_k_gemv() -> None:
         ref = x.double() @ w.double().T
         assert got.shape == (m, n) and got.dtype == torch.float16
         torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=2**-10)  # an fp16 ulp
-        assert torch.equal(triton_gemv.launch_gemv(x, w, splits), got), "a second call differs"
-        with programs_shuffled(n + k):
+        with programs_shuffled(n + k):  # a second call (a counter left non-zero fails it), in another order
             assert torch.equal(triton_gemv.launch_gemv(x, w, splits), got), "order changed the bits"
         assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
     assert planned == set(range(1, 9)), planned
