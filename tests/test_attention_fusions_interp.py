@@ -10,8 +10,9 @@ a padding row (slot -1) beside real ones, and the rope kernel's eight-heads-a-pr
 
 Skipped without triton (CI has it); ``tests/gpu/test_fused_layers.py`` checks the
 compiled kernels in bf16, eager and in a CUDA graph. The interpreter is chosen when a kernel is
-decorated, so each check runs in a fresh process with ``TRITON_INTERPRET=1``. It truncates
-fp32 -> bf16 where the GPU rounds to nearest, so exact rounding is checked in fp16 and fp32 only.
+decorated, so each check runs in a process of its own with ``TRITON_INTERPRET=1`` (``run_check``).
+It truncates fp32 -> bf16 where the GPU rounds to nearest, so exact rounding is checked in fp16
+and fp32 only.
 """
 
 from __future__ import annotations

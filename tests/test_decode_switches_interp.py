@@ -2,8 +2,9 @@
 replace, run by Triton's interpreter on CPU tensors.
 
 Skipped without triton (CI has it). The interpreter is chosen when a kernel is
-decorated, so each check runs in a fresh process with ``TRITON_INTERPRET=1``, under ``python -O``
-because the wrappers assert CUDA tensors (so the checks raise explicitly instead of asserting).
+decorated, so each check runs in a process of its own with ``TRITON_INTERPRET=1`` (``run_check``),
+under ``python -O`` because the wrappers assert CUDA tensors (so the checks raise explicitly
+instead of asserting).
 Exact rounding is checked in fp16 and fp32 (the interpreter truncates to bf16).
 ``tests/gpu/test_gdn_decode.py`` and ``tests/gpu/test_moe_gemv.py`` check the compiled kernels on a GPU.
 """

@@ -3,8 +3,8 @@ router GEMV with its top-k epilogue, run by Triton's interpreter on CPU tensors.
 
 Skipped without triton (CI has it); ``tests/gpu/test_moe_fusions.py`` checks the
 compiled kernels on a GPU. The interpreter is chosen when a kernel is decorated, so each check
-runs in a fresh process with ``TRITON_INTERPRET=1``. It truncates fp32 -> bf16 where the GPU
-rounds to nearest, so exact rounding is checked in fp16 and fp32 only.
+runs in a process of its own with ``TRITON_INTERPRET=1`` (``run_check``). It truncates fp32 ->
+bf16 where the GPU rounds to nearest, so exact rounding is checked in fp16 and fp32 only.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def check_sums() -> None:
 def check_grouped_gemm() -> None:
     """The prefill-sized fused MoE for 16-bit banks (``fused_moe_triton``: the pairs sorted by
     expert and padded, two grouped GEMMs, the top-k sum) within fp16 error of the torch reference:
-    T over one and over several row blocks and column groups, K tails, every expert routed or not.
+    several row blocks of pairs, the down product over one and two column blocks, K tails.
     fp16 only: the interpreter's ``tl.dot`` multiplies bf16 operands' bit patterns (triton issue
     11584), which also leaves the W4A16 kernel (bf16 MMAs) to its GPU tests."""
     from ft.moe.kernels.torch_ref import fused_moe_ref
