@@ -187,7 +187,17 @@ def check_gated_norm_gemv() -> None:
         require(err < 2e-3, f"T={t} N={n} weight {w_dtype}: relative error {err:.3g}")
 
 
+def check_gdn_decode_layer() -> None:
+    """``triton_decode_layer`` (a GDN decode step in one launch) gives the three kernels' bits:
+    fp16 and fp32, two and four value heads a key head, dk != dv, a dim that is not a power of 2."""
+    from tests.gpu.test_gdn_decode import check_decode_layer
+
+    for hk, hv, dk, dv, dtype in ((2, 4, 16, 32, torch.float16), (1, 4, 32, 24, torch.float32)):
+        check_decode_layer(hk, hv, dk, dv, dtype, device="cpu", exact=True)
+
+
 CHECKS = [
+    "check_gdn_decode_layer",
     "check_conv_decode_one_launch",
     "check_moe_gemv_ids_ahead",
     "check_moe_gemv_down_by_pair",

@@ -78,6 +78,12 @@ class GatedDeltaNetMixer(nn.Module):
         qkv, z, b, a = self.project(x)
         ctx = get_forward_context()
         snaps = ctx.batch.snapshots
+        step = getattr(ctx.gdn, "decode_step", None)  # conv, delta rule and norm in one (decode only)
+        if step is not None and snaps is None:
+            y = step(qkv, z, b, a, self.conv1d.weight[:, 0], self.conv_state, self.A_log, self.dt_bias,
+                     self.ssm_state, self.norm, ctx.batch)  # fmt: skip
+            if y is not None:
+                return self.out_proj(y)
         if snaps is not None:  # before the conv moves the slots' history past the points
             save_conv_snapshots(qkv, self.conv_state, ctx.batch, snaps)
         mixed = ctx.gdn.conv(qkv, self.conv1d.weight[:, 0], self.conv_state, ctx.batch)

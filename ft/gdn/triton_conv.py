@@ -117,6 +117,36 @@ def _conv_state_kernel(
 
 
 @triton.jit
+def conv_decode_channels(x_row, w, base, c, cmask, has_hist, s_wc, KC: tl.constexpr, KP: tl.constexpr):
+    # channels c of one token: (silu(sum_j w[c, j] · [history | x][c, j]) as fp32 [BC], the history
+    # shifted by one [BC, KP]: its columns 1 .. Kc-2, then x), the history read at base + m (m < Kc-1;
+    # zeros without ``has_hist``). The caller stores the shifted history (``store_history``) once
+    # every thread of the program has read it: the same sums, in the same order and rounding, as
+    # ``_conv_out_kernel`` then ``_conv_state_kernel``
+    m = tl.arange(0, KP)
+    live = cmask[:, None] & (m < KC - 1)[None, :]  # [BC, KP]
+    hist = tl.load(base + m[None, :], mask=tl.where(has_hist, live, False), other=0.0)
+    ahead_cols = live & (m < KC - 2)[None, :]
+    ahead = tl.load(base + m[None, :] + 1, mask=tl.where(has_hist, ahead_cols, False), other=0.0)
+    xin = tl.load(x_row + c, mask=cmask, other=0.0)  # [BC]
+    acc = tl.zeros(c.shape, tl.float32)
+    for j in tl.static_range(KC):
+        wj = tl.load(w + c * s_wc + j, mask=cmask, other=0.0).to(tl.float32)
+        if j == KC - 1:
+            v = xin.to(tl.float32)
+        else:  # column j of the history (a sum of one value and zeros: exact)
+            v = tl.sum(tl.where(m[None, :] == j, hist.to(x_row.dtype.element_ty).to(tl.float32), 0.0), 1)
+        acc += v * wj
+    return acc * tl.sigmoid(acc), tl.where((m == KC - 2)[None, :], xin[:, None].to(hist.dtype), ahead)
+
+
+@triton.jit
+def store_history(base, shifted, cmask, KC: tl.constexpr, KP: tl.constexpr):
+    m = tl.arange(0, KP)
+    tl.store(base + m[None, :], shifted, mask=cmask[:, None] & (m < KC - 1)[None, :])
+
+
+@triton.jit
 def _conv_decode_kernel(
     x,
     w,
@@ -135,35 +165,18 @@ def _conv_decode_kernel(
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    # one token of sequence b: out = silu(sum_j w[:, j] · [history | x][:, j]), then the history
-    # shifted by one (its columns 1 .. Kc-2, then x), in place: the same sums, in the same order and
-    # rounding, as ``_conv_out_kernel`` then ``_conv_state_kernel``
+    # one token of sequence b (``conv_decode_channels``), its history shifted in place
     wait_for_previous(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = tl.arange(0, KP)
     cmask = c < C
     has_hist = tl.load(context_lens + b) > 0
     slot = tl.load(state_slots + b).to(tl.int64)
     base = conv_state + slot * s_ss + c[:, None] * s_sc
-    live = cmask[:, None] & (m < KC - 1)[None, :]  # [BC, KP]
-    hist = tl.load(base + m[None, :], mask=tl.where(has_hist, live, False), other=0.0)
-    ahead_cols = live & (m < KC - 2)[None, :]
-    ahead = tl.load(base + m[None, :] + 1, mask=tl.where(has_hist, ahead_cols, False), other=0.0)
-    xin = tl.load(x + b * s_xt + c, mask=cmask, other=0.0)  # [BC]
-    acc = tl.zeros([BLOCK_C], tl.float32)
-    for j in tl.static_range(KC):
-        wj = tl.load(w + c * s_wc + j, mask=cmask, other=0.0).to(tl.float32)
-        if j == KC - 1:
-            v = xin.to(tl.float32)
-        else:  # column j of the history (a sum of one value and zeros: exact)
-            v = tl.sum(tl.where(m[None, :] == j, hist.to(x.dtype.element_ty).to(tl.float32), 0.0), 1)
-        acc += v * wj
-    y = acc * tl.sigmoid(acc)
+    y, shifted = conv_decode_channels(x + b * s_xt, w, base, c, cmask, has_hist, s_wc, KC, KP)
     tl.store(out + b * s_ot + c, y.to(out.dtype.element_ty), mask=cmask)
     tl.debug_barrier()  # every thread's history loads are done before any column is overwritten
-    shifted = tl.where((m == KC - 2)[None, :], xin[:, None].to(hist.dtype), ahead)
-    tl.store(base + m[None, :], shifted, mask=live)
+    store_history(base, shifted, cmask, KC, KP)
 
 
 def causal_conv1d_silu(

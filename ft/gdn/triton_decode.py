@@ -33,7 +33,7 @@ from ft.utils import div_even
 
 
 @triton.jit
-def _gates(b, a, A_log, dt_bias):
+def gates(b, a, A_log, dt_bias):
     """beta = sigmoid(b), g = -exp(A_log) · softplus(a + dt_bias), all fp32. softplus is torch's:
     x above 20, else log1p(e^x), with log1p(e) = log(u) · e / (u − 1), u = 1 + e rounded (Goldberg),
     accurate where e is far below 1 and log(1 + e) would lose its digits."""
@@ -46,6 +46,21 @@ def _gates(b, a, A_log, dt_bias):
 
 
 @triton.jit
+def qk_normed(q, k, scale):
+    """q / sqrt(|q|² + 1e-6) · scale and k / sqrt(|k|² + 1e-6), fp32."""
+    return q * (tl.rsqrt(tl.sum(q * q) + 1e-6) * scale), k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+
+
+@triton.jit
+def delta_step(s, q, k, v, g, beta):
+    """The state tile s [BK, BV] after one token (q, k [BK] normed, v [BV]), and its output o [BV]."""
+    s = s * tl.exp(g)
+    u = beta * (v - tl.sum(s * k[:, None], 0))  # [BV]
+    s += k[:, None] * u[None, :]
+    return s, tl.sum(s * q[:, None], 0)
+
+
+@triton.jit
 def _token(mixed, b, a, o, s, t, i_h, i_hk, g_scale, dt_h, kk, vv, mk, mv, s_mt, s_bt, s_bh, s_at, s_ah,
            s_ot, s_oh, scale, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):  # fmt: skip
     """One token of one sequence: the state tile s [BK, BV] after it; its output row stored."""
@@ -53,13 +68,10 @@ def _token(mixed, b, a, o, s, t, i_h, i_hk, g_scale, dt_h, kk, vv, mk, mv, s_mt,
     q = tl.load(row + i_hk * DK + kk, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(row + (HK + i_hk) * DK + kk, mask=mk, other=0.0).to(tl.float32)
     v = tl.load(row + 2 * HK * DK + i_h * DV + vv, mask=mv, other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q) + 1e-6) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-    g, beta = _gates(tl.load(b + t * s_bt + i_h * s_bh), tl.load(a + t * s_at + i_h * s_ah), g_scale, dt_h)
-    s = s * tl.exp(g)
-    u = beta * (v - tl.sum(s * k[:, None], 0))  # [BV]
-    s += k[:, None] * u[None, :]
-    tl.store(o + t * s_ot + i_h * s_oh + vv, tl.sum(s * q[:, None], 0).to(o.dtype.element_ty), mask=mv)
+    q, k = qk_normed(q, k, scale)
+    g, beta = gates(tl.load(b + t * s_bt + i_h * s_bh), tl.load(a + t * s_at + i_h * s_ah), g_scale, dt_h)
+    s, out = delta_step(s, q, k, v, g, beta)
+    tl.store(o + t * s_ot + i_h * s_oh + vv, out.to(o.dtype.element_ty), mask=mv)
     return s
 
 
@@ -202,7 +214,7 @@ def _gates_kernel(
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.arange(0, BH)
     live = (t < T)[:, None] & (h < HV)[None, :]
-    g_t, beta_t = _gates(
+    g_t, beta_t = gates(
         tl.load(b + t[:, None] * s_bt + h[None, :] * s_bh, mask=live, other=0.0),
         tl.load(a + t[:, None] * s_at + h[None, :] * s_ah, mask=live, other=0.0),
         tl.load(A_log + h, mask=h < HV, other=0.0)[None, :],

@@ -127,14 +127,22 @@ def _gated_rms_norm_kernel(
     d = tl.arange(0, BLOCK_D)
     mask = (n < N)[:, None] & (d < D)[None, :]  # [ROWS, BLOCK_D]
     xf = tl.load(x + (t * s_xt + h * s_xh)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)  # [ROWS]
-    y = (xf * inv[:, None]).to(out.dtype.element_ty).to(tl.float32)
-    y = y * tl.load(w + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
-    if ROUND_MID:  # torch multiplies two tensors of x's dtype and rounds the product to it
-        y = y.to(out.dtype.element_ty).to(tl.float32)
     zf = tl.load(z + (t * s_zt + h * s_zh)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = y * (zf / (1.0 + tl.exp(-zf)))
+    y = gated_norm_rows(xf, zf, w, d, D, eps, out.dtype.element_ty, ROUND_MID)
     tl.store(out + n[:, None] * D + d[None, :], y.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gated_norm_rows(xf, zf, w, d, D, eps, dt: tl.constexpr, ROUND_MID: tl.constexpr):
+    # (x / rms(x)) · w · silu(z) in fp32 for rows xf, zf [R, BLOCK_D] (x and z as read in dtype dt,
+    # zeros past D), rounded where torch rounds: x / rms(x) to dt, its product with w too when
+    # ROUND_MID (torch multiplies two tensors of x's dtype and rounds the product to it)
+    inv = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)  # [R]
+    y = (xf * inv[:, None]).to(dt).to(tl.float32)
+    y = y * tl.load(w + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+    if ROUND_MID:
+        y = y.to(dt).to(tl.float32)
+    return y * (zf / (1.0 + tl.exp(-zf)))
 
 
 def _as_3d(a: torch.Tensor) -> torch.Tensor:

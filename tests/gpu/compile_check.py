@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from ft.attention import triton_kernels  # noqa: E402
-from ft.gdn import triton_conv, triton_decode  # noqa: E402
+from ft.gdn import triton_conv, triton_decode, triton_decode_layer  # noqa: E402
 from ft.layers import triton_gemv, triton_norm, triton_norm_gemv, triton_rope  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
     triton_combine,
@@ -208,6 +208,12 @@ def entries():
            "context_lens": I32, "state_slots": I64, "o": BF}  # fmt: skip
     heads = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "VARLEN": False, "USE_PDL": 2}
     yield "GDN recurrent decode", triton_decode._recurrent_kernel, gdn, heads, 4, 3
+    step = {"qkv": BF, "z": BF, "b": BF, "a": BF, "conv_w": BF, "conv_state": BF, "A_log": F32,
+            "dt_bias": F32, "ssm_state": F32, "norm_w": BF, "context_lens": I32, "state_slots": I64,
+            "y": BF}  # fmt: skip
+    dims = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "KC": 4, "KP": 4, "BK": 128, "BV": 128,
+            "ROUND_MID": True, "USE_PDL": 2}  # fmt: skip
+    yield "GDN decode step in one launch", triton_decode_layer._decode_layer_kernel, step, dims, 8, 3
     gated = {"o": BF, "z": BF, "nw": BF, "w": BF, "out": BF}
     tiles = {"D": 128, "ROUND_MID": True, "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "USE_PDL": 2}
     yield "gated RMSNorm inside out_proj GEMV", triton_norm_gemv._gated_norm_gemv_kernel, gated, tiles, 4, 4

@@ -1,0 +1,161 @@
+"""A Gated DeltaNet decode step in one launch: causal conv1d, gates, delta rule and the gated norm.
+
+For B sequences of one token each, what ``causal_conv1d_silu`` (decode), ``gdn_recurrent`` and
+``gated_rms_norm`` compute in three launches:
+
+    q, k, v = silu(conv([history | x]))   per channel; the history shifted by one, in place
+    S = exp(g) · S;  u = beta · (v − Sᵀk);  S = S + k uᵀ;  o = Sᵀq     (``triton_decode``)
+    y = (o / rms(o)) · w · silu(z)        per value head, over dv
+
+A program owns one (sequence, key head): the conv channels of its q and k, the v channels of the
+Hv/Hk value heads that share them, and those heads' states, whole ([dk, dv] each), so nothing it
+reads is written by another program (the conv history of q and k is shared by those value heads,
+and the gated norm needs a head's whole output). Every value is rounded where the three kernels
+round it (the conv output and o to the activations' dtype before they are read again); only the
+fp32 order of the norm's sum of squares may differ. The output y [B, Hv·dv] is what the output
+projection reads.
+
+Why: a Qwen3-Next decode step pays ~2-3 us a launch for kernels that each move a few KB (the
+census, docs/benchmarks.md), three of them in each of its 36 GDN layers. Not here: sequences
+of several tokens (prefill, snapshot tails), dk or dv above 128 (the state tile is a program's).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.forward_context import ForwardBatch
+from ft.gdn.triton_conv import conv_decode_channels, store_history
+from ft.gdn.triton_decode import delta_step, gates, qk_normed
+from ft.layers.pdl import pdl_args, wait_for_previous
+from ft.layers.triton_norm import gated_norm_rows
+from ft.utils import div_even
+
+# OFF until timed on a GPU (FT_GDN_FUSED_DECODE=1 turns it on for a process and the ranks it spawns)
+FUSED_DECODE = os.environ.get("FT_GDN_FUSED_DECODE", "0") == "1"
+MAX_HEAD_DIM = 128  # a program holds a whole [dk, dv] fp32 state: 64 KB at 128, in 8 warps
+NUM_WARPS = 8
+
+
+@triton.jit
+def _decode_layer_kernel(
+    qkv, z, b, a, conv_w, conv_state, A_log, dt_bias, ssm_state, norm_w, context_lens, state_slots, y,
+    s_xt, s_zt, s_zh, s_bt, s_bh, s_at, s_ah, s_wc, s_cs, s_cc, s_ss, s_sh, s_sk, s_yt, scale, eps,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
+    KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROUND_MID: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    wait_for_previous(USE_PDL)
+    i_b = tl.program_id(0).to(tl.int64)
+    i_hk = tl.program_id(1)
+    R: tl.constexpr = HV // HK  # value heads per key head
+    dt = y.dtype.element_ty
+    kk = tl.arange(0, BK)
+    vv = tl.arange(0, BV)
+    mk, mv = kk < DK, vv < DV
+    slot = tl.load(state_slots + i_b).to(tl.int64)
+    y_row = y + i_b * s_yt
+    if slot < 0:  # a padding row: no state touched, o = 0 and so y = 0
+        for r in tl.static_range(R):
+            tl.store(y_row + (i_hk * R + r) * DV + vv, tl.zeros([BV], tl.float32).to(dt), mask=mv)
+        return
+    has_ctx = tl.load(context_lens + i_b) > 0
+    x_row = qkv + i_b * s_xt  # [q (Hk·dk) | k (Hk·dk) | v (Hv·dv)]
+    hist = conv_state + slot * s_cs
+    cq = i_hk * DK + kk
+    ck = (HK + i_hk) * DK + kk
+    q_base, k_base = hist + cq[:, None] * s_cc, hist + ck[:, None] * s_cc
+    q, q_hist = conv_decode_channels(x_row, conv_w, q_base, cq, mk, has_ctx, s_wc, KC, KP)
+    k, k_hist = conv_decode_channels(x_row, conv_w, k_base, ck, mk, has_ctx, s_wc, KC, KP)
+    # as the conv kernel stores them and the recurrent kernel reads them back
+    q, k = qk_normed(q.to(dt).to(tl.float32), k.to(dt).to(tl.float32), scale)
+    live = mk[:, None] & mv[None, :]
+    for r in tl.static_range(R):
+        i_h = i_hk * R + r
+        cv = 2 * HK * DK + i_h * DV + vv
+        v_base = hist + cv[:, None] * s_cc
+        v, v_hist = conv_decode_channels(x_row, conv_w, v_base, cv, mv, has_ctx, s_wc, KC, KP)
+        tl.debug_barrier()  # every thread's history loads are done before any column is overwritten
+        store_history(v_base, v_hist, mv, KC, KP)
+        if r == 0:
+            store_history(q_base, q_hist, mk, KC, KP)
+            store_history(k_base, k_hist, mk, KC, KP)
+        g, beta = gates(
+            tl.load(b + i_b * s_bt + i_h * s_bh), tl.load(a + i_b * s_at + i_h * s_ah),
+            tl.load(A_log + i_h), tl.load(dt_bias + i_h),
+        )  # fmt: skip
+        p_s = ssm_state + slot * s_ss + i_h * s_sh + kk[:, None] * s_sk + vv[None, :]
+        s = tl.load(p_s, mask=tl.where(has_ctx, live, False), other=0.0)  # [BK, BV]
+        s, o = delta_step(s, q, k, v.to(dt).to(tl.float32), g, beta)
+        tl.store(p_s, s, mask=live)
+        zf = tl.load(z + i_b * s_zt + i_h * s_zh + vv, mask=mv, other=0.0).to(tl.float32)
+        o = o.to(dt).to(tl.float32)[None, :]  # [1, BV], as the recurrent kernel stores it
+        out = gated_norm_rows(o, zf[None, :], norm_w, vv, DV, eps, dt, ROUND_MID)
+        tl.store(y_row + i_h * DV + vv[None, :], out.to(dt), mask=mv[None, :])
+
+
+def fits(ssm_state: torch.Tensor) -> bool:
+    """Whether a layer with this state pool [slots, Hv, dk, dv] can take the fused step."""
+    return max(ssm_state.shape[2:]) <= MAX_HEAD_DIM
+
+
+def gdn_decode_layer(
+    qkv: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    batch: ForwardBatch,
+) -> torch.Tensor:
+    """One decode token per sequence: qkv [B, 2·Hk·dk + Hv·dv] (the conv input), z [B, Hv, dv], b and a
+    [B, Hv] (any strides but the last), conv_weight [C, Kc], conv_state [slots, C, Kc-1] and
+    ssm_state [slots, Hv, dk, dv] fp32 (both updated in place), norm_weight [dv]
+    -> y [B, Hv·dv] in qkv's dtype, the gated norm of the delta rule's output."""
+    n, width = qkv.shape
+    hv, dk, dv = ssm_state.shape[1:]
+    kc = conv_weight.shape[-1]
+    hk = div_even(width - hv * dv, 2 * dk, f"conv width {width} minus Hv·dv={hv * dv}, as q and k heads")
+    assert hk > 0 and hv % hk == 0, f"value heads {hv} must be a multiple of key heads {hk}"
+    assert fits(ssm_state), (
+        f"head dims dk={dk}, dv={dv}: a program holds a whole state, {MAX_HEAD_DIM} at most"
+    )
+    assert batch.state_slots.shape == (n,) and batch.context_lens.shape == (n,), (
+        f"{n} tokens but {batch.state_slots.shape[0]} state slots: one decode token per sequence"
+    )
+    assert conv_weight.shape == (width, kc) and conv_weight.stride(-1) == 1, (
+        f"conv weight {tuple(conv_weight.shape)} strides {conv_weight.stride()}: not [{width}, Kc] by rows"
+    )
+    assert conv_state.shape[1:] == (width, kc - 1) and conv_state.stride(-1) == 1, (
+        f"conv_state {tuple(conv_state.shape)} is not [S, {width}, {kc - 1}] with contiguous history"
+    )
+    assert z.shape == (n, hv, dv) and b.shape == a.shape == (n, hv), (
+        f"z {tuple(z.shape)}, b {tuple(b.shape)}, a {tuple(a.shape)}: need [{n}, {hv}, {dv}] and [{n}, {hv}]"
+    )
+    assert qkv.stride(-1) == 1 and z.stride(-1) == 1, "qkv and z must be contiguous in their last dimension"
+    assert A_log.shape == dt_bias.shape == (hv,) and A_log.stride(0) == 1 and dt_bias.stride(0) == 1, (
+        f"A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)} must be contiguous [{hv}]"
+    )
+    assert norm_weight.shape == (dv,), f"norm weight {tuple(norm_weight.shape)} is not [{dv}]"
+    assert ssm_state.dtype == torch.float32 and ssm_state.stride(-1) == 1, (
+        f"ssm_state must be fp32 with contiguous rows, got {ssm_state.dtype} strides {ssm_state.stride()}"
+    )
+    y = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
+    round_mid = torch.promote_types(qkv.dtype, norm_weight.dtype) == qkv.dtype
+    _decode_layer_kernel[(n, hk)](
+        qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, ssm_state, norm_weight, batch.context_lens,
+        batch.state_slots, y, qkv.stride(0), *z.stride()[:2], *b.stride(), *a.stride(), conv_weight.stride(0),
+        *conv_state.stride()[:2], *ssm_state.stride()[:3], y.stride(0), dk**-0.5, eps,
+        HK=hk, HV=hv, DK=dk, DV=dv, KC=kc, KP=triton.next_power_of_2(kc), BK=triton.next_power_of_2(dk),
+        BV=triton.next_power_of_2(dv), ROUND_MID=round_mid, num_warps=NUM_WARPS, **pdl_args(qkv),
+    )  # fmt: skip
+    return y
