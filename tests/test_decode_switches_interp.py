@@ -189,11 +189,22 @@ def check_gated_norm_gemv() -> None:
 
 def check_gdn_decode_layer() -> None:
     """``triton_decode_layer`` (a GDN decode step in one launch) gives the three kernels' bits:
-    fp16 and fp32, two and four value heads a key head, dk != dv, a dim that is not a power of 2."""
+    fp16 and fp32, two and four value heads a key head, dk != dv, a dim that is not a power of 2,
+    a head over one program and over several (its output normalised by the last of them), the
+    programs in a random order (whose last draws each ticket)."""
+    from ft.gdn import triton_decode_layer
     from tests.gpu.test_gdn_decode import check_decode_layer
+    from tests.test_moe_fusions_interp import programs_shuffled
 
-    for hk, hv, dk, dv, dtype in ((2, 4, 16, 32, torch.float16), (1, 4, 32, 24, torch.float32)):
-        check_decode_layer(hk, hv, dk, dv, dtype, device="cpu", exact=True)
+    cases = (
+        (2, 4, 16, 32, torch.float16, 32),
+        (2, 4, 16, 40, torch.float16, 16),
+        (1, 4, 32, 24, torch.float32, 8),
+    )
+    for seed, (hk, hv, dk, dv, dtype, bv) in enumerate(cases):
+        triton_decode_layer.BV = bv
+        with programs_shuffled(seed):
+            check_decode_layer(hk, hv, dk, dv, dtype, device="cpu", exact=True, seed=seed)
 
 
 CHECKS = [

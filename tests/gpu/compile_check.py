@@ -210,10 +210,10 @@ def entries():
     yield "GDN recurrent decode", triton_decode._recurrent_kernel, gdn, heads, 4, 3
     step = {"qkv": BF, "z": BF, "b": BF, "a": BF, "conv_w": BF, "conv_state": BF, "A_log": F32,
             "dt_bias": F32, "ssm_state": F32, "norm_w": BF, "context_lens": I32, "state_slots": I64,
-            "y": BF}  # fmt: skip
-    dims = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "KC": 4, "KP": 4, "BK": 128, "BV": 128,
+            "y": BF, "counters": I32}  # fmt: skip
+    dims = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "KC": 4, "KP": 4, "BK": 128, "BV": 32, "DV_P": 128,
             "ROUND_MID": True, "USE_PDL": 2}  # fmt: skip
-    yield "GDN decode step in one launch", triton_decode_layer._decode_layer_kernel, step, dims, 8, 3
+    yield "GDN decode step in one launch", triton_decode_layer._decode_layer_kernel, step, dims, 4, 3
     gated = {"o": BF, "z": BF, "nw": BF, "w": BF, "out": BF}
     tiles = {"D": 128, "ROUND_MID": True, "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "USE_PDL": 2}
     yield "gated RMSNorm inside out_proj GEMV", triton_norm_gemv._gated_norm_gemv_kernel, gated, tiles, 4, 4
