@@ -17,9 +17,10 @@ Every value is rounded where the three kernels round it (the conv output and o t
 activations' dtype before they are read again); only the fp32 order of the norm's sum of
 squares may differ. The output y [B, Hv·dv] is what the output projection reads.
 
-Why: a Qwen3-Next decode step pays ~2-3 us a launch for kernels that each move a few KB (the
-census, docs/benchmarks.md), three of them in each of its 36 GDN layers. Not here: sequences
-of several tokens (prefill, snapshot tails), dk or dv above 256.
+Why it was tried: the census of a Qwen3-Next decode step (docs/benchmarks.md) has three kernels
+of ~2-4 us each in every one of its 36 GDN layers, each moving a few KB; one launch measured no
+faster (``FUSED_DECODE``, off). Not here: sequences of several tokens (prefill, snapshot tails),
+dk or dv above 256.
 """
 
 from __future__ import annotations
@@ -38,10 +39,14 @@ from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.layers.triton_norm import gated_norm_rows
 from ft.utils import div_even
 
-# OFF until timed on a GPU (FT_GDN_FUSED_DECODE=1 turns it on for a process and the ranks it spawns).
-# A first version, a program per (sequence, key head) holding its value heads' whole states, took
-# ~18 us a layer where the three kernels take ~8.6 (80B NVFP4 batch-1 decode 311.3 -> 280.6 tok/s on
-# an H200, docs/benchmarks.md, 2026-12-03): 16 programs at batch 1, each moving 256 KB, one SM each.
+# OFF: timed even on an H200 (docs/benchmarks.md, 2026-12-03; FT_GDN_FUSED_DECODE=1 turns it on for a
+# process and the ranks it spawns). The 80B with NVFP4 experts, batch-1 decode in one process:
+# defaults 303.5 tok/s, this 304.5, the defaults again 308.8 (rows of one setting spread by ~2%);
+# its GPU tests pass. The three launches it saves are not where a step's time goes: with PDL their
+# launches already overlap, and what remains is the chain of dependent loads and reductions that
+# one program now walks (conv, q/k norms, state update, ticket, norm). A first version, a program
+# per (sequence, key head) holding its value heads' whole states, took ~18 us a layer against the
+# three kernels' ~8.6 (311.3 -> 280.6 tok/s): 16 programs at batch 1, 256 KB each through one SM.
 FUSED_DECODE = os.environ.get("FT_GDN_FUSED_DECODE", "0") == "1"
 BV = 32  # state columns a program owns, as the recurrent kernel's: [dk, 32] fp32, dv / BV programs a head
 NUM_WARPS = 4

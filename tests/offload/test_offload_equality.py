@@ -214,17 +214,22 @@ def test_device_runs_equal_the_hosts_grouping():
     assert sum(len(g[0]) for g in got) == 40 * k - sum((ids_h == e).sum() for e in (6, 9, 10))
 
 
+@pytest.mark.parametrize("on_device", [True, False])
 @pytest.mark.parametrize("options", [dict(moe_stream_ahead=False), dict(moe_prefill_hit_d2d=True)])
-def test_pairs_grouped_on_the_device_give_the_same_outputs(ckpt, refs, monkeypatch, options):
-    """With ``pairs.DEVICE_PAIRS`` every streamed layer groups its pairs with ``device_runs`` and
-    none with ``Pairs``; the outputs are the resident backend's."""
+def test_pairs_grouped_on_the_device_or_host_give_the_same_outputs(
+    ckpt, refs, monkeypatch, options, on_device
+):
+    """With ``pairs.DEVICE_PAIRS`` (the default) every streamed layer groups its pairs with
+    ``device_runs`` and none with ``Pairs``, without it the other way round; the outputs are the
+    resident backend's either way."""
     from ft.moe.backends import pairs
 
     grouped = []
-    real = pairs.device_runs
-    monkeypatch.setattr(pairs, "DEVICE_PAIRS", True)
-    monkeypatch.setattr(pairs, "device_runs", lambda *a: (grouped.append(1), real(*a))[1])
-    monkeypatch.setattr(pairs, "Pairs", None)  # the host's grouping is not called
+    used, unused = ("device_runs", "Pairs") if on_device else ("Pairs", "device_runs")
+    real = getattr(pairs, used)
+    monkeypatch.setattr(pairs, "DEVICE_PAIRS", on_device)
+    monkeypatch.setattr(pairs, used, lambda *a: (grouped.append(1), real(*a))[1])
+    monkeypatch.setattr(pairs, unused, None)  # the other grouping is not called
     options = dict(options, expert_cache_fraction=0.25, moe_staging_experts=2)
     with engine(ckpt, moe_backend="offload", **options) as llm:
         outs = llm.generate(PROMPTS, PARAMS)

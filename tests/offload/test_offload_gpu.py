@@ -65,14 +65,15 @@ def max_logprob_diff(a, b, decode: bool = True) -> float:
 ckpt = family_checkpoints(seed=31, weight_scale=0.8)
 
 
-@pytest.mark.parametrize("switch", [None, "pairs:DEVICE_PAIRS", "offload:HITS_AFTER_AHEAD"])
+@pytest.mark.parametrize("switch", [None, "pairs:DEVICE_PAIRS=0", "offload:HITS_AFTER_AHEAD=1"])
 def test_fp32_offload_equals_resident_exactly(ckpt, monkeypatch, switch):
-    """Also with a prefill switch on: ``pairs.DEVICE_PAIRS`` (the streamed layers' pairs sorted
-    on the GPU: the same runs) and ``offload.HITS_AFTER_AHEAD`` (the hits after the first group
-    staged ahead)."""
+    """Also with a prefill switch flipped: ``pairs.DEVICE_PAIRS`` off (the streamed layers' pairs
+    grouped on the host: the same runs) and ``offload.HITS_AFTER_AHEAD`` on (the hits after the
+    first group staged ahead)."""
     if switch is not None:
-        module, attr = switch.split(":")
-        monkeypatch.setattr(importlib.import_module(f"ft.moe.backends.{module}"), attr, True)
+        name, value = switch.split("=")
+        module, attr = name.split(":")
+        monkeypatch.setattr(importlib.import_module(f"ft.moe.backends.{module}"), attr, value == "1")
     want, _ = generate(ckpt, dtype="float32", moe_backend="gpu")
     for options in (OFFLOAD, dict(OFFLOAD, moe_prefill_hit_d2d=True, expert_cache_policy="lfu")):
         got, info = generate(ckpt, dtype="float32", **options)

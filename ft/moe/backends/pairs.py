@@ -14,11 +14,14 @@ import torch
 from ft.utils import upload
 
 # The pairs grouped on the device (``device_runs``) instead of on the host (``Pairs`` +
-# ``upload_pairs``): the same runs bit for bit, with O(E) host work instead of O(T·k). OFF until
-# timed on a GPU (FT_MOE_DEVICE_PAIRS=1 turns it on for a process and the ranks it spawns). The
-# 16-layer cut's 8k prefill on 2026-12-02 had the link idle 2.6 ms (one host) to 6-9 ms (another)
-# while the host grouped a layer's 80k pairs; this CPU machine takes ~5 ms for them.
-DEVICE_PAIRS = os.environ.get("FT_MOE_DEVICE_PAIRS", "0") != "0"
+# ``upload_pairs``): the same runs bit for bit, with O(E) host work instead of O(T·k). The 16-layer
+# cut's 8k prefill on 2026-12-02 had the link idle 2.6 ms (one host) to 6-9 ms (another) while the
+# host grouped a layer's 80k pairs. On from 2026-12-03 (FT_MOE_DEVICE_PAIRS=0 turns it off for a
+# process and the ranks it spawns), timed on an H200 (docs/benchmarks.md): that prefill 453.2 ->
+# 398.2 ms (link busy 70 -> 79% of the profiled time), the full 80B bf16 at --memory-ratio 0.94
+# 8k prefill 10,990 -> 12,197 tok/s (74 -> 82% of the link), TTFT 1k 613.8 -> 558.5 ms; the
+# offload GPU tests' fp32 equality with it on passed. The hybrid backend's CPU share keeps ``Pairs``.
+DEVICE_PAIRS = os.environ.get("FT_MOE_DEVICE_PAIRS", "1") != "0"
 
 
 class Pairs:
