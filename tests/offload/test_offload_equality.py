@@ -80,22 +80,30 @@ def test_a_prefill_chunk_prefetches_nothing(ckpt):
     assert s.moe_prefetched == 0 and s.moe_bytes_h2d > 0  # streamed, not prefetched
 
 
-@pytest.mark.parametrize("ahead", [0, 1, 2])
+@pytest.mark.parametrize(
+    "buffers, ahead, rows", [(2, 0, 2), (2, 1, 2), (2, 2, 2), (3, 2, 2), (3, 3, 2), (3, 1, 1)]
+)
 @pytest.mark.parametrize("d2d", [False, True])
-def test_a_long_batch_streams_the_next_layers_experts_ahead(ckpt, refs, d2d, ahead, monkeypatch):
+def test_a_long_batch_streams_the_next_layers_experts_ahead(
+    ckpt, refs, d2d, buffers, ahead, rows, monkeypatch
+):
     """The three prompts prefill as one batch of 24 tokens x top-2, 6 pairs per expert: with
-    --moe-stream-ahead each layer stages the next one's first ``AHEAD_GROUPS`` groups (of 2
+    --moe-stream-ahead each layer stages the next one's first ``AHEAD_GROUPS`` groups (of ``rows``
     experts; 6 of the 8 are on the host) before that layer's router runs, and the first layer
-    stages its own before its mixer; results are unchanged."""
-    from ft.moe.backends import offload
+    stages its own before its mixer, through two or three staging buffers taken in turn (three
+    groups of 2: with three buffers the whole layer ahead; six of 1: each buffer refilled once its
+    group is read); results are unchanged."""
+    from ft.moe.backends import offload, sizing
 
+    monkeypatch.setattr(sizing, "STAGING_BUFFERS", buffers)
     monkeypatch.setattr(offload, "AHEAD_GROUPS", max(ahead, 1))
-    options = dict(expert_cache_fraction=0.25, moe_staging_experts=2, moe_prefill_hit_d2d=d2d)
+    options = dict(expert_cache_fraction=0.25, moe_staging_experts=rows, moe_prefill_hit_d2d=d2d)
     with engine(ckpt, moe_backend="offload", moe_stream_ahead=bool(ahead), **options) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
         shared = llm.engine.executor.runner.moe.shared
         layers = llm.engine.stats().moe_layers
     assert_same(outs, refs[8192])
+    assert len(shared.staging.blocks) == buffers
     assert shared.ahead_used == layers * ahead  # each layer, its groups once
 
 

@@ -22,17 +22,18 @@ compute; a wrong guess costs bandwidth, never correctness.
 Prefill (and any batch whose experts do not fit): the chunk's experts are streamed. Resident
 ones, static ones included, are used in place (one kernel call on the slots), or, with
 ``--moe-prefill-hit-d2d``, copied device-to-device into staging with the rest; the others go
-host -> staging in groups of B experts, double-buffered (group g + 1 is copied while group g
-computes). A group runs the kernel on the pairs (token, k) routed into it, k = 1 each, summed
-into an fp32 accumulator. Prefill never inserts into the cache (a long prompt would flush the
-decode working set); its accesses still count for the policy.
+host -> staging in groups of B experts, through ``sizing.STAGING_BUFFERS`` buffers taken in turn
+(groups g + 1 .. are copied while group g computes). A group runs the kernel on the pairs
+(token, k) routed into it, k = 1 each, summed into an fp32 accumulator. Prefill never inserts
+into the cache (a long prompt would flush the decode working set); its accesses still count for
+the policy.
 
 Streaming ahead (``--moe-stream-ahead``, on; ``--no-moe-stream-ahead`` turns it off): a batch with
 at least ``AHEAD_PAIRS`` (token, k) pairs per expert routes to nearly every expert of every
 layer, so the next layer's host-only experts are needed before its router says so. Once a layer
-has queued its last group, both staging buffers are filled with the next layer's first groups
-(``AHEAD_GROUPS``, the second once this layer's last group has read its buffer; the host-only
-experts it is predicted to use most: the prefetch router's picks, else the policy's use
+has queued its last group, the staging buffers are filled with the next layer's first groups
+(``AHEAD_GROUPS``, each once this layer's group before it in that buffer has been read; the
+host-only experts it is predicted to use most: the prefetch router's picks, else the policy's use
 counts), so the copy engine keeps streaming through that layer's attention or GDN
 mixer and its router instead of idling until the router's ids reach the host. The first MoE
 layer of a prefill, which no layer before it stages for, stages its own before its mixer
@@ -74,11 +75,11 @@ except ImportError:  # no triton: the block never asks for it
     shared_pair_alone = None
 
 AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's first groups early
-# groups staged ahead (at most the two staging buffers): 1 gained 2% on the 8k prefill (554 ->
-# 542 ms, 16 layers, one H200, 2026-12-01); 1 and 2 on that cut 438 / 437 ms, link busy 84% /
-# 85% (2026-12-02, no same-day row without); 2 with the first layer's own staging on the full
-# 80B bf16 at --memory-ratio 0.94: 8k prefill 9,114 -> 10,990 tok/s (61 -> 74% of the link)
-AHEAD_GROUPS = min(2, max(1, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "2"))))  # a third would reuse a buffer
+# groups staged ahead, at most one a staging buffer (0: one in each): 1 gained 2% on the 8k prefill
+# (554 -> 542 ms, 16 layers, one H200, 2026-12-01); 1 and 2 on that cut 438 / 437 ms, link busy
+# 84% / 85% (2026-12-02, no same-day row without); 2 with the first layer's own staging on the
+# full 80B bf16 at --memory-ratio 0.94: 8k prefill 9,114 -> 10,990 tok/s (61 -> 74% of the link)
+AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
 # A layer whose first groups were staged ahead computes its first group before its hits in place,
 # so the third group's copy (waiting for that buffer) overlaps the hits' compute. Expected to
 # matter where a chunk's mixer outlasts the two staged groups' copies, so both have landed when
@@ -89,14 +90,20 @@ HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "0") != "0"
 
 
 class Staging:
-    """Two device buffers of ``rows`` expert rows, shared by the layers of a rank (one runs at a
-    time); ``free_after[b]``: the event after the last kernel that read buffer b."""
+    """``buffers`` device buffers of ``rows`` expert rows, shared by the layers of a rank (one runs
+    at a time) and taken in turn; ``free_after[b]``: the event after the last kernel that read
+    buffer b."""
 
-    def __init__(self, layout: ExpertLayout, rows: int, device: torch.device) -> None:
+    def __init__(self, layout: ExpertLayout, rows: int, device: torch.device, buffers: int = 2) -> None:
         self.rows = rows
-        self.blocks = [layout.allocate(rows, device, zero=False) for _ in range(2)]
+        self.blocks = [layout.allocate(rows, device, zero=False) for _ in range(buffers)]
         self.tensors = [layout.views(b) for b in self.blocks]
-        self.free_after: list[torch.cuda.Event | None] = [None, None]
+        self.free_after: list[torch.cuda.Event | None] = [None] * buffers
+
+    @property
+    def ahead(self) -> int:
+        """Groups a layer stages for the next before its router runs (``AHEAD_GROUPS``)."""
+        return min(len(self.blocks), AHEAD_GROUPS or len(self.blocks))
 
     @property
     def nbytes(self) -> int:
@@ -127,7 +134,7 @@ class Shared:
     hit_d2d: bool
     maps: list  # every layer's SlotMap, to start a step on all of them at once
     stream_ahead: bool = False  # --moe-stream-ahead
-    next_buf: int = 0  # the staging buffer the next group goes to (they alternate)
+    next_buf: int = 0  # the staging buffer the next group goes to (taken in turn)
     ahead: Ahead | None = None  # the next layer's first group, staged early
     ahead_used: int = 0  # groups staged ahead and then computed (tests read it)
     step: int = 0
@@ -335,7 +342,8 @@ class OffloadBackend:
         if ahead is not None:
             groups[:0], ready[:0] = ahead.groups, ahead.staged
             sh.ahead_used += len(ahead.groups)
-        for g in range(min(2, len(groups))):  # in flight while the hits compute in place
+        n = len(st.blocks)
+        for g in range(min(n, len(groups))):  # in flight while the hits compute in place
             ready[g] = ready[g] or self._stage(groups[g])
         if on_cpu is not None:  # its rows to the host once the link is busy
             on_cpu.start(x, weights)
@@ -360,8 +368,8 @@ class OffloadBackend:
             sh.transfer.wait(event)
             run_pairs(bank, st.tensors[buf], x, out, *runs[g + 1])
             st.free_after[buf] = sh.transfer.record_main()
-            if g + 2 < len(groups):
-                ready[g + 2] = self._stage(groups[g + 2])
+            if g + n < len(groups):  # into the buffer group g has just been read from
+                ready[g + n] = self._stage(groups[g + n])
             if g == 0 and hits_later:
                 run_pairs(bank, self.cache.tensors, x, out, *runs[0])
         # its term, as the fused call adds it after the routed ones (issued now, added last)
@@ -392,19 +400,19 @@ class OffloadBackend:
         )
 
     def stage_first_groups(self, pred_h: np.ndarray | None) -> None:
-        """Stage this layer's likeliest host-only experts into ``AHEAD_GROUPS`` groups before its
+        """Stage this layer's likeliest host-only experts into ``Staging.ahead`` groups before its
         router runs (``pred_h``: the prefetch router's picks for it, else the policy's use counts
-        rank them). Called by the previous layer once it has queued its last group: the first
-        goes into the buffer that layer's second-to-last group freed, the second into the one its
-        last group is reading (its copy waits for that kernel), so that both buffers stream
-        through this layer's mixer and router; or by this layer's lookahead, before its mixer."""
+        rank them). Called by the previous layer once it has queued its last group: each goes
+        into the next buffer in turn, its copy waiting for that layer's kernel that reads the
+        buffer before it, so that the buffers stream through this layer's mixer and router; or by
+        this layer's lookahead, before its mixer."""
         host_only = self.map.absent() if self.map is not None else []
         if len(host_only) == 0:
             return
         freq = self.map.freq
         use = freq if pred_h is None else np.bincount(pred_h.reshape(-1), minlength=len(freq))
-        rows = self.shared.staging.rows
-        ranked = host_only[np.argsort(-use[host_only], kind="stable")][: AHEAD_GROUPS * rows]
+        rows, ahead = self.shared.staging.rows, self.shared.staging.ahead
+        ranked = host_only[np.argsort(-use[host_only], kind="stable")][: ahead * rows]
         groups = [np.sort(ranked[i : i + rows]) for i in range(0, len(ranked), rows)]
         before = self.shared.transfer.record_copies()  # what this layer waits for at its start
         self.shared.ahead = Ahead(self, groups, [self._stage(group) for group in groups], before)
@@ -414,7 +422,7 @@ class OffloadBackend:
         its reader waits on. Resident experts go device-to-device (``hit_d2d``), the others from
         the host store."""
         st, tr = self.shared.staging, self.shared.transfer
-        buf, self.shared.next_buf = self.shared.next_buf, 1 - self.shared.next_buf
+        buf, self.shared.next_buf = self.shared.next_buf, (self.shared.next_buf + 1) % len(st.blocks)
         rows = np.arange(len(group))
         on_device = self.map.resident(group)
         after = st.free_after[buf]

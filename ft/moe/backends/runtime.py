@@ -125,7 +125,7 @@ class MoeRuntime:
         hint = "; the cpu backend needs them all on the host (offload and hybrid do not)"
         check_host_memory((e - self.static) * per_expert, ranks, limit, hint if self.name == "cpu" else "")
         if self.static:
-            staging = 2 * sizing.staging_rows(self.cfg, layouts[0], e) * layouts[0].expert_bytes
+            staging = sizing.staging_bytes(self.cfg, layouts[0], e)
             slots = self._slots(layouts[0], len(blocks), e, staging, pool_bytes)
         pin = pin_available(self.device)
         for lay, b in zip(layouts, blocks):
@@ -151,7 +151,9 @@ class MoeRuntime:
         cfg, layout = self.cfg, self.stores[0].layout
         staging = None
         if self.name != "cpu":
-            staging = Staging(layout, sizing.staging_rows(cfg, layout, e), self.device)
+            staging = Staging(
+                layout, sizing.staging_rows(cfg, layout, e), self.device, sizing.STAGING_BUFFERS
+            )
             if not self.caches:  # a lean store's were allocated before loading
                 slots = self._slots(layout, len(blocks), e, staging.nbytes)
                 policy = cfg.expert_cache_policy

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import torch
 
@@ -23,6 +24,14 @@ from ft.moe.backends.host_store import GiB
 from ft.moe.backends.layout import ExpertLayout
 
 STAGING_BYTES = 256 << 20  # per staging buffer: enough to keep PCIe busy while a group computes
+# Staging buffers a rank streams through (FT_MOE_STAGING_BUFFERS for a process and the ranks it
+# spawns): with streaming ahead each holds one of the next layer's first groups, so the link keeps
+# copying while that layer's mixer and router run, until every buffer is full; then it idles until
+# the router's ids reach the host (the 16-layer cut's 8k prefill on an H200, 2026-12-03: gaps of
+# 4.4-5.5 ms, the host waiting for the ids, docs/benchmarks.md). A third buffer covers the 2.5
+# groups of host experts a layer of the full 80B streams at 81% resident, for 256 MiB (one
+# expert of residency fewer). Two until a third is timed on a GPU (NOT yet: it has run on CPU only).
+STAGING_BUFFERS = max(2, int(os.environ.get("FT_MOE_STAGING_BUFFERS", "2")))
 
 
 def reserve_bytes(cap: int) -> int:
@@ -100,8 +109,13 @@ def device_budget(cfg: EngineConfig, device: torch.device) -> int:
 
 
 def staging_rows(cfg: EngineConfig, layout: ExpertLayout, e: int) -> int:
-    """Experts per staging buffer (there are two: double-buffered)."""
+    """Experts per staging buffer (there are ``STAGING_BUFFERS``)."""
     return min(e, cfg.moe_staging_experts or max(1, STAGING_BYTES // layout.expert_bytes))
+
+
+def staging_bytes(cfg: EngineConfig, layout: ExpertLayout, e: int) -> int:
+    """What every staging buffer of a rank takes together."""
+    return STAGING_BUFFERS * staging_rows(cfg, layout, e) * layout.expert_bytes
 
 
 def static_experts(cfg: EngineConfig, backend: str, e: int, fit: int) -> int:
