@@ -6,9 +6,12 @@
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
 #            under 16 GiB (about two thirds resident), where a launch is a larger share (~5 min)
-#   prefill  the 16-layer cut's 8k prefill profiled (TIMELINE: why each large gap of the link),
-#            streaming ahead off (compiling), two groups ahead (the default), the same with the
-#            pairs grouped on the device (FT_MOE_DEVICE_PAIRS=1), off again (~8 min)
+#   prefill  the 16-layer cut's 8k prefill profiled (TIMELINE: why each large gap of the link):
+#            the defaults (compiling), the hits after the first group staged ahead
+#            (FT_MOE_HITS_AFTER_AHEAD=1), a third staging buffer (FT_MOE_STAGING_BUFFERS=3), the
+#            defaults again (~8 min). On 2026-12-03 the defaults left the link idle ~4.4 ms a
+#            layer, about what a layer's hits take to compute before its first staged group frees
+#            a buffer; each variant is meant to fill that gap
 #   prefill16k  the same cut's 16k prefill (one chunk), the hits in place before or after the
 #            first group staged ahead (FT_MOE_HITS_AFTER_AHEAD; ~7 min)
 #   bench    the full Qwen3-Next-80B-A3B in bf16, uniform routing: batch 1, 8k and 32k prefill
@@ -42,17 +45,19 @@ decode)
   ;;
 prefill)
   # the first run compiles (a cold machine's passed 170 s on 2026-12-02); the last is the warm control
-  for variant in off ahead2 pairs off; do
+  i=0
+  for variant in defaults hits_after buffers3 defaults; do
+    i=$((i + 1))
     case $variant in
-    off) flags=(STREAM_AHEAD=0) ;;
-    ahead2) flags=(STREAM_AHEAD=1) ;;                      # the defaults: two groups ahead
-    pairs) flags=(STREAM_AHEAD=1 FT_MOE_DEVICE_PAIRS=1) ;;  # and the pairs grouped on the device
+    defaults) flags=(STREAM_AHEAD=1) ;;
+    hits_after) flags=(FT_MOE_HITS_AFTER_AHEAD=1) ;;
+    buffers3) flags=(FT_MOE_STAGING_BUFFERS=3) ;;
     esac
-    env "${flags[@]}" PROFILE_CPU=1 TIMELINE=1 PROFILE_STACK=1 timeout 300 \
-      python3 tests/gpu/profile_offload_prefill.py "$next" 16 0.6 8000 "$out/prefill_$variant.log" \
-      >"$out/prefill_$variant.out" 2>&1
-    echo "$variant: $(grep -E '^== prefill' "$out/prefill_$variant.log")"
-    grep -E "^  link idle" "$out/prefill_$variant.log" | head -4
+    env "${flags[@]}" TIMELINE=1 timeout 200 \
+      python3 tests/gpu/profile_offload_prefill.py "$next" 16 0.6 8000 "$out/prefill_${i}_$variant.log" \
+      >"$out/prefill_${i}_$variant.out" 2>&1
+    echo "$variant: $(grep -E '^== prefill' "$out/prefill_${i}_$variant.log")"
+    grep -E "^  link idle" "$out/prefill_${i}_$variant.log" | head -3
   done
   ;;
 prefill16k)
