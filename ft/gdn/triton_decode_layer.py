@@ -42,8 +42,8 @@ from ft.utils import div_even
 # OFF: timed even on an H200 (docs/benchmarks.md, 2026-12-03; FT_GDN_FUSED_DECODE=1 turns it on for a
 # process and the ranks it spawns). The 80B with NVFP4 experts, batch-1 decode in one process:
 # defaults 303.5 tok/s, this 304.5, the defaults again 308.8 (rows of one setting spread by ~2%);
-# its GPU tests pass. The three launches it saves are not where a step's time goes: with PDL their
-# launches already overlap, and what remains is the chain of dependent loads and reductions that
+# its GPU tests pass. Our reading, not profiled: with PDL the two launches it saves already
+# overlapped their neighbours, and what remains is the chain of dependent loads and reductions that
 # one program now walks (conv, q/k norms, state update, ticket, norm). A first version, a program
 # per (sequence, key head) holding its value heads' whole states, took ~18 us a layer against the
 # three kernels' ~8.6 (311.3 -> 280.6 tok/s): 16 programs at batch 1, 256 KB each through one SM.
