@@ -30,7 +30,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
     ("ft.moe.kernels.triton_router", "KEYS32", "FT_ROUTER_KEYS32"),
     ("ft.attention.triton_paged", "FUSED_DECODE", "FT_FUSED_ATTN_DECODE"),
-    ("ft.layers.triton_norm_gemv", "FUSED_GATED_NORM", "FT_FUSED_GATED_NORM"),
     ("ft.distributed", "SYMM_ALL_REDUCE", "FT_SYMM_ALL_REDUCE"),
     ("ft.moe.backends.host_reads", "ENABLED", "FT_MOE_HOST_READS"),
     ("ft.moe.backends.host_reads", "DEFERRED", "FT_MOE_HOST_READS_DEFERRED"),

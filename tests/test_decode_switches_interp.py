@@ -161,32 +161,6 @@ def check_moe_gemv_fp4_planes() -> None:
                 require(err < 1e-2, f"{what}: relative error {err:.3g} against the torch reference")
 
 
-def check_gated_norm_gemv() -> None:
-    """``triton_norm_gemv`` (the GDN output's gated RMSNorm inside its out_proj GEMV) against the
-    torch path (``GatedRMSNorm`` then the product in fp32): 1 and 3 rows, z a strided view, an N
-    with a tail, the norm weight in the activations' dtype (rounded between the two products) and
-    in fp32 (not)."""
-    from torch import nn
-
-    from ft.layers.norm import GatedRMSNorm
-    from ft.layers.triton_norm_gemv import gated_norm_gemv
-
-    gen = torch.Generator().manual_seed(3)
-    hv, d = 8, 128
-    for t, n, w_dtype in ((1, 96, torch.float16), (3, 100, torch.float32)):
-        o = torch.randn(t, hv, d, generator=gen).half()
-        z = torch.randn(t, hv, 2 * d, generator=gen).half()[..., :d]  # a view, rows 2d apart
-        norm = GatedRMSNorm(d, 1e-6)
-        norm.weight = nn.Parameter(torch.randn(d, generator=gen).to(w_dtype), requires_grad=False)
-        weight = (torch.randn(n, hv * d, generator=gen) * (hv * d) ** -0.5).half()
-        got = gated_norm_gemv(o, z, norm.weight, norm.eps, weight)
-        normed = norm(o, z).view(t, -1)  # the torch path, rounded to fp16 as the fused kernel rounds it
-        want = normed.float() @ weight.float().T
-        err = ((got.float() - want).norm() / want.norm()).item()
-        require(got.dtype == torch.float16 and got.shape == (t, n), f"{got.dtype} {tuple(got.shape)}")
-        require(err < 2e-3, f"T={t} N={n} weight {w_dtype}: relative error {err:.3g}")
-
-
 def check_gdn_decode_layer() -> None:
     """``triton_decode_layer`` (a GDN decode step in one launch) gives the three kernels' bits:
     fp16 and fp32, two and four value heads a key head, dk != dv, a dim that is not a power of 2,
@@ -213,7 +187,6 @@ CHECKS = [
     "check_moe_gemv_ids_ahead",
     "check_moe_gemv_down_by_pair",
     "check_moe_gemv_fp4_planes",
-    "check_gated_norm_gemv",
 ]
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from ft.distributed import get_tp_info
 from ft.forward_context import get_forward_context
 from ft.gdn.snapshots import StateSnapshots, save_conv_snapshots
-from ft.layers.linear import RowParallelLinear, gated_norm_then_linear, parts_param, split_part
+from ft.layers.linear import RowParallelLinear, parts_param, split_part
 from ft.layers.norm import GatedRMSNorm
 from ft.utils import div_even
 
@@ -92,7 +92,7 @@ class GatedDeltaNetMixer(nn.Module):
         else:
             o = self._delta_with_snapshots(ctx.gdn, mixed, b, a, snaps)
         o = o.reshape(t, self.hv, self.dv)
-        return gated_norm_then_linear(o, z, self.norm, self.out_proj)  # z stays a strided view
+        return self.out_proj(self.norm(o, z).view(t, -1))  # z stays a strided view
 
     def _delta(self, gdn, mixed, b, a, batch) -> torch.Tensor:
         if hasattr(gdn, "gated_delta_rule"):  # the backend fuses the gates and the q/k/v split in

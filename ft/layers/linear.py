@@ -27,9 +27,9 @@ from ft.models.checkpoint import CheckpointTensor
 from ft.utils import div_even
 
 try:  # decode-sized products on a GPU, when timed faster than cuBLAS (triton_gemv.GEMV_MAX_TOKENS)
-    from ft.layers import triton_gemv, triton_norm_gemv
+    from ft.layers import triton_gemv
 except ImportError:  # no triton (CPU-only installs)
-    triton_gemv = triton_norm_gemv = None
+    triton_gemv = None
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,20 +177,3 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense(x, self.weight, self.bias)
-
-
-def gated_norm_then_linear(
-    o: torch.Tensor, z: torch.Tensor, norm: nn.Module, linear: nn.Module
-) -> torch.Tensor:
-    """``linear(norm(o, z))`` for o, z [T, H, d] and a ``GatedRMSNorm`` over d (the GDN output): one
-    launch for a decode batch of a bf16/fp16 ``RowParallelLinear`` on a GPU with
-    ``triton_norm_gemv.FUSED_GATED_NORM``; any other linear (block-FP8, ...) composes the two."""
-    fused = (
-        triton_norm_gemv is not None
-        and isinstance(linear, RowParallelLinear)
-        and linear.bias is None
-        and triton_norm_gemv.takes(o, linear.weight)
-    )
-    if fused:
-        return linear.reduce(triton_norm_gemv.gated_norm_gemv(o, z, norm.weight, norm.eps, linear.weight))
-    return linear(norm(o, z).view(o.shape[0], -1))

@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ft.attention import triton_kernels  # noqa: E402
 from ft.gdn import triton_conv, triton_decode, triton_decode_layer  # noqa: E402
-from ft.layers import triton_gemv, triton_norm, triton_norm_gemv, triton_rope  # noqa: E402
+from ft.layers import triton_gemv, triton_norm, triton_rope  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
     triton_combine,
     triton_moe,
@@ -214,9 +214,6 @@ def entries():
     dims = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "KC": 4, "KP": 4, "BK": 128, "BV": 32, "DV_P": 128,
             "ROUND_MID": True, "USE_PDL": 2}  # fmt: skip
     yield "GDN decode step in one launch", triton_decode_layer._decode_layer_kernel, step, dims, 4, 3
-    gated = {"o": BF, "z": BF, "nw": BF, "w": BF, "out": BF}
-    tiles = {"D": 128, "ROUND_MID": True, "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "USE_PDL": 2}
-    yield "gated RMSNorm inside out_proj GEMV", triton_norm_gemv._gated_norm_gemv_kernel, gated, tiles, 4, 4
     gemv = {"x": BF, "w": BF, "out": BF, "ws": F32, "counters": I32}
     yield "dense GEMV", triton_gemv._gemv_kernel, gemv, {
         "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "EVEN_K": True, "USE_PDL": 2}, 4, 4  # fmt: skip

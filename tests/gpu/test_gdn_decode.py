@@ -386,34 +386,3 @@ def test_conv_decode_in_one_launch_equals_two(n, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, two_out) and torch.equal(st, two_state)
-
-
-@gpu
-@pytest.mark.parametrize("t, hv", [(1, 32), (4, 32), (2, 16)])
-def test_gated_norm_inside_out_proj(t, hv):
-    """``triton_norm_gemv.gated_norm_gemv`` (the GDN output's gated RMSNorm inside its out_proj
-    GEMV; Qwen3-Next's heads, and a TP=2 shard's) equals the two kernels it replaces within bf16
-    rounding of the output, eagerly and replayed from a CUDA graph."""
-    pytest.importorskip("triton")
-    from ft.layers.norm import GatedRMSNorm
-    from ft.layers.triton_gemv import gemv
-    from ft.layers.triton_norm_gemv import gated_norm_gemv
-
-    gen = torch.Generator(device="cuda").manual_seed(t + hv)
-    d = 128
-    o = torch.randn(t, hv, d, generator=gen, device="cuda").to(torch.bfloat16)
-    z = torch.randn(t, hv, 3 * d, generator=gen, device="cuda").to(torch.bfloat16)[..., d : 2 * d]
-    norm = GatedRMSNorm(d, 1e-6).cuda().to(torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(d, generator=gen, device="cuda"))
-    weight = (torch.randn(2048, hv * d, generator=gen, device="cuda") * (hv * d) ** -0.5).to(torch.bfloat16)
-    with torch.no_grad():
-        want = gemv(norm(o, z).view(t, -1), weight)
-        got = gated_norm_gemv(o, z, norm.weight, norm.eps, weight)
-        assert rel_err(got, want) < 1e-2, rel_err(got, want)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = gated_norm_gemv(o, z, norm.weight, norm.eps, weight)
-        graph.replay()
-        torch.cuda.synchronize()
-    assert torch.equal(replayed, got)
