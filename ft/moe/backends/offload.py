@@ -81,11 +81,13 @@ AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's f
 # full 80B bf16 at --memory-ratio 0.94: 8k prefill 9,114 -> 10,990 tok/s (61 -> 74% of the link)
 AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
 # A layer whose first groups were staged ahead computes its first group before its hits in place,
-# so the third group's copy (waiting for that buffer) overlaps the hits' compute. Expected to
-# matter where a chunk's mixer outlasts the two staged groups' copies, so both have landed when
-# the layer's MoE starts and the link idles through the hits (16k chunks: the full 80B's 32k
-# prefill streamed at 50% of the link, 2026-12-02). OFF until timed on a GPU
-# (FT_MOE_HITS_AFTER_AHEAD=1 turns it on for a process and the ranks it spawns).
+# so the copy of the group after the staged ones (waiting for that buffer) overlaps the hits'
+# compute. Expected to matter where the staged groups' copies have landed when the layer's MoE
+# starts, so the link idles through the hits: 16k chunks (the full 80B's 32k prefill streamed at
+# 50% of the link, 2026-12-02), and the 16-layer cut's 8k prefill with the pairs grouped on the
+# device (the link idle ~4.4 ms a layer while the GPU ran grouped GEMMs, 2026-12-03). OFF until
+# timed on a GPU (FT_MOE_HITS_AFTER_AHEAD=1 turns it on for a process and the ranks it spawns;
+# its GPU equality test passed on 2026-12-03).
 HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "0") != "0"
 
 
@@ -358,7 +360,7 @@ class OffloadBackend:
             grouped = on_cpu.pairs if on_cpu is not None else pairs.Pairs(ids_h, self.store.num_experts)
             runs = pairs.upload_pairs([grouped.of(*call) for call in calls], weights)
         # the hits in place first, unless a group staged ahead can go first: its kernel frees a
-        # buffer, so the third group streams while the hits compute (the order is fixed by whether
+        # buffer, so the next group streams while the hits compute (the order is fixed by whether
         # groups were staged ahead, not by timing: the same sums every run)
         hits_later = HITS_AFTER_AHEAD and ahead is not None and len(ahead.groups) > 0
         if not hits_later:
