@@ -50,6 +50,7 @@ from ft.utils import div_even
 FUSED_DECODE = os.environ.get("FT_GDN_FUSED_DECODE", "0") == "1"
 BV = 32  # state columns a program owns, as the recurrent kernel's: [dk, 32] fp32, dv / BV programs a head
 NUM_WARPS = 4
+MAX_HEAD_DIM = 256  # as the recurrent kernel: a program's [dk, BV] state tile and a head's output
 
 
 @triton.jit
@@ -127,9 +128,6 @@ def _decode_layer_kernel(
 def fits(ssm_state: torch.Tensor) -> bool:
     """Whether a layer with this state pool [slots, Hv, dk, dv] can take the fused step."""
     return max(ssm_state.shape[2:]) <= MAX_HEAD_DIM
-
-
-MAX_HEAD_DIM = 256  # as the recurrent kernel: a program's [dk, BV] state tile and a head's output
 
 
 def gdn_decode_layer(
