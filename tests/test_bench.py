@@ -151,3 +151,16 @@ def test_an_offloaded_prefill_reports_its_share_of_the_link():
     r = Report("m", "H200", 4200.0, prefill={8000: 8000.0}, prefill_streamed={8000: 36e9}, moe=moe)
     want = "prefill 8000 tokens: 8,000 tok/s; streamed 36.00 GB at 36.0 GB/s (65% of the link)"
     assert want in format_report(r)
+
+
+def test_the_device_peak_is_reported_against_the_plan():
+    """On CUDA the report ends its MoE lines with the device's peak against what the plan allowed,
+    the part of that kept for activations and the prefill chunk: the figures that say whether the
+    reserve could have gone to the expert cache."""
+    from ft.bench.offline import Report, format_report
+
+    memory = dict(peak_gib=121.5, plan_gib=130.69, reserve_gib=6.95, prefill_chunk=16384)
+    text = format_report(Report("m", "H200", 4200.0, memory=memory))
+    assert ("device memory: peak 121.50 GiB of the 130.69 GiB planned (cap x --memory-ratio), "
+            "6.95 GiB of it kept for activations; prefill chunk 16384") in text  # fmt: skip
+    assert "device memory" not in format_report(Report("m", "cpu", 50.0))

@@ -68,6 +68,7 @@ class Report:
     moe: dict = field(default_factory=dict)  # backend, residency, policy, ... and h2d_gb_s measured
     census: list = field(default_factory=list)  # ft.bench.census.Census rows, with --census
     switches: dict = field(default_factory=dict)  # kernel switch -> value this run had (ft.switches)
+    memory: dict = field(default_factory=dict)  # CUDA: the device's peak against the plan (``device_peak``)
 
 
 def _sync(engine: LLMEngine) -> None:
@@ -193,7 +194,11 @@ def bench(
             }
             if h2d_gb_s:
                 report.moe["h2d_gb_s"] = h2d_gb_s
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         measure(engine, report, meta, act_bytes, prompt, batch_sizes, input_len, output_len, prefill_lens)
+        if device.type == "cuda":
+            report.memory = device_peak(engine, device)
         if with_census:
             steps = {row.batch: 1e3 * row.batch / row.decode_tok_s for row in report.rows}
             report.census = census(engine, input_len, batch=census_batch, decode_step_ms=steps)
@@ -206,6 +211,25 @@ def bench(
             torch.cuda.empty_cache()
         reports[0].hf = bench_hf(cfg, input_len, output_len)
     return reports
+
+
+def device_peak(engine: LLMEngine, device: torch.device) -> dict:
+    """What the run took on ``device`` at its peak against what the plan let it take (its cap ×
+    ``--memory-ratio``) and the activation reserve kept inside that (``sizing.reserve_bytes``):
+    torch's peak since the last reset plus what lies outside torch's allocator now (the CUDA
+    context, cuBLAS workspaces, NCCL), in GiB; the gap between the two is memory the plan could
+    have given the expert cache."""
+    from ft.moe.backends.sizing import GiB, device_cap, reserve_bytes
+
+    free, total = torch.cuda.mem_get_info(device)
+    outside = (total - free) - torch.cuda.memory_reserved(device)
+    cap = device_cap(engine.cfg, device, total)
+    return {
+        "peak_gib": (torch.cuda.max_memory_reserved(device) + outside) / GiB,
+        "plan_gib": cap * engine.cfg.memory_ratio / GiB,
+        "reserve_gib": reserve_bytes(cap) / GiB,
+        "prefill_chunk": engine.plan.prefill_chunk,
+    }
 
 
 def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, batch_sizes: list[int],
@@ -326,6 +350,13 @@ def format_report(r: Report) -> str:
                 f"{row.batch:>6}  decode hit rate {row.moe_hit_rate:.1%}, "
                 f"{row.moe_mb_per_token:,.2f} MB over PCIe per token{floor}{prefetch}"
             )
+    if r.memory:
+        m = r.memory
+        lines.append(
+            f"device memory: peak {m['peak_gib']:,.2f} GiB of the {m['plan_gib']:,.2f} GiB planned "
+            f"(cap x --memory-ratio), {m['reserve_gib']:,.2f} GiB of it kept for activations; "
+            f"prefill chunk {m['prefill_chunk']}"
+        )
     for k, v in r.hf.items():
         lines.append(f"transformers {k}: {v:,.1f}")
     return "\n".join(lines + format_census(r.census))
