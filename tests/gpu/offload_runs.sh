@@ -7,11 +7,9 @@
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
 #            under 16 GiB (about two thirds resident), where a launch is a larger share (~5 min)
 #   prefill  the 16-layer cut's 8k prefill profiled (TIMELINE: why each large gap of the link):
-#            the defaults (compiling), the hits after the first group staged ahead
-#            (FT_MOE_HITS_AFTER_AHEAD=1), a third staging buffer (FT_MOE_STAGING_BUFFERS=3), the
-#            defaults again (~8 min). On 2026-12-03 the defaults left the link idle ~4.4 ms a
-#            layer, about what a layer's hits take to compute before its first staged group frees
-#            a buffer; each variant is meant to fill that gap
+#            the defaults (compiling), the hits before the first group staged ahead
+#            (FT_MOE_HITS_AFTER_AHEAD=0, the default until 2026-12-03), a third staging buffer
+#            (FT_MOE_STAGING_BUFFERS=3), the defaults again (~8 min)
 #   prefill16k  the same cut's 16k prefill (one chunk), the hits in place before or after the
 #            first group staged ahead (FT_MOE_HITS_AFTER_AHEAD; ~7 min)
 #   bench    the full Qwen3-Next-80B-A3B in bf16, uniform routing: batch 1, 8k and 32k prefill
@@ -46,11 +44,11 @@ decode)
 prefill)
   # the first run compiles (a cold machine's passed 170 s on 2026-12-02); the last is the warm control
   i=0
-  for variant in defaults hits_after buffers3 defaults; do
+  for variant in defaults hits_first buffers3 defaults; do
     i=$((i + 1))
     case $variant in
     defaults) flags=(STREAM_AHEAD=1) ;;
-    hits_after) flags=(FT_MOE_HITS_AFTER_AHEAD=1) ;;
+    hits_first) flags=(FT_MOE_HITS_AFTER_AHEAD=0) ;;
     buffers3) flags=(FT_MOE_STAGING_BUFFERS=3) ;;
     esac
     env "${flags[@]}" TIMELINE=1 timeout 200 \
@@ -62,7 +60,7 @@ prefill)
   ;;
 prefill16k)
   # one 16k chunk, where the two groups staged ahead land during the mixer: the hits first (the
-  # default; the first run compiles), the first group before the hits (FT_MOE_HITS_AFTER_AHEAD=1)
+  # default until 2026-12-03; the first run compiles), the first group before the hits (=1, now the default)
   for variant in first first after first; do
     flags=(FT_MOE_HITS_AFTER_AHEAD=0)
     [[ $variant == after ]] && flags=(FT_MOE_HITS_AFTER_AHEAD=1)

@@ -107,14 +107,16 @@ def test_a_long_batch_streams_the_next_layers_experts_ahead(
     assert shared.ahead_used == layers * ahead  # each layer, its groups once
 
 
+@pytest.mark.parametrize("after", [True, False])
 @pytest.mark.parametrize("d2d", [False, True])
-def test_hits_after_the_first_group_staged_ahead(ckpt, refs, d2d, monkeypatch):
-    """``offload.HITS_AFTER_AHEAD``: a layer with groups staged ahead computes its first group,
-    then its hits in place (with --moe-prefill-hit-d2d there are none), then the rest; a layer
-    without (streaming ahead off) its hits first. The outputs stay the resident backend's."""
+def test_hits_after_the_first_group_staged_ahead(ckpt, refs, d2d, after, monkeypatch):
+    """``offload.HITS_AFTER_AHEAD`` (on by default): a layer with groups staged ahead computes its
+    first group, then its hits in place (with --moe-prefill-hit-d2d there are none), then the
+    rest; a layer without (streaming ahead off), or every layer with the switch off, its hits
+    first. The outputs stay the resident backend's."""
     from ft.moe.backends import offload
 
-    monkeypatch.setattr(offload, "HITS_AFTER_AHEAD", True)
+    monkeypatch.setattr(offload, "HITS_AFTER_AHEAD", after)
     real, order = offload.run_pairs, []
 
     def spy(bank, tensors, x, out, tok, *rest):
@@ -135,7 +137,7 @@ def test_hits_after_the_first_group_staged_ahead(ckpt, refs, d2d, monkeypatch):
                 layers.setdefault(out, []).append(kind)
         prefill = [kinds for kinds in layers.values() if len(kinds) > 1]  # the streamed layers' calls
         assert prefill
-        want = (["staged", "hits"] if ahead else ["hits", "staged"]) if not d2d else ["staged", "staged"]
+        want = (["staged", "hits"] if ahead and after else ["hits", "staged"]) if not d2d else ["staged", "staged"]
         assert all(kinds[:2] == want for kinds in prefill), prefill
 
 

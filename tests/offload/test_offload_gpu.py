@@ -65,10 +65,10 @@ def max_logprob_diff(a, b, decode: bool = True) -> float:
 ckpt = family_checkpoints(seed=31, weight_scale=0.8)
 
 
-@pytest.mark.parametrize("switch", [None, "pairs:DEVICE_PAIRS=0", "offload:HITS_AFTER_AHEAD=1"])
+@pytest.mark.parametrize("switch", [None, "pairs:DEVICE_PAIRS=0", "offload:HITS_AFTER_AHEAD=0"])
 def test_fp32_offload_equals_resident_exactly(ckpt, monkeypatch, switch):
     """Also with a prefill switch flipped: ``pairs.DEVICE_PAIRS`` off (the streamed layers' pairs
-    grouped on the host: the same runs) and ``offload.HITS_AFTER_AHEAD`` on (the hits after the
+    grouped on the host: the same runs) and ``offload.HITS_AFTER_AHEAD`` off (the hits before the
     first group staged ahead)."""
     if switch is not None:
         name, value = switch.split("=")

@@ -82,13 +82,12 @@ AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's f
 AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
 # A layer whose first groups were staged ahead computes its first group before its hits in place,
 # so the copy of the group after the staged ones (waiting for that buffer) overlaps the hits'
-# compute. Expected to matter where the staged groups' copies have landed when the layer's MoE
-# starts, so the link idles through the hits: 16k chunks (the full 80B's 32k prefill streamed at
-# 50% of the link, 2026-12-02), and the 16-layer cut's 8k prefill with the pairs grouped on the
-# device (the link idle ~4.4 ms a layer while the GPU ran grouped GEMMs, 2026-12-03). OFF until
-# timed on a GPU (FT_MOE_HITS_AFTER_AHEAD=1 turns it on for a process and the ranks it spawns;
-# its GPU equality test passed on 2026-12-03).
-HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "0") != "0"
+# compute: where the staged groups' copies have landed when the layer's MoE starts, the link
+# otherwise idles through the hits (~4.4 ms a layer on the 16-layer cut's 8k prefill). On from
+# 2026-12-03 (FT_MOE_HITS_AFTER_AHEAD=0 turns it off for a process and the ranks it spawns): that
+# prefill on an H200, one machine, 413.4 -> 392.6 ms, the link busy 89 -> 98% of the profiled
+# time; a third staging buffer beside it moved nothing more (395.9 ms; docs/benchmarks.md).
+HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
 
 
 class Staging:

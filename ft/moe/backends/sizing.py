@@ -26,12 +26,11 @@ from ft.moe.backends.layout import ExpertLayout
 STAGING_BYTES = 256 << 20  # per staging buffer: enough to keep PCIe busy while a group computes
 # Staging buffers a rank streams through (FT_MOE_STAGING_BUFFERS for a process and the ranks it
 # spawns): with streaming ahead each holds one of the next layer's first groups, so the link keeps
-# copying while that layer's mixer and router run, until every buffer is full; then it idles until
-# the layer's first staged group has been computed and frees one (the 16-layer cut's 8k prefill on
-# an H200, 2026-12-03: the link idle ~4.4 ms a layer while the GPU ran the hits' grouped GEMMs; our
-# reading, docs/benchmarks.md; ``offload.HITS_AFTER_AHEAD`` aims at the same gap). A third buffer
-# covers the 2.5 groups of host experts a layer of the full 80B streams at 81% resident, for 256
-# MiB (one expert of residency fewer). Two until a third is timed on a GPU (it has run on CPU only).
+# copying while that layer's mixer and router run, until every buffer is full. A third measured
+# nothing once a layer computes its first staged group before its hits (``offload.HITS_AFTER_AHEAD``):
+# the 16-layer cut's 8k prefill on an H200, 2026-12-03, 392.6 ms with two, 395.9 with three,
+# the link busy 98% of the profiled time either way (docs/benchmarks.md). Two, for 256 MiB more
+# of expert cache.
 STAGING_BUFFERS = max(2, int(os.environ.get("FT_MOE_STAGING_BUFFERS", "2")))
 
 
