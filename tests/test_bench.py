@@ -159,8 +159,10 @@ def test_the_device_peak_is_reported_against_the_plan():
     reserve could have gone to the expert cache."""
     from ft.bench.offline import Report, format_report
 
-    memory = dict(peak_gib=121.5, plan_gib=130.69, reserve_gib=6.95, prefill_chunk=16384)
+    memory = dict(peak_gib=121.5, peak_allocated_gib=118.25, plan_gib=130.69, reserve_gib=6.95,
+                  prefill_chunk=16384)  # fmt: skip
     text = format_report(Report("m", "H200", 4200.0, memory=memory))
-    assert ("device memory: peak 121.50 GiB of the 130.69 GiB planned (cap x --memory-ratio), "
-            "6.95 GiB of it kept for activations; prefill chunk 16384") in text  # fmt: skip
+    want = ("device memory: peak 121.50 GiB (live tensors 118.25) of the 130.69 GiB planned "
+            "(cap x --memory-ratio), 6.95 GiB of it kept for activations; prefill chunk 16384")  # fmt: skip
+    assert want in text
     assert "device memory" not in format_report(Report("m", "cpu", 50.0))

@@ -216,9 +216,10 @@ def bench(
 def device_peak(engine: LLMEngine, device: torch.device) -> dict:
     """What the run took on ``device`` at its peak against what the plan let it take (its cap ×
     ``--memory-ratio``) and the activation reserve kept inside that (``sizing.reserve_bytes``):
-    torch's peak since the last reset plus what lies outside torch's allocator now (the CUDA
-    context, cuBLAS workspaces, NCCL), in GiB; the gap between the two is memory the plan could
-    have given the expert cache."""
+    torch's peak reservation since the last reset plus what lies outside torch's allocator now (the
+    CUDA context, cuBLAS workspaces, NCCL), in GiB, and the same with torch's peak of live tensors
+    instead: the difference is what the allocator's cache kept (``ft.engine.allocator``); a peak
+    below the plan is memory the expert cache could have had."""
     from ft.moe.backends.sizing import GiB, device_cap, reserve_bytes
 
     free, total = torch.cuda.mem_get_info(device)
@@ -226,6 +227,7 @@ def device_peak(engine: LLMEngine, device: torch.device) -> dict:
     cap = device_cap(engine.cfg, device, total)
     return {
         "peak_gib": (torch.cuda.max_memory_reserved(device) + outside) / GiB,
+        "peak_allocated_gib": (torch.cuda.max_memory_allocated(device) + outside) / GiB,
         "plan_gib": cap * engine.cfg.memory_ratio / GiB,
         "reserve_gib": reserve_bytes(cap) / GiB,
         "prefill_chunk": engine.plan.prefill_chunk,
@@ -353,7 +355,8 @@ def format_report(r: Report) -> str:
     if r.memory:
         m = r.memory
         lines.append(
-            f"device memory: peak {m['peak_gib']:,.2f} GiB of the {m['plan_gib']:,.2f} GiB planned "
+            f"device memory: peak {m['peak_gib']:,.2f} GiB (live tensors {m['peak_allocated_gib']:,.2f}) "
+            f"of the {m['plan_gib']:,.2f} GiB planned "
             f"(cap x --memory-ratio), {m['reserve_gib']:,.2f} GiB of it kept for activations; "
             f"prefill chunk {m['prefill_chunk']}"
         )

@@ -18,6 +18,7 @@ import torch
 from ft.attention import get_attention_backend
 from ft.config import EngineConfig
 from ft.distributed import TPInfo, tp_context
+from ft.engine import allocator
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.gdn import get_gdn_backend
 from ft.gdn.snapshots import SnapshotPoint, state_snapshots
@@ -104,6 +105,7 @@ class ModelRunner:
         self.device = cfg.resolved_device
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", tp.rank)
+        allocator.configure(self.device)  # before the first allocation
         self.dtype = cfg.torch_dtype(mc.dtype)
         mc = self.mc = effective_model_config(cfg, mc)
         self.moe = MoeRuntime(cfg, mc, tp, self.device, self.dtype)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|bench8k|census|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|bench8k|memory|census|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -18,6 +18,10 @@
 #            request slot and prefix snapshot holds a GDN state (~76 MB for this model), so the
 #            default 64 of each take ~8 GiB from the expert cache (365 instead of 393 resident)
 #   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
+#   memory   the full model in bf16 at --memory-ratio 0.94, the device's memory after the load and
+#            after prompts of 1k to 32k tokens (memory_plan.py), with the allocator's segments as
+#            they are and expandable (FT_EXPANDABLE_SEGMENTS=1): on 2026-12-03 the 16k chunk's
+#            tensors peaked 2.2 GiB above the load, the allocator's reservation 10.6 GiB (~6 min)
 #   census   the full model with NVFP4 experts resident (issue 5's row) with --census: the kernels
 #            of a batch-1 decode step, what stands between it and its roofline (~2 min)
 #   hybrid   the host CPU's rate on one expert (cpu_expert_rate.py, ~30 s), then the same model
@@ -79,6 +83,15 @@ bench8k)
   timeout 420 "${bench[@]}" --moe-backend offload --batch-sizes 1 --max-running-requests 8 --input-len 1024 \
     --output-len 8 --prefill-lens 32768 --num-tokens 40000 --chunked-prefill-size 8192 >"$out/bench8k.log" 2>&1
   grep -E "^prefill" "$out/bench8k.log" | sed 's/^/chunks of 8192: /'
+  ;;
+memory)
+  # where the full model's device memory goes against its plan, the allocator's segments as they
+  # are and expandable (ft.engine.allocator), each a load of ~170 s
+  for expandable in 0 1; do
+    FT_EXPANDABLE_SEGMENTS=$expandable timeout 290 python3 tests/gpu/memory_plan.py "$next" 0.94 \
+      "$out/memory_$expandable.log" >"$out/memory_$expandable.out" 2>&1
+    grep -E "^(loaded|after)" "$out/memory_$expandable.log"
+  done
   ;;
 census)
   timeout 300 "${bench[@]}" --quantize-experts nvfp4 --batch-sizes 1,16 --max-running-requests 16 --input-len 1024 \

@@ -11,7 +11,9 @@ expert-cache fraction, and profiles one prefill of TOKENS tokens (default 8,000)
 host-to-device copies' intervals it prints the link's busy share of the prefill, the idle gaps
 between copies by size, and for the largest gaps the kernels that ran in them (what the link
 waited for: a mixer, the router, the host reading ids). Issue 8 asks for >= 85% of the measured
-host-to-device bandwidth; the full 80B streamed at 58% on 2026-11-30."""
+host-to-device bandwidth; the full 80B streamed at 58% on 2026-11-30. It also prints a prefill's
+peak allocation above what the engine held before, per token of its chunk, against the bound the
+memory plan reserves for (``sizing.activation_bytes_per_token``)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
+from ft.moe.backends.sizing import activation_bytes_per_token  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profiling import cut_config, logger  # noqa: E402
 
@@ -145,7 +148,15 @@ def main() -> None:
         return time.perf_counter() - t0
 
     prefill(0)  # shapes compiled outside the measurement
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
     walls = sorted(prefill(s) for s in (1, 2, 3))
+    peak = torch.cuda.max_memory_allocated() - held  # what a prefill chunk allocates at its peak
+    chunk = min(tokens, engine.plan.prefill_chunk)
+    bound = activation_bytes_per_token(engine.model_config)
+    log(f"  activations: peak {peak / 2**20:,.0f} MiB above the {held / 2**30:.2f} GiB held before, "
+        f"{peak / chunk / 1e3:.1f} KB a token of a {chunk}-token chunk "
+        f"(sizing's bound: {bound / 1e3:.1f} KB)")  # fmt: skip
     cpu = os.environ.get("PROFILE_CPU", "0") == "1"  # also the host's operators, by self time
     stack = os.environ.get("PROFILE_STACK", "0") == "1"  # and the Python frames they ran under
     trace = os.environ.get("TIMELINE", "0") == "1"  # gap_causes reads the host's ranges and frames

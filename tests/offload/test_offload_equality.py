@@ -137,7 +137,9 @@ def test_hits_after_the_first_group_staged_ahead(ckpt, refs, d2d, after, monkeyp
                 layers.setdefault(out, []).append(kind)
         prefill = [kinds for kinds in layers.values() if len(kinds) > 1]  # the streamed layers' calls
         assert prefill
-        want = (["staged", "hits"] if ahead and after else ["hits", "staged"]) if not d2d else ["staged", "staged"]
+        want = ["staged", "hits"] if ahead and after else ["hits", "staged"]
+        if d2d:
+            want = ["staged", "staged"]
         assert all(kinds[:2] == want for kinds in prefill), prefill
 
 
