@@ -45,7 +45,11 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "gpu", "offload", "hybrid", "cpu"],
         help="where routed experts live (default: gpu when they fit, else offload)",
     )
-    g.add_argument("--max-gpu-memory", default=None, help="cap on the memory used on each GPU, e.g. 48GiB")
+    g.add_argument(
+        "--max-gpu-memory",
+        default=None,
+        help="cap on the memory used on each GPU, e.g. 48GiB (the plan and torch's allocator keep to it)",
+    )
     g.add_argument(
         "--max-host-memory",
         default=None,

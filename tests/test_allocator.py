@@ -33,3 +33,27 @@ def test_off_by_default_on_a_cpu_and_under_the_users_settings(monkeypatch):
         assert not allocator.configure(torch.device("cuda", 0)), name
         monkeypatch.delenv(name)
     assert calls == []
+
+
+def test_the_cap_leaves_the_context_its_share_of_the_smaller_card():
+    """Under --max-gpu-memory 48 GiB on a 140 GiB card whose CUDA context holds 0.5 GiB outside
+    torch's allocator, the allocator may reserve 47.5 GiB; no cap, or one above the card, is no
+    limit."""
+    g = 2**30
+    total, reserved = 140 * g, 2 * g
+    free = total - reserved - g // 2
+    assert allocator.cap_fraction(48 * g, free, total, reserved) == 47.5 / 140
+    assert allocator.cap_fraction(None, free, total, reserved) == 1.0
+    assert allocator.cap_fraction(200 * g, free, total, reserved) == 1.0
+
+
+def test_the_cap_reaches_torch_on_a_cuda_device_only(monkeypatch):
+    g = 2**30
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * g, 140 * g))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 40 * g - g // 2)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: set_to.append(f))
+    assert allocator.cap(48 * g, torch.device("cpu")) is None and set_to == []
+    assert allocator.cap(48 * g, torch.device("cuda", 0)) == 47.5 / 140
+    assert allocator.cap(None, torch.device("cuda", 0)) == 1.0  # an earlier engine's limit lifted
+    assert set_to == [47.5 / 140, 1.0]

@@ -1,4 +1,11 @@
-"""The CUDA caching allocator's mode for the engine's allocations.
+"""The CUDA caching allocator's limit and mode for the engine's allocations.
+
+``--max-gpu-memory`` stands for a smaller card (48 GiB on an H200): the plan sizes everything
+for it, and ``cap`` holds torch's allocator to it too (``torch.cuda.set_per_process_memory_fraction``),
+so that what the allocator's cache grows to beyond the plan meets the limit a card of that
+size has, where the allocator frees its cached blocks and retries, or runs out, as it would
+there. Without the cap the allocator may take the whole H200, and a figure measured "under
+48 GiB" may have used more.
 
 By default torch's allocator carves each allocation it cannot serve from its cache out of a new
 segment of that size, and a freed block only merges with free neighbours of its own segment. A
@@ -24,6 +31,28 @@ import torch
 
 EXPANDABLE = os.environ.get("FT_EXPANDABLE_SEGMENTS", "0") == "1"
 USER_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def cap_fraction(cap: int | None, free: int, total: int, reserved: int) -> float:
+    """The share of the device's ``total`` bytes torch's allocator may reserve under a ``cap``
+    (None: no cap): the cap less what lies outside the allocator now (the CUDA context), which
+    a card of the cap's size holds too; ``free`` and ``reserved`` are the device's free bytes
+    and the allocator's reservation now."""
+    if not cap or cap >= total:
+        return 1.0
+    outside = max(0, (total - free) - reserved)
+    return min(1.0, max(0.0, (cap - outside) / total))
+
+
+def cap(max_bytes: int | None, device: torch.device) -> float | None:
+    """Hold torch's allocator on a CUDA ``device`` to ``max_bytes`` (``--max-gpu-memory``), or
+    lift an earlier engine's limit in this process when there is none; the fraction set."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = cap_fraction(max_bytes, free, total, torch.cuda.memory_reserved(device))
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
 
 
 def configure(device: torch.device) -> bool:

@@ -106,6 +106,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", tp.rank)
         allocator.configure(self.device)  # before the first allocation
+        allocator.cap(cfg.max_gpu_memory_bytes, self.device)
         self.dtype = cfg.torch_dtype(mc.dtype)
         mc = self.mc = effective_model_config(cfg, mc)
         self.moe = MoeRuntime(cfg, mc, tp, self.device, self.dtype)
