@@ -192,8 +192,11 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the CUDA graphs, which hold this runner: without the cycle the runner, its weights
-        and pools go as soon as the executor lets go, not at the next cyclic collection."""
+        and pools go as soon as the executor lets go, not at the next cyclic collection; and lift
+        ``--max-gpu-memory``'s hold on the allocator, which is the process's, not the runner's."""
         self.graphs = None
+        if self.cfg.max_gpu_memory_bytes:
+            allocator.cap(None, self.device)
 
     # ---- pools
     def _pool_tokens(self) -> int:
