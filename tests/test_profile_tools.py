@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.gpu.profile_offload_prefill import gap_causes
+from tests.gpu.profile_offload_prefill import gap_causes, overlap
 
 
 def copy(ts: float, dur: float, corr: int) -> dict:
@@ -57,3 +57,10 @@ def test_critical_path_charges_an_early_launched_kernel_only_for_what_it_adds(tm
     assert lines[1:4] == ["    1.010 ms  a", "    0.012 ms  b", "    0.005 ms  c"]  # b: 22 - 10
     assert lines[4] == "  idle     8.0 us after b before c"
     assert lines[-1] == "stream 9: busy 0.40 ms a step"
+
+
+def test_overlap_counts_the_time_two_interval_lists_share():
+    link = [(0, 10), (20, 30), (40, 50)]
+    kernels = [(5, 25), (28, 29), (45, 60)]
+    assert overlap(link, kernels) == 5 + 5 + 1 + 5
+    assert overlap(kernels, link) == 16 and overlap(link, []) == 0

@@ -47,6 +47,20 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Time two lists of merged, sorted intervals cover together."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
 def timeline(path: str, log, gaps: int = 2, window_us: float = 800.0) -> None:
     """From a chrome trace: around the ``gaps`` largest idle stretches of the host-to-device link
     (after the first layer), every GPU event (stream, start from the gap's start, duration) and the
@@ -191,6 +205,12 @@ def main() -> None:
         f"{'on' if AHEAD else 'off'} ({used} groups used): wall median "
         f"{walls[1] * 1e3:.1f} ms ({tokens / walls[1]:,.0f} tok/s); profiled {(end - start) / 1e3:.1f} ms, "
         f"link busy {link / 1e3:.1f} ms ({link / (end - start):.0%}) in {len(copies)} copies")  # fmt: skip
+    gpu = merged([(a, b) for a, b, _ in kernels])
+    computing = sum(b - a for a, b in gpu)
+    both = overlap(busy, gpu)
+    idle = (end - start) - link - computing + both
+    log(f"  kernels running {computing / 1e3:.1f} ms ({computing / (end - start):.0%}), "
+        f"{both / 1e3:.1f} ms of it beside the link; neither {idle / 1e3:.1f} ms")  # fmt: skip
     gaps = [(b0, a1) for (_, b0), (a1, _) in zip(busy, busy[1:])]
     sizes = collections.Counter()
     for a, b in gaps:
