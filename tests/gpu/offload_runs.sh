@@ -10,8 +10,12 @@
 #            the defaults (compiling), the hits before the first group staged ahead
 #            (FT_MOE_HITS_AFTER_AHEAD=0, the default until 2026-12-03), a third staging buffer
 #            (FT_MOE_STAGING_BUFFERS=3), the defaults again (~8 min)
-#   prefill16k  the same cut's 16k prefill (one chunk), the hits in place before or after the
-#            first group staged ahead (FT_MOE_HITS_AFTER_AHEAD; ~7 min)
+#   prefill16k  the same cut at the full model's residency (0.81) with one 16k chunk: the
+#            defaults (the first run compiles), a third staging buffer (FT_MOE_STAGING_BUFFERS=3),
+#            the defaults again; each prints the kernels' busy time beside the link's. The full
+#            80B's 32k prefill (two 16k chunks) streamed at 65% of the link on 2026-12-03 while
+#            the cut at 0.6 kept it 94% busy: is the full model's chunk the GPU's or the host's?
+#            (~7 min)
 #   bench    the full Qwen3-Next-80B-A3B in bf16, uniform routing: batch 1, 8k and 32k prefill
 #            with the chunk the engine now picks (16384), each prefill's share of the link
 #            (~6 min: 215 s of it loading). --max-running-requests 8 as in the earlier rows: each
@@ -63,15 +67,17 @@ prefill)
   done
   ;;
 prefill16k)
-  # one 16k chunk, where the two groups staged ahead land during the mixer: the hits first (the
-  # default until 2026-12-03; the first run compiles), the first group before the hits (=1, now the default)
-  for variant in first first after first; do
-    flags=(FT_MOE_HITS_AFTER_AHEAD=0)
-    [[ $variant == after ]] && flags=(FT_MOE_HITS_AFTER_AHEAD=1)
-    env "${flags[@]}" TIMELINE=1 timeout 300 \
-      python3 tests/gpu/profile_offload_prefill.py "$next" 16 0.6 16000 "$out/prefill16k_$variant.log" \
-      >"$out/prefill16k_$variant.out" 2>&1
-    echo "hits $variant: $(grep -E '^== prefill' "$out/prefill16k_$variant.log")"
+  i=0
+  for variant in defaults buffers3 defaults; do
+    i=$((i + 1))
+    flags=(STREAM_AHEAD=1) limit=120
+    [[ $i == 1 ]] && limit=200 # it compiles the 16k chunk's kernels
+    [[ $variant == buffers3 ]] && flags=(FT_MOE_STAGING_BUFFERS=3)
+    env "${flags[@]}" TIMELINE=1 timeout $limit \
+      python3 tests/gpu/profile_offload_prefill.py "$next" 16 0.81 16000 "$out/prefill16k_${i}_$variant.log" \
+      >"$out/prefill16k_${i}_$variant.out" 2>&1
+    echo "$variant: $(grep -E '^== prefill' "$out/prefill16k_${i}_$variant.log")"
+    grep -E "^  (kernels running|activations)" "$out/prefill16k_${i}_$variant.log"
   done
   ;;
 bench)
