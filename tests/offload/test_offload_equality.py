@@ -322,3 +322,47 @@ def test_cpu_share_balances_the_cpu_against_the_link():
     slower = cpu_share(pairs, mb, flops, (54, 2.4, 55))  # its measured rates: compute costs too
     assert 30 < slower < even
     assert cpu_share(np.zeros(0), mb, flops) == 0
+
+
+@pytest.mark.parametrize(
+    "case", ["1-slot-prefetch", "2-slots-lru-staging-2", "5-slots-lfu-d2d", "hybrid-2-slots"]
+)
+def test_routes_counted_on_the_device_equal_resident(ckpt, refs, case, monkeypatch):
+    """``offload.HostRoute`` from counts made on the device (every batch here, where the engine
+    does so from ``DEVICE_COUNTS_MIN_PAIRS`` pairs): the same experts, pair counts and guesses as
+    the host's count of the copied ids, so the same outputs, prefill chunked or not; the ids reach
+    the host only where a path asks for them (here the hybrid backend's CPU decode)."""
+    from ft.moe.backends import offload
+
+    monkeypatch.setattr(offload, "DEVICE_COUNTS_MIN_PAIRS", 0)
+    copies = []
+    real = offload.HostRoute.ids_h.fget
+
+    def counted(route):
+        copies.append(route.copied is None)
+        return real(route)
+
+    monkeypatch.setattr(offload.HostRoute, "ids_h", property(counted))
+    outs, _ = generate(ckpt, **CASES[case])
+    assert_same(outs, refs[8192])
+    outs, _ = generate(ckpt, max_num_batched_tokens=5, **CASES[case])
+    assert_same(outs, refs[5])
+    assert any(copies) == CASES[case]["moe_backend"].startswith("hybrid"), copies
+
+
+def test_host_route_counts_as_the_host_would(monkeypatch):
+    """Both ways of reading a layer's routing give the same counts, guesses and experts."""
+    from ft.moe.backends import offload
+
+    g = torch.Generator().manual_seed(0)
+    ids, pred = torch.randint(0, 12, (40, 3), generator=g), torch.randint(0, 12, (40, 3), generator=g)
+    on_host = offload.host_route(ids, pred, 16)
+    monkeypatch.setattr(offload, "DEVICE_COUNTS_MIN_PAIRS", 0)
+    on_device = offload.host_route(ids, pred, 16)
+    assert on_device.copied is None and on_host.copied is not None
+    for a, b in ((on_host.counts, on_device.counts), (on_host.predicted, on_device.predicted)):
+        assert a.tolist() == b.tolist() and len(a) == 16 and a.sum() == 120
+    assert on_host.experts.tolist() == on_device.experts.tolist() == sorted(set(ids.reshape(-1).tolist()))
+    assert on_device.predicted_experts.tolist() == sorted(set(pred.reshape(-1).tolist()))
+    assert on_device.ids_h.tolist() == ids.tolist()
+    assert offload.host_route(ids, None, 16).predicted is None

@@ -43,9 +43,8 @@ import numpy as np
 import torch
 
 from ft.moe.backends.cpu import CpuKernel, cpu_experts
-from ft.moe.backends.expert_cache import unique
 from ft.moe.backends.graph_split import capturing, split_point
-from ft.moe.backends.offload import OffloadBackend, decode_only
+from ft.moe.backends.offload import HostRoute, OffloadBackend, decode_only
 from ft.moe.backends.pairs import Pairs, run_pairs
 from ft.utils import upload
 
@@ -136,7 +135,7 @@ class HybridBackend(OffloadBackend):
         split_point(lambda: self._split_work(bank, x, weights, ids, pred, y_cpu))
         return self._cached(bank, x, weights, ids) + y_cpu
 
-    def _cpu_share(self, bank, x, weights, ids_h: np.ndarray, host_only: np.ndarray) -> CpuShare | None:
+    def _cpu_share(self, bank, x, weights, route: HostRoute, host_only: np.ndarray) -> CpuShare | None:
         """The streamed layer's host-only experts with the fewest pairs that the CPU computes while
         the link streams the rest (``cpu_share``); bf16 banks only (the CPU dequantises NVFP4
         experts first, a rate not measured). Host-side only: the caller starts it
@@ -144,6 +143,7 @@ class HybridBackend(OffloadBackend):
         (``CpuShare.add_to``) once the layer's GPU work is."""
         if not PREFILL_CPU or bank.format != "bf16" or len(host_only) == 0:
             return None
+        ids_h = route.ids_h
         pairs = Pairs(ids_h, self.store.num_experts)
         counts = pairs.counts[host_only]
         order = np.argsort(counts, kind="stable")
@@ -156,15 +156,15 @@ class HybridBackend(OffloadBackend):
         return CpuShare(pairs, experts, sel, rows, np.unique(sel // ids_h.shape[1]), self.shared)
 
     def _split_work(self, bank, x, weights, ids, pred, y_cpu) -> None:
-        ids_h, pred_h = self._to_host(ids, pred)
-        self._begin(len(ids_h))
-        experts = unique(ids_h, self.store.num_experts)
+        route = self._to_host(ids, pred)
+        self._begin(len(ids))
+        experts = route.experts
         hit = self.map.classify(experts)
         self.cache.publish()  # misses -> null slot, for this step's kernel
         self.shared.transfer.wait()  # earlier copies into the hits' slots land first
         misses = experts[~hit]
-        part, pairs = cpu_experts(bank, self.store, x, weights, ids_h, misses)
+        part, pairs = cpu_experts(bank, self.store, x, weights, route.ids_h, misses)
         self.shared.cpu_pairs += pairs
         y_cpu.copy_(part)
         self.copy_in(self.map.prefetch(misses))  # for later steps; published at the next call
-        self._prefetch_next(pred_h)
+        self._prefetch_next(route.predicted_experts)

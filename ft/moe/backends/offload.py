@@ -59,7 +59,7 @@ from torch.profiler import record_function
 
 from ft.forward_context import get_forward_context
 from ft.moe.backends import host_prefetch, pairs
-from ft.moe.backends.expert_cache import ExpertCache, unique
+from ft.moe.backends.expert_cache import ExpertCache
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.host_prefetch import Spare, routes
 from ft.moe.backends.host_reads import HostReads, route_and_count, route_rows
@@ -88,6 +88,57 @@ AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
 # prefill on an H200, one machine, 413.4 -> 392.6 ms, the link busy 89 -> 98% of the profiled
 # time; a third staging buffer beside it moved nothing more (395.9 ms; docs/benchmarks.md).
 HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
+# (token, k) pairs from which a batch's experts are counted on the device (``HostRoute``);
+# FT_MOE_DEVICE_COUNTS_MIN_PAIRS sets it for a process and the ranks it spawns (a number above any
+# batch's pairs turns the device's count off)
+DEVICE_COUNTS_MIN_PAIRS = int(os.environ.get("FT_MOE_DEVICE_COUNTS_MIN_PAIRS", "8192"))
+
+
+@dataclass
+class HostRoute:
+    """What the host reads of a layer's routing at the layer's one synchronisation: per expert,
+    the batch's (token, k) pairs (``counts``) and the prefetch router's picks (``predicted``;
+    None without prefetch). A batch of at least ``DEVICE_COUNTS_MIN_PAIRS`` pairs counts them on
+    the device and copies 2E counts instead of its [T, k] ids and the guess's: at 16k tokens
+    those are 2.6 MB a layer into pageable memory and then passes over every pair on the host,
+    and on an H200 (the 16-layer cut's 16k chunk, 2026-12-03, docs/benchmarks.md) the GPU sat
+    idle ~2.3 ms a layer between the router and the first kernel the host issued after reading
+    them, the link ~5.9 ms in the worst gap. Its ``ids_h`` is copied only for a path that still
+    groups pairs on the host (``pairs.DEVICE_PAIRS`` off, the hybrid backend's CPU share). The
+    same experts, counts and guesses either way; NOT yet timed on a GPU."""
+
+    counts: np.ndarray  # [E] int64
+    predicted: np.ndarray | None  # [E] int64
+    ids: torch.Tensor  # [T, k] on the device
+    copied: np.ndarray | None = None  # the ids on the host, once copied
+
+    @property
+    def experts(self) -> np.ndarray:
+        """The batch's distinct experts, ascending."""
+        return np.flatnonzero(self.counts)
+
+    @property
+    def predicted_experts(self) -> np.ndarray | None:
+        return None if self.predicted is None else np.flatnonzero(self.predicted)
+
+    @property
+    def ids_h(self) -> np.ndarray:
+        if self.copied is None:
+            self.copied = self.ids.cpu().numpy()
+        return self.copied
+
+
+def host_route(ids: torch.Tensor, pred: torch.Tensor | None, num_experts: int) -> HostRoute:
+    """``ids`` [T, k] (and ``pred``, the guess) read by the host: the layer's synchronisation."""
+    e, k = num_experts, ids.shape[1]
+    if ids.numel() < DEVICE_COUNTS_MIN_PAIRS:
+        both = ids if pred is None else torch.cat([ids, pred], dim=1)
+        h = both.cpu().numpy()
+        guess = None if pred is None else np.bincount(h[:, k:].reshape(-1), minlength=e)
+        return HostRoute(np.bincount(h[:, :k].reshape(-1), minlength=e), guess, ids, h[:, :k])
+    flat = ids.reshape(-1) if pred is None else torch.cat([ids.reshape(-1), pred.reshape(-1) + e])
+    counts = torch.bincount(flat, minlength=2 * e if pred is not None else e).cpu().numpy()
+    return HostRoute(counts[:e], None if pred is None else counts[e:], ids)
 
 
 class Staging:
@@ -197,26 +248,23 @@ class OffloadBackend:
             split_point(lambda: self._resolve(ids, pred))  # its prefetch runs after the next segment's launch
             return self._cached(bank, x, weights, ids, shared)
         with record_function("ft.offload.ids_to_host"):  # a range of profiles (profile_offload_prefill.py)
-            ids_h, pred_h = self._to_host(ids, pred)
+            route = self._to_host(ids, pred)
         self._begin(len(x))
-        experts = unique(ids_h, self.store.num_experts)
+        experts = route.experts
         if decode_only() and self.map.fits(experts):
-            prefetch = self._make_resident(experts, pred_h)
+            prefetch = self._make_resident(experts, route.predicted_experts)
             out = self._cached(bank, x, weights, ids, shared)
             prefetch()
             return out
         with record_function("ft.offload.stream"):
-            return self._stream(bank, x, weights, (ids, ids_h), experts, pred_h, ahead, shared)
+            return self._stream(bank, x, weights, route, experts, ahead, shared)
 
     # ---- host side (eager, or at a graph break)
     def _predict(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.prefetch.predict(x) if self.prefetch is not None else None
 
-    def _to_host(self, ids: torch.Tensor, pred: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
-        k = ids.shape[1]
-        both = ids if pred is None else torch.cat([ids, pred], dim=1)
-        h = both.cpu().numpy()  # the one synchronisation of the layer
-        return h[:, :k], (None if pred is None else h[:, k:])
+    def _to_host(self, ids: torch.Tensor, pred: torch.Tensor | None) -> HostRoute:
+        return host_route(ids, pred, self.store.num_experts)  # the one synchronisation of the layer
 
     def _take_ahead(self) -> Ahead | None:
         """The group staged for this layer, if any; any other is dropped (a forward that stopped
@@ -229,18 +277,18 @@ class OffloadBackend:
             self.shared.begin_step(num_tokens)
 
     def _resolve(self, ids: torch.Tensor, pred: torch.Tensor | None) -> Callable[[], None]:
-        ids_h, pred_h = self._to_host(ids, pred)
-        self._begin(len(ids_h))
-        experts = unique(ids_h, self.store.num_experts)
+        route = self._to_host(ids, pred)
+        self._begin(len(ids))
+        experts = route.experts
         if not self.map.fits(experts):
             raise RuntimeError(
                 f"a graphed decode batch routed to {len(experts)} experts, more than the "
                 f"{self.map.num_slots} cache slots ({self.map.static} static) of a layer hold: "
                 "the graph batch-size cap is wrong"
             )
-        return self._make_resident(experts, pred_h)
+        return self._make_resident(experts, route.predicted_experts)
 
-    def _make_resident(self, experts: np.ndarray, pred_h: np.ndarray | None) -> Callable[[], None]:
+    def _make_resident(self, experts: np.ndarray, predicted: np.ndarray | None) -> Callable[[], None]:
         """Fetch the misses and write the table; returns the next layer's prefetch, for the caller
         to run once this layer's kernel is launched (the host work then overlaps the GPU's)."""
         copies = self.map.ensure(experts)
@@ -249,13 +297,13 @@ class OffloadBackend:
         self.copy_in(copies)
         self.cache.publish()
         self.shared.transfer.wait()  # this layer's copies and any prefetch into its slots
-        if pred_h is None:
+        if predicted is None:
             return _nothing
         # The host has just read this step's ids, so no kernel that read a slot the prefetch may
         # refill is still running: its copies wait for this point of the stream, not for the
         # kernel launched meanwhile.
         now = self.shared.transfer.record_main()
-        return lambda: self.prefetch.start(pred_h, after=now)
+        return lambda: self.prefetch.start(predicted, after=now)
 
     def copy_in(self, copies: list[tuple[int, int]], after: torch.cuda.Event | None = None) -> None:
         """Copy (expert, slot) pairs from the host store into this layer's cache (after ``after``
@@ -269,9 +317,10 @@ class OffloadBackend:
         experts, slots = zip(*copies)
         return self.cache.block, list(slots), self.store.block, self.store.rows(np.array(experts)).tolist()
 
-    def _prefetch_next(self, pred_h: np.ndarray | None) -> None:
-        if pred_h is not None:
-            self.prefetch.start(pred_h)
+    def _prefetch_next(self, predicted: np.ndarray | None) -> None:
+        """Start copying the next layer's ``predicted`` experts (distinct, or None: no guess)."""
+        if predicted is not None:
+            self.prefetch.start(predicted)
 
     # ---- device side
     def _read_in_place(self, bank, x, weights, ids, shared=None) -> torch.Tensor:
@@ -319,20 +368,19 @@ class OffloadBackend:
         bank,
         x,
         weights,
-        routed: tuple[torch.Tensor, np.ndarray],
+        route: HostRoute,
         experts: np.ndarray,
-        pred_h,
         ahead: Ahead | None,
         shared=None,
     ) -> torch.Tensor:
         sh, st = self.shared, self.shared.staging
-        ids, ids_h = routed  # [T, k] on the device and on the host
+        ids = route.ids  # [T, k] on the device
         hit = self.map.classify(experts)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         early = np.isin(experts, ahead.experts) if ahead is not None else np.zeros(len(experts), dtype=bool)
         in_place = np.zeros_like(hit) if sh.hit_d2d else hit & ~early  # resident, used in their slots
         staged = experts[~early & ~in_place]
-        on_cpu = self._cpu_share(bank, x, weights, ids_h, staged[~self.map.resident(staged)])
+        on_cpu = self._cpu_share(bank, x, weights, route, staged[~self.map.resident(staged)])
         if on_cpu is not None:  # computed by the host CPU while the link streams the others
             staged = staged[~np.isin(staged, on_cpu.experts)]
         # prefetches into this layer's slots land before the hits are read: every copy issued
@@ -353,10 +401,9 @@ class OffloadBackend:
         resident = experts[in_place]
         calls = [(resident, self.map.slot_of[resident])] + [(g, np.arange(len(g))) for g in groups]
         if on_cpu is None and pairs.DEVICE_PAIRS:
-            counts = np.bincount(ids_h.reshape(-1), minlength=self.store.num_experts)
-            runs = pairs.device_runs(ids, weights, calls, counts)
+            runs = pairs.device_runs(ids, weights, calls, route.counts)
         else:
-            grouped = on_cpu.pairs if on_cpu is not None else pairs.Pairs(ids_h, self.store.num_experts)
+            grouped = on_cpu.pairs if on_cpu is not None else pairs.Pairs(route.ids_h, self.store.num_experts)
             runs = pairs.upload_pairs([grouped.of(*call) for call in calls], weights)
         # the hits in place first, unless a group staged ahead can go first: its kernel frees a
         # buffer, so the next group streams while the hits compute (the order is fixed by whether
@@ -375,16 +422,16 @@ class OffloadBackend:
                 run_pairs(bank, self.cache.tensors, x, out, *runs[0])
         # its term, as the fused call adds it after the routed ones (issued now, added last)
         shared_term = shared_pair_alone(x, shared).float() if shared is not None else None
-        self._prefetch_next(pred_h)  # before staging ahead: the next layer waits for it, not them
+        self._prefetch_next(route.predicted_experts)  # before staging ahead: the next layer waits for it
         if self.next is not None and self._streams_ahead(len(x), weights.shape[1]):
-            self.next.stage_first_groups(pred_h)
+            self.next.stage_first_groups(route.predicted)
         if on_cpu is not None:  # the host computes its share while the GPU runs what it was given
             on_cpu.add_to(bank, self.store, out)
         if shared_term is not None:
             out += shared_term
         return out.to(x.dtype)
 
-    def _cpu_share(self, bank, x, weights, ids_h: np.ndarray, host_only: np.ndarray):
+    def _cpu_share(self, bank, x, weights, route: HostRoute, host_only: np.ndarray):
         """Experts of a streamed batch that the host CPU computes instead (``hybrid.CpuShare``):
         none here (``host_only``: those the batch would copy from the host store)."""
         return None
@@ -400,10 +447,10 @@ class OffloadBackend:
             and tokens * top_k >= AHEAD_PAIRS * self.store.num_experts
         )
 
-    def stage_first_groups(self, pred_h: np.ndarray | None) -> None:
+    def stage_first_groups(self, predicted: np.ndarray | None) -> None:
         """Stage this layer's likeliest host-only experts into ``Staging.ahead`` groups before its
-        router runs (``pred_h``: the prefetch router's picks for it, else the policy's use counts
-        rank them). Called by the previous layer once it has queued its last group: each goes
+        router runs (``predicted``: the prefetch router's picks for it per expert, else the policy's
+        use counts rank them). Called by the previous layer once it has queued its last group: each goes
         into the next buffer in turn, its copy waiting for that layer's kernel that reads the
         buffer before it, so that the buffers stream through this layer's mixer and router; or by
         this layer's lookahead, before its mixer."""
@@ -411,7 +458,7 @@ class OffloadBackend:
         if len(host_only) == 0:
             return
         freq = self.map.freq
-        use = freq if pred_h is None else np.bincount(pred_h.reshape(-1), minlength=len(freq))
+        use = freq if predicted is None else predicted
         rows, ahead = self.shared.staging.rows, self.shared.staging.ahead
         ranked = host_only[np.argsort(-use[host_only], kind="stable")][: ahead * rows]
         groups = [np.sort(ranked[i : i + rows]) for i in range(0, len(ranked), rows)]

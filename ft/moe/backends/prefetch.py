@@ -16,8 +16,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ft.moe.backends.expert_cache import unique
-
 
 class Prefetch:
     def __init__(self, next_gate, next_backend) -> None:
@@ -26,9 +24,9 @@ class Prefetch:
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(x)[1]  # [T, k] the next layer's experts, were its input x
 
-    def start(self, predicted: np.ndarray, after: torch.cuda.Event | None = None) -> None:
+    def start(self, experts: np.ndarray, after: torch.cuda.Event | None = None) -> None:
+        """Copy the next layer's predicted ``experts`` (distinct) into its slots, where they fit."""
         nxt = self.backend
-        experts = unique(predicted, nxt.map.num_experts)
         # A prefill chunk predicts about every expert: inserting them would only evict others the
         # next layer's stream needs (twice the bytes over PCIe) and flush the decode working set.
         if nxt.map.fits(experts):
