@@ -138,6 +138,14 @@ class LLMEngine:
         req = self.scheduler.abort(request_id)
         return self._output(req) if req is not None else None
 
+    @property
+    def _prestages(self) -> bool:
+        """Whether an idle engine pre-stages the next prefill's first experts (``offload.PRESTAGE``)."""
+        from ft.moe.backends import offload
+
+        moe = self.plan.moe
+        return offload.PRESTAGE and moe is not None and moe.backend in ("offload", "hybrid")
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -174,6 +182,8 @@ class LLMEngine:
             if res.sample is not None:
                 self._append(req, res.sample)
             outputs.append(self._output(req))
+        if self._prestages and not self.has_unfinished_requests():  # idle: ready the next prefill
+            self.executor.moe_idle()
         return outputs
 
     def _append(self, req: Request, sample) -> None:

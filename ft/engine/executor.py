@@ -43,6 +43,9 @@ class InProcessExecutor:
     def flush_moe(self) -> None:
         self.runner.moe.flush()
 
+    def moe_idle(self) -> None:
+        self.runner.moe.idle()
+
     def set_moe_variant(self, policy: str | None, routing_skew: float | None) -> None:
         self.runner.set_moe_variant(policy, routing_skew)
 
@@ -85,6 +88,10 @@ def _worker_main(rank: int, cfg: EngineConfig, mc: ModelConfig, init_method: str
                 continue
             if cmd == "moe_flush":  # every rank, so all promote the same experts at the same step
                 runner.moe.flush()
+                conn.send(("ok", None))
+                continue
+            if cmd == "moe_idle":  # every rank stages its own shard of the same experts
+                runner.moe.idle()
                 conn.send(("ok", None))
                 continue
             if cmd == "profile":  # every rank alike (eager steps, timed all-reduces); the first answers
@@ -184,6 +191,9 @@ class MultiprocExecutor:
 
     def flush_moe(self) -> None:
         self._every_rank("moe_flush", None)
+
+    def moe_idle(self) -> None:
+        self._every_rank("moe_idle", None)
 
     def profile(self, action: str, calls: list | None = None) -> dict | float | None:
         """``ModelRunner.profile`` on every rank; the first rank's result."""

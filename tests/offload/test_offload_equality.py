@@ -366,3 +366,50 @@ def test_host_route_counts_as_the_host_would(monkeypatch):
     assert on_device.predicted_experts.tolist() == sorted(set(pred.reshape(-1).tolist()))
     assert on_device.ids_h.tolist() == ids.tolist()
     assert offload.host_route(ids, None, 16).predicted is None
+
+
+@pytest.mark.parametrize(
+    "case", ["1-slot-prefetch", "2-slots-lru-staging-2", "5-slots-lfu-d2d", "hybrid-2-slots", "chunked"]
+)
+def test_prestaged_layers_equal_resident(ckpt, refs, case, monkeypatch):
+    """``offload.PRESTAGE``: an idle engine copies its first layers' host-only experts into
+    buffers of their own; the next prefill computes those there, streams the rest, and gives the
+    resident backend's outputs, chunked or not."""
+    from ft.moe.backends import offload
+
+    monkeypatch.setattr(offload, "PRESTAGE", True)
+    options = (
+        dict(CASES["2-slots-lru-staging-2"], max_num_batched_tokens=5) if case == "chunked" else CASES[case]
+    )
+    with engine(ckpt, **options) as llm:
+        shared = llm.engine.executor.runner.moe.shared
+        for round in range(3):
+            outs = llm.generate(PROMPTS, PARAMS)
+            assert_same(outs, refs[5 if case == "chunked" else 8192])
+            assert shared.prestaged, "the idle engine staged nothing"
+            if round == 0:
+                assert shared.prestage_used == 0  # nothing was staged before the first prompt
+        assert shared.prestage_used > 0
+
+
+def test_a_batch_drops_the_last_prestaged_layers_its_activations_need(ckpt, refs, monkeypatch):
+    """Room for a batch's activations first: before a forward the pre-staged layers are kept from
+    the first on while they fit beside them, the others dropped; outputs unchanged."""
+    from ft.moe.backends import offload
+
+    monkeypatch.setattr(offload, "PRESTAGE", True)
+    with engine(ckpt, **CASES["1-slot-prefetch"]) as llm:
+        runner = llm.engine.executor.runner
+        shared = runner.moe.shared
+        llm.generate(PROMPTS, PARAMS)
+        staged = list(shared.prestaged.items())
+        assert len(staged) == len(runner.moe.backends)  # a tiny model: every layer fits the room
+        each = staged[0][1].nbytes
+        assert all(p.nbytes == each for _, p in staged) and len(staged) > 2
+        shared.activation_per_token = each // 12  # 24 tokens: the room of the last two layers' buffers
+        shared.prestage_room = len(staged) * each
+        shared.fit_prestaged(24)
+        assert list(shared.prestaged) == [b for b, _ in staged[:-2]]
+        shared.prestage_used = 0
+        assert_same(llm.generate(PROMPTS, PARAMS), refs[8192])
+        assert 0 < shared.prestage_used <= len(staged) - 2

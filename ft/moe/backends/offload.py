@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -88,6 +88,17 @@ AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
 # prefill on an H200, one machine, 413.4 -> 392.6 ms, the link busy 89 -> 98% of the profiled
 # time; a third staging buffer beside it moved nothing more (395.9 ms; docs/benchmarks.md).
 HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
+# Pre-staging: when the engine falls idle (``MoeRuntime.idle``), the first MoE layers' host-only
+# experts, the policy's likeliest first, are copied into buffers of their own from the memory the
+# plan keeps for a prefill's activations (``Shared.prestage_room``), so that the next prefill
+# computes them where they are and its link starts at the first layer that has none: a 1k prompt
+# touches every expert of every layer, and the full 80B's TTFT (561 ms on an H200, 2026-12-03) is
+# the link's 0.54 s for its misses. Before a forward, layers are dropped, the last first, until
+# the batch's activations fit beside the rest (``Shared.fit_prestaged``); a pre-staged expert the
+# batch does not route to costs its copy, never a result. OFF until timed on a GPU
+# (FT_MOE_PRESTAGE=1 turns it on for a process and the ranks it spawns).
+PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "0") == "1"
+PRESTAGE_CPU_BYTES = 1 << 30  # the room on a CPU-only machine, where no plan measures one
 # (token, k) pairs from which a batch's experts are counted on the device (``HostRoute``);
 # FT_MOE_DEVICE_COUNTS_MIN_PAIRS sets it for a process and the ranks it spawns (a number above any
 # batch's pairs turns the device's count off)
@@ -178,6 +189,21 @@ class Ahead:
 
 
 @dataclass
+class Prestaged:
+    """A layer's host-only ``experts`` (ascending) copied into a buffer of their own while the
+    engine was idle (``OffloadBackend.prestage``); ``ready``: the event its readers wait on."""
+
+    experts: np.ndarray
+    block: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+    ready: torch.cuda.Event | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.block.numel()
+
+
+@dataclass
 class Shared:
     """What the offloading layers of one rank share: the copy engine, staging, the step count."""
 
@@ -192,6 +218,10 @@ class Shared:
     step: int = 0
     tokens: int = 0  # tokens through the first MoE layer (for bytes per token)
     cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU (hybrid, cpu)
+    prestaged: dict = field(default_factory=dict)  # backend -> Prestaged, in layer order
+    prestage_room: int = 0  # bytes pre-staged layers and a batch's activations share
+    activation_per_token: int = 0  # a batch's activations a token (``sizing.activation_bytes_per_token``)
+    prestage_used: int = 0  # pre-staged layers a batch then computed (tests read it)
 
     def begin_step(self, num_tokens: int) -> None:
         """A forward of ``num_tokens`` tokens starts: every layer's slot map pins for a new step."""
@@ -199,6 +229,18 @@ class Shared:
         self.tokens += num_tokens
         for m in self.maps:
             m.begin_step(self.step)
+
+    def fit_prestaged(self, num_tokens: int) -> None:
+        """Keep the pre-staged layers, the first ones first, that leave a batch of ``num_tokens``
+        room for its activations; drop the others (each once its copy has landed: the buffer goes
+        back to the allocator, which may hand it to the main stream's next kernels)."""
+        room, kept = self.prestage_room - num_tokens * self.activation_per_token, 0
+        for backend, staged in list(self.prestaged.items()):
+            if kept + staged.nbytes <= room:
+                kept += staged.nbytes
+                continue
+            self.transfer.wait(staged.ready)
+            del self.prestaged[backend]
 
 
 def real_rows(num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -379,7 +421,9 @@ class OffloadBackend:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         early = np.isin(experts, ahead.experts) if ahead is not None else np.zeros(len(experts), dtype=bool)
         in_place = np.zeros_like(hit) if sh.hit_d2d else hit & ~early  # resident, used in their slots
-        staged = experts[~early & ~in_place]
+        pre = sh.prestaged.pop(self, None)  # experts copied while the engine was idle
+        from_pre = np.zeros_like(hit) if pre is None else ~early & ~in_place & np.isin(experts, pre.experts)
+        staged = experts[~early & ~in_place & ~from_pre]
         on_cpu = self._cpu_share(bank, x, weights, route, staged[~self.map.resident(staged)])
         if on_cpu is not None:  # computed by the host CPU while the link streams the others
             staged = staged[~np.isin(staged, on_cpu.experts)]
@@ -400,6 +444,9 @@ class OffloadBackend:
         # unless the CPU's share grouped them already
         resident = experts[in_place]
         calls = [(resident, self.map.slot_of[resident])] + [(g, np.arange(len(g))) for g in groups]
+        if pre is not None:  # one more call, last: its rows in the pre-staged buffer
+            used = experts[from_pre]
+            calls.append((used, np.searchsorted(pre.experts, used)))
         if on_cpu is None and pairs.DEVICE_PAIRS:
             runs = pairs.device_runs(ids, weights, calls, route.counts)
         else:
@@ -409,6 +456,10 @@ class OffloadBackend:
         # buffer, so the next group streams while the hits compute (the order is fixed by whether
         # groups were staged ahead, not by timing: the same sums every run)
         hits_later = HITS_AFTER_AHEAD and ahead is not None and len(ahead.groups) > 0
+        if pre is not None:  # landed while the engine was idle: first, while the groups stream
+            sh.transfer.wait(pre.ready)
+            run_pairs(bank, pre.tensors, x, out, *runs[-1])
+            sh.prestage_used += 1
         if not hits_later:
             run_pairs(bank, self.cache.tensors, x, out, *runs[0])
         for g in range(len(groups)):
@@ -447,6 +498,22 @@ class OffloadBackend:
             and tokens * top_k >= AHEAD_PAIRS * self.store.num_experts
         )
 
+    def prestage(self, max_rows: int) -> int:
+        """Copy up to ``max_rows`` of this layer's host-only experts, those its policy ranks first,
+        into a buffer of their own (``PRESTAGE``); the rows taken."""
+        host_only = self.map.absent() if self.map is not None else []
+        if len(host_only) == 0 or max_rows <= 0 or self in self.shared.prestaged:
+            return 0
+        ranked = host_only[np.argsort(-self.map.freq[host_only], kind="stable")][:max_rows]
+        experts = np.sort(ranked)
+        layout = self.store.layout
+        block = layout.allocate(len(experts), self.cache.block.device, zero=False)
+        ready = self.shared.transfer.issue(
+            block, list(range(len(experts))), self.store.block, self.store.rows(experts).tolist()
+        )
+        self.shared.prestaged[self] = Prestaged(experts, block, layout.views(block), ready)
+        return len(experts)
+
     def stage_first_groups(self, predicted: np.ndarray | None) -> None:
         """Stage this layer's likeliest host-only experts into ``Staging.ahead`` groups before its
         router runs (``predicted``: the prefetch router's picks for it per expert, else the policy's
@@ -455,6 +522,9 @@ class OffloadBackend:
         buffer before it, so that the buffers stream through this layer's mixer and router; or by
         this layer's lookahead, before its mixer."""
         host_only = self.map.absent() if self.map is not None else []
+        pre = self.shared.prestaged.get(self)
+        if pre is not None:  # those are on the device already
+            host_only = host_only[~np.isin(host_only, pre.experts)]
         if len(host_only) == 0:
             return
         freq = self.map.freq

@@ -32,7 +32,7 @@ import torch
 from ft.config import EngineConfig
 from ft.distributed import TPInfo
 from ft.models.config import ModelConfig
-from ft.moe.backends import OFFLOADING, host_prefetch, host_reads, sizing
+from ft.moe.backends import OFFLOADING, host_prefetch, host_reads, offload, sizing
 from ft.moe.backends.cpu import CpuBackend
 from ft.moe.backends.expert_cache import ExpertCache, SlotMap
 from ft.moe.backends.host_store import (
@@ -165,6 +165,12 @@ class MoeRuntime:
         self.shared = Shared(
             Transfer(self.device), staging, cfg.moe_prefill_hit_d2d, maps, cfg.moe_stream_ahead
         )
+        self.shared.activation_per_token = sizing.activation_bytes_per_token(self.mc)
+        if self.device.type == "cuda":  # what the plan keeps free beside the CUDA graphs' margin
+            cap = sizing.device_cap(cfg, self.device)
+            self.shared.prestage_room = sizing.reserve_bytes(cap) - sizing.GRAPH_MARGIN
+        else:
+            self.shared.prestage_room = offload.PRESTAGE_CPU_BYTES
         for i, (block, store) in enumerate(zip(blocks, self.stores)):
             if self.name == "cpu":
                 backend = CpuBackend(store, self.shared, first=i == 0)
@@ -230,6 +236,27 @@ class MoeRuntime:
         return (self.plan.slots - self.plan.static) // self.mc.num_experts_per_tok
 
     # ---- between steps
+    def before_step(self, tokens: int) -> None:
+        """Before each forward (``tokens``: its batch's): pre-staged layers that would crowd its
+        activations are dropped (``Shared.fit_prestaged``)."""
+        if self.shared is not None and self.shared.prestaged:
+            self.shared.fit_prestaged(tokens)
+
+    def idle(self) -> None:
+        """The engine has nothing to run: with ``offload.PRESTAGE``, copy the first MoE layers'
+        host-only experts into buffers of their own, as many layers as ``prestage_room`` holds
+        (the layers already pre-staged count, and keep theirs)."""
+        sh = self.shared
+        if not offload.PRESTAGE or sh is None or sh.staging is None or self.name == "cpu":
+            return
+        left = sh.prestage_room - sum(p.nbytes for p in sh.prestaged.values())
+        for backend in self.backends:
+            each = backend.store.layout.expert_bytes
+            if left < each:
+                break
+            left -= backend.prestage(left // each) * each
+        sh.prestaged = {b: sh.prestaged[b] for b in self.backends if b in sh.prestaged}  # layer order
+
     def after_step(self, tokens: int) -> None:
         """After each forward (``tokens``: its batch's): host reads' counting and promotions."""
         if self.reads is not None:
