@@ -36,12 +36,15 @@ def test_bench_offline_cli(tmp_path, capsys):
         "5",
         "--prefill-lens",
         "24",
+        "--ttft-idle-s",
+        "0.01",
         "--output-json",
         str(out_json),
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "single-stream decode" in printed and "achieved/roof" in printed
+    assert ", each after 0.01 s idle" in printed
     report = json.loads(out_json.read_text())
     assert [r["batch"] for r in report["rows"]] == [1, 3]
     assert all(r["decode_tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in report["rows"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|bench8k|memory|census|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|bench8k|ttft|memory|census|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -22,6 +22,8 @@
 #            request slot and prefix snapshot holds a GDN state (~76 MB for this model), so the
 #            default 64 of each take ~8 GiB from the expert cache (365 instead of 393 resident)
 #   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
+#   ttft     the full model in bf16 at --memory-ratio 0.94, TTFT of a 1k prompt after a second
+#            idle, without and with pre-staging (FT_MOE_PRESTAGE=1, offload.py; ~6.5 min)
 #   memory   the full model in bf16 at --memory-ratio 0.94, the device's memory after the load and
 #            after prompts of 1k to 32k tokens (memory_plan.py), with the allocator's segments as
 #            they are and expandable (FT_EXPANDABLE_SEGMENTS=1): on 2026-12-03 the 16k chunk's
@@ -89,6 +91,16 @@ bench8k)
   timeout 420 "${bench[@]}" --moe-backend offload --batch-sizes 1 --max-running-requests 8 --input-len 1024 \
     --output-len 8 --prefill-lens 32768 --num-tokens 40000 --chunked-prefill-size 8192 >"$out/bench8k.log" 2>&1
   grep -E "^prefill" "$out/bench8k.log" | sed 's/^/chunks of 8192: /'
+  ;;
+ttft)
+  # TTFT for a 1k prompt that finds the engine idle for a second, without and with pre-staging
+  for prestage in 0 1; do
+    FT_MOE_PRESTAGE=$prestage timeout 280 "${bench[@]}" --moe-backend offload --memory-ratio 0.94 --batch-sizes 1 \
+      --max-running-requests 8 --input-len 1024 --output-len 8 --prefill-lens "" --num-tokens 40000 \
+      --ttft-idle-s 1 >"$out/ttft_$prestage.log" 2>&1
+    echo "prestage $prestage: $(grep -E '^single-stream' "$out/ttft_$prestage.log")"
+    grep -E "^device memory" "$out/ttft_$prestage.log"
+  done
   ;;
 memory)
   # where the full model's device memory goes against its plan, the allocator's segments as they

@@ -413,3 +413,23 @@ def test_a_batch_drops_the_last_prestaged_layers_its_activations_need(ckpt, refs
         shared.prestage_used = 0
         assert_same(llm.generate(PROMPTS, PARAMS), refs[8192])
         assert 0 < shared.prestage_used <= len(staged) - 2
+
+
+def test_an_idle_gpus_room_for_prestaged_layers(monkeypatch):
+    """``MoeRuntime._room_when_idle``: the plan (cap x ratio) less the CUDA context, the live
+    tensors other than the pre-staged buffers, and the margin; the allocator's cached blocks
+    count as room."""
+    from types import SimpleNamespace
+
+    from ft.moe.backends import offload
+    from ft.moe.backends.runtime import MoeRuntime
+
+    g = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * g, 100 * g))  # 90 used
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 89 * g)  # 1 outside
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 80 * g)  # 9 cached
+    fake = SimpleNamespace(
+        device=torch.device("cuda", 0), cfg=SimpleNamespace(max_gpu_memory_bytes=None, memory_ratio=0.9)
+    )
+    room = MoeRuntime._room_when_idle(fake, prestaged=3 * g)
+    assert room == 90 * g - 1 * g - (80 - 3) * g - offload.PRESTAGE_MARGIN

@@ -91,7 +91,8 @@ HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
 # Pre-staging: when the engine falls idle (``MoeRuntime.idle``), the first MoE layers' host-only
 # experts, the policy's likeliest first, are copied into buffers of their own from the memory the
 # plan keeps for a prefill's activations (``Shared.prestage_room``), so that the next prefill
-# computes them where they are and its link starts at the first layer that has none: a 1k prompt
+# computes them where they are and its link starts at the first layer that has none (the room:
+# what the plan leaves an idle engine, ``MoeRuntime._room_when_idle``): a 1k prompt
 # touches every expert of every layer, and the full 80B's TTFT (561 ms on an H200, 2026-12-03) is
 # the link's 0.54 s for its misses. Before a forward, layers are dropped, the last first, until
 # the batch's activations fit beside the rest (``Shared.fit_prestaged``); a pre-staged expert the
@@ -99,6 +100,7 @@ HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
 # (FT_MOE_PRESTAGE=1 turns it on for a process and the ranks it spawns).
 PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "0") == "1"
 PRESTAGE_CPU_BYTES = 1 << 30  # the room on a CPU-only machine, where no plan measures one
+PRESTAGE_MARGIN = 512 << 20  # of the room an idle GPU has, kept for the next batch's small tensors
 # (token, k) pairs from which a batch's experts are counted on the device (``HostRoute``);
 # FT_MOE_DEVICE_COUNTS_MIN_PAIRS sets it for a process and the ranks it spawns (a number above any
 # batch's pairs turns the device's count off)
@@ -219,7 +221,7 @@ class Shared:
     tokens: int = 0  # tokens through the first MoE layer (for bytes per token)
     cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU (hybrid, cpu)
     prestaged: dict = field(default_factory=dict)  # backend -> Prestaged, in layer order
-    prestage_room: int = 0  # bytes pre-staged layers and a batch's activations share
+    prestage_room: int = 0  # bytes pre-staged layers and a batch's activations share (set when idle)
     activation_per_token: int = 0  # a batch's activations a token (``sizing.activation_bytes_per_token``)
     prestage_used: int = 0  # pre-staged layers a batch then computed (tests read it)
 

@@ -166,11 +166,7 @@ class MoeRuntime:
             Transfer(self.device), staging, cfg.moe_prefill_hit_d2d, maps, cfg.moe_stream_ahead
         )
         self.shared.activation_per_token = sizing.activation_bytes_per_token(self.mc)
-        if self.device.type == "cuda":  # what the plan keeps free beside the CUDA graphs' margin
-            cap = sizing.device_cap(cfg, self.device)
-            self.shared.prestage_room = sizing.reserve_bytes(cap) - sizing.GRAPH_MARGIN
-        else:
-            self.shared.prestage_room = offload.PRESTAGE_CPU_BYTES
+        self.shared.prestage_room = offload.PRESTAGE_CPU_BYTES  # on a GPU measured when idle
         for i, (block, store) in enumerate(zip(blocks, self.stores)):
             if self.name == "cpu":
                 backend = CpuBackend(store, self.shared, first=i == 0)
@@ -249,13 +245,28 @@ class MoeRuntime:
         sh = self.shared
         if not offload.PRESTAGE or sh is None or sh.staging is None or self.name == "cpu":
             return
-        left = sh.prestage_room - sum(p.nbytes for p in sh.prestaged.values())
+        held = sum(p.nbytes for p in sh.prestaged.values())
+        if self.device.type == "cuda":
+            sh.prestage_room = self._room_when_idle(held)
+        left = sh.prestage_room - held
         for backend in self.backends:
             each = backend.store.layout.expert_bytes
             if left < each:
                 break
             left -= backend.prestage(left // each) * each
         sh.prestaged = {b: sh.prestaged[b] for b in self.backends if b in sh.prestaged}  # layer order
+
+    def _room_when_idle(self, prestaged: int) -> int:
+        """Bytes the plan (the cap x ``--memory-ratio``) leaves an idle engine for pre-staged
+        layers, those it holds (``prestaged``) included: less what lies outside torch's allocator
+        (the CUDA context), every live tensor but theirs (the CUDA graphs' pools among them) and
+        ``offload.PRESTAGE_MARGIN``. Blocks the allocator caches but no tensor holds count as
+        room: a pre-staged buffer takes them before it asks the driver."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside = (total - free) - torch.cuda.memory_reserved(self.device)
+        plan = int(sizing.device_cap(self.cfg, self.device, total) * self.cfg.memory_ratio)
+        live = torch.cuda.memory_allocated(self.device) - prestaged
+        return plan - outside - live - offload.PRESTAGE_MARGIN
 
     def after_step(self, tokens: int) -> None:
         """After each forward (``tokens``: its batch's): host reads' counting and promotions."""
