@@ -221,6 +221,9 @@ class Shared:
     tokens: int = 0  # tokens through the first MoE layer (for bytes per token)
     cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU (hybrid, cpu)
     prestaged: dict = field(default_factory=dict)  # backend -> Prestaged, in layer order
+    # pre-staging's copies on a stream of their own (the same counts): a layer that waits for
+    # every copy issued before it (prefetches into its slots) does not wait for later layers'
+    prestage_transfer: Transfer | None = None
     prestage_room: int = 0  # bytes pre-staged layers and a batch's activations share (set when idle)
     activation_per_token: int = 0  # a batch's activations a token (``sizing.activation_bytes_per_token``)
     prestage_used: int = 0  # pre-staged layers a batch then computed (tests read it)
@@ -508,9 +511,12 @@ class OffloadBackend:
             return 0
         ranked = host_only[np.argsort(-self.map.freq[host_only], kind="stable")][:max_rows]
         experts = np.sort(ranked)
-        layout = self.store.layout
+        layout, sh = self.store.layout, self.shared
         block = layout.allocate(len(experts), self.cache.block.device, zero=False)
-        ready = self.shared.transfer.issue(
+        if sh.prestage_transfer is None:
+            sh.prestage_transfer = Transfer(sh.transfer.device)
+            sh.prestage_transfer.counts = sh.transfer.counts
+        ready = sh.prestage_transfer.issue(
             block, list(range(len(experts))), self.store.block, self.store.rows(experts).tolist()
         )
         self.shared.prestaged[self] = Prestaged(experts, block, layout.views(block), ready)

@@ -360,6 +360,8 @@ class MoeRuntime:
             out["moe_resident"] = p.layers * p.experts if p.backend == "gpu" else 0
             return out
         sh.transfer.resolve()
+        if sh.prestage_transfer is not None:  # its copy time into the same counts
+            sh.prestage_transfer.resolve()
         maps = [b.map for b in self.backends if b.map is not None]
         tc = sh.transfer.counts
         misses = sum(m.counts.misses for m in maps) + sum(
