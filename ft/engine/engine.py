@@ -55,6 +55,7 @@ class EngineStats:
     moe_copy_seconds: float = 0.0  # busy time of those host -> device copies
     moe_tokens: int = 0  # tokens through the MoE layers
     moe_cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU
+    moe_prestaged_layers: int = 0  # layers a batch computed from experts staged while idle (offload.PRESTAGE)
 
     @property
     def kv_tokens_used(self) -> int:

@@ -239,3 +239,20 @@ def test_bench_reads_the_moe_counters_twice_a_run(tmp_path):
         res = run_batch(engine, [[5, 17, 3, 88], [30, 1, 64]], output_len=8)
     assert len(res["decode_steps"]) == 7 and len(reads) == 2
     assert 0 <= res["hit_rate"] <= 1 and res["h2d_per_token"] >= 0
+
+
+def test_prestaging_at_tp2_equals_tp1(tmp_path, monkeypatch):
+    """``offload.PRESTAGE`` with two ranks: the idle engine has every rank stage its own shard of
+    the first layers' experts, the next prompts' first layers compute them, and the outputs stay
+    TP=1's resident ones (to fp32 rounding, as without pre-staging)."""
+    from ft.moe.backends import offload
+
+    write_checkpoint(tmp_path, "qwen3_next")
+    want, _ = generate(tmp_path, moe_backend="gpu")
+    monkeypatch.setattr(offload, "PRESTAGE", True)
+    monkeypatch.setenv("FT_MOE_PRESTAGE", "1")  # the ranks' processes read it
+    options = dict(tp_size=2, device="cpu", dtype="float32", progress=False)
+    with LLM(model=str(tmp_path), moe_backend="offload", expert_cache_fraction=0.25, **options) as llm:
+        for _ in range(2):
+            assert_close(llm.generate(PROMPTS, PARAMS), want, tol=1e-5)  # the shards' sum order
+        assert llm.engine.stats().moe_prestaged_layers > 0

@@ -380,5 +380,6 @@ class MoeRuntime:
             "moe_copy_seconds": tc.copy_seconds,
             "moe_tokens": sh.tokens,
             "moe_cpu_pairs": sh.cpu_pairs,
+            "moe_prestaged_layers": sh.prestage_used,
         }
         return out
