@@ -82,6 +82,25 @@ def test_fp32_offload_equals_resident_exactly(ckpt, monkeypatch, switch):
         assert all(info["pinned"]) and info["stats"].moe_bytes_h2d > 0
 
 
+def test_fp32_prestaged_and_device_counted_prefills_equal_resident(ckpt, monkeypatch):
+    """``offload.PRESTAGE`` (an idle engine's first layers staged on their own stream, computed
+    by the next prefill) and ``offload.HostRoute``'s counts made on the device (every batch
+    here): three rounds on one engine give the resident outputs exactly, and the later rounds'
+    first layers compute what was staged."""
+    from ft.moe.backends import offload
+
+    monkeypatch.setattr(offload, "PRESTAGE", True)
+    monkeypatch.setattr(offload, "DEVICE_COUNTS_MIN_PAIRS", 0)
+    want, _ = generate(ckpt, dtype="float32", moe_backend="gpu")
+    with LLM(model=str(ckpt), progress=False, device="cuda", dtype="float32", **OFFLOAD) as llm:
+        for _ in range(3):
+            got = llm.generate(PROMPTS, PARAMS)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want]
+            assert max_logprob_diff(got, want) == 0.0
+        assert llm.engine.stats().moe_prestaged_layers > 0
+        assert llm.engine.executor.runner.moe.shared.prestaged  # staged again once idle
+
+
 def test_bf16_offload_with_graphed_decode_equals_resident(ckpt, copying_decode):
     want, ref_info = generate(ckpt, dtype="bfloat16", moe_backend="gpu")
     got, info = generate(ckpt, dtype="bfloat16", **OFFLOAD)
