@@ -89,15 +89,16 @@ AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
 # time; a third staging buffer beside it moved nothing more (395.9 ms; docs/benchmarks.md).
 HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
 # Pre-staging: when the engine falls idle (``MoeRuntime.idle``), the first MoE layers' host-only
-# experts, the policy's likeliest first, are copied into buffers of their own from the memory the
-# plan keeps for a prefill's activations (``Shared.prestage_room``), so that the next prefill
-# computes them where they are and its link starts at the first layer that has none (the room:
-# what the plan leaves an idle engine, ``MoeRuntime._room_when_idle``): a 1k prompt
-# touches every expert of every layer, and the full 80B's TTFT (561 ms on an H200, 2026-12-03) is
-# the link's 0.54 s for its misses. Before a forward, layers are dropped, the last first, until
-# the batch's activations fit beside the rest (``Shared.fit_prestaged``); a pre-staged expert the
-# batch does not route to costs its copy, never a result. OFF until timed on a GPU
-# (FT_MOE_PRESTAGE=1 turns it on for a process and the ranks it spawns).
+# experts, the policy's likeliest first, are copied into buffers of their own, on a stream of
+# their own, in what the plan leaves an idle engine (``MoeRuntime._room_when_idle``, kept as
+# ``Shared.prestage_room``), so that the next prefill computes them where they are and its link
+# starts at the first layer that has none. A 1k prompt touches every expert of every layer, and
+# the full 80B's TTFT (561 ms on an H200, 2026-12-03) is the link's 0.54 s for its misses; a
+# request that finds the engine idle would skip the pre-staged layers' share of it. Before a
+# forward, layers are dropped, the last first, until the batch's activations fit beside the rest
+# (``Shared.fit_prestaged``); a pre-staged expert the batch does not route to costs its copy,
+# never a result. OFF until timed on a GPU (FT_MOE_PRESTAGE=1 turns it on for a process and the
+# ranks it spawns; ``ft bench offline --ttft-idle-s`` measures a request that finds it idle).
 PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "0") == "1"
 PRESTAGE_CPU_BYTES = 1 << 30  # the room on a CPU-only machine, where no plan measures one
 PRESTAGE_MARGIN = 512 << 20  # of the room an idle GPU has, kept for the next batch's small tensors
