@@ -30,7 +30,7 @@ if [[ $stage == all || $stage == engines ]]; then
   logs+=("$out/engines.log")
 fi
 if [[ $stage == all || $stage == offload ]]; then
-  serial offload tests/offload/test_offload_gpu.py || rc=1
+  serial offload tests/offload/test_offload_gpu.py tests/gpu/test_allocator_gpu.py || rc=1
   logs+=("$out/offload.log")
 fi
 for log in "${logs[@]}"; do
