@@ -238,14 +238,13 @@ class Shared:
 
     def fit_prestaged(self, num_tokens: int) -> None:
         """Keep the pre-staged layers, the first ones first, that leave a batch of ``num_tokens``
-        room for its activations; drop the others (each once its copy has landed: the buffer goes
-        back to the allocator, which may hand it to the main stream's next kernels)."""
+        room for its activations; drop the others (their buffers go back to the allocator, which
+        hands them out again once their copies have landed: ``OffloadBackend.prestage``)."""
         room, kept = self.prestage_room - num_tokens * self.activation_per_token, 0
         for backend, staged in list(self.prestaged.items()):
             if kept + staged.nbytes <= room:
                 kept += staged.nbytes
                 continue
-            self.transfer.wait(staged.ready)
             del self.prestaged[backend]
 
 
@@ -520,6 +519,8 @@ class OffloadBackend:
         ready = sh.prestage_transfer.issue(
             block, list(range(len(experts))), self.store.block, self.store.rows(experts).tolist()
         )
+        if block.is_cuda:  # freed however (consumed, dropped, the engine closed), reused only once copied
+            block.record_stream(sh.prestage_transfer.stream)
         self.shared.prestaged[self] = Prestaged(experts, block, layout.views(block), ready)
         return len(experts)
 
