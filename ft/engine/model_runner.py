@@ -106,7 +106,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", tp.rank)
         allocator.configure(self.device)  # before the first allocation
-        allocator.cap(cfg.max_gpu_memory_bytes, self.device)
+        if cfg.max_gpu_memory_bytes:  # else a limit the user set on the process stands
+            allocator.cap(cfg.max_gpu_memory_bytes, self.device)
         self.dtype = cfg.torch_dtype(mc.dtype)
         mc = self.mc = effective_model_config(cfg, mc)
         self.moe = MoeRuntime(cfg, mc, tp, self.device, self.dtype)

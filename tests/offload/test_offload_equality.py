@@ -390,6 +390,8 @@ def test_prestaged_layers_equal_resident(ckpt, refs, case, monkeypatch):
             if round == 0:
                 assert shared.prestage_used == 0  # nothing was staged before the first prompt
         assert shared.prestage_used > 0
+        llm.engine.set_moe_variant("lfu")  # a bench variant starts from the start-up state
+        assert not shared.prestaged and shared.ahead is None
 
 
 def test_a_batch_drops_the_last_prestaged_layers_its_activations_need(ckpt, refs, monkeypatch):

@@ -101,7 +101,9 @@ HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
 # ranks it spawns; ``ft bench offline --ttft-idle-s`` measures a request that finds it idle).
 PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "0") == "1"
 PRESTAGE_CPU_BYTES = 1 << 30  # the room on a CPU-only machine, where no plan measures one
-PRESTAGE_MARGIN = 512 << 20  # of the room an idle GPU has, kept for the next batch's small tensors
+# of the room an idle GPU has, kept for the next batch's small tensors and for what the CUDA graphs'
+# private pools reserve beyond their live tensors (no other allocation can use it)
+PRESTAGE_MARGIN = 1 << 30
 # (token, k) pairs from which a batch's experts are counted on the device (``HostRoute``);
 # FT_MOE_DEVICE_COUNTS_MIN_PAIRS sets it for a process and the ranks it spawns (a number above any
 # batch's pairs turns the device's count off)
@@ -151,7 +153,9 @@ def host_route(ids: torch.Tensor, pred: torch.Tensor | None, num_experts: int) -
         guess = None if pred is None else np.bincount(h[:, k:].reshape(-1), minlength=e)
         return HostRoute(np.bincount(h[:, :k].reshape(-1), minlength=e), guess, ids, h[:, :k])
     flat = ids.reshape(-1) if pred is None else torch.cat([ids.reshape(-1), pred.reshape(-1) + e])
-    counts = torch.bincount(flat, minlength=2 * e if pred is not None else e).cpu().numpy()
+    flat = flat.long()
+    counts = torch.zeros(2 * e if pred is not None else e, dtype=torch.int64, device=ids.device)
+    counts = counts.scatter_add_(0, flat, torch.ones_like(flat)).cpu().numpy()  # (bincount syncs twice more)
     return HostRoute(counts[:e], None if pred is None else counts[e:], ids)
 
 
@@ -461,12 +465,8 @@ class OffloadBackend:
         # buffer, so the next group streams while the hits compute (the order is fixed by whether
         # groups were staged ahead, not by timing: the same sums every run)
         hits_later = HITS_AFTER_AHEAD and ahead is not None and len(ahead.groups) > 0
-        if pre is not None:  # landed while the engine was idle: first, while the groups stream
-            sh.transfer.wait(pre.ready)
-            run_pairs(bank, pre.tensors, x, out, *runs[-1])
-            sh.prestage_used += 1
-        if not hits_later:
-            run_pairs(bank, self.cache.tensors, x, out, *runs[0])
+        if not hits_later:  # what is on the device already, while the groups stream
+            self._run_in_place(bank, x, out, runs, pre)
         for g in range(len(groups)):
             buf, event = ready[g]
             sh.transfer.wait(event)
@@ -474,8 +474,8 @@ class OffloadBackend:
             st.free_after[buf] = sh.transfer.record_main()
             if g + n < len(groups):  # into the buffer group g has just been read from
                 ready[g + n] = self._stage(groups[g + n])
-            if g == 0 and hits_later:
-                run_pairs(bank, self.cache.tensors, x, out, *runs[0])
+            if g == 0 and hits_later:  # group 0 has freed its buffer for the next group's copy
+                self._run_in_place(bank, x, out, runs, pre)
         # its term, as the fused call adds it after the routed ones (issued now, added last)
         shared_term = shared_pair_alone(x, shared).float() if shared is not None else None
         self._prefetch_next(route.predicted_experts)  # before staging ahead: the next layer waits for it
@@ -486,6 +486,15 @@ class OffloadBackend:
         if shared_term is not None:
             out += shared_term
         return out.to(x.dtype)
+
+    def _run_in_place(self, bank, x, out, runs, pre: Prestaged | None) -> None:
+        """The pairs of experts already on the device: those pre-staged while the engine was idle
+        (``runs[-1]``, once their copies have landed), then the hits in their slots (``runs[0]``)."""
+        if pre is not None:
+            self.shared.transfer.wait(pre.ready)
+            run_pairs(bank, pre.tensors, x, out, *runs[-1])
+            self.shared.prestage_used += len(runs[-1][0]) > 0
+        run_pairs(bank, self.cache.tensors, x, out, *runs[0])
 
     def _cpu_share(self, bank, x, weights, route: HostRoute, host_only: np.ndarray):
         """Experts of a streamed batch that the host CPU computes instead (``hybrid.CpuShare``):

@@ -165,7 +165,7 @@ class MoeRuntime:
         self.shared = Shared(
             Transfer(self.device), staging, cfg.moe_prefill_hit_d2d, maps, cfg.moe_stream_ahead
         )
-        self.shared.activation_per_token = sizing.activation_bytes_per_token(self.mc)
+        self.shared.activation_per_token = sizing.activation_bytes_per_token(self.mc, self.dtype.itemsize)
         self.shared.prestage_room = offload.PRESTAGE_CPU_BYTES  # on a GPU measured when idle
         for i, (block, store) in enumerate(zip(blocks, self.stores)):
             if self.name == "cpu":
@@ -253,7 +253,10 @@ class MoeRuntime:
             each = backend.store.layout.expert_bytes
             if left < each:
                 break
-            left -= backend.prestage(left // each) * each
+            try:
+                left -= backend.prestage(left // each) * each
+            except torch.cuda.OutOfMemoryError:  # best effort: the room was measured, not reserved
+                break
         sh.prestaged = {b: sh.prestaged[b] for b in self.backends if b in sh.prestaged}  # layer order
 
     def _room_when_idle(self, prestaged: int) -> int:
@@ -292,6 +295,8 @@ class MoeRuntime:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no kernel or copy still on a slot
+        self.shared.prestaged.clear()  # ranked by the variant before: the next stages its own
+        self.shared.ahead = None
         if self.reads is not None:
             self.reads.flush()
             self.reads.discard()
