@@ -35,16 +35,20 @@ def test_off_by_default_on_a_cpu_and_under_the_users_settings(monkeypatch):
     assert calls == []
 
 
-def test_the_cap_leaves_the_context_its_share_of_the_smaller_card():
+def test_the_cap_leaves_the_context_its_share_of_the_smaller_card(monkeypatch):
     """Under --max-gpu-memory 48 GiB on a 140 GiB card whose CUDA context holds 0.5 GiB outside
     torch's allocator, the allocator may reserve 47.5 GiB; no cap, or one above the card, is no
     limit."""
     g = 2**30
     total, reserved = 140 * g, 2 * g
     free = total - reserved - g // 2
-    assert allocator.cap_fraction(48 * g, free, total, reserved) == 47.5 / 140
-    assert allocator.cap_fraction(None, free, total, reserved) == 1.0
-    assert allocator.cap_fraction(200 * g, free, total, reserved) == 1.0
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    context = allocator.outside(torch.device("cuda", 0))
+    assert context == (g // 2, total)
+    assert allocator.cap_fraction(48 * g, *context) == 47.5 / 140
+    assert allocator.cap_fraction(None, *context) == 1.0
+    assert allocator.cap_fraction(200 * g, *context) == 1.0
 
 
 def test_the_cap_reaches_torch_on_a_cuda_device_only(monkeypatch):

@@ -224,10 +224,10 @@ def device_peak(engine: LLMEngine, device: torch.device) -> dict:
     CUDA context, cuBLAS workspaces, NCCL), in GiB, and the same with torch's peak of live tensors
     instead: the difference is what the allocator's cache kept (``ft.engine.allocator``); a peak
     below the plan is memory the expert cache could have had."""
+    from ft.engine import allocator
     from ft.moe.backends.sizing import GiB, device_cap, reserve_bytes
 
-    free, total = torch.cuda.mem_get_info(device)
-    outside = (total - free) - torch.cuda.memory_reserved(device)
+    outside, total = allocator.outside(device)
     cap = device_cap(engine.cfg, device, total)
     return {
         "peak_gib": (torch.cuda.max_memory_reserved(device) + outside) / GiB,

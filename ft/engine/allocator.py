@@ -33,14 +33,19 @@ EXPANDABLE = os.environ.get("FT_EXPANDABLE_SEGMENTS", "0") == "1"
 USER_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
-def cap_fraction(cap: int | None, free: int, total: int, reserved: int) -> float:
+def outside(device: torch.device) -> tuple[int, int]:
+    """(bytes in use on the CUDA ``device`` outside torch's allocator now: the CUDA context,
+    libraries' own allocations; the device's total bytes)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, (total - free) - torch.cuda.memory_reserved(device)), total
+
+
+def cap_fraction(cap: int | None, outside: int, total: int) -> float:
     """The share of the device's ``total`` bytes torch's allocator may reserve under a ``cap``
-    (None: no cap): the cap less what lies outside the allocator now (the CUDA context), which
-    a card of the cap's size holds too; ``free`` and ``reserved`` are the device's free bytes
-    and the allocator's reservation now."""
+    (None: no cap): the cap less what lies ``outside`` the allocator (the CUDA context), which a
+    card of the cap's size holds too."""
     if not cap or cap >= total:
         return 1.0
-    outside = max(0, (total - free) - reserved)
     return min(1.0, max(0.0, (cap - outside) / total))
 
 
@@ -49,8 +54,7 @@ def cap(max_bytes: int | None, device: torch.device) -> float | None:
     lift an earlier engine's limit in this process when there is none; the fraction set."""
     if device.type != "cuda":
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    fraction = cap_fraction(max_bytes, free, total, torch.cuda.memory_reserved(device))
+    fraction = cap_fraction(max_bytes, *outside(device))
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 

@@ -351,9 +351,10 @@ class ModelRunner:
         """Run one batch; the first rank returns one result per sequence, the others None."""
         base = self.snapshot_base
         self._copy_states([(base + s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
-        self.moe.before_step(sum(len(s.token_ids) for s in seqs))
+        tokens = sum(len(s.token_ids) for s in seqs)
+        self.moe.before_step(tokens)
         logits, rows = self._forward(seqs)  # [R, V]; GDN layers save the snapshots as they run
-        self.moe.after_step(sum(len(s.token_ids) for s in seqs))
+        self.moe.after_step(tokens)
         if not self.tp.is_first:
             return None
         sampling = [i for i, s in enumerate(seqs) if s.sample]

@@ -31,6 +31,7 @@ import torch
 
 from ft.config import EngineConfig
 from ft.distributed import TPInfo
+from ft.engine import allocator
 from ft.models.config import ModelConfig
 from ft.moe.backends import OFFLOADING, host_prefetch, host_reads, offload, sizing
 from ft.moe.backends.cpu import CpuBackend
@@ -265,11 +266,10 @@ class MoeRuntime:
         (the CUDA context), every live tensor but theirs (the CUDA graphs' pools among them) and
         ``offload.PRESTAGE_MARGIN``. Blocks the allocator caches but no tensor holds count as
         room: a pre-staged buffer takes them before it asks the driver."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside = (total - free) - torch.cuda.memory_reserved(self.device)
+        context, total = allocator.outside(self.device)
         plan = int(sizing.device_cap(self.cfg, self.device, total) * self.cfg.memory_ratio)
         live = torch.cuda.memory_allocated(self.device) - prestaged
-        return plan - outside - live - offload.PRESTAGE_MARGIN
+        return plan - context - live - offload.PRESTAGE_MARGIN
 
     def after_step(self, tokens: int) -> None:
         """After each forward (``tokens``: its batch's): host reads' counting and promotions."""
