@@ -66,6 +66,7 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id] = out
+        self.engine.idle()  # the next call's first experts, staged while the caller reads these
         results = [final[r] for r in order]
         if self.tokenizer is not None:
             for out in results:

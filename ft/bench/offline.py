@@ -63,6 +63,8 @@ class Report:
     ttft_ms: float = 0.0
     ttft_runs_ms: list[float] = field(default_factory=list)  # the five runs the median is of, in order
     ttft_idle_s: float = 0.0  # the engine idle this long before each TTFT run (``--ttft-idle-s``)
+    idle_hook_ms: list[tuple[float, float]] = field(default_factory=list)  # engine.idle(): host, copies after
+    ttft_prestaged_layers: list[int] = field(default_factory=list)  # layers each TTFT run found pre-staged
     prefill: dict[int, float] = field(default_factory=dict)
     prefill_streamed: dict[int, float] = field(default_factory=dict)  # offload: expert bytes a prefill moved
     hf: dict[str, float] = field(default_factory=dict)
@@ -248,8 +250,16 @@ def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, bat
     for _ in range(5):
         if report.ttft_idle_s:  # a request that finds the engine idle, as an interactive user's does
             _sync(engine)
-            time.sleep(report.ttft_idle_s)
+            t0 = time.perf_counter()
+            engine.idle()  # what the serving loop does once the last request's outputs are out
+            t1 = time.perf_counter()
+            _sync(engine)  # the pre-staging copies, if any, landed
+            t2 = time.perf_counter()
+            report.idle_hook_ms.append((1e3 * (t1 - t0), 1e3 * (t2 - t1)))
+            time.sleep(max(0.0, report.ttft_idle_s - (t2 - t0)))
+        used = engine.stats().moe_prestaged_layers
         report.ttft_runs_ms.append(1e3 * run_batch(engine, [prompt(input_len)], 1)["wall"])
+        report.ttft_prestaged_layers.append(engine.stats().moe_prestaged_layers - used)
     report.ttft_ms = statistics.median(report.ttft_runs_ms)
     for n in batch_sizes:
         run_batch(engine, [prompt(input_len) for _ in range(n)], 2)  # warm-up: kernels tuned for these shapes
@@ -318,6 +328,12 @@ def format_report(r: Report) -> str:
         + (f" (runs {', '.join(f'{t:,.1f}' for t in r.ttft_runs_ms)})" if r.ttft_runs_ms else "")
         + (f", each after {r.ttft_idle_s:g} s idle" if r.ttft_idle_s else ""),
     ]
+    if any(r.ttft_prestaged_layers):  # offload.PRESTAGE: what the idle engine staged for each run
+        host, copies = (statistics.median(v) for v in zip(*r.idle_hook_ms))
+        lines.append(
+            f"pre-staged while idle: {', '.join(map(str, r.ttft_prestaged_layers))} layers a TTFT run; "
+            f"engine.idle() {host:,.1f} ms of host time, its copies landed {copies:,.1f} ms later (medians)"
+        )
     for length, rate in r.prefill.items():
         streamed = r.prefill_streamed.get(length)
         link = ""

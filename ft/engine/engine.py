@@ -183,9 +183,15 @@ class LLMEngine:
             if res.sample is not None:
                 self._append(req, res.sample)
             outputs.append(self._output(req))
-        if self._prestages and not self.has_unfinished_requests():  # idle: ready the next prefill
-            self.executor.moe_idle()
         return outputs
+
+    def idle(self) -> None:
+        """The caller has nothing for the engine to run now (the serving loop before it waits for
+        requests, ``LLM.generate`` before it returns): an offloading engine pre-stages the next
+        prefill's first experts (``offload.PRESTAGE``). Not called from ``step``: the outputs of
+        the step that finished the last request go out first, then the copies are issued."""
+        if self._prestages and not self.has_unfinished_requests():
+            self.executor.moe_idle()
 
     def _append(self, req: Request, sample) -> None:
         p = req.params

@@ -135,13 +135,16 @@ class EngineLoop:
                 if cmd[0] == "shutdown":
                     return
                 self._handle(cmd)
-            if self.engine.has_unfinished_requests():
+            active = self.engine.has_unfinished_requests()
+            if active:
                 outputs = self.engine.step()
                 stalled = not outputs
                 if outputs or commands:
                     self.out_q.put(("step", [self._delta(o) for o in outputs], self._stats()))
             elif commands:
                 self.out_q.put(("stats", self._stats()))
+            if (busy or active) and not self.engine.has_unfinished_requests():  # the outputs are out
+                self.engine.idle()
 
     def _receive(self, timeout: float | None) -> list:
         """Every command waiting; with a timeout, wait that long for the first (queue.Empty if none)."""

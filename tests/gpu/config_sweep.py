@@ -642,10 +642,41 @@ def sweep_moe_gemv_int() -> None:
               f"FT_MOE_GEMV_NVFP4_SHARED_BK={best[2]}", flush=True)  # fmt: skip
 
 
+def sweep_moe_gemv_stages() -> None:
+    """The NVFP4 MoE GEMV as shipped (integer gate/up products, the down kernel by pair on words,
+    the bf16 shared pair) with its loops' stages swept: gate/up's ``NVFP4_INT`` and the down
+    kernel's ``NVFP4_DOWN_PLANES`` tiles were swept at one stage only (2026-12-01/02), where each
+    program's loads wait for its last step's. Gate/up tiles with the shipped down tiles, then down
+    tiles with the shipped gate/up; gate/up + down a call over 8 routings, two passes."""
+    mod = triton_moe_gemv
+    saved = {n: getattr(mod, n) for n in ("NVFP4_INT", "NVFP4_DOWN_PLANES")}
+    ups = [(4, 512, 4, s) for s in (1, 2, 3, 4)] + [(2, 512, 2, s) for s in (1, 2, 4)]
+    ups += [(4, 256, 4, s) for s in (2, 4)] + [(8, 256, 4, s) for s in (1, 2)] + [(2, 1024, 4, 2)]
+    downs = [(8, 256, 2, 2), (8, 128, 2, 2), (8, 128, 2, 4), (4, 256, 2, 2), (16, 128, 4, 4)]
+    combos = [(u, saved["NVFP4_DOWN_PLANES"]) for u in ups] + [(saved["NVFP4_INT"], d) for d in downs]
+    if DRY:
+        combos = combos[:1] + combos[-1:]
+
+    def set_combo(c):
+        mod.NVFP4_INT, mod.NVFP4_DOWN_PLANES = c
+
+    for t in (1, 2):
+        calls = nvfp4_calls_with_shared_pair(t)
+        want = calls[0]()
+        times, ok = two_passes(combos, set_combo, saved, calls, want)
+        print(f"== T={t} NVFP4 MoE GEMV, loop stages (two passes)", flush=True)
+        for c in sorted(ok, key=ok.get):
+            pair = f"({times[c][0]:.1f}, {times[c][1]:.1f})"
+            print(f"  gate/up {c[0]} down {c[1]}: {ok[c]:7.1f} us {pair}", flush=True)
+        for c in combos:
+            if c not in ok:
+                print(f"  gate/up {c[0]} down {c[1]}: failed", flush=True)
+
+
 SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router, "moe_gemv": sweep_moe_gemv,
             "moe_gemv_kernels": sweep_moe_gemv_kernels,
             "moe_gemv_planes": sweep_moe_gemv_planes, "moe_gemv_shared": sweep_moe_gemv_shared,
-            "moe_gemv_int": sweep_moe_gemv_int,
+            "moe_gemv_int": sweep_moe_gemv_int, "moe_gemv_stages": sweep_moe_gemv_stages,
             "grouped": sweep_grouped, "conv": sweep_conv, "extend": sweep_extend}  # fmt: skip
 
 

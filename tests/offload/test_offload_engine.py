@@ -256,3 +256,29 @@ def test_prestaging_at_tp2_equals_tp1(tmp_path, monkeypatch):
         for _ in range(2):
             assert_close(llm.generate(PROMPTS, PARAMS), want, tol=1e-5)  # the shards' sum order
         assert llm.engine.stats().moe_prestaged_layers > 0
+
+
+def test_prestaging_waits_for_the_callers_idle_and_the_bench_reports_it(tmp_path, capsys, monkeypatch):
+    """``offload.PRESTAGE`` stages when the caller says the engine is idle (``LLMEngine.idle``: the
+    serving loop once the outputs are out, ``LLM.generate`` before it returns), never inside the
+    step that finished the last request, whose outputs it would hold back; ``ft bench offline
+    --ttft-idle-s`` calls it before each idle TTFT run and reports what each run found staged."""
+    from ft.bench.offline import run_batch
+    from ft.moe.backends import offload
+
+    write_checkpoint(tmp_path, "qwen3_next")
+    monkeypatch.setattr(offload, "PRESTAGE", True)
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False,
+             moe_backend="offload", expert_cache_fraction=0.25) as llm:  # fmt: skip
+        shared = llm.engine.executor.runner.moe.shared
+        run_batch(llm.engine, [PROMPTS[0]], output_len=3)  # the engine's own steps only
+        assert not shared.prestaged
+        llm.engine.idle()
+        assert shared.prestaged
+    args = ["bench", "offline", "--config", str(tmp_path / "config.json"), "--load-format", "dummy"]
+    args += ["--device", "cpu", "--batch-sizes", "1", "--input-len", "12", "--output-len", "3"]
+    args += ["--prefill-lens", "", "--moe-backend", "offload", "--expert-cache-fraction", "0.25"]
+    assert main([*args, "--ttft-idle-s", "0.01"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("pre-staged while idle: "))
+    runs = [int(n) for n in line.split(": ")[1].split(" layers")[0].split(", ")]
+    assert len(runs) == 5 and all(n > 0 for n in runs) and "engine.idle() " in line
