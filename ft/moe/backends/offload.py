@@ -97,8 +97,12 @@ HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
 # request that finds the engine idle would skip the pre-staged layers' share of it. Before a
 # forward, layers are dropped, the last first, until the batch's activations fit beside the rest
 # (``Shared.fit_prestaged``); a pre-staged expert the batch does not route to costs its copy,
-# never a result. OFF until timed on a GPU (FT_MOE_PRESTAGE=1 turns it on for a process and the
-# ranks it spawns; ``ft bench offline --ttft-idle-s`` measures a request that finds it idle).
+# never a result. OFF (FT_MOE_PRESTAGE=1 turns it on for a process and the ranks it spawns; ``ft
+# bench offline --ttft-idle-s`` measures a request that finds it idle). Its one GPU row (H200,
+# 2026-12-03, the full 80B at 0.94, ~5.7 GiB staged) ran the hook inside the step that finished
+# the last request: TTFT after 1 s idle 569 -> 973 ms, of which ~110 ms the next idle's copies the
+# bench waited for; the rest is not explained yet (docs/benchmarks.md). The hook is now
+# ``LLMEngine.idle``, called once the outputs are out, and not yet measured on a GPU.
 PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "0") == "1"
 PRESTAGE_CPU_BYTES = 1 << 30  # the room on a CPU-only machine, where no plan measures one
 # of the room an idle GPU has, kept for the next batch's small tensors and for what the CUDA graphs'
