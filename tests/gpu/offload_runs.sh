@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|bench8k|ttft|memory|census|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|bench8k|ttft|ttftbench|memory|census|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -23,7 +23,10 @@
 #            default 64 of each take ~8 GiB from the expert cache (365 instead of 393 resident)
 #   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
 #   ttft     the full model in bf16 at --memory-ratio 0.94, TTFT of a 1k prompt after a second
-#            idle, without and with pre-staging (FT_MOE_PRESTAGE=1, offload.py; ~6.5 min)
+#            idle, pre-staging off, on, off, on from one load (ttft_idle.py: each prompt's step, the
+#            idle hook's host time and when its copies landed; ~4.5 min). On 2026-12-03 the hook ran
+#            inside the step and TTFT went 569 -> 973 ms, ~110 ms of it the bench waiting for copies
+#   ttftbench  the same through ft bench offline --ttft-idle-s, pre-staging on then off (~6.5 min)
 #   memory   the full model in bf16 at --memory-ratio 0.94, the device's memory after the load and
 #            after prompts of 1k to 32k tokens (memory_plan.py), with the allocator's segments as
 #            they are and expandable (FT_EXPANDABLE_SEGMENTS=1): on 2026-12-03 the 16k chunk's
@@ -93,13 +96,17 @@ bench8k)
   grep -E "^prefill" "$out/bench8k.log" | sed 's/^/chunks of 8192: /'
   ;;
 ttft)
-  # TTFT for a 1k prompt that finds the engine idle for a second, without and with pre-staging
-  for prestage in 0 1; do
+  timeout 420 python3 tests/gpu/ttft_idle.py "$next" 0.94 "$out/ttft_idle.log" >"$out/ttft_idle.out" 2>&1
+  grep -E "^(loaded|pre-staging|==)" "$out/ttft_idle.log" | cut -c1-200
+  ;;
+ttftbench)
+  # TTFT for a 1k prompt that finds the engine idle for a second, with and without pre-staging
+  for prestage in 1 0; do
     FT_MOE_PRESTAGE=$prestage timeout 280 "${bench[@]}" --moe-backend offload --memory-ratio 0.94 --batch-sizes 1 \
       --max-running-requests 8 --input-len 1024 --output-len 8 --prefill-lens "" --num-tokens 40000 \
       --ttft-idle-s 1 >"$out/ttft_$prestage.log" 2>&1
     echo "prestage $prestage: $(grep -E '^single-stream' "$out/ttft_$prestage.log")"
-    grep -E "^device memory" "$out/ttft_$prestage.log"
+    grep -E "^(pre-staged|device memory)" "$out/ttft_$prestage.log"
   done
   ;;
 memory)
