@@ -571,6 +571,21 @@ def two_passes(combos: list, set_combo: Callable, saved: dict, calls: list[Calla
     return times, {c: sum(v) / 2 for c, v in times.items() if None not in v}
 
 
+def nvfp4_two_passes(title: str, combos: list, set_combo: Callable, saved: dict, label: Callable) -> None:
+    """``two_passes`` of the NVFP4 MoE GEMV with the shared pair (``nvfp4_calls_with_shared_pair``)
+    at T = 1 and 2: each combination's mean and both times, fastest first, then those that failed
+    or disagreed (``label(c)`` names a combination)."""
+    for t in (1, 2):
+        calls = nvfp4_calls_with_shared_pair(t)
+        times, ok = two_passes(combos, set_combo, saved, calls, calls[0]())
+        print(f"== T={t} {title} (two passes)", flush=True)
+        for c in sorted(ok, key=ok.get):
+            print(f"  {label(c)}: {ok[c]:7.1f} us ({times[c][0]:.1f}, {times[c][1]:.1f})", flush=True)
+        for c in combos:
+            if c not in ok:
+                print(f"  {label(c)}: failed", flush=True)
+
+
 def sweep_moe_gemv_shared() -> None:
     """The NVFP4 MoE GEMV (words, block sums, the down kernel on words) with the bf16 shared pair, as
     the engine runs it: gate/up and down tiles against the shared rows' own steps
@@ -590,14 +605,11 @@ def sweep_moe_gemv_shared() -> None:
         for n, v in zip(names, (up, down, step_up, step_down)):
             setattr(mod, n, v)
 
-    for t in (1, 2):
-        calls = nvfp4_calls_with_shared_pair(t)
-        want = calls[0]()
-        times, ok = two_passes(combos, set_combo, saved, calls, want)
-        print(f"== T={t} NVFP4 MoE GEMV with the shared pair, gate/up + down a call (two passes)", flush=True)
-        for c in sorted(ok, key=ok.get):
-            print(f"  gate/up {c[0]} down {c[1]} shared steps {c[2]}: {ok[c]:7.1f} us"
-                  f" ({times[c][0]:.1f}, {times[c][1]:.1f})", flush=True)  # fmt: skip
+    def label(c) -> str:
+        return f"gate/up {c[0]} down {c[1]} shared steps {c[2]}"
+
+    title = "NVFP4 MoE GEMV with the shared pair, gate/up + down a call"
+    nvfp4_two_passes(title, combos, set_combo, saved, label)
 
 
 def sweep_moe_gemv_int() -> None:
@@ -660,17 +672,10 @@ def sweep_moe_gemv_stages() -> None:
     def set_combo(c):
         mod.NVFP4_INT, mod.NVFP4_DOWN_PLANES = c
 
-    for t in (1, 2):
-        calls = nvfp4_calls_with_shared_pair(t)
-        want = calls[0]()
-        times, ok = two_passes(combos, set_combo, saved, calls, want)
-        print(f"== T={t} NVFP4 MoE GEMV, loop stages (two passes)", flush=True)
-        for c in sorted(ok, key=ok.get):
-            pair = f"({times[c][0]:.1f}, {times[c][1]:.1f})"
-            print(f"  gate/up {c[0]} down {c[1]}: {ok[c]:7.1f} us {pair}", flush=True)
-        for c in combos:
-            if c not in ok:
-                print(f"  gate/up {c[0]} down {c[1]}: failed", flush=True)
+    def label(c) -> str:
+        return f"gate/up {c[0]} down {c[1]}"
+
+    nvfp4_two_passes("NVFP4 MoE GEMV, loop stages", combos, set_combo, saved, label)
 
 
 SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router, "moe_gemv": sweep_moe_gemv,
