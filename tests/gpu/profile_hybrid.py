@@ -34,7 +34,7 @@ from tests.gpu.profiling import cut_config, log_parts, logger, time_steps  # noq
 DEVICE = os.environ.get("DEV", "cuda")
 PARTS = [
     (hybrid.HybridBackend, "_split_work"),  # a decode layer's graph break: all of the below
-    (offload.OffloadBackend, "_to_host"),  # reading the ids: waits for the segment
+    (offload.OffloadBackend, "_route"),  # reading the ids: waits for the segment
     (hybrid.HybridBackend, "_cached"),
     (transfer.Transfer, "issue_many"),  # every copy: misses into the cache, the prefetch
     (hybrid.CpuShare, "start"),  # prefill: the CPU's rows to the host

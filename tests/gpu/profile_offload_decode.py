@@ -33,7 +33,7 @@ from tests.gpu.profiling import critical_path, cut_config, log_parts, logger, ti
 DEVICE = os.environ.get("DEV", "cuda")
 PARTS = [
     (offload.OffloadBackend, "_resolve"),  # a break: all below but the prefetch and replays
-    (offload.OffloadBackend, "_to_host"),  # reading the ids: waits for the segment
+    (offload.OffloadBackend, "_route"),  # reading the ids: waits for the segment
     (offload.OffloadBackend, "_make_resident"),
     (offload.OffloadBackend, "copy_in"),
     (expert_cache.SlotMap, "ensure"),

@@ -156,8 +156,7 @@ class HybridBackend(OffloadBackend):
         return CpuShare(pairs, experts, sel, rows, np.unique(sel // ids_h.shape[1]), self.shared)
 
     def _split_work(self, bank, x, weights, ids, pred, y_cpu) -> None:
-        route = self._to_host(ids, pred)
-        self._begin(len(ids))
+        route = self._route(ids, pred)
         experts = route.experts
         hit = self.map.classify(experts)
         self.cache.publish()  # misses -> null slot, for this step's kernel

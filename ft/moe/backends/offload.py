@@ -302,9 +302,7 @@ class OffloadBackend:
         if capturing():
             split_point(lambda: self._resolve(ids, pred))  # its prefetch runs after the next segment's launch
             return self._cached(bank, x, weights, ids, shared)
-        with record_function("ft.offload.ids_to_host"):  # a range of profiles (profile_offload_prefill.py)
-            route = self._to_host(ids, pred)
-        self._begin(len(x))
+        route = self._route(ids, pred)
         experts = route.experts
         if decode_only() and self.map.fits(experts):
             prefetch = self._make_resident(experts, route.predicted_experts)
@@ -318,8 +316,14 @@ class OffloadBackend:
     def _predict(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.prefetch.predict(x) if self.prefetch is not None else None
 
-    def _to_host(self, ids: torch.Tensor, pred: torch.Tensor | None) -> HostRoute:
-        return host_route(ids, pred, self.store.num_experts)  # the one synchronisation of the layer
+    def _route(self, ids: torch.Tensor, pred: torch.Tensor | None) -> HostRoute:
+        """The batch's routing on the host (the one synchronisation of the layer); the first MoE
+        layer starts the step's slot pins."""
+        with record_function("ft.offload.ids_to_host"):  # a range of profiles (profile_offload_prefill.py)
+            route = host_route(ids, pred, self.store.num_experts)
+        if self.first:
+            self.shared.begin_step(len(ids))
+        return route
 
     def _take_ahead(self) -> Ahead | None:
         """The group staged for this layer, if any; any other is dropped (a forward that stopped
@@ -327,13 +331,8 @@ class OffloadBackend:
         ahead, self.shared.ahead = self.shared.ahead, None
         return ahead if ahead is not None and ahead.backend is self else None
 
-    def _begin(self, num_tokens: int) -> None:
-        if self.first:
-            self.shared.begin_step(num_tokens)
-
     def _resolve(self, ids: torch.Tensor, pred: torch.Tensor | None) -> Callable[[], None]:
-        route = self._to_host(ids, pred)
-        self._begin(len(ids))
+        route = self._route(ids, pred)
         experts = route.experts
         if not self.map.fits(experts):
             raise RuntimeError(
