@@ -81,6 +81,7 @@ _COUNTERS = [
     ("ft_moe_experts_prefetched", "moe_prefetched", "Experts copied ahead of need"),
     ("ft_moe_bytes_streamed", "moe_bytes_h2d", "Expert bytes copied host to device"),
     ("ft_moe_bytes_host_read", "moe_bytes_host_read", "Expert bytes kernels read from host memory in place"),
+    ("ft_moe_prestaged_layers", "moe_prestaged_layers", "Layers prefills ran on experts staged while idle"),
 ]
 
 
