@@ -133,6 +133,25 @@ def check_grouped_gemm() -> None:
             raise AssertionError(f"T={t}: relative error {err:.3g} against the torch reference")
 
 
+def check_align_by_expert() -> None:
+    """Pairs sorted by expert and padded (``align_by_expert``), in one program and in the three
+    launches, for expert counts that are not powers of two (a pre-staged buffer's rows): every pair
+    once, each under its own expert's blocks."""
+    from ft.moe.kernels.triton_moe import align_by_expert
+
+    gen = torch.Generator().manual_seed(9)
+    for e, block_m, small in ((100, 16, 1024), (100, 32, 0), (13, 16, 0), (13, 16, 1024)):
+        ids = torch.rand(40, e, generator=gen).topk(4, dim=-1).indices
+        sorted_ids, block_expert, num_padded = align_by_expert(ids, e, block_m, small=small)
+        used = sorted_ids[: int(num_padded)]
+        keep = used < ids.numel()
+        if not torch.equal(used[keep].sort().values, torch.arange(ids.numel())):
+            raise AssertionError(f"E={e}, small={small}: a pair missing or repeated")
+        experts = block_expert[: int(num_padded) // block_m].repeat_interleave(block_m)
+        if not torch.equal(ids.reshape(-1)[used[keep]], experts[keep]):
+            raise AssertionError(f"E={e}, small={small}: a pair sorted under the wrong expert")
+
+
 def check_silu_and_mul() -> None:
     from ft.moe.kernels.triton_combine import launch_silu_and_mul
 
@@ -513,6 +532,21 @@ CHECKS = [
 @pytest.mark.parametrize("check", CHECKS)
 def test_kernel_under_the_interpreter(check):
     run_check("tests.test_moe_fusions_interp", check)
+
+
+def test_align_by_expert_under_the_interpreter():
+    run_check("tests.test_moe_fusions_interp", "check_align_by_expert", optimize=True)
+
+
+def test_the_alignment_kernels_compile_once_per_power_of_two_of_the_experts():
+    """The expert count is a run-time argument of the alignment kernels, its power of two the only
+    constant: a bank of another count (a pre-staged buffer's rows) must not compile them anew."""
+    pytest.importorskip("triton")
+    from ft.moe.kernels import triton_moe
+
+    for fn in (triton_moe._align_kernel, triton_moe._runs_kernel, triton_moe._blocks_and_padding):
+        constants = {p.name for p in fn.params if p.is_constexpr}
+        assert "E" in fn.arg_names and "E" not in constants, fn.fn.__name__
 
 
 def test_grouped_gemm_under_the_interpreter():

@@ -176,8 +176,8 @@ def pick_config(num_tokens: int, num_experts: int) -> tuple[tuple[int, ...], tup
 
 @triton.jit
 def _blocks_and_padding(
-    padded, ends, sorted_ids, block_expert, num_padded, N, EM,
-    E: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    padded, ends, sorted_ids, block_expert, num_padded, N, EM, E,
+    BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
 ):  # fmt: skip
     # from each expert's padded run length and end row: the rows in use, each BM-row block's
     # expert (a searchsorted), and every row set to the padding pair id N
@@ -194,8 +194,8 @@ def _blocks_and_padding(
 
 @triton.jit
 def _align_kernel(
-    ids, sorted_ids, block_expert, num_padded, N, EM,
-    E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    ids, sorted_ids, block_expert, num_padded, N, EM, E,
+    E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
@@ -230,8 +230,8 @@ def _count_kernel(ids, counts, N, BLOCK: tl.constexpr):
 
 @triton.jit
 def _runs_kernel(
-    counts, next_row, sorted_ids, block_expert, num_padded, N, EM,
-    E: tl.constexpr, E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    counts, next_row, sorted_ids, block_expert, num_padded, N, EM, E,
+    E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
 ):  # fmt: skip
     ex = tl.arange(0, E_P)
     padded = tl.cdiv(tl.load(counts + ex, mask=ex < E, other=0), BM) * BM
@@ -258,6 +258,12 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, small: in
     with atomics, lay out the runs, place each pair at an atomically taken row of its run), so a
     run's order varies between calls. That cannot change a result: each GEMM row is computed
     alone, with the same reduction order wherever it sits in its tile.
+
+    ``num_experts`` is a run-time argument of the kernels (only its power of two is compiled in):
+    a bank's rows are not always the model's experts (the offload backend's pre-staged buffers
+    hold as many as a layer had room for), and with the count compiled in, each new count meant a
+    compile inside the forward that met it (the likely part of pre-staging's slow TTFT runs on an
+    H200, 2026-12-03: docs/benchmarks.md).
     """
     flat = ids.reshape(-1).contiguous()  # [N]
     n = flat.numel()
