@@ -101,6 +101,41 @@ def test_fp32_prestaged_and_device_counted_prefills_equal_resident(ckpt, monkeyp
         assert llm.engine.executor.runner.moe.shared.prestaged  # staged again once idle
 
 
+def test_prestaged_buffers_of_new_sizes_compile_no_new_alignment(tmp_path, monkeypatch):
+    """A pre-staged buffer holds as many experts as its layer had room for, a count that changes
+    from one idle to the next; the pairs' alignment kernels take that count at run time (only its
+    power of two is compiled in), so bf16 prefills on buffers of 9 to 13 rows add at most the one
+    variant Triton's specialisation of the pair count (a multiple of 16 or not) may ask for. With
+    the count as a compile-time constant (before 53875c5) each new count compiled them again
+    inside the prefill that met it."""
+    from ft.moe.backends import offload
+    from ft.moe.backends.runtime import MoeRuntime
+    from ft.moe.kernels import triton_moe
+
+    write_checkpoint(tmp_path, "qwen3_moe", seed=4, num_experts=32, weight_scale=0.8)
+    rows = iter(range(9, 15))  # the first layer's pre-staged experts after each round
+
+    def room(runtime, held: int) -> int:
+        return next(rows) * runtime.backends[0].store.layout.expert_bytes
+
+    def variants() -> int:
+        fns = (triton_moe._align_kernel, triton_moe._runs_kernel)
+        return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
+
+    monkeypatch.setattr(offload, "PRESTAGE", True)
+    monkeypatch.setattr(MoeRuntime, "_room_when_idle", room)
+    monkeypatch.setattr(offload.Shared, "fit_prestaged", lambda shared, tokens: None)  # tiny batches
+    with LLM(model=str(tmp_path), progress=False, device="cuda", dtype="bfloat16", **OFFLOAD) as llm:
+        shared = llm.engine.executor.runner.moe.shared
+        counts = []
+        for _ in range(6):
+            used = shared.prestage_used
+            llm.generate(PROMPTS, PARAMS)
+            counts.append((variants(), shared.prestage_used - used))
+    assert [used for _, used in counts[1:]] == [1] * 5, counts  # buffers of 9 .. 13 rows read
+    assert counts[-1][0] - counts[1][0] <= 1, f"alignment variants after each round: {counts}"
+
+
 def test_bf16_offload_with_graphed_decode_equals_resident(ckpt, copying_decode):
     want, ref_info = generate(ckpt, dtype="bfloat16", moe_backend="gpu")
     got, info = generate(ckpt, dtype="bfloat16", **OFFLOAD)
