@@ -112,7 +112,7 @@ ttftbench)
 memory)
   # where the full model's device memory goes against its plan, the allocator's segments as they
   # are and expandable (ft.engine.allocator), each a load of ~170 s
-  for expandable in 0 1; do
+  for expandable in ${EXPANDABLE:-0 1}; do  # EXPANDABLE=1: only the expandable row (~3 min)
     FT_EXPANDABLE_SEGMENTS=$expandable timeout 290 python3 tests/gpu/memory_plan.py "$next" 0.94 \
       "$out/memory_$expandable.log" >"$out/memory_$expandable.out" 2>&1
     grep -E "^(loaded|after)" "$out/memory_$expandable.log"
