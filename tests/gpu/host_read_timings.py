@@ -40,12 +40,31 @@ def pinned(w):
 
 
 def expert_bytes(w13, w2) -> int:
+    """Bytes of one expert of ``w13`` and ``w2`` (either None: only the other)."""
     from ft.quant.nvfp4 import NVFP4Tensor
 
-    parts = [w13, w2]
-    if isinstance(w13, NVFP4Tensor):
+    parts = [w for w in (w13, w2) if w is not None]
+    if isinstance(parts[0], NVFP4Tensor):
         parts = [p for w in parts for p in w.parts]
     return sum(p[0].numel() * p.element_size() for p in parts)
+
+
+def kernel_us(fn, reps: int = 10) -> dict[str, float]:
+    """Device microseconds a call of each kernel ``fn`` launches, over ``reps`` eager calls, each
+    alone (synchronised: a kernel launched early by programmatic dependent launch would count
+    its wait for the one before)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+            torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
+        if total > 0:
+            out[e.key] = total / reps
+    return out
 
 
 def main() -> None:
@@ -71,6 +90,16 @@ def main() -> None:
             f"({rate:5.1f} GB/s over the added time, {moved / (ms * 1e-3) / 1e9:5.1f} over the call); "
             f"a DMA copy of them {1e3 * copy:7.1f} us ({moved / (copy * 1e-3) / 1e9:5.1f} GB/s)"
         )
+        # each kernel alone: which of gate/up (the w13 rows) and down (the w2 rows) reads its host
+        # bytes slower than the link (the offloaded decode's profile of 2026-12-02 had gate/up 238
+        # us a layer against 180 us of link time for its host bytes, down 104 against 90)
+        kernels = kernel_us(lambda r=rows: fused_moe_gemv(x, w13, w2, weights, r, host=(h13, h2)))
+        for name, part in (("_gate_up", w13), ("_down", w2)):
+            us = sum(t for k, t in kernels.items() if name in k)
+            host_bytes = h * expert_bytes(part, None)
+            rate = host_bytes / (us * 1e-6) / 1e9 if us else float("nan")
+            mb = host_bytes / 1e6
+            print(f"     {name[1:]:8s} {us:7.1f} us alone: its {mb:.2f} MB of host rows at {rate:5.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|bench8k|ttft|ttftbench|memory|census|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|bench8k|ttft|ttftbench|memory|census|hostreads|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -33,6 +33,9 @@
 #            tensors peaked 2.2 GiB above the load, the allocator's reservation 10.6 GiB (~6 min)
 #   census   the full model with NVFP4 experts resident (issue 5's row) with --census: the kernels
 #            of a batch-1 decode step, what stands between it and its roofline (~2 min)
+#   hostreads  the MoE GEMV with h of its 10 experts read from the host, bf16 then NVFP4
+#            (host_read_timings.py): each kernel alone beside the link, which of gate/up and
+#            down reads its host rows slower than the link (~2 min)
 #   hybrid   the host CPU's rate on one expert (cpu_expert_rate.py, ~30 s), then the same model
 #            with --moe-backend hybrid, batch 1 and 8 (~5 min); HYBRID_CPU=1 gives the host CPU a
 #            share of each prefill layer's streamed experts (FT_MOE_HYBRID_PREFILL_CPU, off by
@@ -122,6 +125,12 @@ census)
   timeout 300 "${bench[@]}" --quantize-experts nvfp4 --batch-sizes 1,16 --max-running-requests 16 --input-len 1024 \
     --output-len 128 --prefill-lens 8000 --num-tokens 60000 --census >"$out/census.log" 2>&1
   grep -vE "^ft rank" "$out/census.log" | head -60
+  ;;
+hostreads)
+  for fmt in bf16 nvfp4; do
+    timeout 150 python3 tests/gpu/host_read_timings.py $fmt >"$out/host_reads_$fmt.log" 2>&1
+    grep -vE "^ft rank|[Ww]arn" "$out/host_reads_$fmt.log"
+  done
   ;;
 hybrid)
   timeout 90 python3 tests/gpu/cpu_expert_rate.py >"$out/cpu_expert_rate.log" 2>&1
