@@ -35,7 +35,8 @@
 #            of a batch-1 decode step, what stands between it and its roofline (~2 min)
 #   hostreads  the MoE GEMV with h of its 10 experts read from the host, bf16 then NVFP4
 #            (host_read_timings.py): each kernel alone beside the link, which of gate/up and
-#            down reads its host rows slower than the link (~2 min)
+#            down reads its host rows slower than the link; bf16 again with gate/up at one loop
+#            stage (~3 min)
 #   hybrid   the host CPU's rate on one expert (cpu_expert_rate.py, ~30 s), then the same model
 #            with --moe-backend hybrid, batch 1 and 8 (~5 min); HYBRID_CPU=1 gives the host CPU a
 #            share of each prefill layer's streamed experts (FT_MOE_HYBRID_PREFILL_CPU, off by
@@ -131,6 +132,11 @@ hostreads)
     timeout 150 python3 tests/gpu/host_read_timings.py $fmt >"$out/host_reads_$fmt.log" 2>&1
     grep -vE "^ft rank|[Ww]arn" "$out/host_reads_$fmt.log"
   done
+  # gate/up's bf16 tiles with one loop stage: plain loads of the host rows instead of the pipeliner's
+  # asynchronous copies through shared memory
+  FT_MOE_GEMV_BF16=8,512,4,1 timeout 150 python3 tests/gpu/host_read_timings.py bf16 >"$out/host_reads_stage1.log" 2>&1
+  echo "bf16, gate/up at (8, 512, 4, 1):"
+  grep -vE "^ft rank|[Ww]arn" "$out/host_reads_stage1.log"
   ;;
 hybrid)
   timeout 90 python3 tests/gpu/cpu_expert_rate.py >"$out/cpu_expert_rate.log" 2>&1
