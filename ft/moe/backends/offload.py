@@ -101,8 +101,10 @@ HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
 # bench offline --ttft-idle-s`` measures a request that finds it idle). Its one GPU row (H200,
 # 2026-12-03, the full 80B at 0.94, ~5.7 GiB staged) ran the hook inside the step that finished
 # the last request: TTFT after 1 s idle 569 -> 973 ms, of which ~110 ms the next idle's copies the
-# bench waited for; the rest is not explained yet (docs/benchmarks.md). The hook is now
-# ``LLMEngine.idle``, called once the outputs are out, and not yet measured on a GPU.
+# bench waited for, and likely most of the rest compiles: the alignment kernels then took a bank's
+# expert count as a constant, and a pre-staged buffer's count differs by layer and by idle (a
+# run-time argument from 53875c5; docs/benchmarks.md). The hook is now ``LLMEngine.idle``,
+# called once the outputs are out; neither change is measured on a GPU yet.
 PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "0") == "1"
 PRESTAGE_CPU_BYTES = 1 << 30  # the room on a CPU-only machine, where no plan measures one
 # of the room an idle GPU has, kept for the next batch's small tensors and for what the CUDA graphs'
