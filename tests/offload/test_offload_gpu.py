@@ -118,8 +118,11 @@ def test_prestaged_buffers_of_new_sizes_compile_no_new_alignment(tmp_path, monke
     def room(runtime, held: int) -> int:
         return next(rows) * runtime.backends[0].store.layout.expert_bytes
 
-    def variants() -> int:
-        fns = (triton_moe._align_kernel, triton_moe._runs_kernel)
+    fns = (triton_moe._align_kernel, triton_moe._runs_kernel)
+    if not all(hasattr(fn, "device_caches") for fn in fns):
+        pytest.skip("this Triton keeps no per-device kernel caches to count")
+
+    def variants() -> int:  # compiled variants: the first item of each device's cache entry
         return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
 
     monkeypatch.setattr(offload, "PRESTAGE", True)
