@@ -126,6 +126,7 @@ MOE_TILES = (
     "NVFP4_PLANES",
     "NVFP4_DOWN_PLANES",
     "NVFP4_INT",
+    "BF16_HOST",
 )
 
 

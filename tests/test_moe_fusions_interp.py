@@ -372,8 +372,11 @@ def check_moe_gemv_host_rows() -> None:
         (s13, h13), (s2, h2) = split(w13), split(w2)
         for sh in (None, shared):
             want = launch_moe_gemv(x, w13, w2, weights, ids, sh)
-            got = launch_moe_gemv(x, s13, s2, weights, route[ids], sh, host=(h13, h2))
-            assert torch.equal(got, want), (used, sh is None)
+            for host_tiles in (False, True):  # the host-read launch at tiles of its own, same bits
+                triton_moe_gemv.HOST_TILES = host_tiles
+                got = launch_moe_gemv(x, s13, s2, weights, route[ids], sh, host=(h13, h2))
+                assert torch.equal(got, want), (used, sh is None, host_tiles)
+            triton_moe_gemv.HOST_TILES = False
         (s13, h13), (s2, h2) = split(q13), split(q2)
         want = launch_moe_gemv(x.bfloat16(), q13, q2, weights, ids)
         got = launch_moe_gemv(x.bfloat16(), s13, s2, weights, route[ids], host=(h13, h2))

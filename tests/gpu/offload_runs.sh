@@ -36,7 +36,7 @@
 #   hostreads  the MoE GEMV with h of its 10 experts read from the host, bf16 then NVFP4
 #            (host_read_timings.py): each kernel alone beside the link, which of gate/up and
 #            down reads its host rows slower than the link; bf16 again with gate/up at one loop
-#            stage (~3 min)
+#            stage and at two tilings that fit one wave (~5 min)
 #   hybrid   the host CPU's rate on one expert (cpu_expert_rate.py, ~30 s), then the same model
 #            with --moe-backend hybrid, batch 1 and 8 (~5 min); HYBRID_CPU=1 gives the host CPU a
 #            share of each prefill layer's streamed experts (FT_MOE_HYBRID_PREFILL_CPU, off by
@@ -132,11 +132,14 @@ hostreads)
     timeout 150 python3 tests/gpu/host_read_timings.py $fmt >"$out/host_reads_$fmt.log" 2>&1
     grep -vE "^ft rank|[Ww]arn" "$out/host_reads_$fmt.log"
   done
-  # gate/up's bf16 tiles with one loop stage: plain loads of the host rows instead of the pipeliner's
-  # asynchronous copies through shared memory
-  FT_MOE_GEMV_BF16=8,512,4,1 timeout 150 python3 tests/gpu/host_read_timings.py bf16 >"$out/host_reads_stage1.log" 2>&1
-  echo "bf16, gate/up at (8, 512, 4, 1):"
-  grep -vE "^ft rank|[Ww]arn" "$out/host_reads_stage1.log"
+  # bf16 gate/up at other tiles: one loop stage (plain loads of the host rows instead of the
+  # pipeliner's copies through shared memory; triton_moe_gemv.HOST_TILES), and tiles whose ~700
+  # programs of a batch-1 step fit one wave (78 and 54 registers against 128)
+  for tiles in 8,512,4,1 8,256,4,2 8,128,4,4; do
+    FT_MOE_GEMV_BF16=$tiles timeout 150 python3 tests/gpu/host_read_timings.py bf16 >"$out/host_reads_$tiles.log" 2>&1
+    echo "bf16, gate/up at ($tiles):"
+    grep -vE "^ft rank|[Ww]arn" "$out/host_reads_$tiles.log"
+  done
   ;;
 hybrid)
   timeout 90 python3 tests/gpu/cpu_expert_rate.py >"$out/cpu_expert_rate.log" 2>&1

@@ -61,6 +61,20 @@ def _tiles_from_env(name: str, default):
 
 
 BF16, NVFP4 = _tiles_from_env("BF16", BF16), _tiles_from_env("NVFP4", NVFP4)
+# The bf16 gate/up launch that reads rows from the host store (``host`` given: the offload
+# backend's host reads) at tiles of its own (``HOST_TILES``; FT_MOE_GEMV_HOST_TILES=1 turns it on
+# for a process and the ranks it spawns, FT_MOE_GEMV_BF16_HOST=BN,BK,WARPS,STAGES sets them). In
+# the offloaded 16-layer cut's decode profile (H200, 2026-12-02, docs/benchmarks.md) gate/up took
+# 238 us a layer against 180 us of link time for its host rows, down 104 against 90. At BF16's four
+# loop stages the pipeliner copies the host rows through shared memory (52 KB a program compiled
+# for sm_90), where the down kernel's single stage loads them straight; one stage at BF16's other
+# tiles is the same arithmetic, the same bits. (Either way a program takes ~128 registers, four an
+# SM: a batch-1 step's ~700 gate/up programs take more than one wave, and the host rows of those
+# in the second start late. Tiles that fit one wave, e.g. (8, 256, 4, 2) at 78 registers, change
+# the sums' order, so they would be BF16's own: offloaded decode keeps the resident bits.) OFF
+# until timed on a GPU (tests/gpu/offload_runs.sh hostreads, then decode_variants.py).
+HOST_TILES = os.environ.get("FT_MOE_GEMV_HOST_TILES", "0") == "1"
+BF16_HOST = _tiles_from_env("BF16_HOST", (BF16[0], BF16[1], BF16[2], 1))
 BF16_DOWN, NVFP4_DOWN = _tiles_from_env("BF16_DOWN", BF16_DOWN), _tiles_from_env("NVFP4_DOWN", NVFP4_DOWN)
 PAIR_DOWN = _tiles_from_env("PAIR_DOWN", PAIR_DOWN)
 # A block's (bf16) shared expert as one more pair of each token in these two launches, beside a
@@ -902,7 +916,11 @@ def launch_moe_gemv(
     sums = planes and FP4_BLOCK_SUMS
     int_dot = sums and FP4_INT_DOT and _word_aligned(b13, *h13[:1], size=8)  # a block's codes: 8 bytes
     block_n, max_block_k, num_warps, stages = (
-        (NVFP4_INT if int_dot else NVFP4_PLANES if planes else NVFP4) if fp4 else BF16
+        (NVFP4_INT if int_dot else NVFP4_PLANES if planes else NVFP4)
+        if fp4
+        else BF16_HOST
+        if host is not None and HOST_TILES
+        else BF16
     )
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
