@@ -227,15 +227,14 @@ def device_peak(engine: LLMEngine, device: torch.device) -> dict:
     instead: the difference is what the allocator's cache kept (``ft.engine.allocator``); a peak
     below the plan is memory the expert cache could have had."""
     from ft.engine import allocator
-    from ft.moe.backends.sizing import GiB, device_cap, reserve_bytes
+    from ft.moe.backends.sizing import GiB, device_cap, plan_bytes, reserve_bytes
 
     outside, total = allocator.outside(device)
-    cap = device_cap(engine.cfg, device, total)
     return {
         "peak_gib": (torch.cuda.max_memory_reserved(device) + outside) / GiB,
         "peak_allocated_gib": (torch.cuda.max_memory_allocated(device) + outside) / GiB,
-        "plan_gib": cap * engine.cfg.memory_ratio / GiB,
-        "reserve_gib": reserve_bytes(cap) / GiB,
+        "plan_gib": plan_bytes(engine.cfg, device, total) / GiB,
+        "reserve_gib": reserve_bytes(device_cap(engine.cfg, device, total)) / GiB,
         "prefill_chunk": engine.plan.prefill_chunk,
     }
 

@@ -267,9 +267,8 @@ class MoeRuntime:
         ``offload.PRESTAGE_MARGIN``. Blocks the allocator caches but no tensor holds count as
         room: a pre-staged buffer takes them before it asks the driver."""
         context, total = allocator.outside(self.device)
-        plan = int(sizing.device_cap(self.cfg, self.device, total) * self.cfg.memory_ratio)
         live = torch.cuda.memory_allocated(self.device) - prestaged
-        return plan - context - live - offload.PRESTAGE_MARGIN
+        return sizing.plan_bytes(self.cfg, self.device, total) - context - live - offload.PRESTAGE_MARGIN
 
     def after_step(self, tokens: int) -> None:
         """After each forward (``tokens``: its batch's): host reads' counting and promotions."""

@@ -94,14 +94,18 @@ def device_memory(cfg: EngineConfig, device: torch.device) -> tuple[int, int]:
     gc.collect()  # an engine closed earlier, still held by a reference cycle
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    cap = device_cap(cfg, device, total)
-    return int(cap * cfg.memory_ratio) - (total - free), cap
+    return plan_bytes(cfg, device, total) - (total - free), device_cap(cfg, device, total)
 
 
 def device_cap(cfg: EngineConfig, device: torch.device, total: int | None = None) -> int:
     """What the engine plans for on ``device``: its memory, or ``--max-gpu-memory`` if smaller."""
     total = torch.cuda.mem_get_info(device)[1] if total is None else total
     return min(total, cfg.max_gpu_memory_bytes or total)
+
+
+def plan_bytes(cfg: EngineConfig, device: torch.device, total: int | None = None) -> int:
+    """What the engine may use on ``device`` in all: its cap (``device_cap``) x ``--memory-ratio``."""
+    return int(device_cap(cfg, device, total) * cfg.memory_ratio)
 
 
 def device_budget(cfg: EngineConfig, device: torch.device) -> int:
