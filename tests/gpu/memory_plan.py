@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine import allocator  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
-from ft.moe.backends.sizing import GiB, device_cap, reserve_bytes  # noqa: E402
+from ft.moe.backends.sizing import GiB, device_cap, plan_bytes, reserve_bytes  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profiling import logger  # noqa: E402
 
@@ -41,8 +41,8 @@ def main() -> None:
         max_running_requests=8, num_tokens=40000, max_model_len=longest, progress=False,
     )  # fmt: skip
     engine = LLMEngine(cfg)
-    cap = device_cap(cfg, torch.device("cuda"))
-    log(f"loaded in {time.perf_counter() - t0:.0f} s; plan {cap * ratio / GiB:.2f} GiB (cap x {ratio}), "
+    cap, plan = device_cap(cfg, torch.device("cuda")), plan_bytes(cfg, torch.device("cuda"))
+    log(f"loaded in {time.perf_counter() - t0:.0f} s; plan {plan / GiB:.2f} GiB (cap x {ratio}), "
         f"activation reserve {reserve_bytes(cap) / GiB:.2f} GiB, prefill chunk {engine.plan.prefill_chunk}, "
         f"expandable segments {'on' if allocator.EXPANDABLE else 'off'}")  # fmt: skip
 
