@@ -239,6 +239,20 @@ def device_peak(engine: LLMEngine, device: torch.device) -> dict:
     }
 
 
+def idle_for(engine: LLMEngine, seconds: float) -> tuple[float, float]:
+    """Leave the engine idle for ``seconds``, told so as the serving loop tells it once the last
+    request's outputs are out (``LLMEngine.idle``); -> (ms of host time ``idle`` took, ms more
+    until the copies it issued, if any, landed)."""
+    _sync(engine)
+    t0 = time.perf_counter()
+    engine.idle()
+    t1 = time.perf_counter()
+    _sync(engine)
+    t2 = time.perf_counter()
+    time.sleep(max(0.0, seconds - (t2 - t0)))
+    return 1e3 * (t1 - t0), 1e3 * (t2 - t1)
+
+
 def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, batch_sizes: list[int],
             input_len: int, output_len: int, prefill_lens: list[int]) -> None:  # fmt: skip
     """Fill ``report``: single stream, TTFT, a row per batch size, prefill rates."""
@@ -248,14 +262,7 @@ def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, bat
     report.ttft_runs_ms = []
     for _ in range(5):
         if report.ttft_idle_s:  # a request that finds the engine idle, as an interactive user's does
-            _sync(engine)
-            t0 = time.perf_counter()
-            engine.idle()  # what the serving loop does once the last request's outputs are out
-            t1 = time.perf_counter()
-            _sync(engine)  # the pre-staging copies, if any, landed
-            t2 = time.perf_counter()
-            report.idle_hook_ms.append((1e3 * (t1 - t0), 1e3 * (t2 - t1)))
-            time.sleep(max(0.0, report.ttft_idle_s - (t2 - t0)))
+            report.idle_hook_ms.append(idle_for(engine, report.ttft_idle_s))
         used = engine.stats().moe_prestaged_layers
         report.ttft_runs_ms.append(1e3 * run_batch(engine, [prompt(input_len)], 1)["wall"])
         report.ttft_prestaged_layers.append(engine.stats().moe_prestaged_layers - used)

@@ -18,24 +18,17 @@ import statistics
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from ft.bench.offline import idle_for, run_batch  # noqa: E402
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.moe.backends import offload  # noqa: E402
-from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profiling import logger  # noqa: E402
 
 DEV = os.environ.get("DEV", "cuda")
 IDLE_S = 1.0
 PROMPT = 1024
-
-
-def sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -52,16 +45,10 @@ def main() -> None:
     moe = engine.plan.moe
     log(f"loaded in {time.perf_counter() - t0:.0f} s; {moe.slots}/{moe.experts} experts resident a layer")
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     shared = engine.executor.runner.moe.shared if engine.executor.runner is not None else None
 
-    def run(n: int, seed: int) -> float:
-        engine.add_request([(i * 31 + seed * 7919) % vocab for i in range(n)], params)
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        sync()
-        return time.perf_counter() - start
+    def run(n: int, seed: int) -> float:  # seconds to the prompt's one token
+        return run_batch(engine, [[(i * 31 + seed * 7919) % vocab for i in range(n)]], 1)["wall"]
 
     offload.PRESTAGE = False
     run(32, 0)  # compiles
@@ -74,13 +61,7 @@ def main() -> None:
             shared.prestaged.clear()  # the round before's, if any
         name = "on" if prestage else "off"
         for _ in range(5):
-            sync()
-            a = time.perf_counter()
-            engine.idle()
-            b = time.perf_counter()
-            sync()
-            c = time.perf_counter()
-            time.sleep(max(0.0, IDLE_S - (c - a)))
+            host_ms, copies_ms = idle_for(engine, IDLE_S)
             used = engine.stats().moe_prestaged_layers
             ttft = run(PROMPT, seed)
             seed += 1
@@ -88,7 +69,7 @@ def main() -> None:
             staged = sum(p.nbytes for p in shared.prestaged.values()) if shared is not None else 0
             rows.setdefault(name, []).append(1e3 * ttft)
             log(f"pre-staging {name:3s}: TTFT {1e3 * ttft:7.1f} ms, {layers:2d} pre-staged layers computed; "
-                f"engine.idle() {1e3 * (b - a):6.1f} ms host, copies landed {1e3 * (c - b):6.1f} ms later; "
+                f"engine.idle() {host_ms:6.1f} ms host, copies landed {copies_ms:6.1f} ms later; "
                 f"{staged / 2**30:.2f} GiB still staged after")  # fmt: skip
     for name, ms in rows.items():
         log(f"== pre-staging {name}: TTFT median {statistics.median(ms):.1f} ms of {len(ms)} "
