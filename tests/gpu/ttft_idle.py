@@ -4,7 +4,8 @@
 
 Loads CONFIG (dummy weights, the offload backend at ``--memory-ratio`` RATIO, default 0.94, 8
 request slots, 40k KV tokens), warms up, then times rounds of five 1,024-token prompts -> one
-token, pre-staging (``offload.PRESTAGE``, read at each ``LLMEngine.idle``) off, on, off, on.
+token, pre-staging (``offload.PRESTAGE``, read at each ``LLMEngine.idle``) off, on over the first
+layers in full and on spread over all layers (``offload.PRESTAGE_SPREAD``), rounds by ROUNDS.
 Before each prompt the engine is idle for a second: ``engine.idle()`` (its host time), the
 device synchronised (when its copies landed), the rest of the second slept. Each prompt's line
 gives the step that computed it (the prefill and its token, device synchronised) and the
@@ -29,6 +30,8 @@ from tests.gpu.profiling import logger  # noqa: E402
 DEV = os.environ.get("DEV", "cuda")
 IDLE_S = 1.0
 PROMPT = 1024
+# rounds of five prompts: pre-staging off, on over the first layers in full, on spread over all
+ROUNDS = os.environ.get("ROUNDS", "off,first,spread,off,spread,first").split(",")
 
 
 def main() -> None:
@@ -55,11 +58,11 @@ def main() -> None:
     run(PROMPT, 1)
     rows: dict[str, list[float]] = {}
     seed = 2
-    for prestage in (False, True, False, True):
-        offload.PRESTAGE = prestage
+    for name in ROUNDS:
+        offload.PRESTAGE = name != "off"
+        offload.PRESTAGE_SPREAD = name == "spread"
         if shared is not None:
             shared.prestaged.clear()  # the round before's, if any
-        name = "on" if prestage else "off"
         for _ in range(5):
             host_ms, copies_ms = idle_for(engine, IDLE_S)
             used = engine.stats().moe_prestaged_layers
@@ -68,7 +71,7 @@ def main() -> None:
             layers = engine.stats().moe_prestaged_layers - used
             staged = sum(p.nbytes for p in shared.prestaged.values()) if shared is not None else 0
             rows.setdefault(name, []).append(1e3 * ttft)
-            log(f"pre-staging {name:3s}: TTFT {1e3 * ttft:7.1f} ms, {layers:2d} pre-staged layers computed; "
+            log(f"pre-staging {name:6s}: TTFT {1e3 * ttft:7.1f} ms, {layers:2d} pre-staged layers computed; "
                 f"engine.idle() {host_ms:6.1f} ms host, copies landed {copies_ms:6.1f} ms later; "
                 f"{staged / 2**30:.2f} GiB still staged after")  # fmt: skip
     for name, ms in rows.items():

@@ -88,13 +88,13 @@ AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
 # prefill on an H200, one machine, 413.4 -> 392.6 ms, the link busy 89 -> 98% of the profiled
 # time; a third staging buffer beside it moved nothing more (395.9 ms; docs/benchmarks.md).
 HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
-# Pre-staging: when the engine falls idle (``MoeRuntime.idle``), the first MoE layers' host-only
-# experts, the policy's likeliest first, are copied into buffers of their own, on a stream of
+# Pre-staging: when the engine falls idle (``MoeRuntime.idle``), MoE layers' host-only experts,
+# the policy's likeliest first, are copied into buffers of their own, on a stream of
 # their own, in what the plan leaves an idle engine (``MoeRuntime._room_when_idle``, kept as
-# ``Shared.prestage_room``), so that the next prefill computes them where they are and its link
-# starts at the first layer that has none. A 1k prompt touches every expert of every layer, and
+# ``Shared.prestage_room``; shared out by ``PRESTAGE_SPREAD``), so that the next prefill computes
+# them where they are and streams only the rest. A 1k prompt touches every expert of every layer, and
 # the full 80B's TTFT (561 ms on an H200, 2026-12-03) is the link's 0.54 s for its misses; a
-# request that finds the engine idle would skip the pre-staged layers' share of it. Before a
+# request that finds the engine idle would skip the pre-staged experts' share of it. Before a
 # forward, layers are dropped, the last first, until the batch's activations fit beside the rest
 # (``Shared.fit_prestaged``); a pre-staged expert the batch does not route to costs its copy,
 # never a result. OFF (FT_MOE_PRESTAGE=1 turns it on for a process and the ranks it spawns; ``ft
@@ -104,8 +104,16 @@ HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
 # bench waited for, and likely most of the rest compiles: the alignment kernels then took a bank's
 # expert count as a constant, and a pre-staged buffer's count differs by layer and by idle (a
 # run-time argument from 53875c5; docs/benchmarks.md). The hook is now ``LLMEngine.idle``,
-# called once the outputs are out; neither change is measured on a GPU yet.
+# called once the outputs are out: TTFT after 1 s idle 561 -> ~505 ms in its later runs (H200,
+# 2026-12-03), the first run of a round still compiling (1.9 s, then 0.73 s).
 PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "0") == "1"
+# How the idle room is shared out (``prestage_rows``): evenly over the layers, each taking its
+# likeliest host-only experts (on), or the first layers in full (FT_MOE_PRESTAGE_SPREAD=0). With
+# the first layers in full the link idles while they compute (only the next layer's first groups
+# stream ahead); spread out, every layer streams fewer experts and the link stays busy
+# throughout. The first layers in full, H200, 2026-12-03, the full 80B at 0.94: TTFT 561 -> ~505 ms
+# where the link's share of the 10 layers staged was ~117 ms (docs/benchmarks.md).
+PRESTAGE_SPREAD = os.environ.get("FT_MOE_PRESTAGE_SPREAD", "1") != "0"
 PRESTAGE_CPU_BYTES = 1 << 30  # the room on a CPU-only machine, where no plan measures one
 # of the room an idle GPU has, kept for the next batch's small tensors and for what the CUDA graphs'
 # private pools reserve beyond their live tensors (no other allocation can use it)
@@ -256,6 +264,31 @@ class Shared:
                 kept += staged.nbytes
                 continue
             del self.prestaged[backend]
+
+
+def prestage_rows(room_rows: int, capacity: list[int], spread: bool) -> list[int]:
+    """Rows each layer pre-stages from ``room_rows`` in all, at most ``capacity[i]`` in layer i:
+    ``spread``, as evenly as the capacities allow (a layer that cannot take its share leaves it to
+    the others; what does not divide evenly goes to the first layers), else the first layers in
+    full."""
+    rows, left = [0] * len(capacity), max(0, room_rows)
+    if not spread:
+        for i, cap in enumerate(capacity):
+            rows[i] = min(cap, left)
+            left -= rows[i]
+        return rows
+    open_ = [i for i, cap in enumerate(capacity) if cap > 0]
+    while left > 0 and open_:
+        share = max(1, left // len(open_))
+        for i in list(open_):
+            take = min(share, capacity[i] - rows[i], left)
+            rows[i] += take
+            left -= take
+            if rows[i] == capacity[i]:
+                open_.remove(i)
+            if left == 0:
+                break
+    return rows
 
 
 def real_rows(num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -516,6 +549,12 @@ class OffloadBackend:
             and sh.staging is not None
             and tokens * top_k >= AHEAD_PAIRS * self.store.num_experts
         )
+
+    def prestage_capacity(self) -> int:
+        """Host-only experts this layer could pre-stage now (none when it holds some already)."""
+        if self.map is None or self in self.shared.prestaged:
+            return 0
+        return len(self.map.absent())
 
     def prestage(self, max_rows: int) -> int:
         """Copy up to ``max_rows`` of this layer's host-only experts, those its policy ranks first,

@@ -240,22 +240,21 @@ class MoeRuntime:
             self.shared.fit_prestaged(tokens)
 
     def idle(self) -> None:
-        """The engine has nothing to run: with ``offload.PRESTAGE``, copy the first MoE layers'
-        host-only experts into buffers of their own, as many layers as ``prestage_room`` holds
-        (the layers already pre-staged count, and keep theirs)."""
+        """The engine has nothing to run: with ``offload.PRESTAGE``, copy MoE layers' host-only
+        experts into buffers of their own, as many as ``prestage_room`` holds, shared out over the
+        layers by ``offload.prestage_rows`` (the layers already pre-staged count, and keep theirs)."""
         sh = self.shared
         if not offload.PRESTAGE or sh is None or sh.staging is None or self.name == "cpu":
             return
         held = sum(p.nbytes for p in sh.prestaged.values())
         if self.device.type == "cuda":
             sh.prestage_room = self._room_when_idle(held)
-        left = sh.prestage_room - held
-        for backend in self.backends:
-            each = backend.store.layout.expert_bytes
-            if left < each:
-                break
+        each = max(b.store.layout.expert_bytes for b in self.backends)  # the layers' experts alike
+        capacity = [b.prestage_capacity() for b in self.backends]
+        rows = offload.prestage_rows((sh.prestage_room - held) // each, capacity, offload.PRESTAGE_SPREAD)
+        for backend, n in zip(self.backends, rows):
             try:
-                left -= backend.prestage(left // each) * each
+                backend.prestage(n)
             except torch.cuda.OutOfMemoryError:  # best effort: the room was measured, not reserved
                 break
         sh.prestaged = {b: sh.prestaged[b] for b in self.backends if b in sh.prestaged}  # layer order

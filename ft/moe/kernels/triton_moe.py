@@ -25,6 +25,9 @@ from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_combine import sum_topk
 
 ALIGN_BLOCK = 1024  # pairs per program of the multi-program sort (prefill sizes)
+# the narrowest expert axis the alignment kernels are compiled for (their [CHUNK, E_P] compares
+# cost next to nothing): banks of up to this many rows share one variant
+ALIGN_MIN_EXPERTS = 256
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding, two
 # launches), for experts of at most GEMV_MAX_INTER intermediate rows; wider experts keep the MMA path.
 # H200, 2026-11-30 (tests/gpu/config_sweep.py, per call of a graph of calls over 8 routings):
@@ -41,7 +44,7 @@ def takes_gemv(tokens: int, inter: int) -> bool:
     return 0 < tokens <= GEMV_MAX_TOKENS and inter <= GEMV_MAX_INTER
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # a call's pair count: one variant for all
 def _grouped_gemm_kernel(
     a,
     b,
@@ -192,7 +195,7 @@ def _blocks_and_padding(
         tl.store(sorted_ids + r0 + f, tl.zeros([FILL], tl.int64) + N, mask=r0 + f < EM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _align_kernel(
     ids, sorted_ids, block_expert, num_padded, N, EM, E,
     E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
@@ -221,14 +224,14 @@ def _align_kernel(
         next_row += tl.sum(hit, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _count_kernel(ids, counts, N, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids + i, mask=i < N, other=0)
     tl.atomic_add(counts + e, 1, mask=i < N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _runs_kernel(
     counts, next_row, sorted_ids, block_expert, num_padded, N, EM, E,
     E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
@@ -240,7 +243,7 @@ def _runs_kernel(
     _blocks_and_padding(padded, ends, sorted_ids, block_expert, num_padded, N, EM, E, BM, CHUNK, FILL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _place_kernel(ids, next_row, sorted_ids, N, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids + i, mask=i < N, other=0)
@@ -259,11 +262,12 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, small: in
     run's order varies between calls. That cannot change a result: each GEMM row is computed
     alone, with the same reduction order wherever it sits in its tile.
 
-    ``num_experts`` is a run-time argument of the kernels (only its power of two is compiled in):
-    a bank's rows are not always the model's experts (the offload backend's pre-staged buffers
-    hold as many as a layer had room for), and with the count compiled in, each new count meant a
-    compile inside the forward that met it (the likely part of pre-staging's slow TTFT runs on an
-    H200, 2026-12-03: docs/benchmarks.md).
+    ``num_experts`` is a run-time argument of the kernels, and the width compiled in is its power
+    of two but at least ``ALIGN_MIN_EXPERTS``: a bank's rows are not always the model's experts
+    (the offload backend's pre-staged buffers hold as many as a layer had room for), and each new
+    count, or power of two, compiled the kernels again inside the forward that met it (pre-staging's
+    slow first TTFT runs on an H200, 2026-12-03: docs/benchmarks.md). The pair count ``N`` is not
+    specialised on (Triton would compile apart a count of 1 and multiples of 16) for the same reason.
     """
     flat = ids.reshape(-1).contiguous()  # [N]
     n = flat.numel()
@@ -271,7 +275,8 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, small: in
     sorted_ids = torch.empty(em, dtype=torch.int64, device=ids.device)
     block_expert = torch.empty(em // block_m, dtype=torch.int64, device=ids.device)
     num_padded = torch.empty(1, dtype=torch.int64, device=ids.device)
-    shape = dict(E=num_experts, E_P=triton.next_power_of_2(num_experts), BM=block_m, CHUNK=32, FILL=1024)
+    e_p = max(ALIGN_MIN_EXPERTS, triton.next_power_of_2(num_experts))
+    shape = dict(E=num_experts, E_P=e_p, BM=block_m, CHUNK=32, FILL=1024)
     if n <= small:
         _align_kernel[(1,)](
             flat, sorted_ids, block_expert, num_padded, n, em, **shape, num_warps=8, **pdl_args(flat)

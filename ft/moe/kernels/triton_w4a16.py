@@ -73,7 +73,7 @@ def e4m3(scale):
     return s.to(tl.float16, bitcast=True).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # a call's pair count: one variant for all
 def _w4a16_gemm_kernel(
     a,
     b,
