@@ -553,10 +553,18 @@ def test_the_alignment_kernels_compile_once_for_banks_of_up_to_their_floor(monke
     for fn in (triton_moe._align_kernel, triton_moe._runs_kernel, triton_moe._blocks_and_padding):
         constants = {p.name for p in fn.params if p.is_constexpr}
         assert "E" in fn.arg_names and "E" not in constants, fn.fn.__name__
-    for fn in (triton_moe._align_kernel, triton_moe._runs_kernel, triton_moe._count_kernel, triton_moe._place_kernel):
+    for fn in (triton_moe._align_kernel, triton_moe._runs_kernel):
+        assert [p.name for p in fn.params if p.do_not_specialize] == ["N", "E"], fn.fn.__name__
+    for fn in (triton_moe._count_kernel, triton_moe._place_kernel):
         assert [p.name for p in fn.params if p.do_not_specialize] == ["N"], fn.fn.__name__
     for fn in (triton_moe._grouped_gemm_kernel, triton_w4a16._w4a16_gemm_kernel):
         assert [p.name for p in fn.params if p.do_not_specialize] == ["num_pairs"], fn.fn.__name__
+    # the offload backend's calls take slices of a batch's pairs (``pairs.device_runs``): where
+    # they start is not a reason to compile again
+    for fn in (triton_moe._align_kernel, triton_moe._count_kernel, triton_moe._place_kernel):
+        assert [p.name for p in fn.params if p.do_not_specialize_on_alignment] == ["ids"], fn.fn.__name__
+    for fn in (triton_moe._grouped_gemm_kernel, triton_w4a16._w4a16_gemm_kernel):
+        assert [p.name for p in fn.params if p.do_not_specialize_on_alignment] == ["topk_w"], fn.fn.__name__
 
     widths = []
 

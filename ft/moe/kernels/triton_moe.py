@@ -44,7 +44,8 @@ def takes_gemv(tokens: int, inter: int) -> bool:
     return 0 < tokens <= GEMV_MAX_TOKENS and inter <= GEMV_MAX_INTER
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # a call's pair count: one variant for all
+# a call's pair count and where its weights start (a slice of a batch's pairs): one variant for all
+@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w"])
 def _grouped_gemm_kernel(
     a,
     b,
@@ -195,7 +196,7 @@ def _blocks_and_padding(
         tl.store(sorted_ids + r0 + f, tl.zeros([FILL], tl.int64) + N, mask=r0 + f < EM)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "E"], do_not_specialize_on_alignment=["ids"])
 def _align_kernel(
     ids, sorted_ids, block_expert, num_padded, N, EM, E,
     E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
@@ -224,14 +225,14 @@ def _align_kernel(
         next_row += tl.sum(hit, 0)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["ids"])
 def _count_kernel(ids, counts, N, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids + i, mask=i < N, other=0)
     tl.atomic_add(counts + e, 1, mask=i < N)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "E"])
 def _runs_kernel(
     counts, next_row, sorted_ids, block_expert, num_padded, N, EM, E,
     E_P: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
@@ -243,7 +244,7 @@ def _runs_kernel(
     _blocks_and_padding(padded, ends, sorted_ids, block_expert, num_padded, N, EM, E, BM, CHUNK, FILL)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["ids"])
 def _place_kernel(ids, next_row, sorted_ids, N, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids + i, mask=i < N, other=0)
@@ -267,7 +268,9 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, small: in
     (the offload backend's pre-staged buffers hold as many as a layer had room for), and each new
     count, or power of two, compiled the kernels again inside the forward that met it (pre-staging's
     slow first TTFT runs on an H200, 2026-12-03: docs/benchmarks.md). The pair count ``N`` is not
-    specialised on (Triton would compile apart a count of 1 and multiples of 16) for the same reason.
+    specialised on, nor the expert count (Triton would compile apart a value of 1 and multiples of 16),
+    nor the alignment of ``ids`` (the offload backend's calls take slices of a batch's pairs), for
+    the same reason.
     """
     flat = ids.reshape(-1).contiguous()  # [N]
     n = flat.numel()
