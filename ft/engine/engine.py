@@ -141,7 +141,7 @@ class LLMEngine:
 
     @property
     def _prestages(self) -> bool:
-        """Whether an idle engine pre-stages the next prefill's first experts (``offload.PRESTAGE``)."""
+        """Whether an idle engine pre-stages experts for the next prefill (``offload.PRESTAGE``)."""
         from ft.moe.backends import offload
 
         moe = self.plan.moe
@@ -187,8 +187,8 @@ class LLMEngine:
 
     def idle(self) -> None:
         """The caller has nothing for the engine to run now (the serving loop before it waits for
-        requests, ``LLM.generate`` before it returns): an offloading engine pre-stages the next
-        prefill's first experts (``offload.PRESTAGE``). Not called from ``step``: the outputs of
+        requests, ``LLM.generate`` before it returns): an offloading engine pre-stages experts for
+        the next prefill (``offload.PRESTAGE``). Not called from ``step``: the outputs of
         the step that finished the last request go out first, then the copies are issued."""
         if self._prestages and not self.has_unfinished_requests():
             self.executor.moe_idle()

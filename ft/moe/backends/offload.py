@@ -97,22 +97,19 @@ HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
 # request that finds the engine idle would skip the pre-staged experts' share of it. Before a
 # forward, layers are dropped, the last first, until the batch's activations fit beside the rest
 # (``Shared.fit_prestaged``); a pre-staged expert the batch does not route to costs its copy,
-# never a result. OFF (FT_MOE_PRESTAGE=1 turns it on for a process and the ranks it spawns; ``ft
-# bench offline --ttft-idle-s`` measures a request that finds it idle). Its one GPU row (H200,
-# 2026-12-03, the full 80B at 0.94, ~5.7 GiB staged) ran the hook inside the step that finished
-# the last request: TTFT after 1 s idle 569 -> 973 ms, of which ~110 ms the next idle's copies the
-# bench waited for, and likely most of the rest compiles: the alignment kernels then took a bank's
-# expert count as a constant, and a pre-staged buffer's count differs by layer and by idle (a
-# run-time argument from 53875c5; docs/benchmarks.md). The hook is now ``LLMEngine.idle``,
-# called once the outputs are out: TTFT after 1 s idle 561 -> ~505 ms in its later runs (H200,
-# 2026-12-03), the first run of a round still compiling (1.9 s, then 0.73 s).
-PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "0") == "1"
+# never a result. The hook is ``LLMEngine.idle``: the serving loop calls it once a step's outputs
+# are out and no request is left, ``LLM.generate`` before it returns, ``ft bench offline
+# --ttft-idle-s`` before each TTFT run. ON from 2026-12-03 (FT_MOE_PRESTAGE=0 turns it off for a
+# process and the ranks it spawns): the full 80B bf16 at 0.94 on an H200, ~5.7 GiB staged, TTFT of
+# a 1k prompt after 1 s idle 558 -> 448 ms spread over the layers (497 ms over the first layers in
+# full; docs/benchmarks.md). Before, with the hook inside the step that finished the last request
+# and the alignment kernels compiled for each new buffer size, it was a loss (569 -> 973 ms).
+PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "1") != "0"
 # How the idle room is shared out (``prestage_rows``): evenly over the layers, each taking its
 # likeliest host-only experts (on), or the first layers in full (FT_MOE_PRESTAGE_SPREAD=0). With
 # the first layers in full the link idles while they compute (only the next layer's first groups
 # stream ahead); spread out, every layer streams fewer experts and the link stays busy
-# throughout. The first layers in full, H200, 2026-12-03, the full 80B at 0.94: TTFT 561 -> ~505 ms
-# where the link's share of the 10 layers staged was ~117 ms (docs/benchmarks.md).
+# throughout: the link's share of what was staged, ~110 ms, is what TTFT then saves (above).
 PRESTAGE_SPREAD = os.environ.get("FT_MOE_PRESTAGE_SPREAD", "1") != "0"
 PRESTAGE_CPU_BYTES = 1 << 30  # the room on a CPU-only machine, where no plan measures one
 # of the room an idle GPU has, kept for the next batch's small tensors and for what the CUDA graphs'
