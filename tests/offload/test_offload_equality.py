@@ -114,16 +114,17 @@ def test_hits_after_the_first_group_staged_ahead(ckpt, refs, d2d, after, monkeyp
     first group, then its hits in place (with --moe-prefill-hit-d2d there are none), then the
     rest; a layer without (streaming ahead off), or every layer with the switch off, its hits
     first. The outputs stay the resident backend's."""
-    from ft.moe.backends import offload
+    from ft.moe.backends import offload, pairs
 
     monkeypatch.setattr(offload, "HITS_AFTER_AHEAD", after)
-    real, order = offload.run_pairs, []
+    real, order = pairs.Terms.run, []
 
-    def spy(bank, tensors, x, out, tok, *rest):
-        order.append((id(out), "staged" if any(tensors is t for t in staging.tensors) else "hits", len(tok)))
-        return real(bank, tensors, x, out, tok, *rest)
+    def spy(terms, bank, tensors, x, tok, *rest):
+        kind = "staged" if any(tensors is t for t in staging.tensors) else "hits"
+        order.append((id(terms), kind, len(tok)))
+        return real(terms, bank, tensors, x, tok, *rest)
 
-    monkeypatch.setattr(offload, "run_pairs", spy)
+    monkeypatch.setattr(pairs.Terms, "run", spy)
     options = dict(expert_cache_fraction=0.25, moe_staging_experts=2, moe_prefill_hit_d2d=d2d)
     for ahead in (True, False):
         order.clear()
@@ -178,8 +179,8 @@ def test_a_streamed_layer_uploads_its_pairs_once(ckpt, refs, monkeypatch):
     ]
     weights = torch.arange(16.0).view(8, 2) / 16  # k = 2: pair p is token p // 2
     got = pairs.upload_pairs(runs, weights)
-    assert [(t.tolist(), (w[:, 0] * 16).tolist(), r.tolist()) for t, w, r in got] == [
-        ([1, 0], [3, 1], [0, 0]), ([], [], []), ([3], [7], [2])
+    assert [(t.tolist(), (w[:, 0] * 16).tolist(), r.tolist(), p.tolist()) for t, w, r, p in got] == [
+        ([1, 0], [3, 1], [0, 0], [3, 1]), ([], [], [], []), ([3], [7], [2], [7])
     ]  # fmt: skip
     uploads, streamed = [], []
     real_upload, real_stream = pairs.upload, offload.OffloadBackend._stream
@@ -481,3 +482,32 @@ def test_an_idle_engine_spreads_its_prestaged_experts_over_the_layers(ckpt, monk
                 assert max(rows) - min(rows) <= 1 and min(rows) > 0, rows
             else:
                 assert rows[0] == host_only[0] and rows[-1] < host_only[-1], rows
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_a_streamed_layers_terms_are_summed_by_pair_in_k_order(with_shared):
+    """``pairs.Terms``: calls write their pairs' rows in any order (runs of any experts), and each
+    token's sum is its k terms in k order, the shared expert's term last, in fp32, rounded once:
+    the resident kernels' order, so the streamed sum cannot depend on how the pairs were split."""
+    import numpy as np
+
+    from ft.moe.backends.pairs import Terms
+
+    torch.manual_seed(0)
+    t, k, h = 7, 3, 5
+    x = torch.zeros(t, h, dtype=torch.bfloat16)
+    y = (torch.randn(t * k, h) * 100).to(torch.bfloat16)  # pair p's term: token p // k, slot p % k
+    shared_term = torch.randn(t, h).to(torch.bfloat16) if with_shared else None
+    want = y.view(t, k, h)[:, 0].float()
+    for j in range(1, k):
+        want += y.view(t, k, h)[:, j].float()
+    if with_shared:
+        want += shared_term.float()
+    for split in (np.arange(t * k), np.random.default_rng(1).permutation(t * k)):
+        terms = Terms(x, k, with_shared)
+        for run in np.array_split(split, 4):  # four calls
+            pair = torch.from_numpy(run)
+            terms.put(pair, y[pair])
+        assert torch.equal(terms.total(shared_term), want.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="shared term"):
+        Terms(x, k, with_shared).total(None if with_shared else torch.zeros(t, h, dtype=torch.bfloat16))

@@ -45,7 +45,7 @@ import torch
 from ft.moe.backends.cpu import CpuKernel, cpu_experts
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.offload import HostRoute, OffloadBackend, decode_only
-from ft.moe.backends.pairs import Pairs, run_pairs
+from ft.moe.backends.pairs import Pairs, Terms, pair_terms
 from ft.utils import upload
 
 HYBRID_MAX_TOKENS = 16
@@ -90,7 +90,7 @@ class CpuShare:
     indices into the batch's [T*k], and ``rows``, host-store rows) and the batch rows ``tokens``
     they use; ``pairs``, the batch's pairs by expert, which the layer's GPU groups reuse. ``start``
     brings their inputs to the host; ``add_to``, called once the layer's GPU work is issued,
-    computes them on this thread and adds the fp32 sum."""
+    computes them on this thread and writes their terms."""
 
     pairs: Pairs
     experts: np.ndarray
@@ -99,27 +99,26 @@ class CpuShare:
     tokens: np.ndarray
     shared: object  # the layers' ``Shared``, which counts CPU pairs
     inputs: tuple | None = None  # (x rows, pair weights, pair -> row) on the host
-    on_device: torch.Tensor | None = None  # ``tokens`` on the device
+    sel_on_device: torch.Tensor | None = None  # ``sel`` on the device
 
     def start(self, x: torch.Tensor, weights: torch.Tensor) -> None:
         """Only the rows the CPU needs cross to the host (one gather; the host has read the
         routing, so they are computed)."""
         k = weights.shape[1]
         idx = upload(torch.from_numpy(np.concatenate([self.tokens, self.sel])), x.device)
-        self.on_device = idx[: len(self.tokens)]
-        x_rows = x[self.on_device].cpu()
+        self.sel_on_device = idx[len(self.tokens) :]
+        x_rows = x[idx[: len(self.tokens)]].cpu()
         pair_w = weights.reshape(-1)[idx[len(self.tokens) :]].unsqueeze(1).cpu()
         self.inputs = (x_rows, pair_w, torch.from_numpy(np.searchsorted(self.tokens, self.sel // k)))
 
-    def add_to(self, bank, store, out: torch.Tensor) -> None:
-        """The pairs summed into fp32 [U, H] on the host, on the calling thread (the engine's own:
-        a worker thread ran the same job 2-2.5x slower on a 2-core machine, its torch threads a
-        second pool beside the engine's), then added to ``out``'s rows."""
+    def add_to(self, bank, store, terms: Terms) -> None:
+        """The pairs' terms computed on the host, on the calling thread (the engine's own: a
+        worker thread ran the same job 2-2.5x slower on a 2-core machine, its torch threads a
+        second pool beside the engine's), then written to their rows of ``terms``."""
         x_rows, pair_w, local = self.inputs
-        part = torch.zeros(x_rows.shape, dtype=torch.float32)
-        run_pairs(CpuKernel(bank), store.tensors, x_rows, part, local, pair_w, torch.from_numpy(self.rows))
+        y = pair_terms(CpuKernel(bank), store.tensors, x_rows, local, pair_w, torch.from_numpy(self.rows))
         self.shared.cpu_pairs += len(local)
-        out.index_add_(0, self.on_device, upload(part, out.device))  # no host sync on a GPU
+        terms.put(self.sel_on_device, upload(y, terms.buf.device))  # no host sync on a GPU
 
 
 class HybridBackend(OffloadBackend):

@@ -65,7 +65,7 @@ from ft.moe.backends.host_prefetch import Spare, routes
 from ft.moe.backends.host_reads import HostReads, route_and_count, route_rows
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout
-from ft.moe.backends.pairs import run_pairs
+from ft.moe.backends.pairs import Terms
 from ft.moe.backends.prefetch import Prefetch
 from ft.moe.backends.transfer import Transfer
 
@@ -462,7 +462,7 @@ class OffloadBackend:
         sh, st = self.shared, self.shared.staging
         ids = route.ids  # [T, k] on the device
         hit = self.map.classify(experts)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        terms = Terms(x, weights.shape[1], shared is not None)  # [T, k (+ 1), H]
         early = np.isin(experts, ahead.experts) if ahead is not None else np.zeros(len(experts), dtype=bool)
         in_place = np.zeros_like(hit) if sh.hit_d2d else hit & ~early  # resident, used in their slots
         pre = sh.prestaged.pop(self, None)  # experts copied while the engine was idle
@@ -501,35 +501,33 @@ class OffloadBackend:
         # groups were staged ahead, not by timing: the same sums every run)
         hits_later = HITS_AFTER_AHEAD and ahead is not None and len(ahead.groups) > 0
         if not hits_later:  # what is on the device already, while the groups stream
-            self._run_in_place(bank, x, out, runs, pre)
+            self._run_in_place(bank, x, terms, runs, pre)
         for g in range(len(groups)):
             buf, event = ready[g]
             sh.transfer.wait(event)
-            run_pairs(bank, st.tensors[buf], x, out, *runs[g + 1])
+            terms.run(bank, st.tensors[buf], x, *runs[g + 1])
             st.free_after[buf] = sh.transfer.record_main()
             if g + n < len(groups):  # into the buffer group g has just been read from
                 ready[g + n] = self._stage(groups[g + n])
             if g == 0 and hits_later:  # group 0 has freed its buffer for the next group's copy
-                self._run_in_place(bank, x, out, runs, pre)
+                self._run_in_place(bank, x, terms, runs, pre)
         # its term, as the fused call adds it after the routed ones (issued now, added last)
-        shared_term = shared_pair_alone(x, shared).float() if shared is not None else None
+        shared_term = shared_pair_alone(x, shared) if shared is not None else None
         self._prefetch_next(route.predicted_experts)  # before staging ahead: the next layer waits for it
         if self.next is not None and self._streams_ahead(len(x), weights.shape[1]):
             self.next.stage_first_groups(route.predicted)
         if on_cpu is not None:  # the host computes its share while the GPU runs what it was given
-            on_cpu.add_to(bank, self.store, out)
-        if shared_term is not None:
-            out += shared_term
-        return out.to(x.dtype)
+            on_cpu.add_to(bank, self.store, terms)
+        return terms.total(shared_term)
 
-    def _run_in_place(self, bank, x, out, runs, pre: Prestaged | None) -> None:
+    def _run_in_place(self, bank, x, terms: Terms, runs, pre: Prestaged | None) -> None:
         """The pairs of experts already on the device: those pre-staged while the engine was idle
         (``runs[-1]``, once their copies have landed), then the hits in their slots (``runs[0]``)."""
         if pre is not None:
             self.shared.transfer.wait(pre.ready)
-            run_pairs(bank, pre.tensors, x, out, *runs[-1])
+            terms.run(bank, pre.tensors, x, *runs[-1])
             self.shared.prestage_used += len(runs[-1][0]) > 0
-        run_pairs(bank, self.cache.tensors, x, out, *runs[0])
+        terms.run(bank, self.cache.tensors, x, *runs[0])
 
     def _cpu_share(self, bank, x, weights, route: HostRoute, host_only: np.ndarray):
         """Experts of a streamed batch that the host CPU computes instead (``hybrid.CpuShare``):

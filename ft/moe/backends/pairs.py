@@ -49,9 +49,10 @@ class Pairs:
 
 def upload_pairs(
     runs: list[tuple[np.ndarray, np.ndarray]], weights: torch.Tensor
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Each run's (tokens, pair weights, weight rows) on ``weights``' device, as ``run_pairs``
-    takes them, from one upload and one gather for all of them: a layer streaming a long chunk
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each run's (tokens, pair weights, weight rows, pairs) on ``weights``' device, as
+    ``run_pairs`` and ``Terms.run`` take them (pairs: indices into the batch's [T*k]), from one
+    upload and one gather for all of them: a layer streaming a long chunk
     runs a kernel call per staging group, and one pinned upload a call (two arrays each) cost
     ~250 us of host time on an H200's host (2026-12-01, 14 a layer), as did the per-call
     operators on the device's tensors (a division and a gather, ~45 us of host time each)."""
@@ -64,14 +65,15 @@ def upload_pairs(
     out, at = [], 0
     for r in runs:
         m = len(r[0])
-        out.append((dev[n + at : n + at + m], pair_w[at : at + m], dev[2 * n + at : 2 * n + at + m]))
+        run = slice(at, at + m)
+        out.append((dev[n:][run], pair_w[run], dev[2 * n :][run], dev[:n][run]))
         at += m
     return out
 
 
 def device_runs(
     ids: torch.Tensor, weights: torch.Tensor, runs: list[tuple[np.ndarray, np.ndarray]], counts: np.ndarray
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``upload_pairs([Pairs(ids_h, E).of(experts, rows) for experts, rows in runs], weights)``
     computed on ``ids``' device: ``ids`` [T, k] the batch's routed experts there, ``runs`` the
     (experts, weight rows) of each kernel call, an expert in one run at most, ``counts`` [E] the
@@ -98,20 +100,63 @@ def device_runs(
     rows = tables[num_experts:][flat[order]]
     out, at = [], 0
     for m in sizes:
-        out.append((tok[at : at + m], pair_w[at : at + m], rows[at : at + m]))
+        run = slice(at, at + m)
+        out.append((tok[run], pair_w[run], rows[run], order[run]))
         at += m
     return out
 
 
-def run_pairs(bank, tensors, x, out, tok: torch.Tensor, pair_w: torch.Tensor, rows: torch.Tensor) -> None:
-    """out[tok[i]] += pair_w[i] · expert(x[tok[i]]) on ``tensors``' row ``rows[i]``, k = 1 each
-    (on x's device: ``upload_pairs``).
+def pair_terms(bank, tensors, x, tok: torch.Tensor, pair_w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[P, H] in x's dtype: pair_w[i] · expert(x[tok[i]]) on ``tensors``' row ``rows[i]``, k = 1
+    each (on x's device: ``upload_pairs``), each term rounded once as a whole batch's call rounds it.
 
     Each expert sees the same tokens, in the same order, as in one call over the whole batch, and
-    the kernel takes the batch's path (``batch_tokens``), so its rows of the result are the same;
-    only the order of a token's k terms in ``out`` may differ.
-    """
-    if len(tok) == 0:
-        return
-    y = bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows.unsqueeze(1), batch_tokens=len(x))
-    out.index_add_(0, tok, y.float())
+    the kernel takes the batch's path (``batch_tokens``), so its rows are that call's terms."""
+    return bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows.unsqueeze(1), batch_tokens=len(x))
+
+
+def run_pairs(bank, tensors, x, out, tok: torch.Tensor, pair_w: torch.Tensor, rows: torch.Tensor, *_) -> None:
+    """out[tok[i]] += ``pair_terms``' row i, in fp32: the sum of a token's terms in the order the
+    calls come (the CPU backend's; a streamed layer keeps them by pair: ``Terms``)."""
+    if len(tok) > 0:
+        out.index_add_(0, tok, pair_terms(bank, tensors, x, tok, pair_w, rows).float())
+
+
+class Terms:
+    """A streamed layer's routed terms by (token, k) pair, [T, k (+ 1 for the shared expert's), H]
+    in x's dtype: each kernel call writes its pairs' rows (``run``), the host CPU's share its own
+    (``put``), and ``total`` sums each token's in k order, the shared expert's last, in fp32 and
+    rounds once: the order and the rounding of the resident kernels' sum (``sum_topk``), where an
+    fp32 [T, H] the calls added into (``index_add_``: atomics over every pair's H values, and each
+    call's terms converted to fp32 first) took ~3 ms a layer of a 16k-token chunk on an H200
+    (2026-12-03), as long as the layer's grouped GEMMs."""
+
+    def __init__(self, x: torch.Tensor, top_k: int, shared: bool) -> None:
+        self.k, self.width = top_k, top_k + int(shared)
+        self.buf = torch.empty(x.shape[0], self.width, x.shape[1], dtype=x.dtype, device=x.device)
+
+    def put(self, pair: torch.Tensor, y: torch.Tensor) -> None:
+        """Rows y[i] for pairs ``pair[i]`` (indices into the batch's [T*k])."""
+        if len(pair) > 0:
+            at = pair + pair // self.k if self.width > self.k else pair  # [T, k + 1] rows
+            self.buf.view(-1, self.buf.shape[-1]).index_copy_(0, at, y)
+
+    def run(self, bank, tensors, x, tok, pair_w, rows, pair) -> None:
+        """One call's pairs (a run of ``upload_pairs`` / ``device_runs``) computed into their rows."""
+        if len(tok) > 0:
+            self.put(pair, pair_terms(bank, tensors, x, tok, pair_w, rows))
+
+    def total(self, shared_term: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H]: every pair written, ``shared_term`` [T, H] (x's dtype) with a shared slot."""
+        if (shared_term is None) != (self.width == self.k):
+            raise ValueError(f"a shared term comes iff the terms have its slot ({self.width} for k={self.k})")
+        if shared_term is not None:
+            self.buf[:, self.k] = shared_term
+        if self.buf.is_cuda:
+            from ft.moe.kernels.triton_combine import sum_topk
+
+            return sum_topk(self.buf)
+        acc = self.buf[:, 0].float()
+        for j in range(1, self.width):
+            acc += self.buf[:, j].float()
+        return acc.to(self.buf.dtype)
