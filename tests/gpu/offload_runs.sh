@@ -23,9 +23,9 @@
 #            default 64 of each take ~8 GiB from the expert cache (365 instead of 393 resident)
 #   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
 #   ttft     the full model in bf16 at --memory-ratio 0.94, TTFT of a 1k prompt after a second
-#            idle, pre-staging off, on over the first layers, on spread over all (ROUNDS) from one
-#            load (ttft_idle.py: each prompt's step, the idle hook's host time and when its copies
-#            landed; ~5 min). 2026-12-03, the first layers: 561 -> ~505 ms in the later runs
+#            idle, pre-staging off, on, off, on (ROUNDS) from one load (ttft_idle.py: each prompt's
+#            step, the idle hook's host time and when its copies landed; ~5 min). 2026-12-03: 558 ->
+#            448 ms
 #   ttftbench  the same through ft bench offline --ttft-idle-s, pre-staging on then off (~6.5 min)
 #   memory   the full model in bf16 at --memory-ratio 0.94, the device's memory after the load and
 #            after prompts of 1k to 32k tokens (memory_plan.py), with the allocator's segments as

@@ -4,8 +4,8 @@
 
 Loads CONFIG (dummy weights, the offload backend at ``--memory-ratio`` RATIO, default 0.94, 8
 request slots, 40k KV tokens), warms up, then times rounds of five 1,024-token prompts -> one
-token, pre-staging (``offload.PRESTAGE``, read at each ``LLMEngine.idle``) off, on over the first
-layers in full and on spread over all layers (``offload.PRESTAGE_SPREAD``), rounds by ROUNDS.
+token, pre-staging (``offload.PRESTAGE``, read at each ``LLMEngine.idle``) off and on, rounds by
+ROUNDS.
 Before each prompt the engine is idle for a second: ``engine.idle()`` (its host time), the
 device synchronised (when its copies landed), the rest of the second slept. Each prompt's line
 gives the step that computed it (the prefill and its token, device synchronised) and the
@@ -30,8 +30,8 @@ from tests.gpu.profiling import logger  # noqa: E402
 DEV = os.environ.get("DEV", "cuda")
 IDLE_S = 1.0
 PROMPT = 1024
-# rounds of five prompts: pre-staging off, on over the first layers in full, on spread over all
-ROUNDS = os.environ.get("ROUNDS", "off,first,spread,off,spread,first").split(",")
+# rounds of five prompts, pre-staging off or on
+ROUNDS = os.environ.get("ROUNDS", "off,on,off,on").split(",")
 
 
 def main() -> None:
@@ -59,8 +59,7 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
     seed = 2
     for name in ROUNDS:
-        offload.PRESTAGE = name != "off"
-        offload.PRESTAGE_SPREAD = name == "spread"
+        offload.PRESTAGE = name == "on"
         if shared is not None:
             shared.prestaged.clear()  # the round before's, if any
         for _ in range(5):
@@ -71,7 +70,7 @@ def main() -> None:
             layers = engine.stats().moe_prestaged_layers - used
             staged = sum(p.nbytes for p in shared.prestaged.values()) if shared is not None else 0
             rows.setdefault(name, []).append(1e3 * ttft)
-            log(f"pre-staging {name:6s}: TTFT {1e3 * ttft:7.1f} ms, {layers:2d} pre-staged layers computed; "
+            log(f"pre-staging {name:3s}: TTFT {1e3 * ttft:7.1f} ms, {layers:2d} pre-staged layers computed; "
                 f"engine.idle() {host_ms:6.1f} ms host, copies landed {copies_ms:6.1f} ms later; "
                 f"{staged / 2**30:.2f} GiB still staged after")  # fmt: skip
     for name, ms in rows.items():

@@ -439,49 +439,42 @@ def test_an_idle_gpus_room_for_prestaged_layers(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "room, capacity, spread, want",
+    "room, capacity, want",
     [
-        (12, [5, 5, 5], True, [4, 4, 4]),
-        (13, [5, 5, 5], True, [5, 4, 4]),  # what does not divide evenly: the first layers
-        (12, [1, 9, 9, 0], True, [1, 6, 5, 0]),  # a layer short of its share leaves it to the others
-        (40, [5, 5, 5], True, [5, 5, 5]),  # more room than experts on the host
-        (0, [5, 5], True, [0, 0]),
-        (-3, [5, 5], True, [0, 0]),
-        (12, [5, 5, 5], False, [5, 5, 2]),  # the first layers in full
-        (2, [0, 0, 5], False, [0, 0, 2]),
+        (12, [5, 5, 5], [4, 4, 4]),
+        (13, [5, 5, 5], [5, 4, 4]),  # what does not divide evenly: the first layers
+        (12, [1, 9, 9, 0], [1, 6, 5, 0]),  # a layer short of its share leaves it to the others
+        (40, [5, 5, 5], [5, 5, 5]),  # more room than experts on the host
+        (2, [0, 0, 5], [0, 0, 2]),
+        (0, [5, 5], [0, 0]),
+        (-3, [5, 5], [0, 0]),
     ],
 )
-def test_prestage_rows_share_the_room_out(room, capacity, spread, want):
+def test_prestage_rows_share_the_room_out_evenly(room, capacity, want):
     from ft.moe.backends.offload import prestage_rows
 
-    got = prestage_rows(room, capacity, spread)
+    got = prestage_rows(room, capacity)
     assert got == want
     assert sum(got) == min(max(room, 0), sum(capacity)) and all(0 <= g <= c for g, c in zip(got, capacity))
 
 
 def test_an_idle_engine_spreads_its_prestaged_experts_over_the_layers(ckpt, monkeypatch):
-    """With ``PRESTAGE_SPREAD`` (on) a room too small for every layer's host-only experts gives each
-    layer a share; off, the first layers take theirs in full."""
+    """A room too small for every layer's host-only experts gives each layer its share
+    (``offload.prestage_rows``), the layers' likeliest first."""
     from ft.moe.backends import offload
 
     monkeypatch.setattr(offload, "PRESTAGE", True)
-    for spread in (True, False):
-        monkeypatch.setattr(offload, "PRESTAGE_SPREAD", spread)
-        with engine(ckpt, **CASES["1-slot-prefetch"]) as llm:
-            runtime = llm.engine.executor.runner.moe
-            shared, backends = runtime.shared, runtime.backends
-            host_only = [len(b.map.absent()) for b in backends]
-            each = backends[0].store.layout.expert_bytes
-            shared.prestaged.clear()
-            shared.prestage_room = (sum(host_only) // 2) * each
-            runtime.idle()
-            rows = [len(shared.prestaged[b].experts) if b in shared.prestaged else 0 for b in backends]
-            assert rows == offload.prestage_rows(sum(host_only) // 2, host_only, spread)
-            assert sum(rows) == sum(host_only) // 2
-            if spread:
-                assert max(rows) - min(rows) <= 1 and min(rows) > 0, rows
-            else:
-                assert rows[0] == host_only[0] and rows[-1] < host_only[-1], rows
+    with engine(ckpt, **CASES["1-slot-prefetch"]) as llm:
+        runtime = llm.engine.executor.runner.moe
+        shared, backends = runtime.shared, runtime.backends
+        host_only = [len(b.map.absent()) for b in backends]
+        each = backends[0].store.layout.expert_bytes
+        shared.prestaged.clear()
+        shared.prestage_room = (sum(host_only) // 2) * each
+        runtime.idle()
+        rows = [len(shared.prestaged[b].experts) if b in shared.prestaged else 0 for b in backends]
+        assert rows == offload.prestage_rows(sum(host_only) // 2, host_only)
+        assert sum(rows) == sum(host_only) // 2 and max(rows) - min(rows) <= 1 and min(rows) > 0, rows
 
 
 @pytest.mark.parametrize("with_shared", [False, True])

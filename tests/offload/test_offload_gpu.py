@@ -103,17 +103,19 @@ def test_fp32_prestaged_and_device_counted_prefills_equal_resident(ckpt, monkeyp
 
 def test_prestaged_buffers_of_new_sizes_compile_no_new_alignment(tmp_path, monkeypatch):
     """A pre-staged buffer holds as many experts as its layer had room for, a count that changes
-    from one idle to the next; the pairs' alignment kernels take that count at run time (only its
-    power of two is compiled in), so bf16 prefills on buffers of 9 to 13 rows add at most the one
-    variant Triton's specialisation of the pair count (a multiple of 16 or not) may ask for. With
-    the count as a compile-time constant (before 53875c5) each new count compiled them again
-    inside the prefill that met it."""
+    by layer and from one idle to the next, and each call's pairs are a slice of the batch's
+    starting anywhere. The pairs' alignment kernels take the count at run time (compiled for at
+    least ``triton_moe.ALIGN_MIN_EXPERTS``) and specialise on neither it, the pair count nor the
+    slice's alignment, so bf16 prefills on rooms of 9 to 14 experts, shared out over the layers,
+    add at most one variant after the first round. Before 53875c5 each new count compiled them
+    again inside the prefill that met it; before e000ef9 a count of 1 or 16 and a slice at an odd
+    pair did (an H200, 2026-12-03: compiled variants 5, 6, 6, 7, 9, 9 after six rounds)."""
     from ft.moe.backends import offload
     from ft.moe.backends.runtime import MoeRuntime
     from ft.moe.kernels import triton_moe
 
     write_checkpoint(tmp_path, "qwen3_moe", seed=4, num_experts=32, weight_scale=0.8)
-    rows = iter(range(9, 15))  # the first layer's pre-staged experts after each round
+    rows = iter(range(9, 15))  # the experts pre-staged over all layers after each round
 
     def room(runtime, held: int) -> int:
         return next(rows) * runtime.backends[0].store.layout.expert_bytes
@@ -135,7 +137,7 @@ def test_prestaged_buffers_of_new_sizes_compile_no_new_alignment(tmp_path, monke
             used = shared.prestage_used
             llm.generate(PROMPTS, PARAMS)
             counts.append((variants(), shared.prestage_used - used))
-    assert [used for _, used in counts[1:]] == [1] * 5, counts  # buffers of 9 .. 13 rows read
+    assert all(used > 0 for _, used in counts[1:]), counts  # each round read pre-staged buffers
     assert counts[-1][0] - counts[1][0] <= 1, f"alignment variants after each round: {counts}"
 
 

@@ -88,29 +88,25 @@ AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
 # prefill on an H200, one machine, 413.4 -> 392.6 ms, the link busy 89 -> 98% of the profiled
 # time; a third staging buffer beside it moved nothing more (395.9 ms; docs/benchmarks.md).
 HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
-# Pre-staging: when the engine falls idle (``MoeRuntime.idle``), MoE layers' host-only experts,
-# the policy's likeliest first, are copied into buffers of their own, on a stream of
-# their own, in what the plan leaves an idle engine (``MoeRuntime._room_when_idle``, kept as
-# ``Shared.prestage_room``; shared out by ``PRESTAGE_SPREAD``), so that the next prefill computes
-# them where they are and streams only the rest. A 1k prompt touches every expert of every layer, and
-# the full 80B's TTFT (561 ms on an H200, 2026-12-03) is the link's 0.54 s for its misses; a
-# request that finds the engine idle would skip the pre-staged experts' share of it. Before a
-# forward, layers are dropped, the last first, until the batch's activations fit beside the rest
-# (``Shared.fit_prestaged``); a pre-staged expert the batch does not route to costs its copy,
+# Pre-staging: when the engine falls idle (``MoeRuntime.idle``), MoE layers' host-only experts, the
+# policy's likeliest first, are copied into buffers of their own, on a stream of their own, in what
+# the plan leaves an idle engine (``MoeRuntime._room_when_idle``, kept as ``Shared.prestage_room``),
+# shared out evenly over the layers (``prestage_rows``), so that the next prefill computes them
+# where they are and every layer streams only the rest. A 1k prompt touches every expert of every
+# layer, and the full 80B's TTFT (561 ms on an H200, 2026-12-03) is the link's 0.54 s for its
+# misses; a request that finds the engine idle would skip the pre-staged experts' share of it.
+# Before a forward, layers are dropped, the last first, until the batch's activations fit beside the
+# rest (``Shared.fit_prestaged``); a pre-staged expert the batch does not route to costs its copy,
 # never a result. The hook is ``LLMEngine.idle``: the serving loop calls it once a step's outputs
 # are out and no request is left, ``LLM.generate`` before it returns, ``ft bench offline
 # --ttft-idle-s`` before each TTFT run. ON from 2026-12-03 (FT_MOE_PRESTAGE=0 turns it off for a
-# process and the ranks it spawns): the full 80B bf16 at 0.94 on an H200, ~5.7 GiB staged, TTFT of
-# a 1k prompt after 1 s idle 558 -> 448 ms spread over the layers (497 ms over the first layers in
-# full; docs/benchmarks.md). Before, with the hook inside the step that finished the last request
-# and the alignment kernels compiled for each new buffer size, it was a loss (569 -> 973 ms).
+# process and the ranks it spawns): the full 80B bf16 at 0.94 on an H200, ~5.7 GiB staged, TTFT of a
+# 1k prompt after 1 s idle 558 -> 448 ms (docs/benchmarks.md). The first layers in full instead
+# saved only ~60 ms (497 ms): the link idled while they computed from their buffers, only the next
+# layer's first groups streaming ahead. Before, with the hook inside the step that finished the last
+# request and the alignment kernels compiled for each new buffer size, it was a loss (569 -> 973
+# ms).
 PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "1") != "0"
-# How the idle room is shared out (``prestage_rows``): evenly over the layers, each taking its
-# likeliest host-only experts (on), or the first layers in full (FT_MOE_PRESTAGE_SPREAD=0). With
-# the first layers in full the link idles while they compute (only the next layer's first groups
-# stream ahead); spread out, every layer streams fewer experts and the link stays busy
-# throughout: the link's share of what was staged, ~110 ms, is what TTFT then saves (above).
-PRESTAGE_SPREAD = os.environ.get("FT_MOE_PRESTAGE_SPREAD", "1") != "0"
 PRESTAGE_CPU_BYTES = 1 << 30  # the room on a CPU-only machine, where no plan measures one
 # of the room an idle GPU has, kept for the next batch's small tensors and for what the CUDA graphs'
 # private pools reserve beyond their live tensors (no other allocation can use it)
@@ -263,17 +259,11 @@ class Shared:
             del self.prestaged[backend]
 
 
-def prestage_rows(room_rows: int, capacity: list[int], spread: bool) -> list[int]:
-    """Rows each layer pre-stages from ``room_rows`` in all, at most ``capacity[i]`` in layer i:
-    ``spread``, as evenly as the capacities allow (a layer that cannot take its share leaves it to
-    the others; what does not divide evenly goes to the first layers), else the first layers in
-    full."""
+def prestage_rows(room_rows: int, capacity: list[int]) -> list[int]:
+    """Rows each layer pre-stages from ``room_rows`` in all, at most ``capacity[i]`` in layer i, as
+    evenly as the capacities allow: a layer that cannot take its share leaves it to the others,
+    and what does not divide evenly goes to the first layers."""
     rows, left = [0] * len(capacity), max(0, room_rows)
-    if not spread:
-        for i, cap in enumerate(capacity):
-            rows[i] = min(cap, left)
-            left -= rows[i]
-        return rows
     open_ = [i for i, cap in enumerate(capacity) if cap > 0]
     while left > 0 and open_:
         share = max(1, left // len(open_))

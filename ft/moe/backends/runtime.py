@@ -251,7 +251,7 @@ class MoeRuntime:
             sh.prestage_room = self._room_when_idle(held)
         each = max(b.store.layout.expert_bytes for b in self.backends)  # the layers' experts alike
         capacity = [b.prestage_capacity() for b in self.backends]
-        rows = offload.prestage_rows((sh.prestage_room - held) // each, capacity, offload.PRESTAGE_SPREAD)
+        rows = offload.prestage_rows((sh.prestage_room - held) // each, capacity)
         for backend, n in zip(self.backends, rows):
             try:
                 backend.prestage(n)
