@@ -49,7 +49,7 @@ def activation_bytes_per_token(mc, dtype_bytes: int = 2) -> int:
     hyper-connections' streams) and its norms and copies, the widest mixer projection thrice
     (its output, a split and the kernel's own), the MoE pairs (each token's k gathered inputs,
     outputs and gate/up activations, as the streamed layer's in-place call holds them) and the
-    fp32 sum of the routed experts."""
+    streamed layer's terms by pair, the shared expert's beside them (``pairs.Terms``)."""
     h, k = mc.hidden_size, max(1, mc.num_experts_per_tok)
     inter = mc.moe_intermediate_size or mc.intermediate_size
     attn = (mc.num_heads * (2 if mc.attn_output_gate else 1) + 2 * mc.num_kv_heads) * mc.head_dim
@@ -57,7 +57,7 @@ def activation_bytes_per_token(mc, dtype_bytes: int = 2) -> int:
     gdn = 2 * (2 * keys + 2 * mc.linear_num_value_heads * mc.linear_value_head_dim)  # qkvz and its split
     widest = max(attn, gdn, 2 * mc.intermediate_size)
     streams = max(1, mc.hc_mult)  # hyper-connections carry that many residual streams (qwen4_exp)
-    return dtype_bytes * (16 * h * streams + 3 * widest + k * (2 * h + 2 * inter)) + 4 * h
+    return dtype_bytes * (16 * h * streams + 3 * widest + k * (2 * h + 2 * inter) + (k + 1) * h)
 
 
 def prefill_chunk(cfg: EngineConfig, mc, device: torch.device, streams: bool) -> int:
