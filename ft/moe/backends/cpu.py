@@ -39,9 +39,9 @@ def cpu_experts(
     """Sum over the pairs routed to ``experts`` -> ([T, H] on x's device, pairs computed)."""
     out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H] on the host
     pairs = Pairs(ids_h, store.num_experts).of(experts, store.rows(experts))
-    (run,) = upload_pairs([pairs], weights.cpu())  # the kernel runs here
-    run_pairs(CpuKernel(bank), store.tensors, x.cpu(), out, *run)
-    return out.to(device=x.device, dtype=x.dtype), len(run[0])
+    ((tok, pair_w, rows, _),) = upload_pairs([pairs], weights.cpu())  # the kernel runs here
+    run_pairs(CpuKernel(bank), store.tensors, x.cpu(), out, tok, pair_w, rows)
+    return out.to(device=x.device, dtype=x.dtype), len(tok)
 
 
 class CpuKernel:
