@@ -108,7 +108,7 @@ class CpuShare:
         idx = upload(torch.from_numpy(np.concatenate([self.tokens, self.sel])), x.device)
         self.sel_on_device = idx[len(self.tokens) :]
         x_rows = x[idx[: len(self.tokens)]].cpu()
-        pair_w = weights.reshape(-1)[idx[len(self.tokens) :]].unsqueeze(1).cpu()
+        pair_w = weights.reshape(-1)[self.sel_on_device].unsqueeze(1).cpu()
         self.inputs = (x_rows, pair_w, torch.from_numpy(np.searchsorted(self.tokens, self.sel // k)))
 
     def add_to(self, bank, store, terms: Terms) -> None:
