@@ -334,7 +334,7 @@ def format_report(r: Report) -> str:
         + (f" (runs {', '.join(f'{t:,.1f}' for t in r.ttft_runs_ms)})" if r.ttft_runs_ms else "")
         + (f", each after {r.ttft_idle_s:g} s idle" if r.ttft_idle_s else ""),
     ]
-    if any(r.ttft_prestaged_layers):  # offload.PRESTAGE: what the idle engine staged for each run
+    if any(r.ttft_prestaged_layers) and r.idle_hook_ms:  # offload.PRESTAGE: what each idle spell staged
         host, copies = (statistics.median(v) for v in zip(*r.idle_hook_ms))
         lines.append(
             f"pre-staged while idle: {', '.join(map(str, r.ttft_prestaged_layers))} layers a TTFT run; "
