@@ -541,12 +541,12 @@ class OffloadBackend:
             return 0
         return len(self.map.absent())
 
-    def prestage(self, max_rows: int) -> int:
+    def prestage(self, max_rows: int) -> None:
         """Copy up to ``max_rows`` of this layer's host-only experts, those its policy ranks first,
-        into a buffer of their own (``PRESTAGE``); the rows taken."""
-        host_only = self.map.absent() if self.map is not None else []
-        if len(host_only) == 0 or max_rows <= 0 or self in self.shared.prestaged:
-            return 0
+        into a buffer of their own (``PRESTAGE``; ``prestage_capacity`` says how many it could)."""
+        if max_rows <= 0 or self.prestage_capacity() == 0:
+            return
+        host_only = self.map.absent()
         ranked = host_only[np.argsort(-self.map.freq[host_only], kind="stable")][:max_rows]
         experts = np.sort(ranked)
         layout, sh = self.store.layout, self.shared
@@ -560,7 +560,6 @@ class OffloadBackend:
         if block.is_cuda:  # freed however (consumed, dropped, the engine closed), reused only once copied
             block.record_stream(sh.prestage_transfer.stream)
         self.shared.prestaged[self] = Prestaged(experts, block, layout.views(block), ready)
-        return len(experts)
 
     def stage_first_groups(self, predicted: np.ndarray | None) -> None:
         """Stage this layer's likeliest host-only experts into ``Staging.ahead`` groups before its
