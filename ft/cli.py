@@ -29,6 +29,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="no prefix cache (on hybrid models it also stops ending a chunk at each prompt's last block)",
     )
+    p.add_argument(
+        "--decode-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="issue each decode step before the tokens of the one running are read (on; tp-size 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=1800.0)
     p.add_argument(
@@ -114,6 +120,7 @@ ENGINE_KEYS = (
     "max_model_len",
     "block_size",
     "enable_prefix_cache",
+    "decode_ahead",
     "seed",
     "dist_timeout_s",
     "quantize_experts",

@@ -93,7 +93,10 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
     and for offloaded experts the decode steps' hit rate and bytes copied per token. The MoE
     counters are read twice a run (before the first decode step of the whole batch and at the
     end), not around every step: reading them resolves the copy timings of every layer, which
-    a per-step read added to the wall time the single-stream and aggregate figures measure."""
+    a per-step read added to the wall time the single-stream and aggregate figures measure.
+    Nor is the device synchronised after each step (only at the end): a step returns once its
+    tokens are read, and a sync there would wait for the decode step issued ahead of them
+    (``LLMEngine.step``), serialising what a served engine overlaps."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
@@ -109,7 +112,6 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
             before = engine.stats()
         t0 = time.perf_counter()
         outs = engine.step()
-        _sync(engine)
         t1 = time.perf_counter()
         if decode_only and len(engine.scheduler.running) + sum(o.finished for o in outs) == len(prompts):
             decode_steps.append(t1 - t0)
@@ -118,6 +120,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
             clean = False  # a step that was not the whole batch decoding fell inside the window
         if first is None and any(o.token_ids for o in outs):
             first = t1 - start
+    _sync(engine)
     out = {"wall": time.perf_counter() - start, "first": first or 0.0, "decode_steps": decode_steps}
     if before is not None and clean and tokens:
         after = engine.stats()

@@ -99,8 +99,9 @@ class CudaGraphRunner:
         return wide + narrow
 
     @torch.inference_mode()
-    def run(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits [B, V] for a decode batch."""
+    def run(self, seqs: list[ScheduledSeq], ids_now: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] for a decode batch (``ids_now``: its token ids [B] already on the device,
+        written over the uploaded ones before the replay)."""
         b = len(seqs)
         bs = next(s for s in self.sizes if s >= b)
         bsz = self.runner.cfg.block_size
@@ -115,6 +116,8 @@ class CudaGraphRunner:
             hist[i, HISTORY - len(s.history) :] = s.history
         self.wide.upload(bs)
         self.narrow.upload(bs)
+        if ids_now is not None:
+            self.ids[:b].copy_(ids_now)
         self.graphs[bs].replay()
         return self.logits[bs][:b]
 

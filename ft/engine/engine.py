@@ -117,6 +117,9 @@ class LLMEngine:
             prompt_logprob_rows=max(1, PROMPT_LOGPROB_BYTES // (8 * self.model_config.vocab_size)),
         )
         self.eos_ids = set(self.model_config.eos_token_ids)
+        # decode ahead (``step``): the batch issued ahead and its sequences, until a step collects it
+        self._decodes_ahead = cfg.decode_ahead and getattr(self.executor, "launches", False)
+        self._ahead: tuple[list, object] | None = None
         self._ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
 
@@ -137,6 +140,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
+        self._drop_stale_ahead()
         return self._output(req) if req is not None else None
 
     @property
@@ -152,22 +156,48 @@ class LLMEngine:
 
     # ---- the loop
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs of the requests it advanced."""
-        sched = self.scheduler.schedule()
-        if not sched.seqs:
-            if self.scheduler.waiting and not self.scheduler.running:  # nothing could ever free room
-                head = self.scheduler.waiting[0]
-                raise RuntimeError(
-                    f"scheduler cannot admit request {head.request_id!r} into an idle engine "
-                    f"({self.scheduler.blocks.num_free} blocks, {self.scheduler.slots.num_free} "
-                    "state slots free)"
-                )
-            return []
-        results = self.executor.execute(sched.seqs)
+        """Run one batch; return the outputs of the requests it advanced.
+
+        Decode ahead (``EngineConfig.decode_ahead``, one rank): when the batch just issued lets
+        the scheduler know the next one (``Scheduler.schedule_ahead``: every running request
+        decoding, nothing waiting), that next batch is issued before this one's tokens are read,
+        its input ids taken from this one's samples on the device. The device then never waits
+        for the host between decode steps (reading the tokens, folding them in, scheduling and
+        uploading the next batch). This call returns this batch's outputs; the next call starts
+        with the batch already running. On an H200 (2026-12-03, batch 1, one load each, off ->
+        on): the full 80B offloaded at --memory-ratio 0.94 58.0 -> 59.9 tok/s, its NVFP4
+        experts resident 325.8 -> 334.1 (docs/benchmarks.md)."""
+        if self._ahead is not None:
+            seqs, launched = self._ahead
+            self._ahead = None
+        else:
+            sched = self.scheduler.schedule()
+            if not sched.seqs:
+                if self.scheduler.waiting and not self.scheduler.running:  # nothing could ever free room
+                    head = self.scheduler.waiting[0]
+                    raise RuntimeError(
+                        f"scheduler cannot admit request {head.request_id!r} into an idle engine "
+                        f"({self.scheduler.blocks.num_free} blocks, {self.scheduler.slots.num_free} "
+                        "state slots free)"
+                    )
+                return []
+            seqs = sched.seqs
+            if not self._decodes_ahead:
+                return self._fold(seqs, self.executor.execute(seqs))
+            launched = self.executor.launch(seqs)
+        ahead = self.scheduler.schedule_ahead(seqs)
+        if ahead is not None:
+            self._ahead = (ahead, self.executor.launch(ahead, ids_from=launched))
+        outputs = self._fold(seqs, self.executor.collect(launched))
+        self._drop_stale_ahead()
+        return outputs
+
+    def _fold(self, seqs: list, results: list) -> list[RequestOutput]:
+        """Fold a batch's results into its requests; the outputs of those still known."""
         outputs = []
-        for seq, res in zip(sched.seqs, results):
+        for seq, res in zip(seqs, results):
             req = self.scheduler.requests.get(seq.request_id)
-            if req is None:  # aborted while the batch ran
+            if req is None:  # aborted while the batch ran, or ended by the batch before (ahead)
                 if seq.snapshot_to is not None:
                     self.scheduler.cache.give_back_snapshot(seq.snapshot_to)
                 continue
@@ -184,6 +214,14 @@ class LLMEngine:
                 self._append(req, res.sample)
             outputs.append(self._output(req))
         return outputs
+
+    def _drop_stale_ahead(self) -> None:
+        """Wait out and forget a batch issued ahead whose requests have all ended (a stop token in
+        the batch before, an abort): nothing will collect it otherwise."""
+        live = self.scheduler.requests
+        if self._ahead is not None and not any(s.request_id in live for s in self._ahead[0]):
+            self.executor.collect(self._ahead[1])
+            self._ahead = None
 
     def idle(self) -> None:
         """The caller has nothing for the engine to run now (the serving loop before it waits for

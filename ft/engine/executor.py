@@ -34,8 +34,16 @@ class InProcessExecutor:
         self.runner = ModelRunner(cfg, mc, TPInfo(0, 1))
         self.plan = self.runner.plan
 
+    launches = True  # ``launch`` / ``collect``: a batch issued before the last one's tokens are read
+
     def execute(self, seqs):
         return self.runner.execute(seqs)
+
+    def launch(self, seqs, ids_from=None):
+        return self.runner.launch(seqs, ids_from)
+
+    def collect(self, launched):
+        return self.runner.collect(launched)
 
     def moe_stats(self) -> dict:
         return self.runner.moe.stats()

@@ -11,7 +11,7 @@ expert cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,6 +41,21 @@ class SeqResult:
     request_id: str
     sample: SampleResult | None
     prompt_logprobs: list[Logprobs] | None
+
+
+@dataclass
+class Launched:
+    """A batch issued to the device (``ModelRunner.launch``) and not yet collected: its logits, and
+    on the first rank its sampled tokens on the device and on their way to the host."""
+
+    seqs: list[ScheduledSeq]
+    logits: torch.Tensor
+    rows: list[range]  # each sequence's rows of ``logits``
+    sampling: list[int] = field(default_factory=list)  # the sequences that sample, in ``tokens`` order
+    sampled: torch.Tensor | None = None  # [S, V] their logits
+    tokens: torch.Tensor | None = None  # [S] their tokens, on the device
+    host: torch.Tensor | None = None  # the same, copied to the host once ``done`` has passed
+    done: torch.cuda.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -326,11 +341,17 @@ class ModelRunner:
             batch.snapshots = state_snapshots(batch, points)
         return ids_t, batch
 
-    def _forward(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[range]]:
-        """Logits for the rows that need them, and for each sequence its rows' indices in them."""
+    def _forward(
+        self, seqs: list[ScheduledSeq], ids_now: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[range]]:
+        """Logits for the rows that need them, and for each sequence its rows' indices in them.
+        ``ids_now``: the input ids [T] already on the device (decode ahead), in place of the
+        sequences' own."""
         if self.graphs is not None and self.graphs.can_run(seqs):
-            return self.graphs.run(seqs), [range(i, i + 1) for i in range(len(seqs))]
+            return self.graphs.run(seqs, ids_now), [range(i, i + 1) for i in range(len(seqs))]
         ids, batch = self._batch(seqs)
+        if ids_now is not None:
+            ids.copy_(ids_now)
         with forward_context(ForwardContext(batch, self.attention, self.gdn)):
             hidden = self.model(ids, batch.positions)
         # rows whose logits we need: every row of a chunk asking for prompt log-probs, else the last
@@ -349,22 +370,59 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult] | None:
         """Run one batch; the first rank returns one result per sequence, the others None."""
+        return self.collect(self.launch(seqs))
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[ScheduledSeq], ids_from: Launched | None = None) -> Launched:
+        """Issue one batch and its sampling without waiting for the device. ``ids_from``: a decode
+        batch whose every sequence's token is the one ``ids_from`` (launched before it, not yet
+        collected) samples for the same sequence, in the same order, taken on the device: the
+        engine's decode ahead (``LLMEngine.step``); those sequences' ``token_ids`` hold
+        ``PENDING_TOKEN``."""
         base = self.snapshot_base
         self._copy_states([(base + s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
         tokens = sum(len(s.token_ids) for s in seqs)
+        ids = None
+        if ids_from is not None:
+            if ids_from.tokens is None or not len(ids_from.tokens) == len(seqs) == tokens:
+                raise ValueError(
+                    "decode ahead takes one token per sequence, each the last batch's sample for it"
+                )
+            ids = ids_from.tokens
         self.moe.before_step(tokens)
-        logits, rows = self._forward(seqs)  # [R, V]; GDN layers save the snapshots as they run
+        logits, rows = self._forward(seqs, ids)  # [R, V]; GDN layers save the snapshots as they run
         self.moe.after_step(tokens)
+        out = Launched(seqs, logits, rows)
+        if not self.tp.is_first:
+            return out
+        out.sampling = [i for i, s in enumerate(seqs) if s.sample]
+        last = [rows[i][-1] for i in out.sampling]
+        decode = last == list(range(len(last)))
+        out.sampled = logits[: len(last)] if decode else logits[last]  # decode: no gather
+        params = [seqs[i].params for i in out.sampling]
+        if params:
+            index = [seqs[i].output_index for i in out.sampling]
+            out.tokens = self.sampler.tokens(out.sampled, params, index)
+            out.host = out.tokens.to("cpu", non_blocking=True)  # pinned: on its way while the host goes on
+            if out.tokens.is_cuda:
+                out.done = torch.cuda.Event()
+                out.done.record()
+        return out
+
+    @torch.inference_mode()
+    def collect(self, launched: Launched) -> list[SeqResult] | None:
+        """A launched batch's results (waits for its sampled tokens): one per sequence on the first
+        rank, None on the others."""
         if not self.tp.is_first:
             return None
-        sampling = [i for i, s in enumerate(seqs) if s.sample]
-        last = [rows[i][-1] for i in sampling]
-        samples = self.sampler(
-            logits[: len(last)] if last == list(range(len(last))) else logits[last],  # decode: no gather
-            [seqs[i].params for i in sampling],
-            [seqs[i].output_index for i in sampling],
-        )
-        by_seq = dict(zip(sampling, samples))
+        seqs, logits, rows = launched.seqs, launched.logits, launched.rows
+        samples = []
+        if launched.tokens is not None:
+            if launched.done is not None:
+                launched.done.synchronize()
+            params = [seqs[i].params for i in launched.sampling]
+            samples = self.sampler.results(launched.host.tolist(), launched.tokens, launched.sampled, params)
+        by_seq = dict(zip(launched.sampling, samples))
         out = []
         for i, s in enumerate(seqs):
             plp = None

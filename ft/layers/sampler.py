@@ -161,19 +161,33 @@ class Sampler:
         """logits [B, V] fp32, one row per sampling sequence."""
         if not params:
             return []
+        tokens = self.tokens(logits, params, output_index)
+        return self.results(tokens.tolist(), tokens, logits, params)  # the one device-to-host copy
+
+    def tokens(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
+    ) -> torch.Tensor:
+        """The chosen tokens [B], left on the device (no host synchronisation)."""
         hot = [i for i, p in enumerate(params) if not p.greedy]
         if len(hot) == len(params):
-            tokens = self.sample(logits, params, output_index)
-        else:
-            tokens = logits.argmax(dim=-1)
-            if hot:
-                rows = _upload(hot, torch.int64, logits.device)
-                picked = self.sample(
-                    logits.index_select(0, rows), [params[i] for i in hot], [output_index[i] for i in hot]
-                )
-                tokens.index_copy_(0, rows, picked)
+            return self.sample(logits, params, output_index)
+        tokens = logits.argmax(dim=-1)
+        if hot:
+            rows = _upload(hot, torch.int64, logits.device)
+            picked = self.sample(
+                logits.index_select(0, rows), [params[i] for i in hot], [output_index[i] for i in hot]
+            )
+            tokens.index_copy_(0, rows, picked)
+        return tokens
+
+    @staticmethod
+    def results(
+        chosen: list[int], tokens: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams]
+    ) -> list[SampleResult]:
+        """Each row's result from its ``chosen`` token (read back from ``tokens`` [B], still on the
+        device), with the log-probs the rows ask for, from ``logits``."""
         want = [p.logprobs for p in params]
-        out = [SampleResult(t, None) for t in tokens.tolist()]  # the one device-to-host copy
+        out = [SampleResult(t, None) for t in chosen]
         if any(n is not None for n in want):
             lp = torch.log_softmax(logits.float(), dim=-1)
             tops = top_logprobs(lp, max(n or 0 for n in want), tokens)

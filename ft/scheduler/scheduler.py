@@ -27,6 +27,7 @@ from ft.scheduler.request import Request, Status
 from ft.scheduler.state_pool import SlotAllocator
 
 HISTORY = 8  # tokens before a chunk that every rank sees (n-gram embeddings need the last few)
+PENDING_TOKEN = -1  # a decode-ahead step's input: sampled by the step still running, read on the device
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,48 @@ class Scheduler:
             seqs.append(self._scheduled(req, n))
             budget -= n
         return SchedulerOutput(seqs, preempted)
+
+    def schedule_ahead(self, batch: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
+        """The decode step after ``batch``, scheduled while ``batch`` still runs (its tokens not yet
+        known here), or None when that step cannot be known now. It can when ``batch`` decodes
+        every running request and nothing waits (so the next ``schedule`` would build the same
+        batch), no request's token in flight is its last by length (a step for it would be wasted
+        for sure), none asks for log-probs (the graphs' logits buffers are overwritten by the
+        step ahead), and blocks for one more token each are free without preempting anyone.
+        Each sequence's token is ``PENDING_TOKEN``: the runner takes it from ``batch``'s samples
+        on the device. A request that ``batch`` ends (a stop token) had its step ahead run for
+        nothing; the engine drops its result."""
+        if self.waiting or len(batch) != len(self.running):
+            return None
+        for seq, req in zip(batch, self.running):
+            if (
+                seq.request_id != req.request_id
+                or len(seq.token_ids) != 1
+                or seq.start + 1 != req.num_tokens  # a decode of the request's last known token
+                or req.num_computed_tokens != seq.start
+                or req.params.logprobs is not None
+                or len(req.output_token_ids) + 2 > req.params.max_tokens
+                or req.num_tokens + 2 > self.max_model_len
+            ):
+                return None
+        if not all(self._grow(req, req.num_tokens + 1) for req in self.running):
+            return None  # blocks grown so far stay with their requests: the next steps need them
+        return [self._ahead(req) for req in self.running]
+
+    def _ahead(self, req: Request) -> ScheduledSeq:
+        start = req.num_tokens  # the position of the token in flight
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=[PENDING_TOKEN],
+            start=start,
+            block_ids=list(req.block_ids),
+            state_slot=req.state_slot,
+            sample=True,
+            params=req.params,
+            output_index=len(req.output_token_ids) + 1,
+            prompt_targets=None,
+            history=req.tokens(max(0, start - HISTORY), start),
+        )
 
     def _hit(self, req: Request) -> None:
         """Start ``req`` after the longest usable cached prefix of its tokens."""

@@ -198,3 +198,12 @@ def test_programmatic_dependent_launch_changes_no_result(ckpt, monkeypatch):
             for a, b in zip(early, plain):
                 assert a.token_ids == b.token_ids
                 assert a.logprobs == b.logprobs and a.prompt_logprobs == b.prompt_logprobs
+
+
+def test_decode_ahead_with_cuda_graphs_equals_step_by_step(ckpt):
+    """Decode ahead on the GPU: graphed batches take their ids from the batch before's samples on
+    the device (``CudaGraphRunner.run``), and every token and finish reason stays the same."""
+    from tests.test_decode_ahead import check_ahead_equals_step_by_step, free_run
+
+    options = {"device": "cuda", "dtype": "float32", "block_size": 16}
+    check_ahead_equals_step_by_step(ckpt, free_run(ckpt, **options), **options)

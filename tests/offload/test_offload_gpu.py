@@ -325,3 +325,16 @@ def host_reads_equal_resident(ckpt, tmp_path, fmt: str) -> tuple:
     assert [o.token_ids for o in got] == [o.token_ids for o in want] == [o.token_ids for o in eager]
     assert max_logprob_diff(got, want) < 2e-2 and max_logprob_diff(got, eager) < 1e-5
     return info["stats"], info
+
+
+def test_decode_ahead_with_host_reads_equals_step_by_step(ckpt, monkeypatch):
+    """Decode ahead over host reads: the deferred counting and promotions of a step run after the
+    batch ahead of it is issued (two steps late), every miss promoted so that the routes change
+    under the batches in flight; every token and finish reason stays the same."""
+    from ft.moe.backends import host_reads
+    from tests.test_decode_ahead import check_ahead_equals_step_by_step, free_run
+
+    monkeypatch.setattr(host_reads, "ENABLED", True)
+    monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)
+    options = dict(OFFLOAD, device="cuda", dtype="float32", block_size=16)
+    check_ahead_equals_step_by_step(ckpt, free_run(ckpt, **options), **options)
