@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--decode-ahead",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="issue each decode step before the tokens of the one running are read (on; tp-size 1)",
+        help="issue each decode step before the tokens of the one running are read (on)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=1800.0)

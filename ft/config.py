@@ -52,7 +52,7 @@ class EngineConfig:
         None  # GDN state snapshots for the prefix cache (default: max_running)
     )
     cuda_graph_max_bs: int = 64
-    # issue the next decode step before the last one's tokens are read (``LLMEngine.step``; tp 1)
+    # issue the next decode step before the last one's tokens are read (``LLMEngine.step``)
     decode_ahead: bool = True
     disable_cuda_graph: bool = False
     attention_backend: str = "auto"

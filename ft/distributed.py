@@ -137,6 +137,13 @@ class OneShotAllReduce:
 _ONE_SHOT: dict = {}  # process group -> OneShotAllReduce, for groups set up with one
 
 
+def broadcast_from_first(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """``x`` of the first rank, on every rank of ``tp`` (in place; a no-op on one rank)."""
+    if tp.size > 1:
+        dist.broadcast(x, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+    return x
+
+
 def all_gather_last_dim(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """Concatenate each rank's ``x`` along the last dimension, in rank order."""
     if tp.size == 1:

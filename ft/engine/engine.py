@@ -158,14 +158,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of the requests it advanced.
 
-        Decode ahead (``EngineConfig.decode_ahead``, one rank): when the batch just issued lets
-        the scheduler know the next one (``Scheduler.schedule_ahead``: every running request
-        decoding, nothing waiting), that next batch is issued before this one's tokens are read,
-        its input ids taken from this one's samples on the device. The device then never waits
-        for the host between decode steps (reading the tokens, folding them in, scheduling and
-        uploading the next batch). This call returns this batch's outputs; the next call starts
-        with the batch already running. On an H200 (2026-12-03, batch 1, one load each, off ->
-        on): the full 80B offloaded at --memory-ratio 0.94 58.0 -> 59.9 tok/s, its NVFP4
+        Decode ahead (``EngineConfig.decode_ahead``): when the batch just issued lets the
+        scheduler know the next one (``Scheduler.schedule_ahead``: every running request decoding,
+        nothing waiting), that next batch is issued before this one's tokens are read, its input
+        ids taken from this one's samples on the device (the other tensor-parallel ranks take
+        them from the first by a broadcast). The device then never waits for the host between
+        decode steps (reading the tokens, folding them in, scheduling and uploading the next
+        batch). This call returns this batch's outputs; the next call starts with the batch
+        already running. On an H200 (2026-12-03, batch 1, off and on alternating on one load):
+        the full 80B offloaded at --memory-ratio 0.94 went 58.0 -> 59.9 tok/s, with its NVFP4
         experts resident 325.8 -> 334.1 (docs/benchmarks.md)."""
         if self._ahead is not None:
             seqs, launched = self._ahead

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import collections
 import multiprocessing as mp
 import os
 import socket
@@ -83,6 +84,7 @@ def _worker_main(rank: int, cfg: EngineConfig, mc: ModelConfig, init_method: str
         tp = init_process_group(rank, cfg.tp_size, init_method, device, cfg.dist_timeout_s)
         runner = ModelRunner(cfg, mc, tp)
         conn.send(("ready", runner.plan))
+        launched = collections.deque()  # batches launched and not yet collected (decode ahead)
         while True:
             cmd, payload = conn.recv()
             if cmd == "shutdown":
@@ -105,7 +107,11 @@ def _worker_main(rank: int, cfg: EngineConfig, mc: ModelConfig, init_method: str
             if cmd == "profile":  # every rank alike (eager steps, timed all-reduces); the first answers
                 conn.send(("ok", runner.profile(*payload)))
                 continue
-            result = runner.execute(payload)
+            if cmd == "launch":  # payload: the batch, and whether its ids are the last batch's samples
+                seqs, ahead = payload
+                launched.append(runner.launch(seqs, launched[-1] if ahead else None))
+                continue
+            result = runner.collect(launched.popleft()) if cmd == "collect" else runner.execute(payload)
             if rank == 0:
                 conn.send(("ok", result))
     except (EOFError, KeyboardInterrupt):
@@ -178,13 +184,30 @@ class MultiprocExecutor:
         self.shutdown(graceful=False)
         raise WorkerError(why)
 
+    launches = True  # decode ahead: the ranks keep the batches launched, in order, until collected
+
     def execute(self, seqs):
+        self._send_all("execute", seqs)
+        return self._recv(0, "ok")
+
+    def launch(self, seqs, ids_from=None) -> list:
+        """Every rank launches the batch (``ids_from``: not None when its ids are the samples of
+        the batch launched just before); nothing comes back until ``collect``. The handle
+        returned is the batch itself: the ranks keep what they launched, in order."""
+        self._send_all("launch", (seqs, ids_from is not None))
+        return seqs
+
+    def collect(self, launched=None):
+        """The first rank's results of the oldest batch launched and not yet collected."""
+        self._send_all("collect", None)
+        return self._recv(0, "ok")
+
+    def _send_all(self, cmd: str, payload) -> None:
         for conn in self.conns:
             try:
-                conn.send(("execute", seqs))
+                conn.send((cmd, payload))
             except (BrokenPipeError, OSError):
                 self._recv(0, "ok")  # surfaces which rank died
-        return self._recv(0, "ok")
 
     def moe_stats(self) -> dict:
         """The first rank's MoE placement counters (every rank routes alike; bytes are per rank)."""

@@ -17,12 +17,12 @@ import torch
 
 from ft.attention import get_attention_backend
 from ft.config import EngineConfig
-from ft.distributed import TPInfo, tp_context
+from ft.distributed import TPInfo, broadcast_from_first, tp_context
 from ft.engine import allocator
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.gdn import get_gdn_backend
 from ft.gdn.snapshots import SnapshotPoint, state_snapshots
-from ft.layers.sampler import Sampler, SampleResult, top_logprobs
+from ft.layers.sampler import Draw, Sampler, SampleResult, top_logprobs
 from ft.models.config import ModelConfig
 from ft.models.dummy import init_dummy_weights, skew_routers
 from ft.models.loader import load_weights
@@ -51,10 +51,9 @@ class Launched:
     seqs: list[ScheduledSeq]
     logits: torch.Tensor
     rows: list[range]  # each sequence's rows of ``logits``
-    sampling: list[int] = field(default_factory=list)  # the sequences that sample, in ``tokens`` order
-    sampled: torch.Tensor | None = None  # [S, V] their logits
-    tokens: torch.Tensor | None = None  # [S] their tokens, on the device
-    host: torch.Tensor | None = None  # the same, copied to the host once ``done`` has passed
+    sampling: list[int] = field(default_factory=list)  # the sequences that sample, in ``draw`` order
+    draw: Draw | None = None  # their tokens (and log-probs), on the device
+    host: Draw | None = None  # the same, copied to the host once ``done`` has passed
     done: torch.cuda.Event | None = None
 
 
@@ -384,11 +383,14 @@ class ModelRunner:
         tokens = sum(len(s.token_ids) for s in seqs)
         ids = None
         if ids_from is not None:
-            if ids_from.tokens is None or not len(ids_from.tokens) == len(seqs) == tokens:
-                raise ValueError(
-                    "decode ahead takes one token per sequence, each the last batch's sample for it"
-                )
-            ids = ids_from.tokens
+            first = self.tp.is_first
+            if not len(ids_from.seqs) == len(seqs) == tokens or (first and ids_from.draw is None):
+                raise ValueError("decode ahead takes one token a sequence, the last batch's sample for it")
+            # the first rank sampled them; the others take them from it, on the device
+            ids = (
+                ids_from.draw.tokens if first else torch.empty(tokens, dtype=torch.int64, device=self.device)
+            )
+            broadcast_from_first(ids, self.tp)
         self.moe.before_step(tokens)
         logits, rows = self._forward(seqs, ids)  # [R, V]; GDN layers save the snapshots as they run
         self.moe.after_step(tokens)
@@ -398,13 +400,13 @@ class ModelRunner:
         out.sampling = [i for i, s in enumerate(seqs) if s.sample]
         last = [rows[i][-1] for i in out.sampling]
         decode = last == list(range(len(last)))
-        out.sampled = logits[: len(last)] if decode else logits[last]  # decode: no gather
+        sampled = logits[: len(last)] if decode else logits[last]  # decode: no gather
         params = [seqs[i].params for i in out.sampling]
         if params:
             index = [seqs[i].output_index for i in out.sampling]
-            out.tokens = self.sampler.tokens(out.sampled, params, index)
-            out.host = out.tokens.to("cpu", non_blocking=True)  # pinned: on its way while the host goes on
-            if out.tokens.is_cuda:
+            out.draw = self.sampler.draw(sampled, params, index)
+            out.host = out.draw.to_host()  # pinned: on its way while the host goes on
+            if sampled.is_cuda:
                 out.done = torch.cuda.Event()
                 out.done.record()
         return out
@@ -417,11 +419,10 @@ class ModelRunner:
             return None
         seqs, logits, rows = launched.seqs, launched.logits, launched.rows
         samples = []
-        if launched.tokens is not None:
+        if launched.host is not None:
             if launched.done is not None:
                 launched.done.synchronize()
-            params = [seqs[i].params for i in launched.sampling]
-            samples = self.sampler.results(launched.host.tolist(), launched.tokens, launched.sampled, params)
+            samples = self.sampler.results(launched.host, [seqs[i].params for i in launched.sampling])
         by_seq = dict(zip(launched.sampling, samples))
         out = []
         for i, s in enumerate(seqs):

@@ -23,6 +23,23 @@ from ft.sampling_params import Logprobs, SamplingParams
 
 
 @dataclass
+class Draw:
+    """A batch's sampled tokens [B], and for the log-probs its rows ask for the top n values and
+    token ids [B, n] of their log-softmax and the chosen tokens' [B]; on the device, or copied."""
+
+    tokens: torch.Tensor
+    top_v: torch.Tensor | None = None
+    top_i: torch.Tensor | None = None
+    picked: torch.Tensor | None = None
+
+    def to_host(self, non_blocking: bool = True) -> Draw:
+        """The same on the host; ``non_blocking``: copies issued to pinned memory without
+        waiting, to be read once the stream has passed them (an event)."""
+        parts = (self.tokens, self.top_v, self.top_i, self.picked)
+        return Draw(*(t.to("cpu", non_blocking=non_blocking) if t is not None else None for t in parts))
+
+
+@dataclass
 class SampleResult:
     token_id: int
     logprobs: Logprobs | None  # top-n plus the chosen token, when asked for
@@ -161,13 +178,24 @@ class Sampler:
         """logits [B, V] fp32, one row per sampling sequence."""
         if not params:
             return []
+        return self.results(self.draw(logits, params, output_index).to_host(non_blocking=False), params)
+
+    def draw(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> Draw:
+        """The chosen tokens and the log-probs the rows ask for, left on the device (no host
+        synchronisation: ``ModelRunner.launch`` copies them to the host behind an event)."""
         tokens = self.tokens(logits, params, output_index)
-        return self.results(tokens.tolist(), tokens, logits, params)  # the one device-to-host copy
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        if not want:
+            return Draw(tokens)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        n = max(want)
+        top_v, top_i = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
+        return Draw(tokens, top_v, top_i, lp.gather(1, tokens[:, None])[:, 0])
 
     def tokens(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
     ) -> torch.Tensor:
-        """The chosen tokens [B], left on the device (no host synchronisation)."""
+        """The chosen tokens [B], left on the device."""
         hot = [i for i, p in enumerate(params) if not p.greedy]
         if len(hot) == len(params):
             return self.sample(logits, params, output_index)
@@ -181,18 +209,18 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def results(
-        chosen: list[int], tokens: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams]
-    ) -> list[SampleResult]:
-        """Each row's result from its ``chosen`` token (read back from ``tokens`` [B], still on the
-        device), with the log-probs the rows ask for, from ``logits``."""
-        want = [p.logprobs for p in params]
+    def results(draw: Draw, params: list[SamplingParams]) -> list[SampleResult]:
+        """Each row's result from a ``draw`` on the host: its token, and for a row asking n
+        log-probs the n most likely tokens' plus the chosen one's."""
+        chosen = draw.tokens.tolist()
         out = [SampleResult(t, None) for t in chosen]
-        if any(n is not None for n in want):
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            tops = top_logprobs(lp, max(n or 0 for n in want), tokens)
-            for i, n in enumerate(want):
-                if n is not None:
-                    keep = sorted(tops[i].items(), key=lambda kv: -kv[1])[:n]
-                    out[i].logprobs = dict(keep) | {out[i].token_id: tops[i][out[i].token_id]}
+        if draw.picked is None:
+            return out
+        top_v, top_i, picked = draw.top_v.tolist(), draw.top_i.tolist(), draw.picked.tolist()
+        for r, p in enumerate(params):
+            if p.logprobs is not None:
+                d = dict(zip(top_i[r], top_v[r]))
+                d[chosen[r]] = picked[r]
+                keep = sorted(d.items(), key=lambda kv: -kv[1])[: p.logprobs]
+                out[r].logprobs = dict(keep) | {chosen[r]: d[chosen[r]]}
         return out

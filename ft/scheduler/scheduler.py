@@ -172,8 +172,7 @@ class Scheduler:
         known here), or None when that step cannot be known now. It can when ``batch`` decodes
         every running request and nothing waits (so the next ``schedule`` would build the same
         batch), no request's token in flight is its last by length (a step for it would be wasted
-        for sure), none asks for log-probs (the graphs' logits buffers are overwritten by the
-        step ahead), and blocks for one more token each are free without preempting anyone.
+        for sure), and blocks for one more token each are free without preempting anyone.
         Each sequence's token is ``PENDING_TOKEN``: the runner takes it from ``batch``'s samples
         on the device. A request that ``batch`` ends (a stop token) had its step ahead run for
         nothing; the engine drops its result."""
@@ -185,7 +184,6 @@ class Scheduler:
                 or len(seq.token_ids) != 1
                 or seq.start + 1 != req.num_tokens  # a decode of the request's last known token
                 or req.num_computed_tokens != seq.start
-                or req.params.logprobs is not None
                 or len(req.output_token_ids) + 2 > req.params.max_tokens
                 or req.num_tokens + 2 > self.max_model_len
             ):
