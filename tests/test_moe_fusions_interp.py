@@ -133,6 +133,30 @@ def check_grouped_gemm() -> None:
             raise AssertionError(f"T={t}: relative error {err:.3g} against the torch reference")
 
 
+def check_grouped_gemm_into() -> None:
+    """``Into``: the grouped GEMMs reading a call's tokens through a map of x's rows and writing its
+    terms into rows of another tensor give, bit for bit, the terms of the call on the gathered
+    tokens at those rows, and leave every other row alone."""
+    from ft.moe.kernels.into import Into
+    from ft.moe.kernels.triton_moe import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(7)
+    t, e, h, inter, p = 40, 8, 64, 48, 23
+    x = torch.randn(t, h, generator=gen).half()
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h**-0.5).half()
+    w2 = (torch.randn(e, h, inter, generator=gen) * inter**-0.5).half()
+    tokens = torch.randint(0, t, (p,), generator=gen)
+    ids = torch.randint(0, e, (p, 1), generator=gen)
+    weights = torch.rand(p, 1, generator=gen)
+    rows = torch.randperm(3 * p, generator=gen)[:p]
+    out = torch.full((3 * p, h), 7.0, dtype=torch.float16)
+    want = out.clone()
+    want[rows] = fused_moe_triton(x[tokens], w13, w2, weights, ids)
+    got = fused_moe_triton(x, w13, w2, weights, ids, into=Into(tokens, out, rows))
+    if got is not out or not torch.equal(out, want):  # raised, not asserted: the check runs under -O
+        raise AssertionError(f"{(out != want).any(1).sum()} rows differ from the gathered call's")
+
+
 def check_align_by_expert() -> None:
     """Pairs sorted by expert and padded (``align_by_expert``), in one program and in the three
     launches, for expert counts that are not powers of two (a pre-staged buffer's rows): every pair
@@ -583,6 +607,7 @@ def test_the_alignment_kernels_compile_once_for_banks_of_up_to_their_floor(monke
             assert [w for w in widths if w is not None] == [want], (experts, pairs, widths)
 
 
-def test_grouped_gemm_under_the_interpreter():
+@pytest.mark.parametrize("check", ["check_grouped_gemm", "check_grouped_gemm_into"])
+def test_grouped_gemm_under_the_interpreter(check):
     # under -O: the wrapper asserts CUDA tensors
-    run_check("tests.test_moe_fusions_interp", "check_grouped_gemm", optimize=True)
+    run_check("tests.test_moe_fusions_interp", check, optimize=True)

@@ -178,6 +178,8 @@ def entries():
         "sorted_ids": I64,
         "block_expert": I64,
         "num_padded": I64,
+        "a_map": I64,
+        "c_map": I64,
     }
     w4 = {**mma, "b": U8, "b_scale": U8, "b_global": F32}
     for name, kernel, ptrs in (("bf16", triton_moe._grouped_gemm_kernel, mma),
@@ -189,6 +191,9 @@ def entries():
                           "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
                           "USE_PDL": 2}  # fmt: skip
                 yield f"{name} MMA {which}, T={t}", kernel, ptrs, consts, warps, stages
+                if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
+                    into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
+                    yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages
     sums = {"y": BF, "gate": BF, "shared": BF, "out": BF}
     yield "top-k sum + shared", triton_combine._sum_topk_kernel, sums, {
         "K": 10, "HAS_SHARED": True, "BLOCK_H": 1024, "USE_PDL": 2}, 4, 3  # fmt: skip

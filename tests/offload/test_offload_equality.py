@@ -227,6 +227,27 @@ def test_device_runs_equal_the_hosts_grouping():
     assert sum(len(g[0]) for g in got) == 40 * k - sum((ids_h == e).sum() for e in (6, 9, 10))
 
 
+@pytest.mark.parametrize("chunk", [8192, 5])
+@pytest.mark.parametrize("case", ["1-slot-prefetch", "2-slots-lru-staging-2", "5-slots-lfu-d2d"])
+def test_terms_the_kernels_write_themselves_equal_resident(ckpt, refs, monkeypatch, case, chunk):
+    """``pairs.DIRECT_TERMS``: every streamed call reads its tokens from the batch and writes its
+    terms into their rows itself (``Into``), none through ``pair_terms``' gather and scatter;
+    the outputs stay the resident backend's."""
+    from ft.moe.backends import pairs
+
+    def gathered(*args):
+        raise AssertionError("a streamed call gathered its tokens")
+
+    into = []
+    real = pairs.Into
+    monkeypatch.setattr(pairs, "DIRECT_TERMS", True)
+    monkeypatch.setattr(pairs, "pair_terms", gathered)
+    monkeypatch.setattr(pairs, "Into", lambda *a: (into.append(1), real(*a))[1])
+    outs, _ = generate(ckpt, max_num_batched_tokens=chunk, **CASES[case])
+    assert_same(outs, refs[chunk])
+    assert into
+
+
 @pytest.mark.parametrize("on_device", [True, False])
 @pytest.mark.parametrize("options", [dict(moe_stream_ahead=False), dict(moe_prefill_hit_d2d=True)])
 def test_pairs_grouped_on_the_device_or_host_give_the_same_outputs(
@@ -504,3 +525,41 @@ def test_a_streamed_layers_terms_are_summed_by_pair_in_k_order(with_shared):
         assert torch.equal(terms.total(shared_term), want.to(torch.bfloat16))
     with pytest.raises(ValueError, match="shared term"):
         Terms(x, k, with_shared).total(None if with_shared else torch.zeros(t, h, dtype=torch.bfloat16))
+
+
+def test_terms_into_their_rows_beside_a_shared_slot(monkeypatch):
+    """``Terms`` with the shared expert's slot ([T, k + 1, H]): the kernel's own writes
+    (``DIRECT_TERMS``, rows through ``Into``) fill the rows ``put`` fills, so the totals agree bit
+    for bit (the offload tests above have no shared slot on a CPU)."""
+    import numpy as np
+
+    from ft.moe.backends import pairs
+    from ft.moe.kernels.torch_ref import fused_moe_ref
+
+    class Bank:
+        kernel = staticmethod(fused_moe_ref)
+
+        def kernel_weights(self, tensors):
+            return tensors["w13"], tensors["w2"]
+
+        def takes_gemv(self, tokens: int) -> bool:
+            return False
+
+    gen = torch.Generator().manual_seed(0)
+    t, k, e, h, inter = 6, 2, 4, 8, 4
+    x = torch.randn(t, h, generator=gen)
+    w13, w2 = torch.randn(e, 2 * inter, h, generator=gen), torch.randn(e, h, inter, generator=gen)
+    tensors = {"w13": w13, "w2": w2}
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen)
+    calls = [(np.array([0, 2]), np.array([0, 2])), (np.array([3, 1]), np.array([3, 1]))]
+    runs = pairs.device_runs(ids, weights, calls, np.bincount(ids.reshape(-1).numpy(), minlength=e))
+    shared = torch.randn(t, h, generator=gen)
+    totals = {}
+    for direct in (False, True):
+        monkeypatch.setattr(pairs, "DIRECT_TERMS", direct)
+        terms = pairs.Terms(x, k, shared=True)
+        for run in runs:
+            terms.run(Bank(), tensors, x, *run)
+        totals[direct] = terms.total(shared)
+    assert torch.equal(totals[True], totals[False])

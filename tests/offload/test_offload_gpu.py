@@ -65,7 +65,9 @@ def max_logprob_diff(a, b, decode: bool = True) -> float:
 ckpt = family_checkpoints(seed=31, weight_scale=0.8)
 
 
-@pytest.mark.parametrize("switch", [None, "pairs:DEVICE_PAIRS=0", "offload:HITS_AFTER_AHEAD=0"])
+@pytest.mark.parametrize(
+    "switch", [None, "pairs:DEVICE_PAIRS=0", "offload:HITS_AFTER_AHEAD=0", "pairs:DIRECT_TERMS=1"]
+)
 def test_fp32_offload_equals_resident_exactly(ckpt, monkeypatch, switch):
     """Also with a prefill switch flipped: ``pairs.DEVICE_PAIRS`` off (the streamed layers' pairs
     grouped on the host: the same runs) and ``offload.HITS_AFTER_AHEAD`` off (the hits before the
@@ -338,3 +340,28 @@ def test_decode_ahead_with_host_reads_equals_step_by_step(ckpt, monkeypatch):
     monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)
     options = dict(OFFLOAD, device="cuda", dtype="float32", block_size=16)
     check_ahead_equals_step_by_step(ckpt, free_run(ckpt, **options), **options)
+
+
+def direct_terms_change_nothing(path, monkeypatch) -> None:
+    from ft.moe.backends import pairs
+
+    outs = {}
+    for direct in (False, True):
+        monkeypatch.setattr(pairs, "DIRECT_TERMS", direct)
+        outs[direct], info = generate(path, dtype="bfloat16", **OFFLOAD)
+        assert info["stats"].moe_misses > 0
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert max_logprob_diff(outs[True], outs[False]) == 0.0
+
+
+def test_bf16_terms_the_kernels_write_themselves_change_nothing(ckpt, monkeypatch):
+    """``pairs.DIRECT_TERMS``: the bf16 grouped GEMMs read a streamed call's tokens through a row
+    map and write its terms into their rows of ``Terms`` (``Into``); the outputs are bit for bit
+    those of the gathered calls."""
+    direct_terms_change_nothing(ckpt, monkeypatch)
+
+
+def test_nvfp4_terms_the_kernels_write_themselves_change_nothing(tmp_path, monkeypatch):
+    """The same for the W4A16 kernel (NVFP4 banks)."""
+    write_nvfp4_checkpoint(tmp_path, "qwen3_next", seed=8, moe_intermediate_size=64)
+    direct_terms_change_nothing(tmp_path / "nvfp4", monkeypatch)

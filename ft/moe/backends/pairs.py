@@ -11,6 +11,7 @@ import os
 import numpy as np
 import torch
 
+from ft.moe.kernels.into import Into
 from ft.utils import upload
 
 # The pairs grouped on the device (``device_runs``) instead of on the host (``Pairs`` +
@@ -22,6 +23,13 @@ from ft.utils import upload
 # 8k prefill 10,990 -> 12,197 tok/s (74 -> 82% of the link), TTFT 1k 613.8 -> 558.5 ms; the
 # offload GPU tests' fp32 equality with it on passed. The hybrid backend's CPU share keeps ``Pairs``.
 DEVICE_PAIRS = os.environ.get("FT_MOE_DEVICE_PAIRS", "1") != "0"
+# A streamed layer's calls read their tokens from the batch and write their terms into ``Terms``
+# themselves (``Into``: the grouped GEMMs' rows through a map) instead of a gather of x before each
+# call and an ``index_copy_`` of its terms after: on an H200 (2026-12-03) a 16k-token chunk's
+# layer spent ~0.9 ms in the gather of its in-place hits alone, beside ~1.5 ms of their GEMMs, and
+# the link idled through it (docs/benchmarks.md). The same bytes in the same order, so the same
+# results bit for bit. Off until a GPU run times it (FT_MOE_DIRECT_TERMS=1); read at each call.
+DIRECT_TERMS = os.environ.get("FT_MOE_DIRECT_TERMS", "0") == "1"
 
 
 class Pairs:
@@ -135,16 +143,28 @@ class Terms:
         self.k, self.width = top_k, top_k + int(shared)
         self.buf = torch.empty(x.shape[0], self.width, x.shape[1], dtype=x.dtype, device=x.device)
 
+    def rows(self, pair: torch.Tensor) -> torch.Tensor:
+        """The rows of ``buf`` viewed [T * width, H] that pairs ``pair`` (indices into the
+        batch's [T*k]) write."""
+        return pair + pair // self.k if self.width > self.k else pair  # [T, k + 1] rows
+
     def put(self, pair: torch.Tensor, y: torch.Tensor) -> None:
-        """Rows y[i] for pairs ``pair[i]`` (indices into the batch's [T*k])."""
+        """Rows y[i] for pairs ``pair[i]``."""
         if len(pair) > 0:
-            at = pair + pair // self.k if self.width > self.k else pair  # [T, k + 1] rows
-            self.buf.view(-1, self.buf.shape[-1]).index_copy_(0, at, y)
+            self.buf.view(-1, self.buf.shape[-1]).index_copy_(0, self.rows(pair), y)
 
     def run(self, bank, tensors, x, tok, pair_w, rows, pair) -> None:
-        """One call's pairs (a run of ``upload_pairs`` / ``device_runs``) computed into their rows."""
-        if len(tok) > 0:
-            self.put(pair, pair_terms(bank, tensors, x, tok, pair_w, rows))
+        """One call's pairs (a run of ``upload_pairs`` / ``device_runs``) computed into their rows:
+        with ``DIRECT_TERMS`` by the kernel itself (``Into``) where it takes the batch's MMA path."""
+        if len(tok) == 0:
+            return
+        if DIRECT_TERMS and not bank.takes_gemv(len(x)):
+            into = Into(tok, self.buf.view(-1, self.buf.shape[-1]), self.rows(pair))
+            bank.kernel(
+                x, *bank.kernel_weights(tensors), pair_w, rows.unsqueeze(1), batch_tokens=len(x), into=into
+            )
+            return
+        self.put(pair, pair_terms(bank, tensors, x, tok, pair_w, rows))
 
     def total(self, shared_term: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H]: every pair written, ``shared_term`` [T, H] (x's dtype) with a shared slot."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ft.moe.kernels.into import Into
 from ft.moe.kernels.torch_ref import fused_moe_ref
 from ft.quant.nvfp4 import NVFP4Tensor, dequantize
 
@@ -21,10 +22,11 @@ def fused_moe_nvfp4_ref(
     weights: torch.Tensor,
     ids: torch.Tensor,
     batch_tokens: int | None = None,
+    into: Into | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 codes [E, 2I, H/2], scales [E, 2I, H/16], globals [E, 2I]; w2 codes
     [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H].
-    One path at every size, so ``batch_tokens`` changes nothing."""
+    One path at every size, so ``batch_tokens`` changes nothing. ``into``: ``fused_moe_ref``'s."""
     e, two_i, half_h = w13.weight.shape
     assert half_h * 2 == x.shape[-1], f"w13 codes {tuple(w13.weight.shape)} do not fit x {tuple(x.shape)}"
     assert w2.weight.shape == (e, x.shape[-1], two_i // 4), (
@@ -38,4 +40,4 @@ def fused_moe_nvfp4_ref(
     def experts(w: NVFP4Tensor) -> torch.Tensor:
         return dequantize(w.weight[hit], w.weight_scale[hit], w.weight_scale_2[hit], x.dtype)
 
-    return fused_moe_ref(x, experts(w13), experts(w2), weights, local_ids)
+    return fused_moe_ref(x, experts(w13), experts(w2), weights, local_ids, into=into)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ft.moe.kernels.into import Into
+
 
 def fused_moe_ref(
     x: torch.Tensor,
@@ -13,9 +15,14 @@ def fused_moe_ref(
     weights: torch.Tensor,
     ids: torch.Tensor,
     batch_tokens: int | None = None,
+    into: Into | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H].
-    One path at every size, so ``batch_tokens`` changes nothing."""
+    One path at every size, so ``batch_tokens`` changes nothing. ``into``: the call's tokens are
+    rows of x, its terms go into rows of ``into.out`` (``Into``; gathered and scattered here)."""
+    if into is not None:
+        into.check(x, ids, False)
+        return into.scatter(fused_moe_ref(into.gather(x), w13, w2, weights, ids))
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w13.shape[1] // 2
     for e in torch.unique(ids).tolist():

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ft.layers.pdl import pdl_args, wait_for_previous
+from ft.moe.kernels.into import Into
 from ft.moe.kernels.triton_combine import sum_topk
 
 ALIGN_BLOCK = 1024  # pairs per program of the multi-program sort (prefill sizes)
@@ -62,6 +63,8 @@ def _grouped_gemm_kernel(
     s_be,
     s_bn,
     s_cm,
+    a_map,
+    c_map,
     TOPK: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
     SWIGLU: tl.constexpr,
@@ -71,6 +74,8 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    A_MAP: tl.constexpr = False,
+    C_MAP: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous(USE_PDL)
@@ -79,7 +84,18 @@ def _grouped_gemm_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded):
         return
     e, rows, rmask, a_rows, n, nmask = tile_pairs(
-        pid_m, pid_n, sorted_ids, block_expert, num_pairs, N, TOPK, A_PER_TOKEN, BLOCK_M, BLOCK_N
+        pid_m,
+        pid_n,
+        sorted_ids,
+        block_expert,
+        num_pairs,
+        N,
+        a_map,
+        TOPK,
+        A_PER_TOKEN,
+        BLOCK_M,
+        BLOCK_N,
+        A_MAP,
     )
     kk = tl.arange(0, BLOCK_K)
     a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
@@ -106,7 +122,7 @@ def _grouped_gemm_kernel(
         b_ptr += BLOCK_K
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
-    store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, MUL_W)
+    store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, c_map, MUL_W, C_MAP)
 
 
 @triton.jit
@@ -126,24 +142,31 @@ def pair_tile(pid, EM, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M:
 
 @triton.jit
 def tile_pairs(
-    pid_m, pid_n, sorted_ids, block_expert, num_pairs, N,
+    pid_m, pid_n, sorted_ids, block_expert, num_pairs, N, a_map,
     TOPK: tl.constexpr, A_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    A_MAP: tl.constexpr,
 ):  # fmt: skip
     # a tile's expert, its flat pair ids [BM] (the padding's id, num_pairs, masked off), the input
-    # row each reads (its token's, or its own), and its output columns [BN]
+    # row each reads (its token's, or its own; ``A_MAP``: that row's entry of a_map, a row of a
+    # larger batch), and its output columns [BN]
     e = tl.load(block_expert + pid_m).to(tl.int64)
     rows = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     rmask = rows < num_pairs
     a_rows = (rows // TOPK) if A_PER_TOKEN else rows
+    if A_MAP:
+        a_rows = tl.load(a_map + a_rows, mask=rmask, other=0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return e, rows, rmask, a_rows, n, n < N
 
 
 @triton.jit
-def store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, MUL_W: tl.constexpr):
-    # a tile's fp32 results, times each pair's routing weight (``MUL_W``), into its rows of c
+def store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, c_map, MUL_W: tl.constexpr, C_MAP: tl.constexpr):
+    # a tile's fp32 results, times each pair's routing weight (``MUL_W``), into its rows of c (or
+    # with ``C_MAP`` each pair's entry of c_map)
     if MUL_W:
         acc = acc * tl.load(topk_w + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    if C_MAP:
+        rows = tl.load(c_map + rows, mask=rmask, other=0)
     c_ptr = c + rows[:, None].to(tl.int64) * s_cm + n[None, :]
     tl.store(c_ptr, acc.to(c.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
@@ -293,7 +316,9 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, small: in
     return sorted_ids, block_expert, num_padded
 
 
-def _launch(a, b, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, mul_w, cfg):
+def _launch(
+    a, b, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, mul_w, cfg, a_map=None, c_map=None
+):
     sorted_ids, block_expert, num_padded = align
     bm, bn, bk, group_m, warps, stages = cfg
     em = sorted_ids.shape[0]
@@ -314,6 +339,8 @@ def _launch(a, b, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, 
         b.stride(0),
         b.stride(1),
         c.stride(0),
+        sorted_ids if a_map is None else a_map,  # (unread without its flag)
+        sorted_ids if c_map is None else c_map,
         TOPK=topk,
         A_PER_TOKEN=a_per_token,
         SWIGLU=swiglu,
@@ -323,6 +350,8 @@ def _launch(a, b, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, 
         BLOCK_N=bn,
         BLOCK_K=bk,
         GROUP_M=group_m,
+        A_MAP=a_map is not None,
+        C_MAP=c_map is not None,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(a),
@@ -330,10 +359,17 @@ def _launch(a, b, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, 
 
 
 def check_operands(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    tokens: int | None = None,
 ) -> tuple[int, int, int]:
-    """Shapes, dtypes and strides both bf16/fp16 paths (MMA and GEMV) need; returns (E, I, k)."""
+    """Shapes, dtypes and strides both bf16/fp16 paths (MMA and GEMV) need; returns (E, I, k).
+    ``tokens``: the call's, where they are rows of x (``Into``)."""
     t, h = x.shape
+    t = t if tokens is None else tokens
     e, two_i, h13 = w13.shape
     inter = two_i // 2
     topk = ids.shape[1]
@@ -354,27 +390,36 @@ def fused_moe_triton(
     weights: torch.Tensor,
     ids: torch.Tensor,
     batch_tokens: int | None = None,
+    into: Into | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H].
-    ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it."""
-    t, h = x.shape
+    ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it. ``into``:
+    the call's tokens are rows of x and its terms go into rows of another tensor (``Into``)."""
+    if into is not None:
+        into.check(x, ids, takes_gemv(batch_tokens or len(ids), w2.shape[-1]))
+    t, h = len(ids), x.shape[1]
     if t > 0 and takes_gemv(batch_tokens or t, w2.shape[-1]):
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports this module
 
         return fused_moe_gemv(x, w13, w2, weights, ids)
     assert x.is_cuda and w13.device == x.device, "fused_moe_triton needs CUDA tensors on one device"
-    e, inter, topk = check_operands(x, w13, w2, weights, ids)
+    e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if into is None else into.out
     x = x if x.stride(-1) == 1 else x.contiguous()
     up_cfg, down_cfg = pick_config(t, e)
     topk_w = weights.reshape(-1).float().contiguous()  # [T*k]
     pairs = t * topk
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     align = align_by_expert(ids, e, up_cfg[0])
-    _launch(x, w13, act, topk_w, align, pairs, inter, h, topk, True, True, False, up_cfg)
+    a_map = None if into is None else into.tokens
+    _launch(x, w13, act, topk_w, align, pairs, inter, h, topk, True, True, False, up_cfg, a_map=a_map)
     if down_cfg[0] != up_cfg[0]:
         align = align_by_expert(ids, e, down_cfg[0])
+    if into is not None:  # each pair's weighted term into its row of ``into.out``
+        _launch(act, w2, into.out, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg,
+                c_map=into.rows)  # fmt: skip
+        return into.out
     y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [T*k, H], weighted
     _launch(act, w2, y, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg)
     if topk == 1:  # one term a token, already rounded: its sum is itself (the offload backend's calls)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ft.layers.pdl import pdl_args, wait_for_previous
+from ft.moe.kernels.into import Into
 from ft.moe.kernels.triton_combine import sum_topk
 from ft.moe.kernels.triton_moe import align_by_expert, pair_tile, pick_config, store_pairs, tile_pairs
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
@@ -97,6 +98,8 @@ def _w4a16_gemm_kernel(
     s_ge,
     s_cm,
     unfold,
+    a_map,
+    c_map,
     TOPK: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
     SWIGLU: tl.constexpr,
@@ -106,6 +109,8 @@ def _w4a16_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    A_MAP: tl.constexpr = False,
+    C_MAP: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     wait_for_previous(USE_PDL)
@@ -114,7 +119,18 @@ def _w4a16_gemm_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded):
         return
     e, rows, rmask, a_rows, n, nmask = tile_pairs(
-        pid_m, pid_n, sorted_ids, block_expert, num_pairs, N, TOPK, A_PER_TOKEN, BLOCK_M, BLOCK_N
+        pid_m,
+        pid_n,
+        sorted_ids,
+        block_expert,
+        num_pairs,
+        N,
+        a_map,
+        TOPK,
+        A_PER_TOKEN,
+        BLOCK_M,
+        BLOCK_N,
+        A_MAP,
     )
     kk = tl.arange(0, BLOCK_K)
     kb = tl.arange(0, BLOCK_K // 2)
@@ -167,10 +183,26 @@ def _w4a16_gemm_kernel(
     if SWIGLU:
         acc_up = acc_up * (tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold)[None, :]
         acc = acc * tl.sigmoid(acc) * acc_up
-    store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, MUL_W)
+    store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, c_map, MUL_W, C_MAP)
 
 
-def _launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, mul_w, cfg):
+def _launch(
+    a,
+    w: NVFP4Tensor,
+    c,
+    topk_w,
+    align,
+    num_pairs,
+    n,
+    k,
+    topk,
+    a_per_token,
+    swiglu,
+    mul_w,
+    cfg,
+    a_map=None,
+    c_map=None,
+):
     sorted_ids, block_expert, num_padded = align
     bm, bn, bk, group_m, warps, stages = cfg
     em = sorted_ids.shape[0]
@@ -198,6 +230,8 @@ def _launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_to
         w.weight_scale_2.stride(0),
         c.stride(0),
         UNFOLD,
+        sorted_ids if a_map is None else a_map,  # (unread without its flag)
+        sorted_ids if c_map is None else c_map,
         TOPK=topk,
         A_PER_TOKEN=a_per_token,
         SWIGLU=swiglu,
@@ -207,6 +241,8 @@ def _launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_to
         BLOCK_N=bn,
         BLOCK_K=bk,
         GROUP_M=group_m,
+        A_MAP=a_map is not None,
+        C_MAP=c_map is not None,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(a),
@@ -231,10 +267,17 @@ def _check(w: NVFP4Tensor, e: int, n: int, k: int, what: str) -> None:
 
 
 def check_operands(
-    x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    tokens: int | None = None,
 ) -> tuple[int, int, int]:
-    """Shapes and dtypes both W4A16 paths need; returns (E, I, k)."""
+    """Shapes and dtypes both W4A16 paths need; returns (E, I, k). ``tokens``: the call's, where
+    they are rows of x (``Into``)."""
     t, h = x.shape
+    t = t if tokens is None else tokens
     e, two_i = w13.weight.shape[:2]
     inter = two_i // 2
     topk = ids.shape[1]
@@ -255,11 +298,15 @@ def fused_moe_w4a16(
     weights: torch.Tensor,
     ids: torch.Tensor,
     batch_tokens: int | None = None,
+    into: Into | None = None,
 ) -> torch.Tensor:
     """x [T, H] bf16; w13 codes [E, 2I, H/2], scales [E, 2I, H/16], globals [E, 2I] (gate rows then
     up rows); w2 codes [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H].
-    ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it."""
-    t, h = x.shape
+    ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it. ``into``:
+    the call's tokens are rows of x and its terms go into rows of another tensor (``Into``)."""
+    if into is not None:
+        into.check(x, ids, takes_gemv(batch_tokens or len(ids), w2.weight.shape[-1] * 2))
+    t, h = len(ids), x.shape[1]
     if t > 0 and takes_gemv(batch_tokens or t, w2.weight.shape[-1] * 2):
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports _decode from here
 
@@ -267,18 +314,23 @@ def fused_moe_w4a16(
     assert x.is_cuda and w13.weight.device == x.device == w2.weight.device, (
         "fused_moe_w4a16 needs CUDA tensors on one device"
     )
-    e, inter, topk = check_operands(x, w13, w2, weights, ids)
+    e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if into is None else into.out
     x = x if x.stride(-1) == 1 else x.contiguous()
     up_cfg, down_cfg = pick_config(t, e)
     topk_w = weights.reshape(-1).float().contiguous()  # [T*k]
     pairs = t * topk
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     align = align_by_expert(ids, e, up_cfg[0])
-    _launch(x, w13, act, topk_w, align, pairs, inter, h, topk, True, True, False, up_cfg)
+    a_map = None if into is None else into.tokens
+    _launch(x, w13, act, topk_w, align, pairs, inter, h, topk, True, True, False, up_cfg, a_map=a_map)
     if down_cfg[0] != up_cfg[0]:
         align = align_by_expert(ids, e, down_cfg[0])
+    if into is not None:  # each pair's weighted term into its row of ``into.out``
+        _launch(act, w2, into.out, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg,
+                c_map=into.rows)  # fmt: skip
+        return into.out
     y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [T*k, H], weighted
     _launch(act, w2, y, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg)
     if topk == 1:  # one term a token, already rounded: its sum is itself (the offload backend's calls)
