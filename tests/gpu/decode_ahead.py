@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import os
-import statistics
 import sys
 import time
 
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from ft.bench.offline import run_batch  # noqa: E402
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
-from tests.gpu.profiling import logger  # noqa: E402
+from tests.gpu.profiling import log_medians, logger  # noqa: E402
 
 DEV = os.environ.get("DEV", "cuda")
 ROUNDS = os.environ.get("ROUNDS", "off,on,off,on").split(",")
@@ -66,9 +65,7 @@ def main() -> None:
         tok_s = rate(seed)
         rows.setdefault(name, []).append(tok_s)
         log(f"decode ahead {name:3s}: {tok_s:8.1f} tok/s ({BATCH} x {STEPS} tokens)")
-    for name, r in rows.items():
-        log(f"== decode ahead {name}: median {statistics.median(r):.1f} tok/s of {len(r)} "
-            f"(min {min(r):.1f}, max {max(r):.1f}), batch {BATCH}")  # fmt: skip
+    log_medians(log, rows, "decode ahead", f"tok/s at batch {BATCH}")
     engine.shutdown()
 
 

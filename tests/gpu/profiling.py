@@ -5,6 +5,7 @@ wrapped parts."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,13 @@ def logger(out: str | None) -> Callable[[str], None]:
                 print(line, file=f)
 
     return log
+
+
+def log_medians(log: Callable[[str], None], rows: dict[str, list[float]], what: str, unit: str) -> None:
+    """One line a setting of an A/B script's rounds: the median of its figures, their count and range."""
+    for name, values in rows.items():
+        log(f"== {what} {name}: median {statistics.median(values):.1f} {unit} of {len(values)} "
+            f"(min {min(values):.1f}, max {max(values):.1f})")  # fmt: skip
 
 
 def cut_config(src: str, layers: int) -> tuple[str, dict]:

@@ -15,7 +15,6 @@ pre-staged layers it computed. A round's staged buffers are dropped before the n
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 
@@ -25,7 +24,7 @@ from ft.bench.offline import idle_for, run_batch  # noqa: E402
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.moe.backends import offload  # noqa: E402
-from tests.gpu.profiling import logger  # noqa: E402
+from tests.gpu.profiling import log_medians, logger  # noqa: E402
 
 DEV = os.environ.get("DEV", "cuda")
 IDLE_S = 1.0
@@ -73,9 +72,7 @@ def main() -> None:
             log(f"pre-staging {name:3s}: TTFT {1e3 * ttft:7.1f} ms, {layers:2d} pre-staged layers computed; "
                 f"engine.idle() {host_ms:6.1f} ms host, copies landed {copies_ms:6.1f} ms later; "
                 f"{staged / 2**30:.2f} GiB still staged after")  # fmt: skip
-    for name, ms in rows.items():
-        log(f"== pre-staging {name}: TTFT median {statistics.median(ms):.1f} ms of {len(ms)} "
-            f"(min {min(ms):.1f}, max {max(ms):.1f})")  # fmt: skip
+    log_medians(log, rows, "pre-staging", "ms TTFT")
     engine.shutdown()
 
 

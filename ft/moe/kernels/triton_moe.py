@@ -84,19 +84,9 @@ def _grouped_gemm_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded):
         return
     e, rows, rmask, a_rows, n, nmask = tile_pairs(
-        pid_m,
-        pid_n,
-        sorted_ids,
-        block_expert,
-        num_pairs,
-        N,
-        a_map,
-        TOPK,
-        A_PER_TOKEN,
-        BLOCK_M,
-        BLOCK_N,
+        pid_m, pid_n, sorted_ids, block_expert, num_pairs, N, a_map, TOPK, A_PER_TOKEN, BLOCK_M, BLOCK_N,
         A_MAP,
-    )
+    )  # fmt: skip
     kk = tl.arange(0, BLOCK_K)
     a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
     b_ptr = b + e * s_be + n[None, :].to(tl.int64) * s_bn + kk[:, None]  # [BK, BN]
@@ -397,7 +387,7 @@ def fused_moe_triton(
     the call's tokens are rows of x and its terms go into rows of another tensor (``Into``)."""
     if into is not None:
         into.check(x, ids, takes_gemv(batch_tokens or len(ids), w2.shape[-1]))
-    t, h = len(ids), x.shape[1]
+    t = len(ids)
     if t > 0 and takes_gemv(batch_tokens or t, w2.shape[-1]):
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports this module
 
@@ -406,6 +396,14 @@ def fused_moe_triton(
     e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
         return torch.zeros_like(x) if into is None else into.out
+    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into)
+
+
+def mma_path(launch, x, w13, w2, weights, ids, e: int, inter: int, into: Into | None) -> torch.Tensor:
+    """A fused MoE call's MMA path (bf16 and W4A16 alike, ``launch`` the kernel's launcher): the
+    pairs sorted by expert and padded, gate/up with SwiGLU into act [T*k, I], down weighted into
+    y [T*k, H] (or ``into``'s rows, returned), the top-k sum."""
+    t, h, topk = len(ids), x.shape[1], ids.shape[1]
     x = x if x.stride(-1) == 1 else x.contiguous()
     up_cfg, down_cfg = pick_config(t, e)
     topk_w = weights.reshape(-1).float().contiguous()  # [T*k]
@@ -413,15 +411,15 @@ def fused_moe_triton(
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     align = align_by_expert(ids, e, up_cfg[0])
     a_map = None if into is None else into.tokens
-    _launch(x, w13, act, topk_w, align, pairs, inter, h, topk, True, True, False, up_cfg, a_map=a_map)
+    launch(x, w13, act, topk_w, align, pairs, inter, h, topk, True, True, False, up_cfg, a_map=a_map)
     if down_cfg[0] != up_cfg[0]:
         align = align_by_expert(ids, e, down_cfg[0])
     if into is not None:  # each pair's weighted term into its row of ``into.out``
-        _launch(act, w2, into.out, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg,
-                c_map=into.rows)  # fmt: skip
+        launch(act, w2, into.out, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg,
+               c_map=into.rows)  # fmt: skip
         return into.out
     y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [T*k, H], weighted
-    _launch(act, w2, y, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg)
+    launch(act, w2, y, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg)
     if topk == 1:  # one term a token, already rounded: its sum is itself (the offload backend's calls)
         return y
     return sum_topk(y.view(t, topk, h))  # accumulates in fp32, rounds once

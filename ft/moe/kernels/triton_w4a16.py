@@ -24,8 +24,7 @@ import triton.language as tl
 
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.into import Into
-from ft.moe.kernels.triton_combine import sum_topk
-from ft.moe.kernels.triton_moe import align_by_expert, pair_tile, pick_config, store_pairs, tile_pairs
+from ft.moe.kernels.triton_moe import mma_path, pair_tile, store_pairs, tile_pairs
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 
 UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
@@ -119,19 +118,9 @@ def _w4a16_gemm_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded):
         return
     e, rows, rmask, a_rows, n, nmask = tile_pairs(
-        pid_m,
-        pid_n,
-        sorted_ids,
-        block_expert,
-        num_pairs,
-        N,
-        a_map,
-        TOPK,
-        A_PER_TOKEN,
-        BLOCK_M,
-        BLOCK_N,
+        pid_m, pid_n, sorted_ids, block_expert, num_pairs, N, a_map, TOPK, A_PER_TOKEN, BLOCK_M, BLOCK_N,
         A_MAP,
-    )
+    )  # fmt: skip
     kk = tl.arange(0, BLOCK_K)
     kb = tl.arange(0, BLOCK_K // 2)
     ks = tl.arange(0, BLOCK_K // 16)
@@ -306,7 +295,7 @@ def fused_moe_w4a16(
     the call's tokens are rows of x and its terms go into rows of another tensor (``Into``)."""
     if into is not None:
         into.check(x, ids, takes_gemv(batch_tokens or len(ids), w2.weight.shape[-1] * 2))
-    t, h = len(ids), x.shape[1]
+    t = len(ids)
     if t > 0 and takes_gemv(batch_tokens or t, w2.weight.shape[-1] * 2):
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports _decode from here
 
@@ -317,22 +306,4 @@ def fused_moe_w4a16(
     e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
         return torch.zeros_like(x) if into is None else into.out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    up_cfg, down_cfg = pick_config(t, e)
-    topk_w = weights.reshape(-1).float().contiguous()  # [T*k]
-    pairs = t * topk
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
-    align = align_by_expert(ids, e, up_cfg[0])
-    a_map = None if into is None else into.tokens
-    _launch(x, w13, act, topk_w, align, pairs, inter, h, topk, True, True, False, up_cfg, a_map=a_map)
-    if down_cfg[0] != up_cfg[0]:
-        align = align_by_expert(ids, e, down_cfg[0])
-    if into is not None:  # each pair's weighted term into its row of ``into.out``
-        _launch(act, w2, into.out, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg,
-                c_map=into.rows)  # fmt: skip
-        return into.out
-    y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)  # [T*k, H], weighted
-    _launch(act, w2, y, topk_w, align, pairs, h, inter, topk, False, False, True, down_cfg)
-    if topk == 1:  # one term a token, already rounded: its sum is itself (the offload backend's calls)
-        return y
-    return sum_topk(y.view(t, topk, h))  # accumulates in fp32, rounds once
+    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into)
