@@ -45,8 +45,8 @@ def takes_gemv(tokens: int, inter: int) -> bool:
     return 0 < tokens <= GEMV_MAX_TOKENS and inter <= GEMV_MAX_INTER
 
 
-# a call's pair count and where its weights start (a slice of a batch's pairs): one variant for all
-@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w"])
+# a call's pair count, where its weights and row maps start (slices of a batch's): one variant for all
+@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w", "a_map", "c_map"])
 def _grouped_gemm_kernel(
     a,
     b,

@@ -73,8 +73,8 @@ def e4m3(scale):
     return s.to(tl.float16, bitcast=True).to(tl.float32)
 
 
-# a call's pair count and where its weights start (a slice of a batch's pairs): one variant for all
-@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w"])
+# a call's pair count, where its weights and row maps start (slices of a batch's): one variant for all
+@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w", "a_map", "c_map"])
 def _w4a16_gemm_kernel(
     a,
     b,
