@@ -123,8 +123,11 @@ def check_ahead_equals_step_by_step(path, tokens: list[list[int]], **options) ->
     assert launched >= 8, f"only {launched} batches were issued ahead"
 
 
-def test_decode_ahead_equals_step_by_step(ckpt, cpu_run):
-    check_ahead_equals_step_by_step(ckpt, cpu_run)
+@pytest.mark.parametrize("running", [64, 2])
+def test_decode_ahead_equals_step_by_step(ckpt, cpu_run, running):
+    """Also with two running places for five requests: the others wait, and the steps ahead go
+    on while the places are full."""
+    check_ahead_equals_step_by_step(ckpt, cpu_run, max_running_requests=running, **CPU)
 
 
 def test_the_last_request_stopping_drops_the_batch_ahead(ckpt, cpu_run):
@@ -161,6 +164,9 @@ def test_schedule_ahead_only_when_the_next_batch_is_known(ckpt):
     assert len(seq.block_ids) * 4 >= req.num_tokens + 1
     engine.add_request(PROMPTS[1], greedy(3), "waits")
     assert sched.schedule_ahead(batch) is None  # the next schedule would admit it
+    sched.max_running = 1
+    assert sched.schedule_ahead(batch) is not None  # it cannot be admitted: the place is taken
+    sched.max_running = 64
     sched.abort("waits")
     assert sched.schedule_ahead(batch) is not None
     req.params = greedy(2)  # the token in flight would be its second and last

@@ -160,7 +160,7 @@ class LLMEngine:
 
         Decode ahead (``EngineConfig.decode_ahead``): when the batch just issued lets the
         scheduler know the next one (``Scheduler.schedule_ahead``: every running request decoding,
-        nothing waiting), that next batch is issued before this one's tokens are read, its input
+        no waiting request admissible), that next batch is issued before this one's tokens are read, its input
         ids taken from this one's samples on the device (the other tensor-parallel ranks take
         them from the first by a broadcast). The device then never waits for the host between
         decode steps (reading the tokens, folding them in, scheduling and uploading the next

@@ -170,13 +170,17 @@ class Scheduler:
     def schedule_ahead(self, batch: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
         """The decode step after ``batch``, scheduled while ``batch`` still runs (its tokens not yet
         known here), or None when that step cannot be known now. It can when ``batch`` decodes
-        every running request and nothing waits (so the next ``schedule`` would build the same
-        batch), no request's token in flight is its last by length (a step for it would be wasted
-        for sure), and blocks for one more token each are free without preempting anyone.
+        every running request and no waiting request could be admitted (none waits, or every
+        running place or state slot is taken: a loaded server's steady state), so the next
+        ``schedule`` would build the same batch; when no request's token in flight is its last by
+        length (a step for it would be wasted for sure); and when blocks for one more token each
+        are free without preempting anyone. A request that ``batch`` ends frees its place one
+        step later than without the step ahead.
         Each sequence's token is ``PENDING_TOKEN``: the runner takes it from ``batch``'s samples
         on the device. A request that ``batch`` ends (a stop token) had its step ahead run for
         nothing; the engine drops its result."""
-        if self.waiting or len(batch) != len(self.running):
+        admits = self.waiting and len(self.running) < self.max_running and self.slots.num_free > 0
+        if admits or len(batch) != len(self.running):
             return None
         for seq, req in zip(batch, self.running):
             if (
