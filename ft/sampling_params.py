@@ -18,9 +18,22 @@ class SamplingParams:
     logprobs: int | None = None  # top-n log-probs for each generated token
     prompt_logprobs: int | None = None  # top-n log-probs for each prompt position
     min_tokens: int = 0
+    # logits processing before a token is chosen (greedy or sampled; log-probs stay the model's):
+    # ``logit_bias`` adds to given tokens' logits; ``repetition_penalty`` r divides a positive
+    # logit by r and multiplies a negative one by r for every token of the prompt or the output so
+    # far; ``frequency_penalty`` f and ``presence_penalty`` p take f x (its count in the output)
+    # and p (once it is there) off a token's logit, in that order; then ``min_p`` drops the
+    # tokens less likely than min_p x the likeliest (sampled rows, after temperature, top-k, top-p)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is taken too
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         checks = [
             ("max_tokens", self.max_tokens >= 0),
             ("temperature", math.isfinite(self.temperature) and self.temperature >= 0),
@@ -29,6 +42,11 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or self.logprobs >= 0),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0),
             ("min_tokens", self.min_tokens >= 0),
+            ("presence_penalty", math.isfinite(self.presence_penalty)),
+            ("frequency_penalty", math.isfinite(self.frequency_penalty)),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0),
+            ("min_p", 0 <= self.min_p <= 1),
+            ("logit_bias", all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias)),
         ]
         for name, ok in checks:
             if not ok:
@@ -37,6 +55,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalises(self) -> bool:
+        """Whether the logits depend on the tokens so far (a penalty)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        return self.penalises or bool(self.logit_bias)
 
 
 Logprobs = dict[int, float]

@@ -178,3 +178,20 @@ def test_decode_ahead_with_two_ranks_equals_step_by_step(ckpt, cpu_run):
     """Two tensor-parallel ranks: each launches the batch ahead, the second taking the first's
     samples by broadcast; tokens and finish reasons are the one-rank engine's."""
     check_ahead_equals_step_by_step(ckpt, cpu_run, tp_size=2, device="cpu", dtype="float32")
+
+
+def test_penalties_keep_a_request_out_of_decode_ahead_and_bias_does_not(ckpt):
+    """A penalty counts the token in flight, which a step ahead does not know: such a request is
+    decoded step by step; a logit bias alone does not, and is decoded ahead. Same tokens either way."""
+    for params, taken in (
+        (greedy(10, frequency_penalty=1.0), False),
+        (greedy(10, logit_bias={3: 1.5}), True),
+    ):
+        outs = {}
+        for ahead in (False, True):
+            engine = make_engine(ckpt, ahead)
+            launches = counting(engine)
+            outs[ahead] = run(engine, {"r": (PROMPTS[0], params)})
+            assert (launches[0] > 0) == (ahead and taken)
+            engine.shutdown()
+        assert outs[True] == outs[False]

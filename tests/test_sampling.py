@@ -208,3 +208,74 @@ def test_engine_seed_reproducible_and_stop_tokens(tmp_path):
         )[0]
         assert c.token_ids == a.token_ids[: first + 1] and c.finish_reason == "stop"
         assert a.finish_reason == "length" and len(a.token_ids) == 12
+
+
+def reference_process(logits: torch.Tensor, params: list[SamplingParams], seen: list) -> torch.Tensor:
+    """``process`` token by token: bias, then repetition, then frequency and presence penalties."""
+    out = logits.clone().float()
+    for r, p in enumerate(params):
+        for t, b in p.logit_bias:
+            out[r, t] += b
+        if not p.penalises:
+            continue
+        prompt, output = seen[r]
+        for t in set(prompt) | set(output) if p.repetition_penalty != 1 else set(output):
+            v = out[r, t]
+            out[r, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        for t in set(output):
+            out[r, t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return out
+
+
+def test_logits_processing_equals_the_token_by_token_reference():
+    from ft.layers.sampler import process
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 40, generator=gen) * 3
+    params = [
+        SamplingParams(logit_bias={3: 2.5, 17: -100.0}),
+        SamplingParams(
+            repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=-0.3, logit_bias={5: 1.0}
+        ),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=1.1),
+    ]
+    seen = [None, ([1, 2, 5, 5, 30], [5, 7, 7, 7, 39]), None, ([0], [4, 4, 11])]
+    got = process(logits, params, seen)
+    torch.testing.assert_close(got, reference_process(logits, params, seen), rtol=0, atol=1e-6)
+    assert torch.equal(got[2], logits[2])  # no processing: the logits as they were
+
+
+def test_penalties_move_greedy_and_min_p_cuts_the_tail():
+    sampler = Sampler(torch.device("cpu"), 0)
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
+    greedy = SamplingParams(temperature=0.0)
+    assert sampler.tokens(logits, [greedy], [0]).tolist() == [1]
+    penalised = SamplingParams(temperature=0.0, frequency_penalty=0.8)
+    assert sampler.tokens(logits, [penalised], [2], [([], [1, 1])]).tolist() == [2]  # 5 - 1.6 < 4
+    assert sampler.tokens(logits, [SamplingParams(temperature=0.0, logit_bias={3: 4.5})], [0]).tolist() == [3]
+    # min_p 0.3: only tokens within log(1/0.3) ~ 1.2 of the best logit survive (1 and 2 here)
+    wide = torch.tensor([[0.0, 5.0, 4.0, 3.5]]).repeat(2000, 1)
+    picks = sampler.tokens(wide, [SamplingParams(temperature=1.0, min_p=0.3)] * 2000, list(range(2000)))
+    assert set(picks.tolist()) == {1, 2}
+
+
+def test_engine_penalties_follow_the_models_logprobs(tmp_path):
+    """Greedy with logit bias and frequency / presence penalties (which shift a row's logits and
+    its log-softmax alike): each token is the argmax of the model's own log-probs, returned for
+    every token of the vocabulary, after the bias and the penalties of the tokens before it."""
+    write_checkpoint(tmp_path, "qwen3_moe", seed=2)
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False) as llm:
+        vocab = llm.engine.model_config.vocab_size
+        bias = {1: 3.0, 2: -2.0}
+        p = SamplingParams(
+            max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=vocab, logit_bias=bias,
+            frequency_penalty=1.5, presence_penalty=0.7,
+        )  # fmt: skip
+        out = llm.generate([[5, 6, 7]], p)[0]
+        plain = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids != plain.token_ids  # the knobs change something
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        before = out.token_ids[:i]
+        score = {t: v + bias.get(t, 0.0) - 1.5 * before.count(t) - 0.7 * (t in before) for t, v in lp.items()}
+        assert tok == max(score, key=score.get), i

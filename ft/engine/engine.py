@@ -131,6 +131,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        biased = [t for t, _ in params.logit_bias if t >= vocab]
+        if biased:
+            raise ValueError(f"logit_bias token ids {biased[:5]} are outside the vocabulary [0, {vocab})")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, [int(t) for t in prompt_token_ids], params)
         if params.prompt_logprobs is not None:

@@ -14,6 +14,7 @@ share the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,51 @@ def keep_threshold(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -
     return threshold.masked_fill(no_cut, float("-inf"))
 
 
+def process(logits: torch.Tensor, params: list[SamplingParams], seen: list) -> torch.Tensor:
+    """[B, V] fp32: the logits a token is chosen from, by each row's ``SamplingParams``: its
+    ``logit_bias`` added, then its repetition penalty on every token of ``seen[row]`` (prompt and
+    output ids), then its frequency and presence penalties on the output's. The ids go to the
+    device with every step (a long prompt's repetition penalty costs host time each step)."""
+    x = logits.float().clone()
+    device, vocab = x.device, x.shape[-1]
+    bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
+    if bias:
+        rows, toks, vals = zip(*bias)
+        at = _upload([list(rows), list(toks)], torch.int64, device)
+        x.index_put_((at[0], at[1]), _upload(list(vals), torch.float32, device), accumulate=True)
+    pen = [r for r, p in enumerate(params) if p.penalises]
+    if not pen:
+        return x
+    out_rows, out_ids, prompt_rows, prompt_ids = [], [], [], []
+    for i, r in enumerate(pen):
+        prompt, output = seen[r]
+        out_rows += [i] * len(output)
+        out_ids += output
+        if params[r].repetition_penalty != 1:
+            prompt_rows += [i] * len(prompt)
+            prompt_ids += prompt
+    n, m = len(out_ids), len(prompt_ids)
+    at = _upload(out_rows + prompt_rows + out_ids + prompt_ids, torch.int64, device)
+    counts = torch.zeros(len(pen), vocab, device=device)
+    counts.index_put_((at[:n], at[n + m : 2 * n + m]), torch.ones(n, device=device), accumulate=True)
+    in_prompt = torch.zeros(len(pen), vocab, dtype=torch.bool, device=device)
+    in_prompt[at[n : n + m], at[2 * n + m :]] = True
+    knobs = _upload(
+        [
+            [params[r].repetition_penalty, params[r].frequency_penalty, params[r].presence_penalty]
+            for r in pen
+        ],
+        torch.float32,
+        device,
+    )  # [R, 3]
+    rep, freq, pres = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]
+    rows = _upload(pen, torch.int64, device)
+    y = x.index_select(0, rows)
+    y = torch.where((counts > 0) | in_prompt, torch.where(y > 0, y / rep, y * rep), y)
+    y = y - freq * counts - pres * (counts > 0)
+    return x.index_copy_(0, rows, y)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device=device)
@@ -161,6 +207,11 @@ class Sampler:
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
             threshold = keep_threshold(scaled, [p.top_k for p in params], [p.top_p for p in params])
             scaled.masked_fill_(scaled < threshold, float("-inf"))
+        if any(p.min_p > 0 for p in params):  # p / p_max >= min_p, in logits: s >= s_max + log(min_p)
+            floor = _upload(
+                [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], torch.float32, device
+            )
+            scaled.masked_fill_(scaled < scaled.amax(-1, keepdim=True) + floor[:, None], float("-inf"))
         probs = scaled.softmax(-1)
         noise = torch.empty_like(probs)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
@@ -180,10 +231,17 @@ class Sampler:
             return []
         return self.results(self.draw(logits, params, output_index).to_host(non_blocking=False), params)
 
-    def draw(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> Draw:
+    def draw(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_index: list[int],
+        seen: list | None = None,
+    ) -> Draw:
         """The chosen tokens and the log-probs the rows ask for, left on the device (no host
-        synchronisation: ``ModelRunner.launch`` copies them to the host behind an event)."""
-        tokens = self.tokens(logits, params, output_index)
+        synchronisation: ``ModelRunner.launch`` copies them to the host behind an event). The
+        log-probs are the model's, before any logits processing (``process``)."""
+        tokens = self.tokens(logits, params, output_index, seen)
         want = [p.logprobs for p in params if p.logprobs is not None]
         if not want:
             return Draw(tokens)
@@ -193,9 +251,16 @@ class Sampler:
         return Draw(tokens, top_v, top_i, lp.gather(1, tokens[:, None])[:, 0])
 
     def tokens(
-        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_index: list[int],
+        seen: list | None = None,
     ) -> torch.Tensor:
-        """The chosen tokens [B], left on the device."""
+        """The chosen tokens [B], left on the device. ``seen``: each row's (prompt, output) token
+        ids so far where its params penalise (``ScheduledSeq.seen``), else None."""
+        if any(p.processes_logits for p in params):
+            logits = process(logits, params, seen or [None] * len(params))
         hot = [i for i, p in enumerate(params) if not p.greedy]
         if len(hot) == len(params):
             return self.sample(logits, params, output_index)

@@ -47,6 +47,9 @@ class ScheduledSeq:
     restore_from: int | None = None  # copy this GDN snapshot into the state slot before running
     snapshot_to: int | None = None  # save the GDN state after ``snapshot_len`` tokens into this snapshot
     snapshot_len: int = 0
+    # a sampling row of a request with a penalty: its prompt and output tokens so far (the
+    # request's own lists, read before the step's token is added to them)
+    seen: tuple[list[int], list[int]] | None = None
 
 
 @dataclass
@@ -190,6 +193,7 @@ class Scheduler:
                 or req.num_computed_tokens != seq.start
                 or len(req.output_token_ids) + 2 > req.params.max_tokens
                 or req.num_tokens + 2 > self.max_model_len
+                or req.params.penalises  # its penalties count the token in flight
             ):
                 return None
         if not all(self._grow(req, req.num_tokens + 1) for req in self.running):
@@ -259,13 +263,15 @@ class Scheduler:
             at = min(start + n, req.num_tokens - 1) // bs * bs - start
             snapshot = self.cache.take_snapshot_slot() if at > 0 else None
         restore, req.restore_snapshot = req.restore_snapshot, None
+        sample = start + n == req.num_tokens
+        seen = (req.prompt_token_ids, req.output_token_ids) if sample and req.params.penalises else None
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=tokens,
             start=start,
             block_ids=list(req.block_ids),
             state_slot=req.state_slot,
-            sample=start + n == req.num_tokens,
+            sample=sample,
             params=req.params,
             output_index=len(req.output_token_ids),
             prompt_targets=targets,
@@ -273,6 +279,7 @@ class Scheduler:
             restore_from=restore,
             snapshot_to=snapshot,
             snapshot_len=at if snapshot is not None else 0,
+            seen=seen,
         )
 
     def _preempt(self, req: Request) -> None:

@@ -87,6 +87,14 @@ class ServerState:
     def sampling_params(
         self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
+        vocab = self.info.vocab_size
+        outside = [t for t in (req.logit_bias or {}) if int(t) >= vocab]
+        if outside:
+            raise APIError(
+                400,
+                f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {vocab})",
+                param="logit_bias",
+            )
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -99,6 +107,11 @@ class ServerState:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 min_tokens=req.min_tokens,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                min_p=req.min_p,
+                logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None

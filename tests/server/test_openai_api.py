@@ -167,6 +167,29 @@ def test_n_samples_with_seed(server, llm):
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 30
 
 
+def test_penalties_and_logit_bias_reach_the_sampler(server, llm):
+    """presence / frequency / repetition penalties, min_p and logit_bias from the request give the
+    tokens ``LLM.generate`` gives for the same ``SamplingParams``."""
+    ids = PROMPTS[1]
+    knobs = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3, min_p=0.05)
+    r = server.client().completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=8,
+        temperature=0.8,
+        seed=3,
+        logit_bias={"7": 5.0, "9": -100},
+        presence_penalty=knobs["presence_penalty"],
+        frequency_penalty=knobs["frequency_penalty"],
+        extra_body={"return_token_ids": True, "ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05},
+    )
+    params = SamplingParams(
+        max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, logit_bias={7: 5.0, 9: -100.0}, **knobs
+    )
+    want = llm.generate([ids], params)[0].token_ids
+    assert extra(r.choices[0], "token_ids") == want and 9 not in want
+
+
 def test_chat_logprobs(server, llm, tok):
     messages = [{"role": "user", "content": "a b c"}]
     want = llm.generate([chat_ids(tok, messages)], greedy(6, logprobs=3, ignore_eos=True))[0]
@@ -260,6 +283,12 @@ BAD = {
     "max-tokens-negative": (C, OK | {"max_tokens": -1}, 400, "max_tokens"),
     "token-outside-vocab": (C, OK | {"prompt": [1, 100000]}, 400, "prompt"),
     "unknown-model": (C, OK | {"model": "gpt-4"}, 400, "model"),
+    "presence-penalty-range": (C, OK | {"presence_penalty": 2.5}, 400, "presence_penalty"),
+    "repetition-penalty-zero": (C, OK | {"repetition_penalty": 0}, 400, "repetition_penalty"),
+    "min-p-range": (C, OK | {"min_p": 1.5}, 400, "min_p"),
+    "logit-bias-key": (C, OK | {"logit_bias": {"a": 1}}, 400, "logit_bias"),
+    "logit-bias-range": (C, OK | {"logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+    "logit-bias-outside-vocab": (C, OK | {"logit_bias": {"100000": 1}}, 400, "logit_bias"),
     "top-logprobs-alone": (
         X,
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
