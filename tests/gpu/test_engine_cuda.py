@@ -207,3 +207,17 @@ def test_decode_ahead_with_cuda_graphs_equals_step_by_step(ckpt):
 
     options = {"device": "cuda", "dtype": "float32", "block_size": 16}
     check_ahead_equals_step_by_step(ckpt, free_run(ckpt, **options), **options)
+
+
+def test_penalties_and_bias_on_the_gpu_equal_the_cpu(ckpt):
+    """The sampler's logits processing (``sampler.process``: bias, repetition, frequency and
+    presence penalties) on CUDA tensors: fp32 greedy tokens equal the CPU's."""
+    params = SamplingParams(
+        max_tokens=16, temperature=0.0, ignore_eos=True, logit_bias={3: 2.0, 5: -1.0},
+        frequency_penalty=0.8, presence_penalty=0.3, repetition_penalty=1.2,
+    )  # fmt: skip
+    outs = {}
+    for device in ("cpu", "cuda"):
+        with LLM(model=str(ckpt), progress=False, device=device, dtype="float32") as llm:
+            outs[device] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert outs["cuda"] == outs["cpu"]
