@@ -195,3 +195,30 @@ def test_penalties_keep_a_request_out_of_decode_ahead_and_bias_does_not(ckpt):
             assert (launches[0] > 0) == (ahead and taken)
             engine.shutdown()
         assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize(
+    "backend, host_reads_on, taken",
+    [("offload", True, True), ("offload", False, False), ("hybrid", True, False)],
+)
+def test_decode_ahead_only_where_a_step_runs_without_the_host(
+    ckpt, monkeypatch, backend, host_reads_on, taken
+):
+    """Offloaded experts: a decode step whose misses the kernels read in place (host reads) runs
+    without the host and is issued ahead; one that copies them in (reading its routing back) or
+    computes them on the CPU (hybrid) is not, or the tokens before it would come out a step late.
+    Same tokens either way."""
+    from ft.moe.backends import host_reads
+
+    monkeypatch.setattr(host_reads, "ENABLED", host_reads_on)
+    options = dict(CPU, moe_backend=backend, expert_cache_fraction=0.5)
+    plan = {"r": (PROMPTS[0], greedy(8)), "s": (PROMPTS[2], greedy(8))}
+    outs = {}
+    for ahead in (False, True):
+        engine = make_engine(ckpt, ahead, **options)
+        launches = counting(engine)
+        outs[ahead] = run(engine, plan)
+        assert (launches[0] > 0) == (ahead and taken)
+        assert engine.plan.moe.unattended_tokens == (host_reads.CPU_MAX_TOKENS if taken else 0)
+        engine.shutdown()
+    assert outs[True] == outs[False]

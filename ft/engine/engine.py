@@ -189,7 +189,8 @@ class LLMEngine:
             if not self._decodes_ahead:
                 return self._fold(seqs, self.executor.execute(seqs))
             launched = self.executor.launch(seqs)
-        ahead = self.scheduler.schedule_ahead(seqs)
+        # only a step that runs without the host mid-step (``MoeRuntime.runs_unattended``) gains
+        ahead = self.scheduler.schedule_ahead(seqs) if self.executor.runs_unattended(len(seqs)) else None
         if ahead is not None:
             self._ahead = (ahead, self.executor.launch(ahead, ids_from=launched))
         outputs = self._fold(seqs, self.executor.collect(launched))

@@ -43,6 +43,9 @@ class InProcessExecutor:
     def launch(self, seqs, ids_from=None):
         return self.runner.launch(seqs, ids_from)
 
+    def runs_unattended(self, tokens: int) -> bool:
+        return self.runner.moe.runs_unattended(tokens)
+
     def collect(self, launched):
         return self.runner.collect(launched)
 
@@ -196,6 +199,11 @@ class MultiprocExecutor:
         returned is the batch itself: the ranks keep what they launched, in order."""
         self._send_all("launch", (seqs, ids_from is not None))
         return seqs
+
+    def runs_unattended(self, tokens: int) -> bool:
+        """``MoeRuntime.runs_unattended`` as the ranks reported it at start-up (``MoePlan``)."""
+        moe = self.plan.moe
+        return moe is None or moe.unattended_tokens is None or tokens <= moe.unattended_tokens
 
     def collect(self, launched=None):
         """The first rank's results of the oldest batch launched and not yet collected."""

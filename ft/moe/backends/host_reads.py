@@ -100,9 +100,15 @@ class HostReads:
         decode, and a size the GEMV takes."""
         if not ENABLED or not decode:
             return False
-        takes = bank.takes_gemv(len(x)) if x.is_cuda else 0 < len(x) <= CPU_MAX_TOKENS
+        takes = self.takes_tokens(bank, len(x), x.is_cuda)
         self.taken |= takes
         return takes
+
+    @staticmethod
+    def takes_tokens(bank, tokens: int, cuda: bool) -> bool:
+        """Whether a decode batch of ``tokens`` tokens is one the GEMV takes (on a GPU), or small
+        enough (without one)."""
+        return bank.takes_gemv(tokens) if cuda else 0 < tokens <= CPU_MAX_TOKENS
 
     def discard(self) -> None:
         """Forget the uses counted so far (the warm-up and capture of the decode graphs), and any

@@ -69,6 +69,9 @@ class MoePlan:
     pinned: bool = False
     policy: str = "lru"
     prefetch: bool = False
+    # the largest decode batch (tokens) that runs without the host mid-step, None: any
+    # (``MoeRuntime.runs_unattended``, as the switches stood at start-up)
+    unattended_tokens: int | None = None
 
 
 class MoeRuntime:
@@ -85,6 +88,7 @@ class MoeRuntime:
         self.backends: list = []
         self.shared: Shared | None = None
         self.reads: host_reads.HostReads | None = None  # decode reading the host store in place
+        self.bank = None  # the first MoE layer's bank (what a decode batch takes: ``runs_unattended``)
         self.plan = MoePlan(self.name)
 
     @property
@@ -190,6 +194,8 @@ class MoeRuntime:
                 backend.prefetch = Prefetch(block.gate, nxt)  # the next MoE layer's router
         if self.name == "offload" and (self.stores[0].pinned or self.device.type == "cpu"):
             self.reads = host_reads.HostReads(self.backends, self.mc.num_experts_per_tok, self.device)
+        self.bank = blocks[0].experts
+        unattended = [n for n in range(1, cfg.max_running_requests + 1) if self.runs_unattended(n)]
         self.plan = MoePlan(
             self.name,
             len(blocks),
@@ -202,8 +208,21 @@ class MoeRuntime:
             pinned=self.stores[0].pinned,
             policy=cfg.expert_cache_policy,
             prefetch=cfg.moe_prefetch and self.name != "cpu",
+            unattended_tokens=max(unattended, default=0),
         )
         return self.plan
+
+    def runs_unattended(self, tokens: int) -> bool:
+        """Whether a decode batch of ``tokens`` tokens runs without the host mid-step: its experts
+        all on the device, or the missed ones read in place (host reads), rather than copied in
+        by layers that read their routing back or computed by the CPU. Only then does a step
+        issued ahead (``LLMEngine.step``) overlap the host's work: otherwise the host waits inside
+        it, and the tokens of the step before come out a step late."""
+        if not self.backends:
+            return True
+        if self.reads is None or not host_reads.ENABLED:
+            return False
+        return self.reads.takes_tokens(self.bank, tokens, self.device.type == "cuda")
 
     def _spare_rows(self) -> int:
         """Rows per layer past the null slot for host reads' prefetch: the offload backend, with
