@@ -172,17 +172,13 @@ def test_penalties_and_logit_bias_reach_the_sampler(server, llm):
     tokens ``LLM.generate`` gives for the same ``SamplingParams``."""
     ids = PROMPTS[1]
     knobs = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3, min_p=0.05)
+    openai_knobs = {k: knobs[k] for k in ("presence_penalty", "frequency_penalty")}  # the rest: extra_body
+    extras = {"return_token_ids": True, "ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05}
+    bias = {"7": 5.0, "9": -100}
     r = server.client().completions.create(
-        model=MODEL,
-        prompt=ids,
-        max_tokens=8,
-        temperature=0.8,
-        seed=3,
-        logit_bias={"7": 5.0, "9": -100},
-        presence_penalty=knobs["presence_penalty"],
-        frequency_penalty=knobs["frequency_penalty"],
-        extra_body={"return_token_ids": True, "ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05},
-    )
+        model=MODEL, prompt=ids, max_tokens=8, temperature=0.8, seed=3, logit_bias=bias, **openai_knobs,
+        extra_body=extras,
+    )  # fmt: skip
     params = SamplingParams(
         max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, logit_bias={7: 5.0, 9: -100.0}, **knobs
     )
