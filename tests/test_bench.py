@@ -52,6 +52,7 @@ def test_bench_offline_cli(tmp_path, capsys):
     assert len(report["ttft_runs_ms"]) == 5 and sorted(report["ttft_runs_ms"])[2] == report["ttft_ms"]
     assert report["switches"]["ft.distributed:SYMM_ALL_REDUCE"] is False  # what the run had, recorded
     assert "kernel switches on: " in printed
+    assert report["switches"]["engine:decode_ahead"] is True and "engine.decode_ahead" in printed  # default
 
 
 def test_bench_offline_census(tmp_path, capsys):

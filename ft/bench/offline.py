@@ -187,9 +187,9 @@ def bench(
     reports = []
     for skew, policy in variants or [(cfg.dummy_routing_skew, cfg.expert_cache_policy)]:
         engine.set_moe_variant(policy, skew)
-        report = Report(
-            cfg.model_path, name, hbm_gb_s, switches=kernel_switches.current(), ttft_idle_s=ttft_idle_s
-        )
+        # the engine's own: decode ahead (``--no-decode-ahead``) beside the kernel switches
+        switches = kernel_switches.current() | {"engine:decode_ahead": engine._decodes_ahead}
+        report = Report(cfg.model_path, name, hbm_gb_s, switches=switches, ttft_idle_s=ttft_idle_s)
         moe = engine.plan.moe
         if moe is not None and moe.layers:
             report.moe = {
