@@ -46,16 +46,27 @@ class SampleResult:
     logprobs: Logprobs | None  # top-n plus the chosen token, when asked for
 
 
-def top_logprobs(logprobs: torch.Tensor, n: int, chosen: torch.Tensor) -> list[Logprobs]:
-    """Per row: the top-n entries of ``logprobs`` [R, V] plus the ``chosen`` [R] token."""
+def top_parts(logprobs: torch.Tensor, n: int, chosen: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The top-n values and token ids [R, n] of ``logprobs`` [R, V], and the ``chosen`` [R]
+    tokens' values [R], where ``logprobs`` is (no host synchronisation)."""
     top_v, top_i = logprobs.topk(n, dim=-1) if n > 0 else (logprobs[:, :0], logprobs[:, :0].long())
-    picked = logprobs.gather(1, chosen[:, None])[:, 0]
+    return top_v, top_i, logprobs.gather(1, chosen[:, None])[:, 0]
+
+
+def logprob_rows(top_v: list, top_i: list, picked: list, chosen: list) -> list[Logprobs]:
+    """``top_parts``' tensors read back as lists: per row, its top-n entries plus the chosen token."""
     rows = []
-    for r in range(logprobs.shape[0]):
-        d = {int(t): float(v) for t, v in zip(top_i[r].tolist(), top_v[r].tolist())}
-        d[int(chosen[r])] = float(picked[r])
+    for v, i, p, c in zip(top_v, top_i, picked, chosen):
+        d = dict(zip(i, v))
+        d[c] = p
         rows.append(d)
     return rows
+
+
+def top_logprobs(logprobs: torch.Tensor, n: int, chosen: torch.Tensor) -> list[Logprobs]:
+    """Per row: the top-n entries of ``logprobs`` [R, V] plus the ``chosen`` [R] token."""
+    parts = top_parts(logprobs, n, chosen)
+    return logprob_rows(*(t.tolist() for t in parts), chosen.tolist())
 
 
 def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -152,7 +163,7 @@ def process(logits: torch.Tensor, params: list[SamplingParams], seen: list) -> t
     ``logit_bias`` added, then its repetition penalty on every token of ``seen[row]`` (prompt and
     output ids), then its frequency and presence penalties on the output's. The ids go to the
     device with every step (a long prompt's repetition penalty costs host time each step)."""
-    x = logits.float().clone()
+    x = logits.to(torch.float32, copy=True)  # one copy, whatever the logits' dtype
     device, vocab = x.device, x.shape[-1]
     bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
     if bias:
@@ -245,10 +256,7 @@ class Sampler:
         want = [p.logprobs for p in params if p.logprobs is not None]
         if not want:
             return Draw(tokens)
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        n = max(want)
-        top_v, top_i = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
-        return Draw(tokens, top_v, top_i, lp.gather(1, tokens[:, None])[:, 0])
+        return Draw(tokens, *top_parts(torch.log_softmax(logits.float(), dim=-1), max(want), tokens))
 
     def tokens(
         self,
@@ -281,11 +289,9 @@ class Sampler:
         out = [SampleResult(t, None) for t in chosen]
         if draw.picked is None:
             return out
-        top_v, top_i, picked = draw.top_v.tolist(), draw.top_i.tolist(), draw.picked.tolist()
+        tops = logprob_rows(draw.top_v.tolist(), draw.top_i.tolist(), draw.picked.tolist(), chosen)
         for r, p in enumerate(params):
             if p.logprobs is not None:
-                d = dict(zip(top_i[r], top_v[r]))
-                d[chosen[r]] = picked[r]
-                keep = sorted(d.items(), key=lambda kv: -kv[1])[: p.logprobs]
-                out[r].logprobs = dict(keep) | {chosen[r]: d[chosen[r]]}
+                keep = sorted(tops[r].items(), key=lambda kv: -kv[1])[: p.logprobs]
+                out[r].logprobs = dict(keep) | {chosen[r]: tops[r][chosen[r]]}
         return out
