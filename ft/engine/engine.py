@@ -118,7 +118,7 @@ class LLMEngine:
         )
         self.eos_ids = set(self.model_config.eos_token_ids)
         # decode ahead (``step``): the batch issued ahead and its sequences, until a step collects it
-        self._decodes_ahead = cfg.decode_ahead and getattr(self.executor, "launches", False)
+        self._decodes_ahead = cfg.decode_ahead
         self._ahead: tuple[list, object] | None = None
         self._ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0

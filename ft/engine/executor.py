@@ -35,8 +35,6 @@ class InProcessExecutor:
         self.runner = ModelRunner(cfg, mc, TPInfo(0, 1))
         self.plan = self.runner.plan
 
-    launches = True  # ``launch`` / ``collect``: a batch issued before the last one's tokens are read
-
     def execute(self, seqs):
         return self.runner.execute(seqs)
 
@@ -186,8 +184,6 @@ class MultiprocExecutor:
     def _fail(self, why: str):
         self.shutdown(graceful=False)
         raise WorkerError(why)
-
-    launches = True  # decode ahead: the ranks keep the batches launched, in order, until collected
 
     def execute(self, seqs):
         self._send_all("execute", seqs)
