@@ -11,7 +11,7 @@
 #            (FT_MOE_HITS_AFTER_AHEAD=0, the default until 2026-12-03), a third staging buffer
 #            (FT_MOE_STAGING_BUFFERS=3), the defaults again (~8 min)
 #   prefill16k  the same cut at the full model's residency (0.81) with one 16k chunk: the
-#            defaults and the calls writing their own terms (FT_MOE_DIRECT_TERMS=1), twice each
+#            defaults and the calls gathering their tokens (FT_MOE_DIRECT_TERMS=0), twice each
 #            (the first of each compiles); each prints the kernels' busy time beside the link's.
 #            2026-12-03 (b051b4f): 227.6 and 252.6 ms, kernels 92-95% busy, link 72-80% (~8 min)
 #   bench    the full Qwen3-Next-80B-A3B in bf16, uniform routing: batch 1, 8k and 32k prefill
@@ -75,11 +75,11 @@ prefill)
   ;;
 prefill16k)
   i=0
-  for variant in defaults direct defaults direct; do
+  for variant in defaults gathered defaults gathered; do
     i=$((i + 1))
     flags=(STREAM_AHEAD=1) limit=120
     [[ $i -le 2 ]] && limit=200 # each compiles the 16k chunk's kernels once
-    [[ $variant == direct ]] && flags=(FT_MOE_DIRECT_TERMS=1)
+    [[ $variant == gathered ]] && flags=(FT_MOE_DIRECT_TERMS=0)
     env "${flags[@]}" TIMELINE=1 timeout $limit \
       python3 tests/gpu/profile_offload_prefill.py "$next" 16 0.81 16000 "$out/prefill16k_${i}_$variant.log" \
       >"$out/prefill16k_${i}_$variant.out" 2>&1

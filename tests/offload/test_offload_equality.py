@@ -154,9 +154,9 @@ def test_streamed_pairs_take_their_batchs_kernel_path(ckpt):
         for block in moe_blocks(llm.engine.executor.runner.model):
             bank, real = block.experts, block.experts.kernel
 
-            def spy(x, *args, batch_tokens=None, real=real):
-                calls.append((len(x), batch_tokens))
-                return real(x, *args, batch_tokens=batch_tokens)
+            def spy(x, *args, batch_tokens=None, real=real, **kw):  # into: the call's rows of x
+                calls.append((len(kw["into"].tokens) if kw.get("into") else len(x), batch_tokens))
+                return real(x, *args, batch_tokens=batch_tokens, **kw)
 
             bank.kernel = spy
         llm.generate([list(range(1, 25))], SamplingParams(max_tokens=1, temperature=0.0))

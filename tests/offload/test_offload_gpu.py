@@ -66,12 +66,15 @@ ckpt = family_checkpoints(seed=31, weight_scale=0.8)
 
 
 @pytest.mark.parametrize(
-    "switch", [None, "pairs:DEVICE_PAIRS=0", "offload:HITS_AFTER_AHEAD=0", "pairs:DIRECT_TERMS=1"]
+    "switch",
+    [None, "pairs:DEVICE_PAIRS=0", "offload:HITS_AFTER_AHEAD=0", "pairs:DIRECT_TERMS=0", "transfer:MEMCPY=1"],
 )
 def test_fp32_offload_equals_resident_exactly(ckpt, monkeypatch, switch):
     """Also with a prefill switch flipped: ``pairs.DEVICE_PAIRS`` off (the streamed layers' pairs
-    grouped on the host: the same runs) and ``offload.HITS_AFTER_AHEAD`` off (the hits before the
-    first group staged ahead)."""
+    grouped on the host: the same runs), ``offload.HITS_AFTER_AHEAD`` off (the hits before the
+    first group staged ahead) and ``pairs.DIRECT_TERMS`` off (each streamed call's tokens
+    gathered, its terms scattered) and ``transfer.MEMCPY`` on (each run of rows copied by
+    cudaMemcpyAsync through ctypes)."""
     if switch is not None:
         name, value = switch.split("=")
         module, attr = name.split(":")
@@ -82,6 +85,32 @@ def test_fp32_offload_equals_resident_exactly(ckpt, monkeypatch, switch):
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert max_logprob_diff(got, want) == 0.0
         assert all(info["pinned"]) and info["stats"].moe_bytes_h2d > 0
+
+
+def test_memcpy_copies_the_rows_copy_would(monkeypatch):
+    """``transfer.MEMCPY``: torch's libcudart is found in the process, and its cudaMemcpyAsync
+    moves the rows ``copy_`` does, host store to device (a registered block, as the store's) and
+    device to device, behind the same event."""
+    from ft.moe.backends import transfer
+    from ft.moe.backends.layout import pin_in_place
+
+    assert transfer.memcpy_async() is not None
+    dev = torch.device("cuda")
+    src = torch.randint(0, 256, (9, 4096 + 64), dtype=torch.uint8)
+    pin_in_place(src)
+    for memcpy in (False, True):
+        monkeypatch.setattr(transfer, "MEMCPY", memcpy)
+        tr = transfer.Transfer(dev)
+        dst = torch.zeros(7, src.shape[1], dtype=torch.uint8, device=dev)
+        done = tr.issue(dst, [0, 1, 2, 6], src, [4, 5, 6, 0])
+        torch.cuda.current_stream().wait_event(done)
+        done = tr.issue(dst, [4], dst, [1], h2d=False)
+        torch.cuda.current_stream().wait_event(done)
+        want = torch.zeros_like(dst, device="cpu")
+        want[[0, 1, 2, 6]] = src[[4, 5, 6, 0]]
+        want[4] = src[5]
+        assert torch.equal(dst.cpu(), want), memcpy
+        assert tr.counts.h2d_bytes == 4 * src.shape[1] and tr.counts.d2d_bytes == src.shape[1]
 
 
 def test_fp32_prestaged_and_device_counted_prefills_equal_resident(ckpt, monkeypatch):

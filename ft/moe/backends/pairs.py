@@ -28,8 +28,12 @@ DEVICE_PAIRS = os.environ.get("FT_MOE_DEVICE_PAIRS", "1") != "0"
 # call and an ``index_copy_`` of its terms after: on an H200 (2026-12-03) a 16k-token chunk's
 # layer spent ~0.9 ms in the gather of its in-place hits alone, beside ~1.5 ms of their GEMMs, and
 # the link idled through it (docs/benchmarks.md). The same bytes in the same order, so the same
-# results bit for bit. Off until a GPU run times it (FT_MOE_DIRECT_TERMS=1); read at each call.
-DIRECT_TERMS = os.environ.get("FT_MOE_DIRECT_TERMS", "0") == "1"
+# results bit for bit. On from 2026-12-03 (FT_MOE_DIRECT_TERMS=0 turns it off; read at each call):
+# on an H200 the full 80B bf16 at --memory-ratio 0.94 ran its 32k prefill at 81% of the link with
+# it, 82% without (one run each: no gain in time), and peaked at 130.70 GiB of device memory
+# instead of 132.28, inside its 131.41 GiB plan (the gathered x and the calls' own outputs are
+# gone); the GPU tests' bf16 / NVFP4 on-off equality passed (docs/benchmarks.md).
+DIRECT_TERMS = os.environ.get("FT_MOE_DIRECT_TERMS", "1") != "0"
 
 
 class Pairs:
