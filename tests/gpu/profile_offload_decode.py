@@ -10,7 +10,8 @@ replays) or host reads' between-step work (counting, promotions, publishing the 
 step's wall time, and, from ``torch.profiler``, its kernel and copy time, the time the GPU sat
 idle, and the costliest kernels. At batch 1 the PCIe floor is the copies (or the host rows the
 MoE GEMV reads); what the wall has beyond the kernels is host time. ``DEV=cpu`` runs it on the
-CPU (a smoke test); ``QUANT=nvfp4`` quantises the experts while loading. Last, the busiest
+CPU (a smoke test); ``QUANT=nvfp4`` quantises the experts while loading; ``BATCH=N`` decodes N
+requests at once (8: the copying path where host reads take only small batches). Last, the busiest
 stream's critical path by kernel (``profiling.critical_path``)."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profiling import critical_path, cut_config, log_parts, logger, time_steps  # noqa: E402
 
 DEVICE = os.environ.get("DEV", "cuda")
+BATCH = int(os.environ.get("BATCH", "1"))
 PARTS = [
     (offload.OffloadBackend, "_resolve"),  # a break: all below but the prefetch and replays
     (offload.OffloadBackend, "_route"),  # reading the ids: waits for the segment
@@ -83,10 +85,11 @@ def main() -> None:
     vocab, steps = cfg["vocab_size"], 40
     params = SamplingParams(max_tokens=steps + 10, temperature=0.0, ignore_eos=True)
     for seed in range(2):
-        engine.add_request([(seed * 7919 + i * 31) % vocab for i in range(1024)], params)
-        wall = time_steps(engine, steps, sync, (seconds, calls), warmup=6)
-        log(f"== run {seed}: {layers} layers, cache {cache}: decode step {wall * 1e3:.2f} ms "
-            f"({1 / wall:.1f} tok/s), {wall / layers * 1e6:.0f} us a layer")  # fmt: skip
+        for b in range(BATCH):
+            engine.add_request([(seed * 7919 + b * 104729 + i * 31) % vocab for i in range(1024)], params)
+        wall = time_steps(engine, steps, sync, (seconds, calls), warmup=6 + BATCH)
+        log(f"== run {seed}: {layers} layers, cache {cache}, batch {BATCH}: decode step {wall * 1e3:.2f} ms "
+            f"({BATCH / wall:.1f} tok/s), {wall / layers * 1e6:.0f} us a layer")  # fmt: skip
         log_parts(log, seconds, calls, steps)
         while engine.has_unfinished_requests():
             engine.step()
@@ -97,8 +100,9 @@ def main() -> None:
     if DEVICE == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
-        engine.add_request([(i * 37 + 5) % vocab for i in range(1024)], params)
-        for _ in range(6):
+        for b in range(BATCH):
+            engine.add_request([(i * 37 + 5 + b) % vocab for i in range(1024)], params)
+        for _ in range(6 + BATCH):
             engine.step()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             wall = time_steps(engine, 4, sync)
