@@ -164,6 +164,26 @@ def test_transfer_coalesces_runs_and_counts_bytes():
     assert tr.counts.d2d_bytes == 256 and torch.equal(dst[2], src[2])
 
 
+def test_transfer_spans_are_the_bytes_the_row_slices_cover():
+    """``transfer.spans`` (the addresses ``MEMCPY`` hands cudaMemcpyAsync): moving each span's bytes
+    with a plain memmove gives what ``copy_`` of the row slices gives, blocks of another dtype too."""
+    import ctypes
+
+    from ft.moe.backends.transfer import _runs, rows_alike, spans
+
+    src = torch.randint(-(2**62), 2**62, (9, 32), dtype=torch.int64)  # rows of 256 bytes
+    want, got = torch.zeros(6, 256, dtype=torch.uint8), torch.zeros(6, 256, dtype=torch.uint8)
+    runs = _runs([0, 1, 2, 5], [4, 5, 6, 0])
+    assert runs == [(0, 4, 3), (5, 0, 1)] and rows_alike(got, src)
+    for d, s, n in runs:
+        want[d : d + n].copy_(src[s : s + n].view(torch.uint8))
+    for dst_ptr, src_ptr, nbytes in spans(got, src, runs):
+        ctypes.memmove(dst_ptr, src_ptr, nbytes)
+    assert torch.equal(got, want) and not torch.equal(got, torch.zeros_like(got))
+    assert not rows_alike(got, src[:, :16]) and not rows_alike(got[:, ::2], src[:, :16])
+    assert not rows_alike(got.view(-1), src)
+
+
 def test_host_memory_check_refuses_with_the_figures():
     check_host_memory(GiB, 2, limit=64 * GiB)
     with pytest.raises(MemoryError, match=r"need 40\.00 GiB.*20\.00 GiB on each of 2 rank.*32\.00 GiB"):

@@ -15,10 +15,26 @@ stream computes, use explicit events instead (``issue(..., after=...)``).
 
 from __future__ import annotations
 
+import ctypes
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# Each run of rows copied by one cudaMemcpyAsync of torch's libcudart, called through ctypes with
+# the pointers worked out here (``spans``), instead of a ``Tensor.copy_`` between two row slices.
+# On an H200 (2026-12-03, tests/gpu/copy_issue_rate.py) issuing one 1.8 MB NVFP4 expert row took
+# 10-16 us of host time by ``copy_`` and 3.4-5.4 us by the driver call, the same bytes at the same
+# 50 GB/s; at batch 8 the NVFP4 80B under 48 GiB spent ~190 us a layer in ``copy_in`` while the
+# link waited for the next layer's copies (docs/benchmarks.md). Off until a GPU run times it
+# (FT_MOE_MEMCPY=1; read at each call); without the library (not loaded, or a CPU) the copies go
+# by ``copy_``.
+MEMCPY = os.environ.get("FT_MOE_MEMCPY", "0") == "1"
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+_memcpy_async: Callable | None = None
+_memcpy_looked = False
 
 
 @dataclass
@@ -81,7 +97,15 @@ class Transfer:
             start = torch.cuda.Event(enable_timing=True) if h2d else None
             if start is not None:
                 start.record()
+            memcpy = memcpy_async() if MEMCPY else None
+            handle = self.stream.cuda_stream
             for dst, src, rr in runs:
+                if memcpy is not None and rows_alike(dst, src):
+                    for dst_ptr, src_ptr, nbytes in spans(dst, src, rr):
+                        err = memcpy(dst_ptr, src_ptr, nbytes, MEMCPY_DEFAULT, handle)
+                        if err:
+                            raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes failed: error {err}")
+                    continue
                 for d, s, n in rr:
                     dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
             done = torch.cuda.Event(enable_timing=h2d)
@@ -153,3 +177,51 @@ def _runs(dst_rows: list[int], src_rows: list[int]) -> list[tuple[int, int, int]
         else:
             runs.append([d, s, 1])
     return [tuple(r) for r in runs]
+
+
+def rows_alike(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether two blocks copy row for row as bytes: contiguous, 2-D, rows of the same size."""
+    return (
+        dst.dim() == src.dim() == 2
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and dst.shape[1] * dst.element_size() == src.shape[1] * src.element_size()
+    )
+
+
+def spans(
+    dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]]
+) -> list[tuple[int, int, int]]:
+    """(dst address, src address, bytes) of each run (dst start, src start, rows) between two
+    blocks ``rows_alike``: the bytes ``dst[d : d + n].copy_(src[s : s + n])`` moves."""
+    width = dst.shape[1] * dst.element_size()
+    base_d, base_s = dst.data_ptr(), src.data_ptr()
+    return [(base_d + d * width, base_s + s * width, n * width) for d, s, n in runs]
+
+
+def memcpy_async() -> Callable | None:
+    """cudaMemcpyAsync(dst, src, bytes, kind, stream) of the libcudart this process loaded (torch's),
+    found once in its memory map; None where there is none."""
+    global _memcpy_async, _memcpy_looked
+    if not _memcpy_looked:
+        _memcpy_looked = True
+        _memcpy_async = _load_memcpy_async()
+    return _memcpy_async
+
+
+def _load_memcpy_async() -> Callable | None:
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({p[5] for p in map(str.split, f) if len(p) > 5 and "libcudart.so" in p[5]})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).cudaMemcpyAsync
+        except (OSError, AttributeError):
+            continue
+        ptr = ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ctypes.c_size_t, ctypes.c_int, ptr]
+        fn.restype = ctypes.c_int
+        return fn
+    return None
