@@ -41,7 +41,8 @@ PARTS = [
     (expert_cache.SlotMap, "ensure"),
     (expert_cache.SlotMap, "prefetch"),
     (prefetch.Prefetch, "start"),  # the next layer's prefetch, after the next segment's launch
-    (host_reads.HostReads, "after_step"),  # host reads: all below
+    (host_reads.HostReads, "before_step"),  # host reads: every layer's routes (Tables.publish)
+    (host_reads.HostReads, "after_step"),  # host reads: counting and promotions
     (host_reads.HostReads, "_count_and_promote"),
     (transfer.Transfer, "issue_many"),  # every copy (the promotions' too)
     (expert_cache.ExpertCache, "publish"),  # a layer's own (the copying path)

@@ -254,9 +254,12 @@ class MoeRuntime:
     # ---- between steps
     def before_step(self, tokens: int) -> None:
         """Before each forward (``tokens``: its batch's): pre-staged layers that would crowd its
-        activations are dropped (``Shared.fit_prestaged``)."""
+        activations are dropped (``Shared.fit_prestaged``); a batch that host reads may take
+        gets every layer's routes as the maps now stand (``HostReads.before_step``)."""
         if self.shared is not None and self.shared.prestaged:
             self.shared.fit_prestaged(tokens)
+        if self.reads is not None and host_reads.ENABLED:
+            self.reads.before_step(self.bank, tokens, self.device.type == "cuda")
 
     def idle(self) -> None:
         """The engine has nothing to run: with ``offload.PRESTAGE``, copy MoE layers' host-only
@@ -289,7 +292,8 @@ class MoeRuntime:
         return sizing.plan_bytes(self.cfg, self.device, total) - context - live - offload.PRESTAGE_MARGIN
 
     def after_step(self, tokens: int) -> None:
-        """After each forward (``tokens``: its batch's): host reads' counting and promotions."""
+        """After each forward (``tokens``: its batch's): host reads' counting and promotions (their
+        routes are published before the next batch that reads them, ``before_step``)."""
         if self.reads is not None:
             self.reads.after_step(tokens)
 
