@@ -354,24 +354,25 @@ class ExpertCache:
         self.tensors = layout.views(self.block)  # name -> [S + 1 + spare, *shape]
         self.spare = spare
         self.table = torch.tensor(slot_map.slot_of, device=device)  # [E] a copy; static ones mapped
-        self._table_values = slot_map.slot_of.copy()  # what ``table`` was last written
         # the route of an expert not (yet) in a slot: host row e - R, as -(row + 1)
         self.host_route = -(np.arange(slot_map.num_experts) - slot_map.static + 1)
-        self._uploads = {"table": Upload(), "route": Upload()}
+        self._upload = Upload()  # the table, or with host reads' route the two at once (``tables``)
         self.map.dirty = False
         self.route: torch.Tensor | None = None  # [E] slot, or -(host row + 1): host reads' table
+        self.tables: torch.Tensor | None = None  # [2, E] the table and the route, adjacent
         self.copying: dict[int, torch.cuda.Event] = {}  # slot -> its latest copy, until it lands
 
-    def add_route(self, table: torch.Tensor, route: torch.Tensor) -> None:
+    def add_route(self, tables: torch.Tensor) -> None:
         """The table host reads take (``host_reads.py``): expert -> its slot where it is resident
         and the slot's last copy has landed, else -(host row + 1), a row of the host store (which
-        holds every expert that is not static). Kernels reading it wait for nothing. ``table``
-        and ``route`` ([E] int64 each, on the device) become this layer's tables: rows of one
-        tensor for every layer, which ``Tables.publish`` writes in one copy."""
+        holds every expert that is not static). Kernels reading it wait for nothing. ``tables``
+        ([2, E] int64 on the device: the slot table, then the route) become this layer's tables,
+        written in one copy by its own ``publish``: a layer's rows of one tensor for every layer,
+        which ``Tables.publish`` writes in one copy."""
         self._published = self._route_values()
-        table.copy_(self.table)
-        route.copy_(torch.from_numpy(self._published))
-        self.table, self.route = table, route
+        tables[0].copy_(self.table)
+        tables[1].copy_(torch.from_numpy(self._published))
+        self.tables, self.table, self.route = tables, tables[0], tables[1]
 
     def filling(self, slots: list[int], done: torch.cuda.Event | None) -> None:
         """``slots`` are being copied into until ``done`` (None: already done, on a CPU)."""
@@ -415,11 +416,11 @@ class ExpertCache:
             self._land()
         if not self.map.dirty:
             return
-        self._table_values = self.map.slot_of.copy()
-        self._uploads["table"](self.table, self._table_values)
-        if self.route is not None:  # a fresh array: a deferred step keeps the one it read
+        if self.route is None:
+            self._upload(self.table, self.map.slot_of)  # through a pinned mirror of its own
+        else:  # both rows in one copy; a fresh array: a deferred step keeps the one it read
             self._published = self._route_values()
-            self._uploads["route"](self.route, self._published)
+            self._upload(self.tables, np.stack((self.map.slot_of, self._published)))
         self.map.dirty = False
 
     def slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -441,7 +442,7 @@ class Tables:
         assert len({c.map.static for c in caches}) == 1, "every layer keeps the same static experts"
         self.values = torch.empty(len(caches), 2, m.num_experts, dtype=torch.int64, device=device)
         for i, c in enumerate(caches):
-            c.add_route(self.values[i, 0], self.values[i, 1])
+            c.add_route(self.values[i])
         self._upload = Upload()
 
     def publish(self) -> None:
@@ -465,6 +466,6 @@ class Tables:
         host = self.caches[0].host_route  # every layer's (the same static experts)
         values = np.stack((slot_of, np.where(ready, slot_of, host)), axis=1)  # [L, 2, E]
         for i, c in enumerate(self.caches):
-            c._table_values, c._published = values[i, 0], values[i, 1]
+            c._published = values[i, 1]
             c.map.dirty = False
         self._upload(self.values, values)
