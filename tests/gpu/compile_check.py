@@ -116,6 +116,41 @@ def entries():
                         pw,
                         ps,
                     )
+                    if sums and host:  # host rows with more loads in flight (``NVFP4_HOST_STAGES``)
+                        ib, ik, iw, _ = triton_moe_gemv.NVFP4_INT
+                        for st in (2, 3):
+                            yield (
+                                f"MoE GEMV gate/up {tag}, {words}, integer products, {st} host stages",
+                                triton_moe_gemv._gate_up_kernel,
+                                {**ptrs, "xq": "*i16", "xf": F32},
+                                {
+                                    **gu,
+                                    "INT_DOT": True,
+                                    "BLOCK_N": ib,
+                                    "BLOCK_K": ik,
+                                    "LOOP_STAGES": st,
+                                    "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK,
+                                },  # fmt: skip
+                                iw,
+                                st,
+                            )
+                            dn, dk, dw, _ = triton_moe_gemv.NVFP4_DOWN_PLANES
+                            yield (
+                                f"MoE GEMV down by pair {tag}, {words}, {st} host stages",
+                                triton_moe_gemv._down_pair_kernel,
+                                ptrs_pair,
+                                {
+                                    **common,
+                                    "LOOP_STAGES": st,
+                                    "HOST": True,
+                                    "PLANES": True,
+                                    "BLOCK_N": dn,
+                                    "BLOCK_K": dk,
+                                    "EVEN_K": even,
+                                },  # fmt: skip
+                                dw,
+                                st,
+                            )
                     if sums:  # integer products too (FP4_INT_DOT), at their tiles
                         ib, ik, iw, i_s = triton_moe_gemv.NVFP4_INT
                         yield (

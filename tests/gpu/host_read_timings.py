@@ -9,7 +9,8 @@ call's time (50 calls in a CUDA graph, median of 20 replays), the bytes it read 
 host, and their rate over the time the host rows added. A batch-1 decode step of the 80B model
 at 77% residency reads ~2.2 experts of each layer from the host (docs/benchmarks.md,
 2026-12-01): if this rate is near the 51 GB/s that tests/gpu/zero_copy_bandwidth.py reads,
-the step's remaining gap to its PCIe floor lies elsewhere.
+the step's remaining gap to its PCIe floor lies elsewhere. ``FT_MOE_GEMV_NVFP4_HOST_STAGES=G,D``
+sets the NVFP4 host-read launches' loop stages (``triton_moe_gemv.NVFP4_HOST_STAGES``).
 """
 
 from __future__ import annotations

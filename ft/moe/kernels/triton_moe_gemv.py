@@ -75,6 +75,15 @@ BF16, NVFP4 = _tiles_from_env("BF16", BF16), _tiles_from_env("NVFP4", NVFP4)
 # until timed on a GPU (tests/gpu/offload_runs.sh hostreads, then decode_variants.py).
 HOST_TILES = os.environ.get("FT_MOE_GEMV_HOST_TILES", "0") == "1"
 BF16_HOST = _tiles_from_env("BF16_HOST", (BF16[0], BF16[1], BF16[2], 1))
+# The NVFP4 launches that read rows from the host store keep their tiles (so their bits, whatever
+# is cached) but may keep more loads in flight: (gate/up, down) loop stages in place of the tiles'
+# (FT_MOE_GEMV_NVFP4_HOST_STAGES=G,D; unset: the tiles' own). Loads from host memory wait out a
+# PCIe round trip, where the integer-product tiles' single stage was chosen against HBM's: in
+# tests/gpu/host_read_timings.py an NVFP4 call read its host experts at 50-60 GB/s on 2026-12-02
+# (8 x 512 tiles, 4 stages) and at ~33 GB/s since (the integer products' 4 x 512, 1 stage), and
+# the full 80B under 48 GiB decodes at 55% of its PCIe floor (docs/benchmarks.md, 2026-12-03).
+# Untimed: sweep it with that script before setting a default.
+NVFP4_HOST_STAGES = _tiles_from_env("NVFP4_HOST_STAGES", None)
 BF16_DOWN, NVFP4_DOWN = _tiles_from_env("BF16_DOWN", BF16_DOWN), _tiles_from_env("NVFP4_DOWN", NVFP4_DOWN)
 PAIR_DOWN = _tiles_from_env("PAIR_DOWN", PAIR_DOWN)
 # A block's (bf16) shared expert as one more pair of each token in these two launches, beside a
@@ -922,6 +931,9 @@ def launch_moe_gemv(
         if host is not None and HOST_TILES
         else BF16
     )
+    host_stages = NVFP4_HOST_STAGES if fp4 and host is not None else None  # same tiles, same bits
+    if host_stages is not None:
+        stages = host_stages[0]
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
     xq, xf = (blocks or quantize_blocks(x)) if int_dot else (x, x)  # unread without the integer products
@@ -942,6 +954,8 @@ def launch_moe_gemv(
         # bytes in both), codes 4-byte aligned
         down_planes = sums and FP4_DOWN_PLANES and _word_aligned(b2, *h2[:1])
         down_n, down_k, down_warps, down_stages = NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
+        if host_stages is not None:
+            down_stages = host_stages[1]
         bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
         blocks = triton.cdiv(h, down_n)
         assert t * blocks <= triton_gemv.COUNTERS, (
