@@ -385,7 +385,13 @@ class ExpertCache:
 
     def _land(self) -> None:
         """Forget the copies that have landed; their experts' routes change (``dirty``)."""
-        landed = [s for s, ev in self.copying.items() if ev.query()]
+        done: dict[int, bool] = {}  # an issue's slots share its event: each queried once
+        landed = []
+        for s, ev in self.copying.items():
+            if id(ev) not in done:
+                done[id(ev)] = ev.query()
+            if done[id(ev)]:
+                landed.append(s)
         for s in landed:
             del self.copying[s]
         self.map.dirty |= bool(landed)
