@@ -77,6 +77,22 @@ def test_lfu_keeps_the_frequent_expert_that_lru_would_evict():
     assert run("lfu") == [True, False, True]
 
 
+def test_lfu_victims_are_the_full_sort_by_frequency_then_recency():
+    """LFU picks its n victims from the slots at or below the n-th lowest frequency; that is the
+    full stable sort's first n (frequency, then last use, then slot), ties and all."""
+    rng = np.random.default_rng(3)
+    m = SlotMap(64, 48, "lfu")
+    m.warm()
+    for trial in range(200):
+        m.freq[:] = rng.integers(0, 4, 64) / 2  # many ties
+        m.last_use[:] = rng.integers(0, 5, 48)
+        cand = np.sort(rng.choice(48, size=int(rng.integers(1, 49)), replace=False))
+        holder = m.expert_in[cand]
+        want = cand[np.lexsort((m.last_use[cand], m.freq[holder]))]
+        for n in {1, min(2, len(cand)), len(cand) // 2 or 1, len(cand)}:
+            assert m._victims(n, cand).tolist() == want[:n].tolist(), (trial, n)
+
+
 def test_a_policy_switch_starts_the_use_counts_afresh():
     """After ``set_policy("lfu")`` the counts of the LRU phase are gone: the expert popular
     before the switch is evicted like any other, once the new phase's uses outweigh it."""

@@ -252,10 +252,13 @@ class SlotMap:
             key = self.last_use[cand] * (self.num_slots + 1) + cand
             order = np.argpartition(key, n - 1)[:n] if n < len(cand) else np.arange(len(cand))
             order = order[np.argsort(key[order])]
-        else:
+        else:  # by freq, then by recency: the stable sort of the slots at or below the n-th freq
             holder = self.expert_in[cand]
             freq = np.where(holder >= 0, self.freq[np.maximum(holder, 0)], -1.0)
-            order = np.lexsort((self.last_use[cand], freq))  # by freq, then by recency
+            low = np.flatnonzero(freq <= np.partition(freq, n - 1)[n - 1]) if n < len(cand) else None
+            if low is not None:
+                cand, freq = cand[low], freq[low]
+            order = np.lexsort((self.last_use[cand], freq))
         return cand[order[:n]]
 
     def _insert(self, experts: np.ndarray, victims: np.ndarray) -> list[tuple[int, int]]:
