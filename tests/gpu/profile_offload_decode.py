@@ -11,7 +11,8 @@ step's wall time, and, from ``torch.profiler``, its kernel and copy time, the ti
 idle, and the costliest kernels. At batch 1 the PCIe floor is the copies (or the host rows the
 MoE GEMV reads); what the wall has beyond the kernels is host time. ``DEV=cpu`` runs it on the
 CPU (a smoke test); ``QUANT=nvfp4`` quantises the experts while loading; ``BATCH=N`` decodes N
-requests at once (8: the copying path where host reads take only small batches). Last, the busiest
+requests at once (8: the copying path where host reads take only small batches); ``POLICY=lfu``
+picks the cache policy. Last, the busiest
 stream's critical path by kernel (``profiling.critical_path``)."""
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(
         config_file=path, load_format="dummy", device=DEVICE, num_tokens=20000, max_running_requests=8,
         max_model_len=4096, progress=False, moe_backend="offload", quantize_experts=os.environ.get("QUANT"),
+        expert_cache_policy=os.environ.get("POLICY", "lru"),
         **budget,
     ))  # fmt: skip
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
