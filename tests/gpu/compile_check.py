@@ -116,69 +116,22 @@ def entries():
                         pw,
                         ps,
                     )
-                    if sums and host:  # host rows with more loads in flight (``NVFP4_HOST_STAGES``)
-                        ib, ik, iw, _ = triton_moe_gemv.NVFP4_INT
-                        for st in (2, 3):
-                            yield (
-                                f"MoE GEMV gate/up {tag}, {words}, integer products, {st} host stages",
-                                triton_moe_gemv._gate_up_kernel,
-                                {**ptrs, "xq": "*i16", "xf": F32},
-                                {
-                                    **gu,
-                                    "INT_DOT": True,
-                                    "BLOCK_N": ib,
-                                    "BLOCK_K": ik,
-                                    "LOOP_STAGES": st,
-                                    "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK,
-                                },  # fmt: skip
-                                iw,
-                                st,
-                            )
-                            dn, dk, dw, _ = triton_moe_gemv.NVFP4_DOWN_PLANES
-                            yield (
-                                f"MoE GEMV down by pair {tag}, {words}, {st} host stages",
-                                triton_moe_gemv._down_pair_kernel,
-                                ptrs_pair,
-                                {
-                                    **common,
-                                    "LOOP_STAGES": st,
-                                    "HOST": True,
-                                    "PLANES": True,
-                                    "BLOCK_N": dn,
-                                    "BLOCK_K": dk,
-                                    "EVEN_K": even,
-                                },  # fmt: skip
-                                dw,
-                                st,
-                            )
+                    # host rows may pipeline more loads at the same tiles (``NVFP4_HOST_STAGES``)
+                    extra = (2, 3) if host else ()
                     if sums:  # integer products too (FP4_INT_DOT), at their tiles
                         ib, ik, iw, i_s = triton_moe_gemv.NVFP4_INT
-                        yield (
-                            f"MoE GEMV gate/up {tag}, {words}, integer products",
-                            triton_moe_gemv._gate_up_kernel,
-                            {**ptrs, "xq": "*i16", "xf": F32},
-                            {
-                                **gu,
-                                "INT_DOT": True,
-                                "BLOCK_N": ib,
-                                "BLOCK_K": ik,
-                                "LOOP_STAGES": i_s,
-                                "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK,
-                            },  # fmt: skip
-                            iw,
-                            i_s,
-                        )
+                        int_ptrs = {**ptrs, "xq": "*i16", "xf": F32}
+                        for st in (i_s, *extra):
+                            consts = {**gu, "INT_DOT": True, "BLOCK_N": ib, "BLOCK_K": ik, "LOOP_STAGES": st,
+                                      "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
+                            label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
+                            yield label, triton_moe_gemv._gate_up_kernel, int_ptrs, consts, iw, st
                     if sums:  # the down kernel by pair reads words only with block sums
-                        dp = {**common, "LOOP_STAGES": ds, "HOST": host, "PLANES": True, "BLOCK_N": dn,
-                              "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
-                        yield (
-                            f"MoE GEMV down by pair {tag}, {words}",
-                            triton_moe_gemv._down_pair_kernel,
-                            ptrs_pair,
-                            dp,
-                            dw,
-                            ds,
-                        )
+                        for st in (ds, *extra):
+                            dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
+                                  "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
+                            label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
+                            yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, st
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):
