@@ -62,19 +62,21 @@ def test_host_reads_with_a_lean_store(ckpt, refs, reads_on):
 
 
 def test_only_batches_host_reads_take_publish_every_layers_routes(ckpt, refs, reads_on, monkeypatch):
-    """``HostReads.before_step`` uploads every layer's routes before a batch host reads may take,
+    """``MoeRuntime.before_step`` uploads every layer's routes before a batch host reads may take,
     and not before a prefill or a copying decode batch (those read each layer's own table)."""
+    from ft.moe.backends.runtime import MoeRuntime
+
     monkeypatch.setattr(host_reads, "CPU_MAX_TOKENS", 2)  # the three prompts' first decode batch copies
     published, publish = [], Tables.publish
     monkeypatch.setattr(Tables, "publish", lambda tables: (published.append(1), publish(tables))[1])
-    steps, before = [], host_reads.HostReads.before_step
+    steps, before = [], MoeRuntime.before_step
 
-    def spy(reads, bank, tokens, cuda):
+    def spy(runtime, tokens):
         n = len(published)
-        before(reads, bank, tokens, cuda)
+        before(runtime, tokens)
         steps.append((tokens, len(published) > n))
 
-    monkeypatch.setattr(host_reads.HostReads, "before_step", spy)
+    monkeypatch.setattr(MoeRuntime, "before_step", spy)
     outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.5)
     assert_same(outs, refs[8192])
     assert s.moe_bytes_host_read > 0 and s.moe_bytes_h2d > 0

@@ -125,16 +125,15 @@ class HostReads:
             if b.spare is not None:
                 b.spare.pending = False
 
-    def before_step(self, bank, tokens: int, cuda: bool) -> None:
-        """Before a step of ``tokens`` tokens: if host reads may take it, every layer's route
+    def before_step(self) -> None:
+        """Before a step host reads may take (``MoeRuntime.before_step`` asks): every layer's route
         follows its map, whatever the steps before did to it (promotions, a copying step's
         prefetches, landed copies). A batch they do not take (prefill, a copying decode batch)
         routes by each layer's own table, which its copying path publishes mid-step, so it
         skips the upload of every layer's tables: 1.3-1.4 ms of host time a step, between
         two steps, at batch 8 on the full 80B (an H200, 2026-12-03). A padded graph batch is
         never smaller than its tokens, so a batch that pads into host reads publishes too."""
-        if self.takes_tokens(bank, tokens, cuda):
-            self.tables.publish()
+        self.tables.publish()
 
     def after_step(self, tokens: int) -> None:
         """Between steps (``tokens``: the last step's): count what its host-read layers used and

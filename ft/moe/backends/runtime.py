@@ -218,8 +218,11 @@ class MoeRuntime:
         by layers that read their routing back or computed by the CPU. Only then does a step
         issued ahead (``LLMEngine.step``) overlap the host's work: otherwise the host waits inside
         it, and the tokens of the step before come out a step late."""
-        if not self.backends:
-            return True
+        return not self.backends or self._reads_take(tokens)
+
+    def _reads_take(self, tokens: int) -> bool:
+        """Whether host reads take a decode batch of ``tokens`` tokens: on, and a size the kernel
+        that reads the host store takes."""
         if self.reads is None or not host_reads.ENABLED:
             return False
         return self.reads.takes_tokens(self.bank, tokens, self.device.type == "cuda")
@@ -258,8 +261,8 @@ class MoeRuntime:
         gets every layer's routes as the maps now stand (``HostReads.before_step``)."""
         if self.shared is not None and self.shared.prestaged:
             self.shared.fit_prestaged(tokens)
-        if self.reads is not None and host_reads.ENABLED:
-            self.reads.before_step(self.bank, tokens, self.device.type == "cuda")
+        if self._reads_take(tokens):
+            self.reads.before_step()
 
     def idle(self) -> None:
         """The engine has nothing to run: with ``offload.PRESTAGE``, copy MoE layers' host-only
