@@ -67,14 +67,14 @@ ckpt = family_checkpoints(seed=31, weight_scale=0.8)
 
 @pytest.mark.parametrize(
     "switch",
-    [None, "pairs:DEVICE_PAIRS=0", "offload:HITS_AFTER_AHEAD=0", "pairs:DIRECT_TERMS=0", "transfer:MEMCPY=1"],
+    [None, "pairs:DEVICE_PAIRS=0", "offload:HITS_AFTER_AHEAD=0", "pairs:DIRECT_TERMS=0", "transfer:MEMCPY=0"],
 )
 def test_fp32_offload_equals_resident_exactly(ckpt, monkeypatch, switch):
     """Also with a prefill switch flipped: ``pairs.DEVICE_PAIRS`` off (the streamed layers' pairs
     grouped on the host: the same runs), ``offload.HITS_AFTER_AHEAD`` off (the hits before the
     first group staged ahead) and ``pairs.DIRECT_TERMS`` off (each streamed call's tokens
-    gathered, its terms scattered) and ``transfer.MEMCPY`` on (each run of rows copied by
-    cudaMemcpyAsync through ctypes)."""
+    gathered, its terms scattered) and ``transfer.MEMCPY`` off (each run of rows copied by
+    ``Tensor.copy_`` instead of cudaMemcpyAsync through ctypes)."""
     if switch is not None:
         name, value = switch.split("=")
         module, attr = name.split(":")
@@ -313,7 +313,7 @@ def test_tp2_offload_equals_tp1(tmp_path):
 @pytest.mark.parametrize("down_only", [True, False])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monkeypatch, fmt, down_only):
-    """``host_prefetch.ROWS``: before its mixer each layer picks its predicted host experts and
+    """``host_prefetch.rows``: before its mixer each layer picks its predicted host experts and
     copies them into its spare rows on a side stream inside the decode graph; graphed, eager and resident
     give the same tokens, and some picks were used. The choice is held back on the main stream
     (a copy not ordered after it would read the last step's rows to copy) and the copy on the side
@@ -323,8 +323,9 @@ def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monke
     from ft.moe.backends import host_prefetch, host_reads
 
     monkeypatch.setattr(host_reads, "ENABLED", True)
-    monkeypatch.setattr(host_prefetch, "ROWS", 3)
-    monkeypatch.setattr(host_prefetch, "DOWN_ONLY", down_only)
+    for prefix in ("", "NVFP4_"):  # the bank's format picks its own
+        monkeypatch.setattr(host_prefetch, f"{prefix}ROWS", 3)
+        monkeypatch.setattr(host_prefetch, f"{prefix}DOWN_ONLY", down_only)
     select, copy = host_prefetch.select_into, host_prefetch.copy_rows
 
     def late_select(*args):

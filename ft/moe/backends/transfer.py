@@ -28,10 +28,12 @@ import torch
 # On an H200 (2026-12-03, tests/gpu/copy_issue_rate.py) issuing one 1.8 MB NVFP4 expert row took
 # 10-16 us of host time by ``copy_`` and 3.4-5.4 us by the driver call, the same bytes at the same
 # 50 GB/s; at batch 8 the NVFP4 80B under 48 GiB spent ~190 us a layer in ``copy_in`` while the
-# link waited for the next layer's copies (docs/benchmarks.md). Off until a GPU run times it
-# (FT_MOE_MEMCPY=1; read at each call); without the library (not loaded, or a CPU) the copies go
-# by ``copy_``.
-MEMCPY = os.environ.get("FT_MOE_MEMCPY", "0") == "1"
+# link waited for the next layer's copies (docs/benchmarks.md). On from 2026-12-03 (FT_MOE_MEMCPY=0
+# turns it off; read at each call): the same NVFP4 80B's batch-8 decode 136.2 -> 213.5 tok/s (56% ->
+# 87% of its PCIe floor) and its 8k prefill 18,547 -> 23,460 tok/s; the full bf16 80B at 0.94
+# decoded 62.3 -> 63.6 tok/s at batch 1 and prefilled 32k at 84% of the link, from 82%
+# (docs/benchmarks.md). Without the library (not loaded, or a CPU) the copies go by ``copy_``.
+MEMCPY = os.environ.get("FT_MOE_MEMCPY", "1") != "0"
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 _memcpy_async: Callable | None = None
 _memcpy_looked = False
@@ -101,10 +103,10 @@ class Transfer:
             handle = self.stream.cuda_stream
             for dst, src, rr in runs:
                 if memcpy is not None and rows_alike(dst, src):
-                    for dst_ptr, src_ptr, nbytes in spans(dst, src, rr):
-                        err = memcpy(dst_ptr, src_ptr, nbytes, MEMCPY_DEFAULT, handle)
+                    for dst_ptr, src_ptr, size in spans(dst, src, rr):
+                        err = memcpy(dst_ptr, src_ptr, size, MEMCPY_DEFAULT, handle)
                         if err:
-                            raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes failed: error {err}")
+                            raise RuntimeError(f"cudaMemcpyAsync of {size} bytes failed: error {err}")
                     continue
                 for d, s, n in rr:
                     dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
