@@ -37,6 +37,8 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.backends.host_reads", "FUSED_ROUTE", "FT_MOE_HOST_READS_FUSED_ROUTE"),
     ("ft.moe.backends.host_prefetch", "ROWS", "FT_MOE_HOST_PREFETCH"),  # on: rows > 0
     ("ft.moe.backends.host_prefetch", "DOWN_ONLY", "FT_MOE_HOST_PREFETCH_DOWN"),
+    ("ft.moe.backends.host_prefetch", "NVFP4_ROWS", "FT_MOE_HOST_PREFETCH"),  # NVFP4 banks' own
+    ("ft.moe.backends.host_prefetch", "NVFP4_DOWN_ONLY", "FT_MOE_HOST_PREFETCH_DOWN"),
     ("ft.moe.backends.pairs", "DEVICE_PAIRS", "FT_MOE_DEVICE_PAIRS"),
     ("ft.moe.backends.pairs", "DIRECT_TERMS", "FT_MOE_DIRECT_TERMS"),
     ("ft.moe.backends.transfer", "MEMCPY", "FT_MOE_MEMCPY"),

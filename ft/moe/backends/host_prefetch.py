@@ -5,8 +5,8 @@ With host reads (``host_reads.py``) a decode step's MoE kernels read their misse
 PCIe themselves, so the link is busy only while a MoE kernel runs and idles through every
 attention or GDN mixer, norm and router between them (on an H200, 2026-12-01, the full
 Qwen3-Next-80B's bf16 step: 22 ms, of which ~13 ms of link time for its 711 MB a token).
-``ROWS`` > 0 gives each offloading layer that many spare rows past its null slot (rows S + 1 ...
-S + ROWS) and, at the start of every host-read layer (``SparseMoeBlock.lookahead``, before the
+``rows(format)`` = R > 0 gives each offloading layer R spare rows past its null slot (rows S + 1 ...
+S + R) and, at the start of every host-read layer (``SparseMoeBlock.lookahead``, before the
 mixer), on the main stream:
 
 1. the layer's router on ``post_attention_layernorm(residual)``, the residual stream without the
@@ -15,7 +15,7 @@ mixer), on the main stream:
    layer's MoE input, the copying path's prefetch, finds 52% / 72%:
    tests/offload/prefetch_accuracy.py, 2026-12-01);
 2. ``select``: of the predicted experts that the layer's route sends to the host (route < 0), the
-   first ``ROWS`` by rank (every token's first choice, then every token's second, ...), distinct,
+   first R by rank (every token's first choice, then every token's second, ...), distinct,
    padding rows ignored -> the host rows to copy (-1: none), the layer's effective route (the
    picks pointed at the spare rows, every other expert as published), and the picks written into
    the layer's use counts (``HostReads.uses[:, E:]``, as expert + 1) for the statistics;
@@ -30,10 +30,11 @@ never a result). The spare rows are rewritten only after the main stream passed 
 reader (the fork is ordered after it). Families whose layers are not ``DecoderLayer`` (qwen4_exp)
 make no guess, so prefetch nothing.
 
-``DOWN_ONLY`` (on; FT_MOE_HOST_PREFETCH_DOWN=0 copies whole experts): only the picks' down
-projections (the row's bytes from its first ``w2`` part on, a third of a bf16 expert) are copied,
-and only the layer's down kernel waits for them and reads them there; its gate/up kernel reads
-the picks from the host store as if unpicked, and runs while the copy finishes. A whole
+``down_only(format)`` (bf16's ``DOWN_ONLY``; FT_MOE_HOST_PREFETCH_DOWN=0 copies whole experts):
+only the picks' down projections (the row's bytes from its first ``w2`` part on, a third of a bf16
+expert) are copied, and only the layer's down kernel waits for them and reads them there; its
+gate/up kernel reads the picks from the host store as if unpicked, and runs while the copy
+finishes. A whole
 expert's copy (~0.23 ms for a bf16 one at 55 GB/s) outlasts the mixer it hides behind (~0.07
 ms), so the MoE kernel used to wait most of it out, wrong guesses included; a down projection's
 copy fits beside the mixer and the gate/up kernel that follows it. H200, 2026-12-02, the 16-layer
@@ -41,11 +42,17 @@ Qwen3-Next cut in bf16 under 48 GiB (86% of the experts resident), batch 1: no p
 tok/s, two rows down-only 212.4, three rows of whole experts 176.0 (docs/benchmarks.md): down-only
 copies cost nothing that whole ones did, and they gain nothing either.
 
-Off (``ROWS`` = 0) until a GPU run measures it: FT_MOE_HOST_PREFETCH=N sets N rows per layer,
-read when the engine sizes its caches (the spare rows: offload backend with ``--moe-prefetch``)
-and at each call (at most the rows sized; 0 turns it off; a captured graph keeps the value it was
-captured with). A layer's uses of its picked experts count as misses (they are not cached); the
-statistics' prefetched / prefetch hits count the picks and the picks the layer then read.
+By format (``rows``, ``down_only``): bf16 banks prefetch nothing (``ROWS`` = 0), NVFP4 banks two
+whole experts a layer (``NVFP4_ROWS``, ``NVFP4_DOWN_ONLY`` off). An NVFP4 expert (1.8 MB of the
+80B's) copies in ~32 us, which a mixer hides where a bf16 one did not: H200, 2026-12-03, the full
+Qwen3-Next-80B with NVFP4 experts under 48 GiB (79% resident, uniform routing, LRU), batch-1
+decode 122.0 tok/s without prefetch, 127.0 with two rows down-only, **143.0** with two rows of
+whole experts, 140.5 with four (docs/benchmarks.md). FT_MOE_HOST_PREFETCH=N sets N rows a layer
+for both formats (0 turns it off) and FT_MOE_HOST_PREFETCH_DOWN=0/1 what they copy, each read
+when the engine sizes its caches (the spare rows: offload backend with ``--moe-prefetch``) and at
+each call (at most the rows sized; a captured graph keeps the value it was captured with). A
+layer's uses of its picked experts count as misses (they are not cached); the statistics'
+prefetched / prefetch hits count the picks and the picks the layer then read.
 """
 
 from __future__ import annotations
@@ -55,8 +62,11 @@ from collections.abc import Callable
 
 import torch
 
+# rows a layer and what they copy, bf16 banks then NVFP4 ones; read at each call (``rows``, ``down_only``)
 ROWS = int(os.environ.get("FT_MOE_HOST_PREFETCH", "0"))
-DOWN_ONLY = os.environ.get("FT_MOE_HOST_PREFETCH_DOWN", "1") != "0"  # read at each call
+DOWN_ONLY = os.environ.get("FT_MOE_HOST_PREFETCH_DOWN", "1") != "0"
+NVFP4_ROWS = int(os.environ.get("FT_MOE_HOST_PREFETCH", "2"))
+NVFP4_DOWN_ONLY = os.environ.get("FT_MOE_HOST_PREFETCH_DOWN", "0") != "0"
 COPY_PROGRAMS = 16  # programs of the copy kernel (each streams its share of every row)
 COPY_BLOCK = 2048  # int64 words a program moves per iteration (16 KB)
 
@@ -67,11 +77,22 @@ except ImportError:  # CPU-only machine: the torch versions below
     triton = None
 
 
+def rows(fmt: str | None) -> int:
+    """Spare rows a layer prefetches into for a bank of format ``fmt`` (the switch as it is now)."""
+    return NVFP4_ROWS if fmt == "nvfp4" else ROWS
+
+
+def down_only(fmt: str | None) -> bool:
+    """Whether a bank of format ``fmt`` copies its picks' down projections alone."""
+    return NVFP4_DOWN_ONLY if fmt == "nvfp4" else DOWN_ONLY
+
+
 class Spare:
     """One layer's prefetch state: its spare rows, the route through them, the copy's event."""
 
-    def __init__(self, cache, picks: torch.Tensor) -> None:
+    def __init__(self, cache, picks: torch.Tensor, fmt: str | None = None) -> None:
         dev = cache.device
+        self.fmt = fmt  # the bank's format: how many rows and what they copy (``rows``, ``down_only``)
         self.first_row = cache.map.num_slots + 1  # past the null row
         self.eff = torch.empty_like(cache.route)  # [E] the route with this step's picks
         self.src = torch.full((cache.spare,), -1, dtype=torch.int64, device=dev)  # host rows to copy
@@ -100,11 +121,11 @@ def start(pred: torch.Tensor, real: torch.Tensor, backend, stream: torch.cuda.St
     the choice on the current stream, the copy on ``stream`` after it (at once on a CPU); its
     MoE kernel then reads them there (``routes``)."""
     sp = backend.spare
-    n = min(ROWS, len(sp.src))  # the switch's rows, at most the spare rows sized at start
+    n = min(rows(sp.fmt), len(sp.src))  # the switch's rows, at most the spare rows sized at start
     src, picks = sp.src[:n], sp.picks[:n]  # picks past n stay 0 (the use counts zero every step)
     select_into(pred, real, backend.cache.route, sp.eff, src, picks, sp.scratch, sp.first_row)
-    sp.down_only = DOWN_ONLY
-    first = sp.down_from if DOWN_ONLY else 0
+    sp.down_only = down_only(sp.fmt)
+    first = sp.down_from if sp.down_only else 0
     if stream is None:
         copy_rows(backend.store.block, backend.cache.block, sp.first_row, src, first)
     else:

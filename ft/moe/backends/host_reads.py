@@ -72,8 +72,9 @@ except ImportError:  # CPU-only machine: the torch version of ``route_and_count`
 class HostReads:
     """The host-read state of one rank: every offloading layer's use counts and promotions."""
 
-    def __init__(self, backends: list, top_k: int, device: torch.device) -> None:
+    def __init__(self, backends: list, top_k: int, device: torch.device, fmt: str | None = None) -> None:
         self.backends, self.top_k = backends, top_k
+        self.fmt = fmt  # the banks' format (what their prefetch does: ``host_prefetch.rows``)
         e = self.num_experts = backends[0].store.num_experts
         spare = backends[0].cache.spare  # rows a layer's prefetch fills (``host_prefetch.py``)
         # [L, E + spare]: each layer's uses of its experts, then the experts its prefetch picked
@@ -92,7 +93,7 @@ class HostReads:
         )
         for i, b in enumerate(backends):
             b.reads, b.uses = self, self.uses[i]
-            b.spare = host_prefetch.Spare(b.cache, self.uses[i, e:]) if spare else None
+            b.spare = host_prefetch.Spare(b.cache, self.uses[i, e:], fmt) if spare else None
 
     def takes(self, bank, x: torch.Tensor, decode: bool) -> bool:
         """Whether a batch reads its experts where they are: the switch on (read at each call, so
@@ -197,7 +198,7 @@ class HostReads:
             picked[np.arange(len(uses))[:, None], picks] = True
             picked = picked[:, 1:]
             copies = picked.sum(1)
-            down_only = host_prefetch.DOWN_ONLY  # what the copies moved (the switch as it is now)
+            down_only = host_prefetch.down_only(self.fmt)  # what the copies moved (the switch as it is now)
             self.bytes_read += int(copies @ (self.payload_down if down_only else self.payload))
             for b, n, h in zip(self.backends, copies.tolist(), (missed & picked).sum(1).tolist()):
                 b.map.counts.prefetched += n

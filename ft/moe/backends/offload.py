@@ -425,7 +425,7 @@ class OffloadBackend:
                 self.stage_first_groups(None)
             return
         reads = self.reads
-        if reads is None or self.spare is None or not host_prefetch.ROWS:
+        if reads is None or self.spare is None or not host_prefetch.rows(self.spare.fmt):
             return
         if not reads.takes(block.experts, residual, decode_only()):
             return

@@ -122,6 +122,7 @@ class MoeRuntime:
         blocks = moe_blocks(model)
         if not self.offloads or not blocks:
             return
+        self.bank = blocks[0].experts
         layouts = [ExpertLayout.of(b.experts) for b in blocks]
         e = blocks[0].experts.num_experts
         per_expert = sum(lay.expert_bytes for lay in layouts)  # one expert of every layer
@@ -149,6 +150,7 @@ class MoeRuntime:
         if not blocks:
             return self.plan
         e = blocks[0].experts.num_experts
+        self.bank = blocks[0].experts
         if not self.offloads:
             bank_bytes = sum(b.experts.weight_bytes() for b in blocks)
             self.plan = MoePlan("gpu", len(blocks), e, e, cache_bytes=bank_bytes)
@@ -193,8 +195,9 @@ class MoeRuntime:
             for backend, nxt, block in zip(self.backends, self.backends[1:], blocks[1:]):
                 backend.prefetch = Prefetch(block.gate, nxt)  # the next MoE layer's router
         if self.name == "offload" and (self.stores[0].pinned or self.device.type == "cpu"):
-            self.reads = host_reads.HostReads(self.backends, self.mc.num_experts_per_tok, self.device)
-        self.bank = blocks[0].experts
+            self.reads = host_reads.HostReads(
+                self.backends, self.mc.num_experts_per_tok, self.device, self.bank.format
+            )
         unattended = [n for n in range(1, cfg.max_running_requests + 1) if self.runs_unattended(n)]
         self.plan = MoePlan(
             self.name,
@@ -229,9 +232,11 @@ class MoeRuntime:
 
     def _spare_rows(self) -> int:
         """Rows per layer past the null slot for host reads' prefetch: the offload backend, with
-        prefetch, where kernels can read the host store (pinned memory, or a CPU)."""
+        prefetch, where kernels can read the host store (pinned memory, or a CPU); as many as the
+        bank's format asks (``host_prefetch.rows``)."""
         reads = self.device.type == "cpu" or pin_available(self.device)
-        return host_prefetch.ROWS if self.name == "offload" and self.cfg.moe_prefetch and reads else 0
+        on = self.name == "offload" and self.cfg.moe_prefetch and reads
+        return host_prefetch.rows(self.bank.format if self.bank is not None else None) if on else 0
 
     def _slots(self, layout: ExpertLayout, layers: int, e: int, staging: int, pools: int = 0) -> int:
         k = self.mc.num_experts_per_tok
