@@ -403,11 +403,13 @@ def check_moe_gemv_host_rows() -> None:
             triton_moe_gemv.HOST_TILES = False
         (s13, h13), (s2, h2) = split(q13), split(q2)
         want = launch_moe_gemv(x.bfloat16(), q13, q2, weights, ids)
-        for stages in (None, (3, 2)):  # the host-read launches' own loop stages: the same bits
-            triton_moe_gemv.NVFP4_HOST_STAGES = stages
+        for stages, first in ((None, False), ((3, 2), False), (None, True)):
+            # the host-read launches' own loop stages; the globals loaded before the loop: the same bits
+            triton_moe_gemv.NVFP4_HOST_STAGES, triton_moe_gemv.GLOBALS_FIRST = stages, first
             got = launch_moe_gemv(x.bfloat16(), s13, s2, weights, route[ids], host=(h13, h2))
-            assert torch.equal(got, want), (used, stages)
-        triton_moe_gemv.NVFP4_HOST_STAGES = None
+            assert torch.equal(got, want), (used, stages, first)
+            assert torch.equal(launch_moe_gemv(x.bfloat16(), q13, q2, weights, ids), want), first
+        triton_moe_gemv.NVFP4_HOST_STAGES, triton_moe_gemv.GLOBALS_FIRST = None, False
 
 
 @contextlib.contextmanager

@@ -121,16 +121,19 @@ def entries():
                     if sums:  # integer products too (FP4_INT_DOT), at their tiles
                         ib, ik, iw, i_s = triton_moe_gemv.NVFP4_INT
                         int_ptrs = {**ptrs, "xq": "*i16", "xf": F32}
-                        for st in (i_s, *extra):
+                        for st, first in ((i_s, False), (i_s, True), *((x, False) for x in extra)):
                             consts = {**gu, "INT_DOT": True, "BLOCK_N": ib, "BLOCK_K": ik, "LOOP_STAGES": st,
-                                      "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
+                                      "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK,
+                                      "GLOBALS_FIRST": first}  # fmt: skip
                             label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
+                            label += ", globals first" if first else ""
                             yield label, triton_moe_gemv._gate_up_kernel, int_ptrs, consts, iw, st
                     if sums:  # the down kernel by pair reads words only with block sums
-                        for st in (ds, *extra):
+                        for st, first in ((ds, False), (ds, True), *((x, False) for x in extra)):
                             dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
-                                  "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
+                                  "BLOCK_K": dk, "EVEN_K": even, "GLOBALS_FIRST": first}  # fmt: skip
                             label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
+                            label += ", globals first" if first else ""
                             yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, st
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip

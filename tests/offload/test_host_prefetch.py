@@ -216,7 +216,10 @@ def test_picked_experts_count_their_copy_once_and_their_uses_not_as_host_reads(m
 
 @pytest.mark.parametrize(
     "env, want",
-    [({}, "0 2 True False"), ({"FT_MOE_HOST_PREFETCH": "3", "FT_MOE_HOST_PREFETCH_DOWN": "1"}, "3 3 True True")],
+    [
+        ({}, "0 2 True False"),
+        ({"FT_MOE_HOST_PREFETCH": "3", "FT_MOE_HOST_PREFETCH_DOWN": "1"}, "3 3 True True"),
+    ],
 )
 def test_rows_and_what_they_copy_by_bank_format(env, want):
     """By default bf16 banks prefetch nothing and NVFP4 banks two whole experts a layer (what an
@@ -230,5 +233,6 @@ def test_rows_and_what_they_copy_by_bank_format(env, want):
         "from ft.moe.backends import host_prefetch as h; "
         "print(h.rows('bf16'), h.rows('nvfp4'), h.down_only('bf16'), h.down_only('nvfp4'))"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=clean | env, capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[0] == want
+    run = subprocess.run([sys.executable, "-c", code], env=clean | env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] == want

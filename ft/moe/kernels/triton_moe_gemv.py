@@ -86,6 +86,16 @@ BF16_HOST = _tiles_from_env("BF16_HOST", (BF16[0], BF16[1], BF16[2], 1))
 # experts in 476-492 us against 514 at the tiles' own stages, within the rows' spread (gate/up
 # 40-46 GB/s, down 18-28 either way): unset. Loop stages are not what holds the down kernel back.
 NVFP4_HOST_STAGES = _tiles_from_env("NVFP4_HOST_STAGES", None)
+# The NVFP4 kernels' per-row globals (and the down kernel's routing weight) loaded before the
+# loop over the codes instead of after it: the same values, the same arithmetic, the same bits.
+# After the loop (and its cross-warp reductions) each program waits out one more memory round
+# trip once its codes are in: ~0.6 us from HBM, a PCIe round trip (~1-2 us) for an expert read
+# from the host store, where the down kernel by pair has a single step over its codes, so a second
+# round trip could be half of a program's time. On an H200 (2026-12-03, host_read_timings.py nvfp4)
+# the down kernel read its host rows at 20-25 GB/s against gate/up's 40-46 and the link's 55;
+# under ncu (2026-12-02) the resident gate/up stalled on loads half its cycles. Off until timed
+# (FT_MOE_GEMV_GLOBALS_FIRST=1): host_read_timings.py nvfp4 and decode_variants.py --nvfp4.
+GLOBALS_FIRST = os.environ.get("FT_MOE_GEMV_GLOBALS_FIRST", "0") == "1"
 BF16_DOWN, NVFP4_DOWN = _tiles_from_env("BF16_DOWN", BF16_DOWN), _tiles_from_env("NVFP4_DOWN", NVFP4_DOWN)
 PAIR_DOWN = _tiles_from_env("PAIR_DOWN", PAIR_DOWN)
 # A block's (bf16) shared expert as one more pair of each token in these two launches, beside a
@@ -591,6 +601,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, BLOCK_SUMS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     SHARED_BLOCK_K: tl.constexpr = 0, INT_DOT: tl.constexpr = False, ASM: tl.constexpr = True,
+    GLOBALS_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -623,6 +634,10 @@ def _gate_up_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
+            g_ptr = g_e + n  # the rows' globals
+            if GLOBALS_FIRST:  # loaded beside the first codes, not a round trip after the loop
+                g_glob = tl.load(g_ptr, mask=nmask, other=0.0)
+                u_glob = tl.load(g_ptr + N, mask=nmask, other=0.0)
             if PLANES and INT_DOT:  # int16 inputs, integer block sums (``FP4_INT_DOT``)
                 gate = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
                 up = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
@@ -687,9 +702,11 @@ def _gate_up_kernel(
                     up += w_up * xin
             g = tl.sum(gate, axis=1)
             u = tl.sum(up, axis=1)
-            g_ptr = g_e + n  # the rows' globals
-            g *= tl.load(g_ptr, mask=nmask, other=0.0) * unfold
-            u *= tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold
+            if not GLOBALS_FIRST:
+                g_glob = tl.load(g_ptr, mask=nmask, other=0.0)
+                u_glob = tl.load(g_ptr + N, mask=nmask, other=0.0)
+            g *= g_glob * unfold
+            u *= u_glob * unfold
     out = g * tl.sigmoid(g) * u
     tl.store(act + p.to(tl.int64) * s_at + n, out.to(act.dtype.element_ty), mask=nmask)
 
@@ -760,6 +777,7 @@ def _down_pair_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
+    GLOBALS_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded as the walk rounds
@@ -802,6 +820,9 @@ def _down_pair_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
+            if GLOBALS_FIRST:  # loaded beside the codes, not a round trip after the loop
+                glob = tl.load(g_e + n, mask=nmask, other=0.0)
+                scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
             if PLANES:  # codes as words, a block's scale once (``FP4_DOWN_PLANES``)
                 blocks = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
@@ -820,8 +841,10 @@ def _down_pair_kernel(
                     w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
                     acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
                 dot = tl.sum(acc, axis=1)
-            scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
-            term = dot * (tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold))
+            if not GLOBALS_FIRST:
+                scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
+                glob = tl.load(g_e + n, mask=nmask, other=0.0)
+            term = dot * (glob * (scale * unfold))
     cell = ws + tok * (TOPK + SHARED) * N + n  # ws[tok, 0, n]
     tl.store(cell + slot * N, term.to(out.dtype.element_ty).to(tl.float32), mask=nmask)
     # the ticket is one thread's atomic: the barrier puts every thread's stores before its release
@@ -944,7 +967,7 @@ def launch_moe_gemv(
         x.stride(0), xq.stride(0), xf.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0),
         ids.stride(0), ids.stride(1), UNFOLD,
         **flags, PLANES=planes, BLOCK_SUMS=sums, INT_DOT=int_dot, ASM=not INTERPRETER,
-        BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
+        GLOBALS_FIRST=fp4 and GLOBALS_FIRST, BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
         BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
@@ -970,7 +993,8 @@ def launch_moe_gemv(
             weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
             **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
             num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
-            SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0, **pdl_args(act),
+            GLOBALS_FIRST=fp4 and GLOBALS_FIRST, **pdl_args(act),
+            SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0,
         )  # fmt: skip
         return out
     down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)
