@@ -93,8 +93,10 @@ NVFP4_HOST_STAGES = _tiles_from_env("NVFP4_HOST_STAGES", None)
 # from the host store, where the down kernel by pair has a single step over its codes, so a second
 # round trip could be half of a program's time. On an H200 (2026-12-03, host_read_timings.py nvfp4)
 # the down kernel read its host rows at 20-25 GB/s against gate/up's 40-46 and the link's 55;
-# under ncu (2026-12-02) the resident gate/up stalled on loads half its cycles. Off until timed
-# (FT_MOE_GEMV_GLOBALS_FIRST=1): host_read_timings.py nvfp4 and decode_variants.py --nvfp4.
+# under ncu (2026-12-02) the resident gate/up stalled on loads half its cycles. Compiled for sm_90
+# (nvdisasm), only the down kernel changes: its globals' and weight's loads came after the barrier
+# of its cross-warp reduction and now come before its codes'; ptxas already hoists gate/up's. Off
+# until timed (FT_MOE_GEMV_GLOBALS_FIRST=1): host_read_timings.py nvfp4, decode_variants.py --nvfp4.
 GLOBALS_FIRST = os.environ.get("FT_MOE_GEMV_GLOBALS_FIRST", "0") == "1"
 BF16_DOWN, NVFP4_DOWN = _tiles_from_env("BF16_DOWN", BF16_DOWN), _tiles_from_env("NVFP4_DOWN", NVFP4_DOWN)
 PAIR_DOWN = _tiles_from_env("PAIR_DOWN", PAIR_DOWN)
