@@ -535,18 +535,21 @@ class OffloadBackend:
             and tokens * top_k >= AHEAD_PAIRS * self.store.num_experts
         )
 
-    def prestage_capacity(self) -> int:
-        """Host-only experts this layer could pre-stage now (none when it holds some already)."""
+    def _prestageable(self) -> np.ndarray:
+        """The host-only experts this layer could pre-stage now (none when it holds some already)."""
         if self.map is None or self in self.shared.prestaged:
-            return 0
-        return len(self.map.absent())
+            return np.empty(0, dtype=np.int64)
+        return self.map.absent()
+
+    def prestage_capacity(self) -> int:
+        return len(self._prestageable())
 
     def prestage(self, max_rows: int) -> None:
         """Copy up to ``max_rows`` of this layer's host-only experts, those its policy ranks first,
         into a buffer of their own (``PRESTAGE``; ``prestage_capacity`` says how many it could)."""
-        if max_rows <= 0 or self.prestage_capacity() == 0:
+        host_only = self._prestageable() if max_rows > 0 else []
+        if len(host_only) == 0:
             return
-        host_only = self.map.absent()
         ranked = host_only[np.argsort(-self.map.freq[host_only], kind="stable")][:max_rows]
         experts = np.sort(ranked)
         layout, sh = self.store.layout, self.shared
