@@ -182,6 +182,17 @@ def entries():
                           "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
                           "USE_PDL": 2}  # fmt: skip
                 yield f"{name} MMA {which}, T={t}", kernel, ptrs, consts, warps, stages
+                if name == "NVFP4":  # codes decoded from words (``triton_w4a16.WORD_DECODE``)
+                    words = consts | {"WORDS": True}
+                    yield f"{name} MMA {which}, T={t}, words", kernel, ptrs, words, warps, stages
+                    yield (
+                        f"{name} MMA {which}, T={t}, words, K tail",
+                        kernel,
+                        ptrs,
+                        words | {"EVEN_K": False},
+                        warps,
+                        stages,
+                    )
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
                     yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages

@@ -115,3 +115,23 @@ def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
         for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
             tok = next(t for t in w if t in g)  # the prompt token is in both
             assert abs(g[tok] - w[tok]) < 0.1 + 0.02 * abs(w[tok])
+
+
+@pytest.mark.parametrize("inter,t", [(512, 64), (512, 4096), (48, 33), (256, 300)])
+def test_word_decode_gives_the_same_bits(inter, t, monkeypatch):
+    """``WORD_DECODE``: the MMA kernel's codes decoded from 32-bit words (bf16 multiplies of
+    subnormal bf16 codes by their scales) give the byte-wise decode's output bit for bit, K tails
+    (I = 48: 24 bytes a down row) included."""
+    pytest.importorskip("triton")
+    from ft.moe.kernels import triton_w4a16
+
+    gen = torch.Generator(device="cuda").manual_seed(inter + t)
+    e, h = 64, 2048
+    w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+    x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = routing(t, e, 8, gen)
+    monkeypatch.setattr(triton_w4a16, "WORD_DECODE", False)
+    want = triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids)
+    monkeypatch.setattr(triton_w4a16, "WORD_DECODE", True)
+    assert triton_w4a16.words_aligned(w13.weight) and triton_w4a16.words_aligned(w2.weight)
+    assert torch.equal(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids), want)

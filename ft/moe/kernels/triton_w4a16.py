@@ -18,6 +18,8 @@ fp16 activations (the folded magnitudes underflow fp16), W4A4, expert parallelis
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,20 @@ from ft.moe.kernels.triton_moe import mma_path, pair_tile, store_pairs, tile_pai
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 
 UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
+# The MMA kernel's codes read as 32-bit words of eight and decoded word-wise into bf16 (``_words``,
+# ``_word_code``): each code's bits placed into a bf16 (e2m1 · 2^-126) by two shifts and one
+# and-or, times its block's scale as a bf16 (scale · 2^104), the same exact bf16 values
+# e2m1 · scale · 2^-22 as ``_decode``, so the same bits. Compiled for sm_90 the byte-wise decode
+# of the gate/up kernel at T = 8192's tiles (128 x 64 x 64, 8 warps) is ~556 SASS instructions a
+# loop step for 32 weights a thread (98 PRMT, 90 IMAD, 71 LOP3, 36 SHF, 34 HADD2, 32 FMUL, 16
+# F2FP: the nibbles split, widened and converted one by one) against 8 HGMMA: the NVFP4 prefill is
+# bound by decoding (the 80B's 8k prefill 29.6k tok/s resident against ~48k the link would allow
+# it offloaded; docs/benchmarks.md, 2026-12-03). Off until timed on a GPU
+# (FT_W4A16_WORD_DECODE=1): tests/gpu/config_sweep.py, then the 8k prefill in ft bench.
+WORD_DECODE = os.environ.get("FT_W4A16_WORD_DECODE", "0") == "1"
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's interpreter: CPU tensors, no PTX
+# its bf16 arithmetic multiplies bit patterns (triton issue 11584), so there ``_words`` multiplies in fp32
+_BF16_ARITHMETIC: tl.constexpr = tl.constexpr(not INTERPRETER)
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
 # timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
 # H200, 2026-11-30, 02:50 UTC (tests/gpu/config_sweep.py, with the GEMV's tiles from that sweep):
@@ -73,6 +89,58 @@ def e4m3(scale):
     return s.to(tl.float16, bitcast=True).to(tl.float32)
 
 
+@triton.jit
+def _word_code(words, J: tl.constexpr):
+    # code J of each 32-bit word (bits 4J..4J+3) as the bits of a bf16 e2m1 · 2^-126 (uint32, the
+    # low half): its three magnitude bits to the bf16's lowest two exponent bits and top mantissa
+    # bit (bits 6..8; a zero exponent is a bf16 subnormal, 0.5 · 2^-126 exactly), its sign to bit 15
+    if 4 * J >= 6:
+        mag = (words >> (4 * J - 6)) & 0x1C0
+    else:
+        mag = (words << (6 - 4 * J)) & 0x1C0
+    if 4 * J >= 12:
+        sign = (words >> (4 * J - 12)) & 0x8000
+    else:
+        sign = (words << (12 - 4 * J)) & 0x8000
+    return mag | sign
+
+
+@triton.jit
+def _scaled(words, J: tl.constexpr, s):
+    # code J of each word times its scale s (bf16 scale · 2^104): e2m1 · scale · 2^-22, exact
+    bits = _word_code(words, J)
+    if _BF16_ARITHMETIC:  # packed bf16 multiplies on the GPU
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True) * s
+    # the interpreter: the same product in fp32 (the bf16 bits as an fp32's top half)
+    return ((bits << 16).to(tl.float32, bitcast=True) * s.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _words(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # words uint32 [BN, BK/8] (code j of word w is element 8w + j), scale uint8 [BN, BK/8] (each
+    # word's block's e4m3 bits) -> bf16 [BN, BK] holding e2m1 · scale · 2^-22, ``_decode``'s values:
+    # a product of at most six significant bits, exact in bf16 whatever rounds it
+    s = (e4m3(scale) * 2.0**112).to(tl.bfloat16)  # scale · 2^104, exact
+    c0, c1, c2, c3 = _scaled(words, 0, s), _scaled(words, 1, s), _scaled(words, 2, s), _scaled(words, 3, s)
+    c4, c5, c6, c7 = _scaled(words, 4, s), _scaled(words, 5, s), _scaled(words, 6, s), _scaled(words, 7, s)
+    # joins add a last axis: pairing codes j and j + 1 last, j and j + 2 before, j and j + 4 first
+    # gives each word's eight values in the order j = 0..7
+    w = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _tile(b_ptr, s_ptr, bmask, smask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+    # a [BN, BK] tile of weights, bf16: from words (``_words``) or bytes (``_decode``)
+    codes = tl.load(b_ptr, mask=bmask, other=0)
+    scales = tl.load(s_ptr, mask=smask, other=0)
+    if WORDS:
+        w = _words(codes, scales, BLOCK_N, BLOCK_K)
+    else:
+        w = _decode(codes, scales, BLOCK_N, BLOCK_K)
+    return w
+
+
 # a call's pair count, where its weights and row maps start (slices of a batch's): one variant for all
 @triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w", "a_map", "c_map"])
 def _w4a16_gemm_kernel(
@@ -111,6 +179,7 @@ def _w4a16_gemm_kernel(
     A_MAP: tl.constexpr = False,
     C_MAP: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    WORDS: tl.constexpr = False,
 ):
     wait_for_previous(USE_PDL)
     # c[rows] = f(g[e] · (a[rows] @ W[e].T)) for one BLOCK_M run of (token, k) pairs sharing expert e
@@ -122,50 +191,44 @@ def _w4a16_gemm_kernel(
         A_MAP,
     )  # fmt: skip
     kk = tl.arange(0, BLOCK_K)
-    kb = tl.arange(0, BLOCK_K // 2)
-    ks = tl.arange(0, BLOCK_K // 16)
     a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
-    b_ptr = b + e * s_be + n[:, None].to(tl.int64) * s_bn + kb[None, :]  # [BN, BK/2] packed codes
-    s_ptr = b_scale + e * s_se + n[:, None].to(tl.int64) * s_sn + ks[None, :]  # [BN, BK/16]
+    rows_b = b + e * s_be + n[:, None].to(tl.int64) * s_bn  # the rows' codes, bytes
+    rows_s = b_scale + e * s_se + n[:, None].to(tl.int64) * s_sn  # their scales
+    if WORDS:  # [BN, BK/8] words of codes, each word's block's scale (``_words``)
+        kc = tl.arange(0, BLOCK_K // 8)
+        b_ptr = rows_b.to(tl.pointer_type(tl.uint32)) + kc[None, :]
+        s_ptr = rows_s + (kc // 2)[None, :]
+        up_b, step_b = N * (s_bn // 4), BLOCK_K // 8
+    else:  # [BN, BK/2] packed bytes, [BN, BK/16] scales (``_decode``)
+        kc = tl.arange(0, BLOCK_K // 2)
+        ks = tl.arange(0, BLOCK_K // 16)
+        b_ptr = rows_b + kc[None, :]
+        s_ptr = rows_s + ks[None, :]
+        up_b, step_b = N * s_bn, BLOCK_K // 2
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SWIGLU:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        bmask = nmask[:, None]
+        smask = nmask[:, None]
         if EVEN_K:
             at = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
-            w = _decode(
-                tl.load(b_ptr, mask=nmask[:, None], other=0),
-                tl.load(s_ptr, mask=nmask[:, None], other=0),
-                BLOCK_N,
-                BLOCK_K,
-            )
-        else:  # K is a multiple of 16, so whole bytes and whole scale blocks are in or out
+        else:  # K is a multiple of 16, so whole bytes, words and scale blocks are in or out
             left = K - k0
             at = tl.load(a_ptr, mask=rmask[:, None] & (kk[None, :] < left), other=0.0)
-            bmask = nmask[:, None] & (kb[None, :] < left // 2)
-            smask = nmask[:, None] & (ks[None, :] < left // 16)
-            w = _decode(
-                tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
-            )
+            if WORDS:
+                bmask = bmask & (kc[None, :] < left // 8)
+                smask = bmask
+            else:
+                bmask = bmask & (kc[None, :] < left // 2)
+                smask = smask & (ks[None, :] < left // 16)
+        w = _tile(b_ptr, s_ptr, bmask, smask, BLOCK_N, BLOCK_K, WORDS)
         acc = tl.dot(at, tl.trans(w), acc)
         if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
-            if EVEN_K:
-                u = _decode(
-                    tl.load(b_ptr + N * s_bn, mask=nmask[:, None], other=0),
-                    tl.load(s_ptr + N * s_sn, mask=nmask[:, None], other=0),
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-            else:
-                u = _decode(
-                    tl.load(b_ptr + N * s_bn, mask=bmask, other=0),
-                    tl.load(s_ptr + N * s_sn, mask=smask, other=0),
-                    BLOCK_N,
-                    BLOCK_K,
-                )
+            u = _tile(b_ptr + up_b, s_ptr + N * s_sn, bmask, smask, BLOCK_N, BLOCK_K, WORDS)
             acc_up = tl.dot(at, tl.trans(u), acc_up)
         a_ptr += BLOCK_K
-        b_ptr += BLOCK_K // 2
+        b_ptr += step_b
         s_ptr += BLOCK_K // 16
     g_ptr = b_global + e * s_ge + n
     acc = acc * (tl.load(g_ptr, mask=nmask, other=0.0) * unfold)[None, :]
@@ -232,10 +295,16 @@ def _launch(
         GROUP_M=group_m,
         A_MAP=a_map is not None,
         C_MAP=c_map is not None,
+        WORDS=WORD_DECODE and words_aligned(w.weight),
         num_warps=warps,
         num_stages=stages,
         **pdl_args(a),
     )
+
+
+def words_aligned(codes: torch.Tensor) -> bool:
+    """Whether codes [E, N, K/2] can be read as 32-bit words: start and strides multiples of 4."""
+    return codes.data_ptr() % 4 == 0 and codes.stride(0) % 4 == 0 and codes.stride(1) % 4 == 0
 
 
 def _check(w: NVFP4Tensor, e: int, n: int, k: int, what: str) -> None:
