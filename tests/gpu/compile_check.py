@@ -43,7 +43,7 @@ FLOATS = {"eps", "qk_scale", "scale", "unfold"}
 BF, I32, I64, F32, U8 = "*bf16", "*i32", "*i64", "*fp32", "*u8"
 
 
-def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3) -> str:
+def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3, maxnreg: int | None = None) -> str:
     # a constexpr left out takes its default, as a launch that does not pass it does
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {
@@ -57,7 +57,7 @@ def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3) -> str:
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned if sig[fn.arg_names[i]] != "constexpr"}
     kernel = triton.compile(
         ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
-        options={"num_warps": warps, "num_stages": stages},
+        options={"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -183,8 +183,8 @@ def entries():
                           "USE_PDL": 2}  # fmt: skip
                 yield f"{name} MMA {which}, T={t}", kernel, ptrs, consts, warps, stages
                 if name == "NVFP4":  # codes decoded from words (``triton_w4a16.WORD_DECODE``)
-                    words = consts | {"WORDS": True}
-                    yield f"{name} MMA {which}, T={t}, words", kernel, ptrs, words, warps, stages
+                    words, cap = consts | {"WORDS": True}, triton_w4a16.two_per_sm(warps)  # as launched
+                    yield f"{name} MMA {which}, T={t}, words", kernel, ptrs, words, warps, stages, cap
                     yield (
                         f"{name} MMA {which}, T={t}, words, K tail",
                         kernel,
@@ -192,6 +192,7 @@ def entries():
                         words | {"EVEN_K": False},
                         warps,
                         stages,
+                        cap,
                     )
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
@@ -244,9 +245,9 @@ def entries():
 
 def main() -> None:
     failed = 0
-    for label, fn, ptrs, consts, warps, stages in entries():
+    for label, fn, ptrs, consts, warps, stages, *cap in entries():  # cap: a register cap (maxnreg)
         try:
-            print(f"{label:60} {build(fn, ptrs, consts, warps, stages)}", flush=True)
+            print(f"{label:60} {build(fn, ptrs, consts, warps, stages, *cap)}", flush=True)
         except Exception as e:  # report every failure, then fail
             failed += 1
             print(f"{label:60} FAILED: {type(e).__name__}: {str(e)[:800]}", flush=True)

@@ -30,16 +30,18 @@ from ft.moe.kernels.triton_moe import mma_path, pair_tile, store_pairs, tile_pai
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 
 UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
-# The MMA kernel's codes read as 32-bit words of eight and decoded word-wise into bf16 (``_words``,
-# ``_word_code``): each code's bits placed into a bf16 (e2m1 · 2^-126) by two shifts and one
-# and-or, times its block's scale as a bf16 (scale · 2^104), the same exact bf16 values
-# e2m1 · scale · 2^-22 as ``_decode``, so the same bits. Compiled for sm_90 the byte-wise decode
-# of the gate/up kernel at T = 8192's tiles (128 x 64 x 64, 8 warps) is ~556 SASS instructions a
-# loop step for 32 weights a thread (98 PRMT, 90 IMAD, 71 LOP3, 36 SHF, 34 HADD2, 32 FMUL, 16
-# F2FP: the nibbles split, widened and converted one by one) against 8 HGMMA: the NVFP4 prefill is
-# bound by decoding (the 80B's 8k prefill 29.6k tok/s resident against ~48k the link would allow
-# it offloaded; docs/benchmarks.md, 2026-12-03). Off until timed on a GPU
-# (FT_W4A16_WORD_DECODE=1): tests/gpu/config_sweep.py, then the 8k prefill in ft bench.
+# The MMA kernel's codes read as 32-bit words of eight and decoded word-wise into bf16 (``_words``):
+# codes j and j + 4 of a word, 16 bits apart, placed into the two halves of one 32-bit value (the
+# bits of bf16 e2m1 · 2^-126) by two shifts and one and-or, times their block's scale as a bf16
+# (scale · 2^104) by packed bf16 multiplies: the same exact bf16 values e2m1 · scale · 2^-22 as
+# ``_decode``, so the same bits. Compiled for sm_90 at T = 8192's tiles (128 x 64 x 64, 8 warps) a
+# loop step of the gate/up kernel is 368 SASS instructions against the byte decode's 556 (98 PRMT,
+# 90 IMAD, 71 LOP3, 36 SHF, 34 HADD2, 32 FMUL, 16 F2FP: nibbles split, widened and converted one by
+# one, for 32 weights a thread beside 8 HGMMA), the down kernel's 337 against 520: the NVFP4
+# prefill is bound by decoding (the 80B's 8k prefill 29.6k tok/s resident, where the link would
+# allow ~48k offloaded; docs/benchmarks.md, 2026-12-03). A zero-exponent code is a bf16 subnormal
+# (0.5 · 2^-126) the multiply must keep. Off until timed on a GPU (FT_W4A16_WORD_DECODE=1):
+# tests/nvfp4/test_w4a16_gpu.py's bit equality, tests/gpu/config_sweep.py, the 8k prefill.
 WORD_DECODE = os.environ.get("FT_W4A16_WORD_DECODE", "0") == "1"
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's interpreter: CPU tensors, no PTX
 # its bf16 arithmetic multiplies bit patterns (triton issue 11584), so there ``_words`` multiplies in fp32
@@ -116,13 +118,42 @@ def _scaled(words, J: tl.constexpr, s):
 
 
 @triton.jit
+def _scaled_pair(words, J: tl.constexpr, s):
+    # codes J and J + 4 of each word (16 bits apart) by one set of shifts and masks: the bf16 bits of
+    # code J in the low half (as ``_word_code``), of code J + 4 in the high half; each times its scale
+    if 4 * J >= 6:
+        mag = (words >> (4 * J - 6)) & 0x01C001C0
+    else:
+        mag = (words << (6 - 4 * J)) & 0x01C001C0
+    if 4 * J >= 12:
+        sign = (words >> (4 * J - 12)) & 0x80008000
+    else:
+        sign = (words << (12 - 4 * J)) & 0x80008000
+    bits = mag | sign
+    lo, hi = bits & 0xFFFF, bits >> 16
+    if _BF16_ARITHMETIC:
+        return _bf16(lo) * s, _bf16(hi) * s
+    sf = s.to(tl.float32)  # the interpreter, in fp32 (the bf16 bits as an fp32's top half)
+    return ((lo << 16).to(tl.float32, bitcast=True) * sf).to(tl.bfloat16), (
+        (hi << 16).to(tl.float32, bitcast=True) * sf
+    ).to(tl.bfloat16)
+
+
+@triton.jit
+def _bf16(bits):
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _words(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # words uint32 [BN, BK/8] (code j of word w is element 8w + j), scale uint8 [BN, BK/8] (each
     # word's block's e4m3 bits) -> bf16 [BN, BK] holding e2m1 · scale · 2^-22, ``_decode``'s values:
     # a product of at most six significant bits, exact in bf16 whatever rounds it
     s = (e4m3(scale) * 2.0**112).to(tl.bfloat16)  # scale · 2^104, exact
-    c0, c1, c2, c3 = _scaled(words, 0, s), _scaled(words, 1, s), _scaled(words, 2, s), _scaled(words, 3, s)
-    c4, c5, c6, c7 = _scaled(words, 4, s), _scaled(words, 5, s), _scaled(words, 6, s), _scaled(words, 7, s)
+    c0, c4 = _scaled_pair(words, 0, s)
+    c1, c5 = _scaled_pair(words, 1, s)
+    c2, c6 = _scaled_pair(words, 2, s)
+    c3, c7 = _scaled_pair(words, 3, s)
     # joins add a last axis: pairing codes j and j + 1 last, j and j + 2 before, j and j + 4 first
     # gives each word's eight values in the order j = 0..7
     w = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
@@ -260,6 +291,7 @@ def _launch(
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
     scale = w.weight_scale.view(torch.uint8)  # decoded from its bits in the kernel
+    words = WORD_DECODE and words_aligned(w.weight)
     _w4a16_gemm_kernel[grid](
         a,
         w.weight,
@@ -295,11 +327,19 @@ def _launch(
         GROUP_M=group_m,
         A_MAP=a_map is not None,
         C_MAP=c_map is not None,
-        WORDS=WORD_DECODE and words_aligned(w.weight),
+        WORDS=words,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(a),
+        **({"maxnreg": two_per_sm(warps)} if words else {}),
     )
+
+
+def two_per_sm(warps: int) -> int:
+    """The register cap that lets two programs of ``warps`` warps share an SM's 64K registers (the
+    word decode's tiles at T = 8192 compile to 169 registers a thread uncapped, one program an SM,
+    and to 128 with no spills capped, as the byte decode's do uncapped)."""
+    return max(64, min(255, 65536 // (2 * 32 * warps)))
 
 
 def words_aligned(codes: torch.Tensor) -> bool:
