@@ -43,6 +43,11 @@ UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
 # (0.5 · 2^-126) the multiply must keep. Off until timed on a GPU (FT_W4A16_WORD_DECODE=1):
 # tests/nvfp4/test_w4a16_gpu.py's bit equality, tests/gpu/config_sweep.py, the 8k prefill.
 WORD_DECODE = os.environ.get("FT_W4A16_WORD_DECODE", "0") == "1"
+# The MMA kernel launched capped at the registers that let two programs share an SM (``two_per_sm``),
+# whatever its decode: uncapped, the byte decode's down kernel at T = 8192's tiles takes 163
+# registers a thread (one 8-warp program an SM), capped 128 with no spills (compiled for sm_90).
+# Off until timed (FT_W4A16_TWO_PER_SM=1); the word decode is always capped.
+TWO_PER_SM = os.environ.get("FT_W4A16_TWO_PER_SM", "0") == "1"
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's interpreter: CPU tensors, no PTX
 # its bf16 arithmetic multiplies bit patterns (triton issue 11584), so there ``_words`` multiplies in fp32
 _BF16_ARITHMETIC: tl.constexpr = tl.constexpr(not INTERPRETER)
@@ -331,7 +336,7 @@ def _launch(
         num_warps=warps,
         num_stages=stages,
         **pdl_args(a),
-        **({"maxnreg": two_per_sm(warps)} if words else {}),
+        **({"maxnreg": two_per_sm(warps)} if words or TWO_PER_SM else {}),
     )
 
 
