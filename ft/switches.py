@@ -30,6 +30,7 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_moe_gemv", "GLOBALS_FIRST", "FT_MOE_GEMV_GLOBALS_FIRST"),
     ("ft.layers.triton_gemv", "SPLIT_K", "FT_GEMV_SPLIT_K"),
     ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
+    ("ft.moe.kernels.triton_router_gemv", "ONE_TICKET", "FT_ROUTER_ONE_TICKET"),
     ("ft.moe.kernels.triton_w4a16", "WORD_DECODE", "FT_W4A16_WORD_DECODE"),
     ("ft.moe.kernels.triton_w4a16", "TWO_PER_SM", "FT_W4A16_TWO_PER_SM"),
     ("ft.moe.kernels.triton_router", "KEYS32", "FT_ROUTER_KEYS32"),
