@@ -60,6 +60,17 @@ def test_nvfp4_banks_offloaded_equal_resident(nvfp4, options):
         assert stats.moe_prefetched > 0  # NVFP4 banks' host reads prefetch whole experts by default
 
 
+def test_nvfp4_tp2_offload_with_host_prefetch_equals_tp1(nvfp4):
+    """Each rank's NVFP4 shards offloaded, host reads prefetching whole experts (the format's
+    default) on every rank alike: TP=1's outputs."""
+    want, _ = generate(nvfp4 / "nvfp4", moe_backend="gpu")
+    got, stats = generate(
+        nvfp4 / "nvfp4", tp=2, moe_backend="offload", expert_cache_fraction=0.25, moe_staging_experts=3
+    )
+    assert_close(got, want, tol=1e-5)
+    assert stats.moe_prefetched > 0
+
+
 def test_quantised_at_load_into_the_host_store(nvfp4):
     want, _ = generate(nvfp4 / "bf16", quantize_experts="nvfp4", moe_backend="gpu")
     for static in (0, 2):  # 2: experts 0, 1 quantised straight into their device slots
