@@ -40,7 +40,7 @@ try:
         i = tl.arange(0, N)
         w = tl.load(words + i)
         for j in tl.static_range(8):  # what the GPU's packed bf16 multiplies take
-            tl.store(out + i * 8 + j, triton_w4a16._word_code(w, j).to(tl.int32))
+            tl.store(out + i * 8 + j, triton_w4a16._code_bits(w, j, 0x1C0, 0x8000).to(tl.int32))
 
 except ImportError:  # no triton: the test is skipped
     pass
@@ -73,7 +73,7 @@ def check_words_equal_bytes() -> None:
 
 
 def check_code_bits() -> None:
-    """``_word_code``: the bf16 bits of e2m1 · 2^-126 for each of a word's eight codes, every code in
+    """``_code_bits``: the bf16 bits of e2m1 · 2^-126 for each of a word's eight codes, every code in
     every position (the GPU multiplies these bits; the interpreter's check above multiplies in fp32)."""
     from ft.quant.nvfp4 import E2M1_VALUES
 

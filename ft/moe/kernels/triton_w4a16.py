@@ -97,56 +97,43 @@ def e4m3(scale):
 
 
 @triton.jit
-def _word_code(words, J: tl.constexpr):
-    # code J of each 32-bit word (bits 4J..4J+3) as the bits of a bf16 e2m1 · 2^-126 (uint32, the
-    # low half): its three magnitude bits to the bf16's lowest two exponent bits and top mantissa
-    # bit (bits 6..8; a zero exponent is a bf16 subnormal, 0.5 · 2^-126 exactly), its sign to bit 15
+def _code_bits(words, J: tl.constexpr, MAG: tl.constexpr = 0x01C001C0, SIGN: tl.constexpr = 0x80008000):
+    # code J of each 32-bit word (bits 4J..4J+3) as the bits of a bf16 e2m1 · 2^-126 in the low half,
+    # and (with the default masks) code J + 4, 16 bits above it, in the high half: three magnitude
+    # bits to a bf16's lowest two exponent bits and top mantissa bit (bits 6..8; a zero exponent is a
+    # bf16 subnormal, 0.5 · 2^-126 exactly), the sign to bit 15. Two shifts and one and-or
     if 4 * J >= 6:
-        mag = (words >> (4 * J - 6)) & 0x1C0
+        mag = (words >> (4 * J - 6)) & MAG
     else:
-        mag = (words << (6 - 4 * J)) & 0x1C0
+        mag = (words << (6 - 4 * J)) & MAG
     if 4 * J >= 12:
-        sign = (words >> (4 * J - 12)) & 0x8000
+        sign = (words >> (4 * J - 12)) & SIGN
     else:
-        sign = (words << (12 - 4 * J)) & 0x8000
+        sign = (words << (12 - 4 * J)) & SIGN
     return mag | sign
 
 
 @triton.jit
-def _scaled(words, J: tl.constexpr, s):
-    # code J of each word times its scale s (bf16 scale · 2^104): e2m1 · scale · 2^-22, exact
-    bits = _word_code(words, J)
-    if _BF16_ARITHMETIC:  # packed bf16 multiplies on the GPU
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True) * s
-    # the interpreter: the same product in fp32 (the bf16 bits as an fp32's top half)
-    return ((bits << 16).to(tl.float32, bitcast=True) * s.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
 def _scaled_pair(words, J: tl.constexpr, s):
-    # codes J and J + 4 of each word (16 bits apart) by one set of shifts and masks: the bf16 bits of
-    # code J in the low half (as ``_word_code``), of code J + 4 in the high half; each times its scale
-    if 4 * J >= 6:
-        mag = (words >> (4 * J - 6)) & 0x01C001C0
-    else:
-        mag = (words << (6 - 4 * J)) & 0x01C001C0
-    if 4 * J >= 12:
-        sign = (words >> (4 * J - 12)) & 0x80008000
-    else:
-        sign = (words << (12 - 4 * J)) & 0x80008000
-    bits = mag | sign
+    # codes J and J + 4 of each word (``_code_bits``), each times its scale s (bf16 scale · 2^104):
+    # e2m1 · scale · 2^-22, exact
+    bits = _code_bits(words, J)
     lo, hi = bits & 0xFFFF, bits >> 16
-    if _BF16_ARITHMETIC:
+    if _BF16_ARITHMETIC:  # packed bf16 multiplies on the GPU
         return _bf16(lo) * s, _bf16(hi) * s
-    sf = s.to(tl.float32)  # the interpreter, in fp32 (the bf16 bits as an fp32's top half)
-    return ((lo << 16).to(tl.float32, bitcast=True) * sf).to(tl.bfloat16), (
-        (hi << 16).to(tl.float32, bitcast=True) * sf
-    ).to(tl.bfloat16)
+    return _fp32_scaled(lo, s), _fp32_scaled(hi, s)
 
 
 @triton.jit
 def _bf16(bits):
     return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp32_scaled(bits, s):
+    # the interpreter's product, in fp32 (the bf16 bits as an fp32's top half): its bf16 arithmetic
+    # and its widening of bf16 subnormals are not the GPU's
+    return ((bits << 16).to(tl.float32, bitcast=True) * s.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
