@@ -183,13 +183,23 @@ def entries():
                           "USE_PDL": 2}  # fmt: skip
                 yield f"{name} MMA {which}, T={t}", kernel, ptrs, consts, warps, stages
                 if name == "NVFP4":  # codes decoded from words (``triton_w4a16.WORD_DECODE``)
-                    words, cap = consts | {"WORDS": True}, triton_w4a16.two_per_sm(warps)  # as launched
+                    words, cap = consts | {"WORDS": 1}, triton_w4a16.two_per_sm(warps)  # as launched
                     yield f"{name} MMA {which}, T={t}, words", kernel, ptrs, words, warps, stages, cap
                     yield (
                         f"{name} MMA {which}, T={t}, words, K tail",
                         kernel,
                         ptrs,
                         words | {"EVEN_K": False},
+                        warps,
+                        stages,
+                        cap,
+                    )
+                    fp32 = words | {"WORDS": 2}  # the products in fp32
+                    yield (
+                        f"{name} MMA {which}, T={t}, words, fp32 products",
+                        kernel,
+                        ptrs,
+                        fp32,
                         warps,
                         stages,
                         cap,

@@ -117,11 +117,12 @@ def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
             assert abs(g[tok] - w[tok]) < 0.1 + 0.02 * abs(w[tok])
 
 
+@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("inter,t", [(512, 64), (512, 4096), (48, 33), (256, 300)])
-def test_word_decode_gives_the_same_bits(inter, t, monkeypatch):
-    """``WORD_DECODE``: the MMA kernel's codes decoded from 32-bit words (bf16 multiplies of
-    subnormal bf16 codes by their scales) give the byte-wise decode's output bit for bit, K tails
-    (I = 48: 24 bytes a down row) included."""
+def test_word_decode_gives_the_same_bits(inter, t, mode, monkeypatch):
+    """``WORD_DECODE``: the MMA kernel's codes decoded from 32-bit words give the byte-wise
+    decode's output bit for bit, K tails (I = 48: 24 bytes a down row) included; 1: the codes (the
+    zero-exponent ones bf16 subnormals) times their scales in packed bf16, 2: in fp32."""
     pytest.importorskip("triton")
     from ft.moe.kernels import triton_w4a16
 
@@ -130,8 +131,8 @@ def test_word_decode_gives_the_same_bits(inter, t, monkeypatch):
     w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
     x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
     weights, ids = routing(t, e, 8, gen)
-    monkeypatch.setattr(triton_w4a16, "WORD_DECODE", False)
+    monkeypatch.setattr(triton_w4a16, "WORD_DECODE", 0)
     want = triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids)
-    monkeypatch.setattr(triton_w4a16, "WORD_DECODE", True)
+    monkeypatch.setattr(triton_w4a16, "WORD_DECODE", mode)
     assert triton_w4a16.words_aligned(w13.weight) and triton_w4a16.words_aligned(w2.weight)
     assert torch.equal(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids), want)

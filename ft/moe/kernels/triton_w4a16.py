@@ -40,9 +40,12 @@ UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
 # one, for 32 weights a thread beside 8 HGMMA), the down kernel's 337 against 520: the NVFP4
 # prefill is bound by decoding (the 80B's 8k prefill 29.6k tok/s resident, where the link would
 # allow ~48k offloaded; docs/benchmarks.md, 2026-12-03). A zero-exponent code is a bf16 subnormal
-# (0.5 · 2^-126) the multiply must keep. Off until timed on a GPU (FT_W4A16_WORD_DECODE=1):
-# tests/nvfp4/test_w4a16_gpu.py's bit equality, tests/gpu/config_sweep.py, the 8k prefill.
-WORD_DECODE = os.environ.get("FT_W4A16_WORD_DECODE", "0") == "1"
+# (0.5 · 2^-126) the multiply must keep: 1 multiplies in packed bf16, 2 in fp32 (the bits widened
+# into an fp32's top half, an fp32 multiply, a rounding to bf16: fp32 subnormals are kept, as the
+# MoE GEMV's words rely on), should the GPU's bf16 multiply flush them. Off (0) until timed on a
+# GPU (FT_W4A16_WORD_DECODE=1 or 2): tests/nvfp4/test_w4a16_gpu.py's bit equality, then
+# tests/nvfp4/w4a16_timings.py and the 8k prefill.
+WORD_DECODE = int(os.environ.get("FT_W4A16_WORD_DECODE", "0"))
 # The MMA kernel launched capped at the registers that let two programs share an SM (``two_per_sm``),
 # whatever its decode: uncapped, the byte decode's down kernel at T = 8192's tiles takes 163
 # registers a thread (one 8-warp program an SM), capped 128 with no spills (compiled for sm_90).
@@ -50,7 +53,7 @@ WORD_DECODE = os.environ.get("FT_W4A16_WORD_DECODE", "0") == "1"
 TWO_PER_SM = os.environ.get("FT_W4A16_TWO_PER_SM", "0") == "1"
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's interpreter: CPU tensors, no PTX
 # its bf16 arithmetic multiplies bit patterns (triton issue 11584), so there ``_words`` multiplies in fp32
-_BF16_ARITHMETIC: tl.constexpr = tl.constexpr(not INTERPRETER)
+_GPU: tl.constexpr = tl.constexpr(not INTERPRETER)
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
 # timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
 # H200, 2026-11-30, 02:50 UTC (tests/gpu/config_sweep.py, with the GEMV's tiles from that sweep):
@@ -114,12 +117,12 @@ def _code_bits(words, J: tl.constexpr, MAG: tl.constexpr = 0x01C001C0, SIGN: tl.
 
 
 @triton.jit
-def _scaled_pair(words, J: tl.constexpr, s):
+def _scaled_pair(words, J: tl.constexpr, s, BF16_MUL: tl.constexpr):
     # codes J and J + 4 of each word (``_code_bits``), each times its scale s (bf16 scale · 2^104):
     # e2m1 · scale · 2^-22, exact
     bits = _code_bits(words, J)
     lo, hi = bits & 0xFFFF, bits >> 16
-    if _BF16_ARITHMETIC:  # packed bf16 multiplies on the GPU
+    if BF16_MUL and _GPU:  # packed bf16 multiplies
         return _bf16(lo) * s, _bf16(hi) * s
     return _fp32_scaled(lo, s), _fp32_scaled(hi, s)
 
@@ -131,21 +134,21 @@ def _bf16(bits):
 
 @triton.jit
 def _fp32_scaled(bits, s):
-    # the interpreter's product, in fp32 (the bf16 bits as an fp32's top half): its bf16 arithmetic
-    # and its widening of bf16 subnormals are not the GPU's
+    # the product in fp32 (the bf16 bits as an fp32's top half), rounded to bf16: WORD_DECODE = 2,
+    # and the interpreter's (its bf16 arithmetic and its widening of bf16 subnormals are not the GPU's)
     return ((bits << 16).to(tl.float32, bitcast=True) * s.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
-def _words(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _words(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16_MUL: tl.constexpr = True):
     # words uint32 [BN, BK/8] (code j of word w is element 8w + j), scale uint8 [BN, BK/8] (each
     # word's block's e4m3 bits) -> bf16 [BN, BK] holding e2m1 · scale · 2^-22, ``_decode``'s values:
     # a product of at most six significant bits, exact in bf16 whatever rounds it
     s = (e4m3(scale) * 2.0**112).to(tl.bfloat16)  # scale · 2^104, exact
-    c0, c4 = _scaled_pair(words, 0, s)
-    c1, c5 = _scaled_pair(words, 1, s)
-    c2, c6 = _scaled_pair(words, 2, s)
-    c3, c7 = _scaled_pair(words, 3, s)
+    c0, c4 = _scaled_pair(words, 0, s, BF16_MUL)
+    c1, c5 = _scaled_pair(words, 1, s, BF16_MUL)
+    c2, c6 = _scaled_pair(words, 2, s, BF16_MUL)
+    c3, c7 = _scaled_pair(words, 3, s, BF16_MUL)
     # joins add a last axis: pairing codes j and j + 1 last, j and j + 2 before, j and j + 4 first
     # gives each word's eight values in the order j = 0..7
     w = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
@@ -154,11 +157,11 @@ def _words(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _tile(b_ptr, s_ptr, bmask, smask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
-    # a [BN, BK] tile of weights, bf16: from words (``_words``) or bytes (``_decode``)
+    # a [BN, BK] tile of weights, bf16: from words (``_words``; WORDS 1 or 2, ``WORD_DECODE``) or bytes
     codes = tl.load(b_ptr, mask=bmask, other=0)
     scales = tl.load(s_ptr, mask=smask, other=0)
     if WORDS:
-        w = _words(codes, scales, BLOCK_N, BLOCK_K)
+        w = _words(codes, scales, BLOCK_N, BLOCK_K, WORDS == 1)
     else:
         w = _decode(codes, scales, BLOCK_N, BLOCK_K)
     return w
@@ -202,7 +205,7 @@ def _w4a16_gemm_kernel(
     A_MAP: tl.constexpr = False,
     C_MAP: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
-    WORDS: tl.constexpr = False,
+    WORDS: tl.constexpr = 0,
 ):
     wait_for_previous(USE_PDL)
     # c[rows] = f(g[e] · (a[rows] @ W[e].T)) for one BLOCK_M run of (token, k) pairs sharing expert e
@@ -283,7 +286,7 @@ def _launch(
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
     scale = w.weight_scale.view(torch.uint8)  # decoded from its bits in the kernel
-    words = WORD_DECODE and words_aligned(w.weight)
+    words = WORD_DECODE if WORD_DECODE and words_aligned(w.weight) else 0
     _w4a16_gemm_kernel[grid](
         a,
         w.weight,
