@@ -118,10 +118,11 @@ def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
 
 
 @pytest.mark.parametrize("mode", [1, 2])
-@pytest.mark.parametrize("inter,t", [(512, 64), (512, 4096), (48, 33), (256, 300)])
+@pytest.mark.parametrize("inter,t", [(512, 64), (512, 4096), (192, 33), (48, 33), (256, 300)])
 def test_word_decode_gives_the_same_bits(inter, t, mode, monkeypatch):
     """``WORD_DECODE``: the MMA kernel's codes decoded from 32-bit words give the byte-wise
-    decode's output bit for bit, K tails (I = 48: 24 bytes a down row) included; 1: the codes (the
+    decode's output bit for bit, K tails included (I = 192: a 64-wide tail of a 128-wide step;
+    I = 48: scale rows of 3 bytes, so the down calls decode bytes); 1: the codes (the
     zero-exponent ones bf16 subnormals) times their scales in packed bf16, 2: in fp32."""
     pytest.importorskip("triton")
     from ft.moe.kernels import triton_w4a16
@@ -134,5 +135,5 @@ def test_word_decode_gives_the_same_bits(inter, t, mode, monkeypatch):
     monkeypatch.setattr(triton_w4a16, "WORD_DECODE", 0)
     want = triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids)
     monkeypatch.setattr(triton_w4a16, "WORD_DECODE", mode)
-    assert triton_w4a16.words_aligned(w13.weight) and triton_w4a16.words_aligned(w2.weight)
+    assert triton_w4a16.words_aligned(w13) and triton_w4a16.words_aligned(w2) == (inter % 64 == 0)
     assert torch.equal(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids), want)

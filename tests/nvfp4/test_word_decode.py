@@ -32,7 +32,8 @@ try:
         )
         tl.store(by_bytes + n * BLOCK_K + kk, w)
         words = tl.load((codes + n * s_c).to(tl.pointer_type(tl.uint32)) + kw)
-        w = triton_w4a16._words(words, tl.load(scales + n * s_s + kw // 2), BLOCK_N, BLOCK_K)
+        scale_words = tl.load((scales + n * s_s).to(tl.pointer_type(tl.uint32)) + kw // 8)
+        w = triton_w4a16._words(words, scale_words, BLOCK_N, BLOCK_K)
         tl.store(by_words + n * BLOCK_K + kk, w)
 
     @triton.jit
@@ -96,9 +97,16 @@ def test_word_code_bits():
 
 
 def test_codes_read_as_words_only_where_aligned():
+    """Codes and scales both: rows of K/2 and K/16 bytes, multiples of 4 (K a multiple of 64)."""
     from ft.moe.kernels.triton_w4a16 import words_aligned
+    from ft.quant.nvfp4 import NVFP4Tensor
 
-    codes = torch.zeros(4, 8, 65, dtype=torch.uint8)
-    assert words_aligned(codes[:, :, :64]) is False  # rows of 65 bytes
-    assert words_aligned(torch.zeros(4, 8, 64, dtype=torch.uint8))
-    assert words_aligned(torch.zeros(4 * 8 * 64 + 1, dtype=torch.uint8)[1:].view(4, 8, 64)) is False
+    def bank(k: int, codes=None) -> NVFP4Tensor:
+        codes = torch.zeros(4, 8, k // 2, dtype=torch.uint8) if codes is None else codes
+        scales = torch.zeros(4, 8, k // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        return NVFP4Tensor(codes, scales, torch.ones(4, 8))
+
+    assert words_aligned(bank(128))
+    assert not words_aligned(bank(96))  # scale rows of 6 bytes
+    assert not words_aligned(bank(128, torch.zeros(4, 8, 65, dtype=torch.uint8)[:, :, :64]))  # 65-byte rows
+    assert not words_aligned(bank(128, torch.zeros(4 * 8 * 64 + 1, dtype=torch.uint8)[1:].view(4, 8, 64)))

@@ -33,18 +33,22 @@ UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
 # The MMA kernel's codes read as 32-bit words of eight and decoded word-wise into bf16 (``_words``):
 # codes j and j + 4 of a word, 16 bits apart, placed into the two halves of one 32-bit value (the
 # bits of bf16 e2m1 · 2^-126) by two shifts and one and-or, times their block's scale as a bf16
-# (scale · 2^104) by packed bf16 multiplies: the same exact bf16 values e2m1 · scale · 2^-22 as
-# ``_decode``, so the same bits. Compiled for sm_90 at T = 8192's tiles (128 x 64 x 64, 8 warps) a
-# loop step of the gate/up kernel is 368 SASS instructions against the byte decode's 556 (98 PRMT,
-# 90 IMAD, 71 LOP3, 36 SHF, 34 HADD2, 32 FMUL, 16 F2FP: nibbles split, widened and converted one by
-# one, for 32 weights a thread beside 8 HGMMA), the down kernel's 337 against 520: the NVFP4
-# prefill is bound by decoding (the 80B's 8k prefill 29.6k tok/s resident, where the link would
-# allow ~48k offloaded; docs/benchmarks.md, 2026-12-03). A zero-exponent code is a bf16 subnormal
-# (0.5 · 2^-126) the multiply must keep: 1 multiplies in packed bf16, 2 in fp32 (the bits widened
-# into an fp32's top half, an fp32 multiply, a rounding to bf16: fp32 subnormals are kept, as the
-# MoE GEMV's words rely on), should the GPU's bf16 multiply flush them. Off (0) until timed on a
-# GPU (FT_W4A16_WORD_DECODE=1 or 2): tests/nvfp4/test_w4a16_gpu.py's bit equality, then
-# tests/nvfp4/w4a16_timings.py and the 8k prefill.
+# (scale · 2^104): the same exact bf16 values e2m1 · scale · 2^-22 as ``_decode``, so the same
+# bits. The scales come as 32-bit words of four too, which the pipeliner copies ahead with the
+# codes (cp.async takes 4 bytes at the least: the byte decode loads its scale bytes inside the
+# loop, a memory round trip each step). Compiled for sm_90 at T = 8192's tiles (8 warps, capped at
+# 128 registers, ``two_per_sm``) a loop step of the gate/up kernel is 392 SASS instructions against
+# the byte decode's 556 (98 PRMT, 90 IMAD, 71 LOP3, 36 SHF, 34 HADD2, 32 FMUL, 16 F2FP: nibbles
+# split, widened and converted one by one, for 32 weights a thread beside 8 HGMMA) and its two
+# in-loop scale loads; the down kernel's 396 against 520 and one (8 bytes spilled under the cap).
+# The NVFP4 prefill is bound by decoding (the 80B's 8k prefill 29.6k tok/s resident, where the link
+# would allow ~48k offloaded; docs/benchmarks.md, 2026-12-03). Banks whose scale rows are not
+# whole words (K not a multiple of 64, e.g. a TP shard of I = 48) decode bytes. A zero-exponent
+# code is a bf16 subnormal (0.5 · 2^-126) the multiply must keep: 1 multiplies in packed bf16, 2
+# in fp32 (the bits widened into an fp32's top half, an fp32 multiply, a rounding to bf16: fp32
+# subnormals are kept, as the MoE GEMV's words rely on; 435 and 434 instructions), should the
+# GPU's bf16 multiply flush them. Off (0) until timed on a GPU (FT_W4A16_WORD_DECODE=1 or 2):
+# tests/nvfp4/test_w4a16_gpu.py's bit equality, then tests/nvfp4/w4a16_timings.py and the 8k prefill.
 WORD_DECODE = int(os.environ.get("FT_W4A16_WORD_DECODE", "0"))
 # The MMA kernel launched capped at the registers that let two programs share an SM (``two_per_sm``),
 # whatever its decode: uncapped, the byte decode's down kernel at T = 8192's tiles takes 163
@@ -140,10 +144,13 @@ def _fp32_scaled(bits, s):
 
 
 @triton.jit
-def _words(words, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16_MUL: tl.constexpr = True):
-    # words uint32 [BN, BK/8] (code j of word w is element 8w + j), scale uint8 [BN, BK/8] (each
-    # word's block's e4m3 bits) -> bf16 [BN, BK] holding e2m1 · scale · 2^-22, ``_decode``'s values:
-    # a product of at most six significant bits, exact in bf16 whatever rounds it
+def _words(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16_MUL: tl.constexpr = True):
+    # words uint32 [BN, BK/8] (code j of word w is element 8w + j), scales uint32 [BN, BK/8] (the
+    # word of four e4m3 scales holding word w's, block w/2's: byte (w/2) mod 4) -> bf16 [BN, BK]
+    # holding e2m1 · scale · 2^-22, ``_decode``'s values: a product of at most six significant
+    # bits, exact in bf16 whatever rounds it
+    block = tl.arange(0, BLOCK_K // 8)[None, :] // 2
+    scale = ((scales >> (8 * (block % 4))) & 0xFF).to(tl.uint8)
     s = (e4m3(scale) * 2.0**112).to(tl.bfloat16)  # scale · 2^104, exact
     c0, c4 = _scaled_pair(words, 0, s, BF16_MUL)
     c1, c5 = _scaled_pair(words, 1, s, BF16_MUL)
@@ -220,17 +227,18 @@ def _w4a16_gemm_kernel(
     a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
     rows_b = b + e * s_be + n[:, None].to(tl.int64) * s_bn  # the rows' codes, bytes
     rows_s = b_scale + e * s_se + n[:, None].to(tl.int64) * s_sn  # their scales
-    if WORDS:  # [BN, BK/8] words of codes, each word's block's scale (``_words``)
+    if WORDS:  # [BN, BK/8] words of codes, the word of four scales each one's block is in (``_words``):
+        # 32-bit loads, which the pipeliner copies ahead (a scale byte a thread it loads in the loop)
         kc = tl.arange(0, BLOCK_K // 8)
         b_ptr = rows_b.to(tl.pointer_type(tl.uint32)) + kc[None, :]
-        s_ptr = rows_s + (kc // 2)[None, :]
-        up_b, step_b = N * (s_bn // 4), BLOCK_K // 8
+        s_ptr = rows_s.to(tl.pointer_type(tl.uint32)) + (kc // 8)[None, :]
+        up_b, up_s, step_b, step_s = N * (s_bn // 4), N * (s_sn // 4), BLOCK_K // 8, BLOCK_K // 64
     else:  # [BN, BK/2] packed bytes, [BN, BK/16] scales (``_decode``)
         kc = tl.arange(0, BLOCK_K // 2)
         ks = tl.arange(0, BLOCK_K // 16)
         b_ptr = rows_b + kc[None, :]
         s_ptr = rows_s + ks[None, :]
-        up_b, step_b = N * s_bn, BLOCK_K // 2
+        up_b, up_s, step_b, step_s = N * s_bn, N * s_sn, BLOCK_K // 2, BLOCK_K // 16
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SWIGLU:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -251,11 +259,11 @@ def _w4a16_gemm_kernel(
         w = _tile(b_ptr, s_ptr, bmask, smask, BLOCK_N, BLOCK_K, WORDS)
         acc = tl.dot(at, tl.trans(w), acc)
         if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
-            u = _tile(b_ptr + up_b, s_ptr + N * s_sn, bmask, smask, BLOCK_N, BLOCK_K, WORDS)
+            u = _tile(b_ptr + up_b, s_ptr + up_s, bmask, smask, BLOCK_N, BLOCK_K, WORDS)
             acc_up = tl.dot(at, tl.trans(u), acc_up)
         a_ptr += BLOCK_K
         b_ptr += step_b
-        s_ptr += BLOCK_K // 16
+        s_ptr += step_s
     g_ptr = b_global + e * s_ge + n
     acc = acc * (tl.load(g_ptr, mask=nmask, other=0.0) * unfold)[None, :]
     if SWIGLU:
@@ -286,7 +294,7 @@ def _launch(
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
     scale = w.weight_scale.view(torch.uint8)  # decoded from its bits in the kernel
-    words = WORD_DECODE if WORD_DECODE and words_aligned(w.weight) else 0
+    words = WORD_DECODE if WORD_DECODE and words_aligned(w) and bk % 64 == 0 else 0
     _w4a16_gemm_kernel[grid](
         a,
         w.weight,
@@ -337,9 +345,13 @@ def two_per_sm(warps: int) -> int:
     return max(64, min(255, 65536 // (2 * 32 * warps)))
 
 
-def words_aligned(codes: torch.Tensor) -> bool:
-    """Whether codes [E, N, K/2] can be read as 32-bit words: start and strides multiples of 4."""
-    return codes.data_ptr() % 4 == 0 and codes.stride(0) % 4 == 0 and codes.stride(1) % 4 == 0
+def words_aligned(w: NVFP4Tensor) -> bool:
+    """Whether a bank's codes [E, N, K/2] and scales [E, N, K/16] can be read as 32-bit words:
+    starts and strides multiples of 4 (the scales' rows: K a multiple of 64)."""
+    return all(
+        t.data_ptr() % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0
+        for t in (w.weight, w.weight_scale)
+    )
 
 
 def _check(w: NVFP4Tensor, e: int, n: int, k: int, what: str) -> None:
