@@ -34,7 +34,7 @@ import triton.language as tl
 from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
-from ft.moe.kernels.triton_w4a16 import INTERPRETER, UNFOLD, _decode_f32, check_operands, e4m3
+from ft.moe.kernels.triton_w4a16 import INTERPRETER, UNFOLD, _decode_f32, _word_aligned, check_operands, e4m3
 from ft.quant.nvfp4 import NVFP4Tensor
 
 # (BLOCK_N weight rows per program, MAX_BLOCK_K input elements per step, NUM_WARPS, STAGES of
@@ -858,15 +858,6 @@ def _down_pair_kernel(
             total += tl.load(cell + j * N, mask=nmask, other=0.0, cache_modifier=".cg")
         tl.store(out + tok * s_ot + n, total.to(out.dtype.element_ty), mask=nmask)
         tl.store(counter, 0)  # every ticket is drawn: clean for the next call
-
-
-def _word_aligned(*codes: torch.Tensor, size: int = 4) -> bool:
-    """Whether NVFP4 code tensors [E, N, K/2] (slots, and a host store beside them) can be read as
-    words of ``size`` bytes: their start and row strides multiples of it (else the kernels read
-    bytes)."""
-    return all(
-        c.data_ptr() % size == 0 and c.stride(0) % size == 0 and c.stride(1) % size == 0 for c in codes
-    )
 
 
 def _bank(w) -> tuple:

@@ -81,11 +81,12 @@ def _router_topk_kernel(
         if ticket == blocks * SPLITS - 1:  # every program's partial is stored: sum them in split order
             t = tl.arange(0, T_P)[:, None]
             e = tl.arange(0, E_P)[None, :]
-            row = _split_sum(ws, M, N, t, e, (t < M) & (e < E), SPLITS).to(logits.dtype.element_ty)
-            tl.store(logits + t * N + e, row, mask=(t < M) & (e < E))
+            mask = (t < M) & (e < E)
+            row = triton_gemv.sum_partials(ws + t * N + e, M * N, mask, SPLITS).to(logits.dtype.element_ty)
+            tl.store(logits + t * N + e, row, mask=mask)
             if E < N:  # the shared gate's logits (columns E ..)
                 g = E + tl.arange(0, G_P)[None, :]
-                gate = _split_sum(ws, M, N, t, g, (t < M) & (g < N), SPLITS)
+                gate = triton_gemv.sum_partials(ws + t * N + g, M * N, (t < M) & (g < N), SPLITS)
                 tl.store(logits + t * N + g, gate.to(logits.dtype.element_ty), mask=(t < M) & (g < N))
             row = tl.where(e < E, row.to(tl.float32), -float("inf"))
             _route_rows(row, weights, ids, t, M, TOP_K, TOP_K_P, E_P, RENORMALIZE, KEYS32)
@@ -103,15 +104,6 @@ def _router_topk_kernel(
                           cache_modifier=".cg").to(tl.float32)  # [T_P, E_P]  # fmt: skip
             _route_rows(row, weights, ids, t, M, TOP_K, TOP_K_P, E_P, RENORMALIZE, KEYS32)
             tl.store(counters + blocks, 0)
-
-
-@triton.jit
-def _split_sum(ws, M, N, t, cols, mask, SPLITS: tl.constexpr):
-    # the partials ws[s, t, cols] summed in split order 0, 1, ... (``split_k_sum``'s order), from L2
-    total = tl.zeros(mask.shape, tl.float32)
-    for s in tl.static_range(SPLITS):
-        total += tl.load(ws + s * M * N + t * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
-    return total
 
 
 @triton.jit

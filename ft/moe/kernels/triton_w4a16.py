@@ -345,13 +345,19 @@ def two_per_sm(warps: int) -> int:
     return max(64, min(255, 65536 // (2 * 32 * warps)))
 
 
-def words_aligned(w: NVFP4Tensor) -> bool:
-    """Whether a bank's codes [E, N, K/2] and scales [E, N, K/16] can be read as 32-bit words:
-    starts and strides multiples of 4 (the scales' rows: K a multiple of 64)."""
+def _word_aligned(*parts: torch.Tensor, size: int = 4) -> bool:
+    """Whether NVFP4 tensors [E, N, ...] (codes or scales; slots, and a host store beside them) can
+    be read as words of ``size`` bytes: their start and row strides multiples of it (else the
+    kernels read bytes)."""
     return all(
-        t.data_ptr() % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0
-        for t in (w.weight, w.weight_scale)
+        c.data_ptr() % size == 0 and c.stride(0) % size == 0 and c.stride(1) % size == 0 for c in parts
     )
+
+
+def words_aligned(w: NVFP4Tensor) -> bool:
+    """Whether a bank's codes [E, N, K/2] and scales [E, N, K/16] can be read as 32-bit words (the
+    scales' rows: K a multiple of 64)."""
+    return _word_aligned(w.weight, w.weight_scale)
 
 
 def _check(w: NVFP4Tensor, e: int, n: int, k: int, what: str) -> None:
