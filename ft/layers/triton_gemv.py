@@ -109,21 +109,11 @@ def split_k_sum(
     ticket = tl.atomic_add(counters + tl.program_id(0), 1, sem="acq_rel")
     last = ticket == SPLITS - 1
     total = tl.zeros([M_P, BLOCK_N], tl.float32)
-    if last:  # the others' partials: past the acquire
-        total = sum_partials(part, M * N, mask, SPLITS)
+    if last:  # the others' partials: past the acquire, read from L2 (.cg), not a stale L1 line
+        for s in tl.static_range(SPLITS):
+            total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(counters + tl.program_id(0), 0)  # every ticket is drawn: clean for the next call
     return last, total
-
-
-@triton.jit
-def sum_partials(part, split_stride, mask, SPLITS: tl.constexpr):
-    # the partials part[s * split_stride] (pointers into split 0's [M, N]) summed in split order 0,
-    # 1, ... (the same bits whichever program draws the last ticket), read from L2 (.cg), not a
-    # stale L1 line
-    total = tl.zeros(mask.shape, tl.float32)
-    for s in tl.static_range(SPLITS):
-        total += tl.load(part + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-    return total
 
 
 @triton.jit

@@ -43,7 +43,7 @@ FLOATS = {"eps", "qk_scale", "scale", "unfold"}
 BF, I32, I64, F32, U8 = "*bf16", "*i32", "*i64", "*fp32", "*u8"
 
 
-def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3, maxnreg: int | None = None) -> str:
+def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3) -> str:
     # a constexpr left out takes its default, as a launch that does not pass it does
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {
@@ -57,7 +57,7 @@ def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3, maxnreg
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned if sig[fn.arg_names[i]] != "constexpr"}
     kernel = triton.compile(
         ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
-        options={"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {}),
+        options={"num_warps": warps, "num_stages": stages},
     )  # fmt: skip
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -121,19 +121,16 @@ def entries():
                     if sums:  # integer products too (FP4_INT_DOT), at their tiles
                         ib, ik, iw, i_s = triton_moe_gemv.NVFP4_INT
                         int_ptrs = {**ptrs, "xq": "*i16", "xf": F32}
-                        for st, first in ((i_s, False), (i_s, True), *((x, False) for x in extra)):
+                        for st in (i_s, *extra):
                             consts = {**gu, "INT_DOT": True, "BLOCK_N": ib, "BLOCK_K": ik, "LOOP_STAGES": st,
-                                      "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK,
-                                      "GLOBALS_FIRST": first}  # fmt: skip
+                                      "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
                             label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
-                            label += ", globals first" if first else ""
                             yield label, triton_moe_gemv._gate_up_kernel, int_ptrs, consts, iw, st
                     if sums:  # the down kernel by pair reads words only with block sums
-                        for st, first in ((ds, False), (ds, True), *((x, False) for x in extra)):
+                        for st in (ds, *extra):
                             dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
-                                  "BLOCK_K": dk, "EVEN_K": even, "GLOBALS_FIRST": first}  # fmt: skip
+                                  "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
                             label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
-                            label += ", globals first" if first else ""
                             yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, st
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
@@ -182,28 +179,6 @@ def entries():
                           "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
                           "USE_PDL": 2}  # fmt: skip
                 yield f"{name} MMA {which}, T={t}", kernel, ptrs, consts, warps, stages
-                if name == "NVFP4":  # codes decoded from words (``triton_w4a16.WORD_DECODE``)
-                    words, cap = consts | {"WORDS": 1}, triton_w4a16.two_per_sm(warps)  # as launched
-                    yield f"{name} MMA {which}, T={t}, words", kernel, ptrs, words, warps, stages, cap
-                    yield (
-                        f"{name} MMA {which}, T={t}, words, K tail",
-                        kernel,
-                        ptrs,
-                        words | {"EVEN_K": False},
-                        warps,
-                        stages,
-                        cap,
-                    )
-                    fp32 = words | {"WORDS": 2}  # the products in fp32
-                    yield (
-                        f"{name} MMA {which}, T={t}, words, fp32 products",
-                        kernel,
-                        ptrs,
-                        fp32,
-                        warps,
-                        stages,
-                        cap,
-                    )
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
                     yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages
@@ -243,25 +218,21 @@ def entries():
             "KEYS32": keys32, "USE_PDL": 2}, 1, 3  # fmt: skip
         router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32,
                   "xq": "*i16", "xf": F32}  # fmt: skip
-        for t_p, blocks, one in ((1, False, False), (4, False, False), (1, True, False), (2, True, False),
-                                 (1, True, True), (4, False, True)):  # fmt: skip
-            # blocks: x's int16 blocks too; one: a ticket for the launch (``ONE_TICKET``)
-            label = (
-                f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}"
-                + (", int16 blocks" if blocks else "")
-                + (", one ticket" if one else "")
+        for t_p, blocks in ((1, False), (4, False), (1, True), (2, True)):  # blocks: x's int16 blocks too
+            label = f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}" + (
+                ", int16 blocks" if blocks else ""
             )
             yield label, triton_router_gemv._router_topk_kernel, \
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
-                         "USE_PDL": 2, "BLOCKS": blocks, "ONE_TICKET": one}, 4, 4  # fmt: skip
+                         "USE_PDL": 2, "BLOCKS": blocks}, 4, 4  # fmt: skip
 
 
 def main() -> None:
     failed = 0
-    for label, fn, ptrs, consts, warps, stages, *cap in entries():  # cap: a register cap (maxnreg)
+    for label, fn, ptrs, consts, warps, stages in entries():
         try:
-            print(f"{label:60} {build(fn, ptrs, consts, warps, stages, *cap)}", flush=True)
+            print(f"{label:60} {build(fn, ptrs, consts, warps, stages)}", flush=True)
         except Exception as e:  # report every failure, then fail
             failed += 1
             print(f"{label:60} FAILED: {type(e).__name__}: {str(e)[:800]}", flush=True)

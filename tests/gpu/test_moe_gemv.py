@@ -291,23 +291,23 @@ def test_loop_variants_give_the_same_bits(fmt, t, inter, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "fmt,host_stages,globals_first",
-    [("bf16", None, False), ("nvfp4", None, False), ("nvfp4", (3, 2), False), ("nvfp4", None, True)],
+    "fmt,host_stages,host_tiles",
+    [("bf16", None, False), ("bf16", None, True), ("nvfp4", None, False), ("nvfp4", (3, 2), False)],
 )
 @pytest.mark.parametrize("t", [1, 4])
-def test_host_rows_read_in_place_equal_the_resident_bank(fmt, host_stages, globals_first, t, monkeypatch):
+def test_host_rows_read_in_place_equal_the_resident_bank(fmt, host_stages, host_tiles, t, monkeypatch):
     """``host=``: experts read from pinned host memory by the kernel (ids e < 0: host row -e - 1)
     give the bits of the call on a bank holding every expert on the device, graphed too; slots no
     expert holds and the host rows of slotted experts are NaN, so reading the wrong side fails.
-    With ``NVFP4_HOST_STAGES`` the host-read launches pipeline more loads, with ``GLOBALS_FIRST``
-    both NVFP4 kernels load the rows' globals before their loops: the same bits."""
+    With ``NVFP4_HOST_STAGES`` the host-read launches pipeline more loads, with ``HOST_TILES`` the
+    bf16 gate/up launch fewer: the same bits."""
     pytest.importorskip("triton")
     from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
     from ft.quant.nvfp4 import NVFP4Tensor
 
     monkeypatch.setattr(triton_moe_gemv, "NVFP4_HOST_STAGES", host_stages)
-    monkeypatch.setattr(triton_moe_gemv, "GLOBALS_FIRST", False)  # the resident call below: the default
+    monkeypatch.setattr(triton_moe_gemv, "HOST_TILES", host_tiles)
 
     e, slots = 512, 96
     x, w13, w2, weights, ids = problem(fmt, t, e, 512, 2048, 10, seed=40 + t)
@@ -333,8 +333,6 @@ def test_host_rows_read_in_place_equal_the_resident_bank(fmt, host_stages, globa
 
     (s13, h13), (s2, h2) = split(w13), split(w2)
     want = fused_moe_gemv(x, w13, w2, weights, ids)
-    monkeypatch.setattr(triton_moe_gemv, "GLOBALS_FIRST", globals_first)
-    assert torch.equal(fused_moe_gemv(x, w13, w2, weights, ids), want)  # resident, the switch flipped
     rows = route[ids]
     got = fused_moe_gemv(x, s13, s2, weights, rows, host=(h13, h2))
     assert torch.equal(got, want)

@@ -115,25 +115,3 @@ def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
         for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
             tok = next(t for t in w if t in g)  # the prompt token is in both
             assert abs(g[tok] - w[tok]) < 0.1 + 0.02 * abs(w[tok])
-
-
-@pytest.mark.parametrize("mode", [1, 2])
-@pytest.mark.parametrize("inter,t", [(512, 64), (512, 4096), (192, 33), (48, 33), (256, 300)])
-def test_word_decode_gives_the_same_bits(inter, t, mode, monkeypatch):
-    """``WORD_DECODE``: the MMA kernel's codes decoded from 32-bit words give the byte-wise
-    decode's output bit for bit, K tails included (I = 192: a 64-wide tail of a 128-wide step;
-    I = 48: scale rows of 3 bytes, so the down calls decode bytes); 1: the codes (the
-    zero-exponent ones bf16 subnormals) times their scales in packed bf16, 2: in fp32."""
-    pytest.importorskip("triton")
-    from ft.moe.kernels import triton_w4a16
-
-    gen = torch.Generator(device="cuda").manual_seed(inter + t)
-    e, h = 64, 2048
-    w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
-    x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
-    weights, ids = routing(t, e, 8, gen)
-    monkeypatch.setattr(triton_w4a16, "WORD_DECODE", 0)
-    want = triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids)
-    monkeypatch.setattr(triton_w4a16, "WORD_DECODE", mode)
-    assert triton_w4a16.words_aligned(w13) and triton_w4a16.words_aligned(w2) == (inter % 64 == 0)
-    assert torch.equal(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids), want)

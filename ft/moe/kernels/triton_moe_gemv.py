@@ -34,7 +34,7 @@ import triton.language as tl
 from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
-from ft.moe.kernels.triton_w4a16 import INTERPRETER, UNFOLD, _decode_f32, _word_aligned, check_operands, e4m3
+from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode_f32, check_operands, e4m3
 from ft.quant.nvfp4 import NVFP4Tensor
 
 # (BLOCK_N weight rows per program, MAX_BLOCK_K input elements per step, NUM_WARPS, STAGES of
@@ -62,7 +62,7 @@ def _tiles_from_env(name: str, default):
 
 BF16, NVFP4 = _tiles_from_env("BF16", BF16), _tiles_from_env("NVFP4", NVFP4)
 # The bf16 gate/up launch that reads rows from the host store (``host`` given: the offload
-# backend's host reads) at tiles of its own (``HOST_TILES``; FT_MOE_GEMV_HOST_TILES=1 turns it on
+# backend's host reads) at tiles of its own (``HOST_TILES``, on; FT_MOE_GEMV_HOST_TILES=0 turns it off
 # for a process and the ranks it spawns, FT_MOE_GEMV_BF16_HOST=BN,BK,WARPS,STAGES sets them). In
 # the offloaded 16-layer cut's decode profile (H200, 2026-12-02, docs/benchmarks.md) gate/up took
 # 238 us a layer against 180 us of link time for its host rows, down 104 against 90. At BF16's four
@@ -71,9 +71,10 @@ BF16, NVFP4 = _tiles_from_env("BF16", BF16), _tiles_from_env("NVFP4", NVFP4)
 # tiles is the same arithmetic, the same bits. (Either way a program takes ~128 registers, four an
 # SM: a batch-1 step's ~700 gate/up programs take more than one wave, and the host rows of those
 # in the second start late. Tiles that fit one wave, e.g. (8, 256, 4, 2) at 78 registers, change
-# the sums' order, so they would be BF16's own: offloaded decode keeps the resident bits.) OFF
-# until timed on a GPU (tests/gpu/offload_runs.sh hostreads, then decode_variants.py).
-HOST_TILES = os.environ.get("FT_MOE_GEMV_HOST_TILES", "0") == "1"
+# the sums' order, so they would be BF16's own: offloaded decode keeps the resident bits.) Timed a
+# process each on the full bf16 80B at batch 1 (H200, 2026-12-03 22:00 UTC, the same 77.2% hit
+# rate and bytes): 49.3 -> 53.9 tok/s, 79% -> 83% of its PCIe floor.
+HOST_TILES = os.environ.get("FT_MOE_GEMV_HOST_TILES", "1") == "1"
 BF16_HOST = _tiles_from_env("BF16_HOST", (BF16[0], BF16[1], BF16[2], 1))
 # The NVFP4 launches that read rows from the host store keep their tiles (so their bits, whatever
 # is cached) but may keep more loads in flight: (gate/up, down) loop stages in place of the tiles'
@@ -86,18 +87,6 @@ BF16_HOST = _tiles_from_env("BF16_HOST", (BF16[0], BF16[1], BF16[2], 1))
 # experts in 476-492 us against 514 at the tiles' own stages, within the rows' spread (gate/up
 # 40-46 GB/s, down 18-28 either way): unset. Loop stages are not what holds the down kernel back.
 NVFP4_HOST_STAGES = _tiles_from_env("NVFP4_HOST_STAGES", None)
-# The NVFP4 kernels' per-row globals (and the down kernel's routing weight) loaded before the
-# loop over the codes instead of after it: the same values, the same arithmetic, the same bits.
-# After the loop (and its cross-warp reductions) each program waits out one more memory round
-# trip once its codes are in: ~0.6 us from HBM, a PCIe round trip (~1-2 us) for an expert read
-# from the host store, where the down kernel by pair has a single step over its codes, so a second
-# round trip could be half of a program's time. On an H200 (2026-12-03, host_read_timings.py nvfp4)
-# the down kernel read its host rows at 20-25 GB/s against gate/up's 40-46 and the link's 55;
-# under ncu (2026-12-02) the resident gate/up stalled on loads half its cycles. Compiled for sm_90
-# (nvdisasm), only the down kernel changes: its globals' and weight's loads came after the barrier
-# of its cross-warp reduction and now come before its codes'; ptxas already hoists gate/up's. Off
-# until timed (FT_MOE_GEMV_GLOBALS_FIRST=1): host_read_timings.py nvfp4, decode_variants.py --nvfp4.
-GLOBALS_FIRST = os.environ.get("FT_MOE_GEMV_GLOBALS_FIRST", "0") == "1"
 BF16_DOWN, NVFP4_DOWN = _tiles_from_env("BF16_DOWN", BF16_DOWN), _tiles_from_env("NVFP4_DOWN", NVFP4_DOWN)
 PAIR_DOWN = _tiles_from_env("PAIR_DOWN", PAIR_DOWN)
 # A block's (bf16) shared expert as one more pair of each token in these two launches, beside a
@@ -226,6 +215,7 @@ NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
 # the quantised inputs' block exponents are clamped to [MIN_EXP, 127] (a block of zeros, or of
 # values below 2^-96, then rounds to zeros) so that 2^(14 - E) and the factor 2^(E - 29) are normal
 MIN_EXP: tl.constexpr = tl.constexpr(-96)
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # runs no PTX: ``_int8_codes`` by arithmetic
 
 
 # the words' factors (powers of two, exact): per element, scale · 2^112 (``_plane``: e2m1 · 2^-126 ·
@@ -602,7 +592,6 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, BLOCK_SUMS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     SHARED_BLOCK_K: tl.constexpr = 0, INT_DOT: tl.constexpr = False, ASM: tl.constexpr = True,
-    GLOBALS_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -635,10 +624,6 @@ def _gate_up_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
-            g_ptr = g_e + n  # the rows' globals
-            if GLOBALS_FIRST:  # loaded beside the first codes, not a round trip after the loop
-                g_glob = tl.load(g_ptr, mask=nmask, other=0.0)
-                u_glob = tl.load(g_ptr + N, mask=nmask, other=0.0)
             if PLANES and INT_DOT:  # int16 inputs, integer block sums (``FP4_INT_DOT``)
                 gate = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
                 up = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
@@ -703,11 +688,9 @@ def _gate_up_kernel(
                     up += w_up * xin
             g = tl.sum(gate, axis=1)
             u = tl.sum(up, axis=1)
-            if not GLOBALS_FIRST:
-                g_glob = tl.load(g_ptr, mask=nmask, other=0.0)
-                u_glob = tl.load(g_ptr + N, mask=nmask, other=0.0)
-            g *= g_glob * unfold
-            u *= u_glob * unfold
+            g_ptr = g_e + n  # the rows' globals
+            g *= tl.load(g_ptr, mask=nmask, other=0.0) * unfold
+            u *= tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold
     out = g * tl.sigmoid(g) * u
     tl.store(act + p.to(tl.int64) * s_at + n, out.to(act.dtype.element_ty), mask=nmask)
 
@@ -778,7 +761,6 @@ def _down_pair_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
-    GLOBALS_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded as the walk rounds
@@ -821,9 +803,6 @@ def _down_pair_kernel(
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
-            if GLOBALS_FIRST:  # loaded beside the codes, not a round trip after the loop
-                glob = tl.load(g_e + n, mask=nmask, other=0.0)
-                scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
             if PLANES:  # codes as words, a block's scale once (``FP4_DOWN_PLANES``)
                 blocks = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
@@ -842,10 +821,8 @@ def _down_pair_kernel(
                     w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
                     acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
                 dot = tl.sum(acc, axis=1)
-            if not GLOBALS_FIRST:
-                scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
-                glob = tl.load(g_e + n, mask=nmask, other=0.0)
-            term = dot * (glob * (scale * unfold))
+            scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
+            term = dot * (tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold))
     cell = ws + tok * (TOPK + SHARED) * N + n  # ws[tok, 0, n]
     tl.store(cell + slot * N, term.to(out.dtype.element_ty).to(tl.float32), mask=nmask)
     # the ticket is one thread's atomic: the barrier puts every thread's stores before its release
@@ -858,6 +835,15 @@ def _down_pair_kernel(
             total += tl.load(cell + j * N, mask=nmask, other=0.0, cache_modifier=".cg")
         tl.store(out + tok * s_ot + n, total.to(out.dtype.element_ty), mask=nmask)
         tl.store(counter, 0)  # every ticket is drawn: clean for the next call
+
+
+def _word_aligned(*codes: torch.Tensor, size: int = 4) -> bool:
+    """Whether NVFP4 code tensors [E, N, K/2] (slots, and a host store beside them) can be read as
+    words of ``size`` bytes: their start and row strides multiples of it (else the kernels read
+    bytes)."""
+    return all(
+        c.data_ptr() % size == 0 and c.stride(0) % size == 0 and c.stride(1) % size == 0 for c in codes
+    )
 
 
 def _bank(w) -> tuple:
@@ -959,7 +945,7 @@ def launch_moe_gemv(
         x.stride(0), xq.stride(0), xf.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0),
         ids.stride(0), ids.stride(1), UNFOLD,
         **flags, PLANES=planes, BLOCK_SUMS=sums, INT_DOT=int_dot, ASM=not INTERPRETER,
-        GLOBALS_FIRST=fp4 and GLOBALS_FIRST, BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
+        BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
         BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
     )  # fmt: skip
@@ -985,8 +971,7 @@ def launch_moe_gemv(
             weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
             **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
             num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
-            GLOBALS_FIRST=fp4 and GLOBALS_FIRST, **pdl_args(act),
-            SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0,
+            SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0, **pdl_args(act),
         )  # fmt: skip
         return out
     down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)

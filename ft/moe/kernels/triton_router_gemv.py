@@ -37,13 +37,6 @@ from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K, softmax_topk_ro
 # model of 2026-11-30 it had gained nothing (482.8 against 482.9). GPU tests:
 # tests/gpu/test_router_fold.py, and test_engine_cuda.py's decode-switch tolerance (both passed).
 FUSED_ROUTER = os.environ.get("FT_FUSED_ROUTER", "1") != "0"
-# Every program's partial stored, then one ticket for the launch: its last program sums the partials
-# of every column in split order (``split_k_sum``'s order, so the same logits bits), stores the
-# logits and routes, instead of a ticket per column block whose last program sums and stores that
-# block's logits and then draws the launch's ticket. One atomic round trip and one load of the
-# logits fewer on the launch's critical path (the router took 7.5 us a layer for 2.1 MB in the
-# 80B's census, docs/benchmarks.md 2026-12-01). Off until timed (FT_ROUTER_ONE_TICKET=1).
-ONE_TICKET = os.environ.get("FT_ROUTER_ONE_TICKET", "0") == "1"
 MAX_TOKENS = 4  # the epilogue's program holds T x E_P keys (int64, or int32 with triton_router.KEYS32)
 
 
@@ -53,20 +46,12 @@ def _router_topk_kernel(
     M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
     E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    BLOCKS: tl.constexpr = False, ONE_TICKET: tl.constexpr = False, G_P: tl.constexpr = 1,
+    BLOCKS: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if ONE_TICKET:  # this program's partial into ws[split]; the launch's last program sums them all
-        split = tl.program_id(1)
-        k_lo = split * K_SPLIT
-        acc = triton_gemv.gemv_tile(x, w, n, M, N, k_lo, tl.minimum(K, k_lo + K_SPLIT), s_xm, s_wn, M_P,
-                                    BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
-        m = tl.arange(0, M_P)[:, None]
-        tl.store(ws + split * M * N + m * N + n[None, :], acc, mask=(m < M) & (n < N)[None, :])
-    else:
-        last, total = triton_gemv.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
-                                              BLOCK_N, BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
+    last, total = triton_gemv.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
+                                          BLOCK_N, BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
     if BLOCKS:  # noqa: SIM102 (static: compiled only with blocks) the first column block of each split
         # quantises the inputs it read, x's int16 blocks for the MoE GEMV
         if tl.program_id(0) == 0:
@@ -74,48 +59,25 @@ def _router_topk_kernel(
             k_hi = tl.minimum(K, k_lo + K_SPLIT)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 triton_moe_gemv.quantize_range(x, xq, xf, M, k0, k_hi, s_xm, s_qt, s_ft, T_P, BLOCK_K)
-    blocks = tl.num_programs(0)
-    if ONE_TICKET:
-        tl.debug_barrier()  # every thread's partial before the launch ticket's release
-        ticket = tl.atomic_add(counters + blocks, 1, sem="acq_rel")
-        if ticket == blocks * SPLITS - 1:  # every program's partial is stored: sum them in split order
-            t = tl.arange(0, T_P)[:, None]
-            e = tl.arange(0, E_P)[None, :]
-            mask = (t < M) & (e < E)
-            row = triton_gemv.sum_partials(ws + t * N + e, M * N, mask, SPLITS).to(logits.dtype.element_ty)
-            tl.store(logits + t * N + e, row, mask=mask)
-            if E < N:  # the shared gate's logits (columns E ..)
-                g = E + tl.arange(0, G_P)[None, :]
-                gate = triton_gemv.sum_partials(ws + t * N + g, M * N, (t < M) & (g < N), SPLITS)
-                tl.store(logits + t * N + g, gate.to(logits.dtype.element_ty), mask=(t < M) & (g < N))
-            row = tl.where(e < E, row.to(tl.float32), -float("inf"))
-            _route_rows(row, weights, ids, t, M, TOP_K, TOP_K_P, E_P, RENORMALIZE, KEYS32)
-            tl.store(counters + blocks, 0)
-    elif last:
+    if last:
         m = tl.arange(0, M_P)
         mask = (m < M)[:, None] & (n < N)[None, :]
         tl.store(logits + m[:, None] * N + n[None, :], total.to(logits.dtype.element_ty), mask=mask)
         tl.debug_barrier()  # every thread's logits before the launch ticket's release
+        blocks = tl.num_programs(0)
         ticket = tl.atomic_add(counters + blocks, 1, sem="acq_rel")
         if ticket == blocks - 1:  # every column block's logits are stored
             t = tl.arange(0, T_P)[:, None]
             e = tl.arange(0, E_P)[None, :]
             row = tl.load(logits + t * N + e, mask=(t < M) & (e < E), other=-float("inf"),
                           cache_modifier=".cg").to(tl.float32)  # [T_P, E_P]  # fmt: skip
-            _route_rows(row, weights, ids, t, M, TOP_K, TOP_K_P, E_P, RENORMALIZE, KEYS32)
+            row = tl.where(t < M, row, 0.0)  # padding tokens: finite, never stored
+            p, picked_ids = softmax_topk_rows(row, TOP_K, TOP_K_P, E_P, RENORMALIZE, KEYS32)
+            slot = tl.arange(0, TOP_K_P)[None, :]
+            out = t * TOP_K + slot
+            tl.store(weights + out, p, mask=(t < M) & (slot < TOP_K))
+            tl.store(ids + out, picked_ids, mask=(t < M) & (slot < TOP_K))
             tl.store(counters + blocks, 0)
-
-
-@triton.jit
-def _route_rows(row, weights, ids, t, M, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, E_P: tl.constexpr,
-                RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr):  # fmt: skip
-    # the top-k softmax of logits rows [T_P, E_P] (-inf past E) into weights and ids
-    row = tl.where(t < M, row, 0.0)  # padding tokens: finite, never stored
-    p, picked_ids = softmax_topk_rows(row, TOP_K, TOP_K_P, E_P, RENORMALIZE, KEYS32)
-    slot = tl.arange(0, TOP_K_P)[None, :]
-    out = t * TOP_K + slot
-    tl.store(weights + out, p, mask=(t < M) & (slot < TOP_K))
-    tl.store(ids + out, picked_ids, mask=(t < M) & (slot < TOP_K))
 
 
 def takes_fused(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -163,8 +125,7 @@ def launch_router_topk(
         M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
-        KEYS32=triton_router.keys32(logits.dtype), ONE_TICKET=ONE_TICKET,
-        G_P=triton.next_power_of_2(max(n - e, 1)),
+        KEYS32=triton_router.keys32(logits.dtype),
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip
     return weights, ids, logits[:, e:] if shared_gate else None
