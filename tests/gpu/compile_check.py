@@ -170,10 +170,12 @@ def entries():
         "c_map": I64,
     }
     w4 = {**mma, "b": U8, "b_scale": U8, "b_global": F32}
-    for name, kernel, ptrs in (("bf16", triton_moe._grouped_gemm_kernel, mma),
-                               ("NVFP4", triton_w4a16._w4a16_gemm_kernel, w4)):  # fmt: skip
+    grouped = (("bf16", triton_moe._grouped_gemm_kernel, mma, triton_moe.CONFIGS),
+               ("NVFP4", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS))  # fmt: skip
+    for name, kernel, ptrs, table in grouped:
         for t in (64, 8192):  # the MMA path's tiles for a decode batch and a prefill chunk
-            for which, cfg, swiglu in zip(("gate/up", "down"), triton_moe.pick_config(t, 512), (True, False)):
+            cfgs = triton_moe.pick_config(t, 512, table)
+            for which, cfg, swiglu in zip(("gate/up", "down"), cfgs, (True, False)):
                 bm, bn, bk, group_m, warps, stages = cfg
                 consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu,
                           "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,

@@ -1,7 +1,7 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
     python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels] [moe_gemv_planes]
-        [moe_gemv_shared] [grouped] [conv] [extend]
+        [moe_gemv_shared] [grouped] [grouped_w4a16] [conv] [extend]
 
 (all sections when none is named). Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b,
 FT_SWEEP_MOE=E,I,H,k (Qwen3-30B: 128,768,2048,8; also the router section's E, H, k),
@@ -445,6 +445,36 @@ def sweep_grouped() -> None:
             report(f"grouped GEMM T={t} {which}", shipped, {f"T={t} {which}": times})
 
 
+def sweep_grouped_w4a16() -> None:
+    """The NVFP4 (W4A16) grouped-GEMM rows of ``triton_w4a16.CONFIGS`` at the token counts of
+    FT_SWEEP_GROUPED_T (e.g. 1024,4096,8192), gate/up then down. The kernel decodes each weight
+    tile once per BLOCK_M rows of an expert's pairs, so prefill rows sweep BLOCK_M up to 256 (an
+    8k chunk gives Qwen3-Next's experts ~160 pairs each); decode rows keep BLOCK_M 16. The best is
+    benchmarked in the engine with FT_W4A16_PREFILL=up/down before it goes into the table."""
+    if DRY:
+        print("== W4A16 grouped GEMM: needs CUDA (the sort kernels assert it); skipped in a dry run")
+        return
+    table = triton_w4a16.CONFIGS["E128" if MOE_SHAPE[0] <= 128 else "default"]  # as pick_config chooses
+    saved = list(table)
+    decode = [(16, bn, bk, 1, w, s) for bn, bk, w, s in grid((32, 64, 128), (64, 128, 256), (4, 8), (3,))]
+    tiles = grid((64, 128, 256), (32, 64, 128), (64, 128), (4, 8), (3,))
+    prefill = [(bm, bn, bk, 8, w, s) for bm, bn, bk, w, s in tiles if not (bm == 256 and w == 4)]
+    for t in GROUPED_T:
+        banks, x, routes = moe_problem(t)
+        q13, q2 = banks["nvfp4"]
+        index = next(i for i, (bound, _, _) in enumerate(table) if t <= bound)
+        bound, up, down = table[index]
+        want = triton_w4a16.fused_moe_w4a16(x, q13, q2, *routes[0])
+        for which in ("up", "down"):
+            shipped, times = up if which == "up" else down, {}
+            for cfg in dict.fromkeys([shipped, *(decode if t <= 64 else prefill)]):
+                table[index] = (bound, cfg, down) if which == "up" else (bound, up, cfg)
+                calls = [P(triton_w4a16.fused_moe_w4a16, x, q13, q2, w_, i) for w_, i in routes]
+                times[cfg] = try_config(calls[0], want, calls, 2e-2)
+            table[:] = saved
+            report(f"W4A16 grouped GEMM T={t} {which}", shipped, {f"T={t} {which}": times})
+
+
 # ---------------------------------------------------------------- causal conv (prefill and decode)
 
 
@@ -682,7 +712,8 @@ SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router
             "moe_gemv_kernels": sweep_moe_gemv_kernels,
             "moe_gemv_planes": sweep_moe_gemv_planes, "moe_gemv_shared": sweep_moe_gemv_shared,
             "moe_gemv_int": sweep_moe_gemv_int, "moe_gemv_stages": sweep_moe_gemv_stages,
-            "grouped": sweep_grouped, "conv": sweep_conv, "extend": sweep_extend}  # fmt: skip
+            "grouped": sweep_grouped, "grouped_w4a16": sweep_grouped_w4a16, "conv": sweep_conv,
+            "extend": sweep_extend}  # fmt: skip
 
 
 def main() -> None:

@@ -183,8 +183,13 @@ CONFIGS: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {
 }
 
 
-def pick_config(num_tokens: int, num_experts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    table = CONFIGS["E128"] if num_experts <= 128 else CONFIGS["default"]
+def pick_config(
+    num_tokens: int, num_experts: int, configs: dict | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(gate/up config, down config) for a call of ``num_tokens`` from ``configs`` (a table laid out
+    as ``CONFIGS``, which it defaults to)."""
+    configs = CONFIGS if configs is None else configs
+    table = configs["E128"] if num_experts <= 128 else configs["default"]
     for bound, up, down in table:
         if num_tokens <= bound:
             return up, down
@@ -399,13 +404,16 @@ def fused_moe_triton(
     return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into)
 
 
-def mma_path(launch, x, w13, w2, weights, ids, e: int, inter: int, into: Into | None) -> torch.Tensor:
-    """A fused MoE call's MMA path (bf16 and W4A16 alike, ``launch`` the kernel's launcher): the
-    pairs sorted by expert and padded, gate/up with SwiGLU into act [T*k, I], down weighted into
-    y [T*k, H] (or ``into``'s rows, returned), the top-k sum."""
+def mma_path(
+    launch, x, w13, w2, weights, ids, e: int, inter: int, into: Into | None, configs: dict | None = None
+) -> torch.Tensor:
+    """A fused MoE call's MMA path (bf16 and W4A16 alike, ``launch`` the kernel's launcher, its
+    tiles from ``configs``, ``CONFIGS`` unless given): the pairs sorted by expert and padded,
+    gate/up with SwiGLU into act [T*k, I], down weighted into y [T*k, H] (or ``into``'s rows,
+    returned), the top-k sum."""
     t, h, topk = len(ids), x.shape[1], ids.shape[1]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    up_cfg, down_cfg = pick_config(t, e)
+    up_cfg, down_cfg = pick_config(t, e, configs)
     topk_w = weights.reshape(-1).float().contiguous()  # [T*k]
     pairs = t * topk
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]

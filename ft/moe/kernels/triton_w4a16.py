@@ -2,7 +2,8 @@
 the products run as bf16 MMAs with fp32 accumulation (Hopper has no FP4 tensor cores).
 
 Same contract and structure as ``triton_moe.fused_moe_triton`` (whose token->expert sort and
-padding, ``align_by_expert``, and tile table, ``pick_config``, it reuses):
+padding, ``align_by_expert``, and table lookup, ``pick_config``, it reuses; its tiles are its own,
+``CONFIGS``):
 
     act = silu(g_gate · (x @ W_gate.T)) * (g_up · (x @ W_up.T))   # [T*k, I], SwiGLU fused
     y   = weights[t, k] · g_down · (act @ W_down.T)               # [T*k, H]
@@ -18,16 +19,40 @@ fp16 activations (the folded magnitudes underflow fp16), W4A4, expert parallelis
 
 from __future__ import annotations
 
+import copy
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ft.layers.pdl import pdl_args, wait_for_previous
+from ft.moe.kernels import triton_moe
 from ft.moe.kernels.into import Into
 from ft.moe.kernels.triton_moe import mma_path, pair_tile, store_pairs, tile_pairs
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 
 UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
+
+
+def _configs_from_env(table: dict) -> dict:
+    # FT_W4A16_PREFILL=BM,BN,BK,G,W,S/BM,BN,BK,G,W,S sets the gate/up and down tiles of the tables'
+    # last rows (a prefill chunk's calls) for a process and the ranks it spawns: what a sweep's best
+    # is benchmarked with before it is written into the table
+    value = os.environ.get("FT_W4A16_PREFILL")
+    if value:
+        up, down = (tuple(int(v) for v in part.split(",")) for part in value.split("/"))
+        for rows in table.values():
+            rows[-1] = (rows[-1][0], up, down)
+    return table
+
+
+# The W4A16 kernel's tiles, laid out as ``triton_moe.CONFIGS`` (token bound, gate/up config, down
+# config; first row whose bound >= T wins), and until a sweep of its own
+# (``tests/gpu/config_sweep.py grouped_w4a16``) the same values: those rows were swept for the bf16
+# kernel, which its MMAs bound, where this one is bound by decoding codes (a 4k-token call of
+# Qwen3-Next's shape took 1.83 ms against bf16's 1.14 on an H200, docs/benchmarks.md, 2026-12-03).
+CONFIGS = _configs_from_env(copy.deepcopy(triton_moe.CONFIGS))
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
 # timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
 # H200, 2026-11-30, 02:50 UTC (tests/gpu/config_sweep.py, with the GEMV's tiles from that sweep):
@@ -306,4 +331,4 @@ def fused_moe_w4a16(
     e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
         return torch.zeros_like(x) if into is None else into.out
-    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into)
+    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, CONFIGS)

@@ -1,0 +1,41 @@
+"""The W4A16 kernel's own tile table: it starts from the bf16 table's values, and
+FT_W4A16_PREFILL sets its prefill row (gate/up and down) for a process without touching bf16's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+CODE = (
+    "from ft.moe.kernels import triton_moe as m, triton_w4a16 as w\n"
+    "print(w.CONFIGS == m.CONFIGS)\n"
+    "print(m.pick_config(8192, 512, w.CONFIGS))\n"
+    "print(m.pick_config(8192, 512))\n"
+    "print(m.pick_config(64, 512, w.CONFIGS) == m.pick_config(64, 512))\n"
+    "print(m.pick_config(8192, 128, w.CONFIGS))\n"
+)
+
+
+def run(env: dict) -> list[str]:
+    clean = {k: v for k, v in os.environ.items() if k != "FT_W4A16_PREFILL"}
+    proc = subprocess.run([sys.executable, "-c", CODE], env=clean | env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_the_w4a16_table_starts_as_bf16s():
+    pytest.importorskip("triton")
+    same, w4, bf16, decode_same, _ = run({})
+    assert same == "True" and w4 == bf16 and decode_same == "True"
+
+
+def test_ft_w4a16_prefill_sets_the_last_rows_of_its_table_alone():
+    pytest.importorskip("triton")
+    env = {"FT_W4A16_PREFILL": "256,64,64,8,8,3/128,128,128,8,8,4"}
+    same, w4, bf16, decode_same, e128 = run(env)
+    want = "((256, 64, 64, 8, 8, 3), (128, 128, 128, 8, 8, 4))"
+    assert same == "False" and w4 == want and e128 == want
+    assert bf16 != want and decode_same == "True"
