@@ -421,28 +421,10 @@ def sweep_grouped() -> None:
     """The bf16 grouped-GEMM rows of ``triton_moe.CONFIGS`` (gate/up, then down) at the token
     counts of FT_SWEEP_GROUPED_T: decode rows keep BLOCK_M 16 and sweep the rest, prefill rows
     (T > 64) sweep BLOCK_M too. Configs are (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)."""
-    if DRY:
-        print("== grouped GEMM: needs CUDA (the sort kernels assert it); skipped in a dry run")
-        return
-    table = triton_moe.CONFIGS["E128" if MOE_SHAPE[0] <= 128 else "default"]  # as pick_config chooses
-    saved = list(table)
     decode = [(16, bn, bk, 1, w, s) for bn, bk, w, s in grid((32, 64, 128), (64, 128, 256), (4,), (3, 4))]
     tiles = grid((64, 128), (64, 128), (32, 64), (4, 8), (3, 4))
     prefill = [(bm, bn, bk, 8, w, s) for bm, bn, bk, w, s in tiles]
-    for t in GROUPED_T:
-        banks, x, routes = moe_problem(t)
-        w13, w2 = banks["bf16"]
-        index = next(i for i, (bound, _, _) in enumerate(table) if t <= bound)
-        bound, up, down = table[index]
-        want = triton_moe.fused_moe_triton(x, w13, w2, *routes[0])
-        for which in ("up", "down"):
-            shipped, times = up if which == "up" else down, {}
-            for cfg in dict.fromkeys([shipped, *(decode if t <= 64 else prefill)]):
-                table[index] = (bound, cfg, down) if which == "up" else (bound, up, cfg)
-                calls = [P(triton_moe.fused_moe_triton, x, w13, w2, w_, i) for w_, i in routes]
-                times[cfg] = try_config(calls[0], want, calls, 2e-2)
-            table[:] = saved
-            report(f"grouped GEMM T={t} {which}", shipped, {f"T={t} {which}": times})
+    grouped_rows("grouped GEMM", triton_moe.CONFIGS, triton_moe.fused_moe_triton, "bf16", decode, prefill)
 
 
 def sweep_grouped_w4a16() -> None:
@@ -451,28 +433,36 @@ def sweep_grouped_w4a16() -> None:
     tile once per BLOCK_M rows of an expert's pairs, so prefill rows sweep BLOCK_M up to 256 (an
     8k chunk gives Qwen3-Next's experts ~160 pairs each); decode rows keep BLOCK_M 16. The best is
     benchmarked in the engine with FT_W4A16_PREFILL=up/down before it goes into the table."""
-    if DRY:
-        print("== W4A16 grouped GEMM: needs CUDA (the sort kernels assert it); skipped in a dry run")
-        return
-    table = triton_w4a16.CONFIGS["E128" if MOE_SHAPE[0] <= 128 else "default"]  # as pick_config chooses
-    saved = list(table)
     decode = [(16, bn, bk, 1, w, s) for bn, bk, w, s in grid((32, 64, 128), (64, 128, 256), (4, 8), (3,))]
     tiles = grid((64, 128, 256), (32, 64, 128), (64, 128), (4, 8), (3,))
     prefill = [(bm, bn, bk, 8, w, s) for bm, bn, bk, w, s in tiles if not (bm == 256 and w == 4)]
+    grouped_rows(
+        "W4A16 grouped GEMM", triton_w4a16.CONFIGS, triton_w4a16.fused_moe_w4a16, "nvfp4", decode, prefill
+    )
+
+
+def grouped_rows(title: str, configs: dict, fused: Callable, fmt: str, decode: list, prefill: list) -> None:
+    # each FT_SWEEP_GROUPED_T's row of ``configs`` (as pick_config chooses it), gate/up then down, over
+    # the decode configs (T <= 64) or the prefill ones, against the shipped row's output
+    if DRY:
+        print(f"== {title}: needs CUDA (the sort kernels assert it); skipped in a dry run")
+        return
+    table = configs["E128" if MOE_SHAPE[0] <= 128 else "default"]
+    saved = list(table)
     for t in GROUPED_T:
         banks, x, routes = moe_problem(t)
-        q13, q2 = banks["nvfp4"]
+        w13, w2 = banks[fmt]
         index = next(i for i, (bound, _, _) in enumerate(table) if t <= bound)
         bound, up, down = table[index]
-        want = triton_w4a16.fused_moe_w4a16(x, q13, q2, *routes[0])
+        want = fused(x, w13, w2, *routes[0])
         for which in ("up", "down"):
             shipped, times = up if which == "up" else down, {}
             for cfg in dict.fromkeys([shipped, *(decode if t <= 64 else prefill)]):
                 table[index] = (bound, cfg, down) if which == "up" else (bound, up, cfg)
-                calls = [P(triton_w4a16.fused_moe_w4a16, x, q13, q2, w_, i) for w_, i in routes]
+                calls = [P(fused, x, w13, w2, w_, i) for w_, i in routes]
                 times[cfg] = try_config(calls[0], want, calls, 2e-2)
             table[:] = saved
-            report(f"W4A16 grouped GEMM T={t} {which}", shipped, {f"T={t} {which}": times})
+            report(f"{title} T={t} {which}", shipped, {f"T={t} {which}": times})
 
 
 # ---------------------------------------------------------------- causal conv (prefill and decode)
