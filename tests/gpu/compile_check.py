@@ -29,6 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from ft.attention import triton_kernels  # noqa: E402
 from ft.gdn import triton_conv, triton_decode, triton_decode_layer  # noqa: E402
 from ft.layers import triton_gemv, triton_norm, triton_rope  # noqa: E402
+from ft.moe.backends import host_stage  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
     triton_combine,
     triton_moe,
@@ -78,6 +79,9 @@ def entries():
            "shared_logit": BF, "out": BF, "topk_w": F32, "host_b": BF, "host_scale": BF,
            "host_global": BF}  # fmt: skip
     fp4 = {**moe, "b": U8, "b_scale": U8, "b_global": F32, "host_b": U8, "host_scale": U8, "host_global": F32}
+    stage = {"rows": I64, "staged": I64, "src_block": I64, "dst_block": I64}
+    yield "host stage (a pair's 16 KB of a host row)", host_stage._stage_kernel, stage, {
+        "BLOCK_P": 32, "BLOCK": host_stage.STAGE_BLOCK}, 4, 3  # fmt: skip
     yield "conv decode, one launch", triton_conv._conv_decode_kernel, {
         "x": BF, "w": BF, "conv_state": BF, "context_lens": I32, "state_slots": I64, "out": BF,
     }, {"KC": 4, "KP": 4, "BLOCK_C": 256, "USE_PDL": 2}, 4, 3  # fmt: skip

@@ -10,7 +10,9 @@ host, and their rate over the time the host rows added. A batch-1 decode step of
 at 77% residency reads ~2.2 experts of each layer from the host (docs/benchmarks.md,
 2026-12-01): if this rate is near the 51 GB/s that tests/gpu/zero_copy_bandwidth.py reads,
 the step's remaining gap to its PCIe floor lies elsewhere. ``FT_MOE_GEMV_NVFP4_HOST_STAGES=G,D``
-sets the NVFP4 host-read launches' loop stages (``triton_moe_gemv.NVFP4_HOST_STAGES``).
+sets the NVFP4 host-read launches' loop stages (``triton_moe_gemv.NVFP4_HOST_STAGES``). The
+"staged" line times ``host_stage``'s copy of the same rows into device memory, alone and followed
+by the call on device rows (what ``FT_MOE_HOST_STAGE=1`` runs instead of reading in place).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from ft.moe.backends.host_stage import StageBlock, stage  # noqa: E402
+from ft.moe.backends.layout import ExpertLayout, Part  # noqa: E402
 from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
 from tests.gpu.kernel_timings import bench_series  # noqa: E402
 from tests.gpu.test_moe_gemv import problem  # noqa: E402
@@ -77,6 +81,11 @@ def main() -> None:
     staging = torch.empty(10 * per_expert, dtype=torch.uint8, device="cuda")
     source = torch.empty(10 * per_expert, dtype=torch.uint8).pin_memory()
     print(f"{fmt}: all 10 experts on the device {1e3 * resident:.1f} us; {per_expert / 1e6:.2f} MB an expert")
+    # host staging (``host_stage``): the h experts' rows copied by its kernel from a pinned block of
+    # 512 rows into the staging block, then the call on device rows (timed on the resident bank)
+    layout = ExpertLayout((Part("raw", (per_expert,), torch.uint8, 0),), -(-per_expert // 64) * 64)
+    store = layout.allocate(512, "cpu", pin=True)
+    stage_block = StageBlock(layout, 10, torch.device("cuda"))
     for h in (1, 2, 3, 5, 10):
         rows = ids.clone()
         rows[0, :h] = -ids[0, :h] - 1  # the first h experts of the token read from the host
@@ -90,6 +99,14 @@ def main() -> None:
             f"  {h:2d} on the host: {1e3 * ms:7.1f} us, {moved / 1e6:5.1f} MB read in place "
             f"({rate:5.1f} GB/s over the added time, {moved / (ms * 1e-3) / 1e9:5.1f} over the call); "
             f"a DMA copy of them {1e3 * copy:7.1f} us ({moved / (copy * 1e-3) / 1e9:5.1f} GB/s)"
+        )
+        staged = replay_ms(lambda r=rows: stage(r, store, stage_block))
+        both = replay_ms(
+            lambda r=rows: (stage(r, store, stage_block), fused_moe_gemv(x, w13, w2, weights, ids))
+        )
+        print(
+            f"     staged   {1e3 * staged:7.1f} us for the copy ({moved / (staged * 1e-3) / 1e9:5.1f} GB/s), "
+            f"{1e3 * both:7.1f} us with the call on device rows"
         )
         # each kernel alone: which of gate/up (the w13 rows) and down (the w2 rows) reads its host
         # bytes slower than the link (the offloaded decode's profile of 2026-12-02 had gate/up 238

@@ -342,6 +342,26 @@ def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monke
     assert s.moe_prefetch_hits > 0 and s.moe_bytes_host_read > 0
 
 
+@pytest.mark.parametrize("prefetch_rows", [0, 3])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_host_reads_staged_in_graphs_equal_resident(ckpt, tmp_path, monkeypatch, fmt, prefetch_rows):
+    """``host_stage.STAGE``: each host-read layer's host experts copied into the device staging
+    block by one kernel after its routing, the MoE kernels reading them there, in whole graphs;
+    beside whole-expert host prefetch too. The bytes the kernels read from the host before now
+    cross by the staging kernel, counted the same."""
+    from ft.moe.backends import host_prefetch, host_reads, host_stage
+
+    monkeypatch.setattr(host_reads, "ENABLED", True)
+    monkeypatch.setattr(host_stage, "STAGE", True)
+    for prefix in ("", "NVFP4_"):
+        monkeypatch.setattr(host_prefetch, f"{prefix}ROWS", prefetch_rows)
+        monkeypatch.setattr(host_prefetch, f"{prefix}DOWN_ONLY", False)
+    calls, stage = [], host_stage.stage
+    monkeypatch.setattr(host_stage, "stage", lambda *args: calls.append(1) or stage(*args))
+    s, _ = host_reads_equal_resident(ckpt, tmp_path, fmt)
+    assert calls and s.moe_bytes_host_read > 0
+
+
 def host_reads_equal_resident(ckpt, tmp_path, fmt: str) -> tuple:
     """Offloaded decode (host reads on) graphed and eager against the resident backend, bf16 (or
     NVFP4 experts): batch 1 in one whole graph, the same greedy tokens, log-probs within bf16

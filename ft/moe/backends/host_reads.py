@@ -39,7 +39,7 @@ import os
 import numpy as np
 import torch
 
-from ft.moe.backends import host_prefetch
+from ft.moe.backends import host_prefetch, host_stage
 from ft.moe.backends.expert_cache import Tables
 from ft.quant.nvfp4 import NVFP4Tensor
 
@@ -72,9 +72,16 @@ except ImportError:  # CPU-only machine: the torch version of ``route_and_count`
 class HostReads:
     """The host-read state of one rank: every offloading layer's use counts and promotions."""
 
-    def __init__(self, backends: list, top_k: int, device: torch.device, fmt: str | None = None) -> None:
+    def __init__(
+        self, backends: list, top_k: int, device: torch.device, fmt: str | None = None, max_tokens: int = 0
+    ) -> None:
         self.backends, self.top_k = backends, top_k
         self.fmt = fmt  # the banks' format (what their prefetch does: ``host_prefetch.rows``)
+        # with ``host_stage.STAGE``: the device rows a layer's host experts are copied into, one a
+        # pair of the largest batch (``max_tokens``) host reads take
+        self.stage = None
+        if host_stage.STAGE and max_tokens > 0:
+            self.stage = host_stage.StageBlock(backends[0].store.layout, max_tokens * top_k, device)
         e = self.num_experts = backends[0].store.num_experts
         spare = backends[0].cache.spare  # rows a layer's prefetch fills (``host_prefetch.py``)
         # [L, E + spare]: each layer's uses of its experts, then the experts its prefetch picked
@@ -110,6 +117,11 @@ class HostReads:
         """Whether a decode batch of ``tokens`` tokens is one the GEMV takes (on a GPU), or small
         enough (without one)."""
         return bank.takes_gemv(tokens) if cuda else 0 < tokens <= CPU_MAX_TOKENS
+
+    @staticmethod
+    def max_tokens(bank, cuda: bool, limit: int = 256) -> int:
+        """The largest decode batch (up to ``limit``) that host reads take for ``bank``; 0: none."""
+        return max((t for t in range(1, limit + 1) if HostReads.takes_tokens(bank, t, cuda)), default=0)
 
     def discard(self) -> None:
         """Forget the uses counted so far (the warm-up and capture of the decode graphs), and any

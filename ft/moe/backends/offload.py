@@ -58,7 +58,7 @@ import torch
 from torch.profiler import record_function
 
 from ft.forward_context import get_forward_context
-from ft.moe.backends import host_prefetch, pairs
+from ft.moe.backends import host_prefetch, host_stage, pairs
 from ft.moe.backends.expert_cache import ExpertCache
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.host_prefetch import Spare, routes
@@ -406,10 +406,12 @@ class OffloadBackend:
         real = real_rows(len(x), x.device)  # [T] bool
         route, route_down, join = routes(self)  # the down kernel's differs after a down-only prefetch
         rows = route_and_count(ids, real, route, self.map.null, self.uses)  # [T, k]
-        down = None
+        down, host = None, self.store.tensors
         if route_down is not route:
             down = (route_rows(ids, real, route_down, self.map.null), join)
-        return bank.run(x, weights, rows, self.cache.tensors, shared, host=self.store.tensors, down=down)
+        elif self.reads.stage is not None and host_stage.STAGE:  # host rows copied to the device first
+            rows, host = host_stage.stage(rows, self.store.block, self.reads.stage), self.reads.stage.tensors
+        return bank.run(x, weights, rows, self.cache.tensors, shared, host=host, down=down)
 
     def lookahead(self, block, residual: torch.Tensor, norm) -> None:
         """Before the layer's mixer (``SparseMoeBlock.lookahead``). Streaming ahead: a long batch

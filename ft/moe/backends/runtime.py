@@ -195,8 +195,9 @@ class MoeRuntime:
             for backend, nxt, block in zip(self.backends, self.backends[1:], blocks[1:]):
                 backend.prefetch = Prefetch(block.gate, nxt)  # the next MoE layer's router
         if self.name == "offload" and (self.stores[0].pinned or self.device.type == "cpu"):
+            tokens = host_reads.HostReads.max_tokens(self.bank, self.device.type == "cuda")
             self.reads = host_reads.HostReads(
-                self.backends, self.mc.num_experts_per_tok, self.device, self.bank.format
+                self.backends, self.mc.num_experts_per_tok, self.device, self.bank.format, tokens
             )
         unattended = [n for n in range(1, cfg.max_running_requests + 1) if self.runs_unattended(n)]
         self.plan = MoePlan(
