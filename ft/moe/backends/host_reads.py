@@ -77,10 +77,10 @@ class HostReads:
     ) -> None:
         self.backends, self.top_k = backends, top_k
         self.fmt = fmt  # the banks' format (what their prefetch does: ``host_prefetch.rows``)
-        # with ``host_stage.STAGE``: the device rows a layer's host experts are copied into, one a
-        # pair of the largest batch (``max_tokens``) host reads take
+        # with ``host_stage.STAGE`` (``max_tokens`` > 0: the largest batch host reads take): the
+        # device rows a layer's host experts are copied into, one a pair
         self.stage = None
-        if host_stage.STAGE and max_tokens > 0:
+        if max_tokens > 0:
             self.stage = host_stage.StageBlock(backends[0].store.layout, max_tokens * top_k, device)
         e = self.num_experts = backends[0].store.num_experts
         spare = backends[0].cache.spare  # rows a layer's prefetch fills (``host_prefetch.py``)

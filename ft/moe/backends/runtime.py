@@ -33,7 +33,7 @@ from ft.config import EngineConfig
 from ft.distributed import TPInfo
 from ft.engine import allocator
 from ft.models.config import ModelConfig
-from ft.moe.backends import OFFLOADING, host_prefetch, host_reads, offload, sizing
+from ft.moe.backends import OFFLOADING, host_prefetch, host_reads, host_stage, offload, sizing
 from ft.moe.backends.cpu import CpuBackend
 from ft.moe.backends.expert_cache import ExpertCache, SlotMap
 from ft.moe.backends.host_store import (
@@ -195,10 +195,8 @@ class MoeRuntime:
             for backend, nxt, block in zip(self.backends, self.backends[1:], blocks[1:]):
                 backend.prefetch = Prefetch(block.gate, nxt)  # the next MoE layer's router
         if self.name == "offload" and (self.stores[0].pinned or self.device.type == "cpu"):
-            tokens = host_reads.HostReads.max_tokens(self.bank, self.device.type == "cuda")
-            self.reads = host_reads.HostReads(
-                self.backends, self.mc.num_experts_per_tok, self.device, self.bank.format, tokens
-            )
+            k, stage_tokens = self.mc.num_experts_per_tok, self._stage_tokens()
+            self.reads = host_reads.HostReads(self.backends, k, self.device, self.bank.format, stage_tokens)
         unattended = [n for n in range(1, cfg.max_running_requests + 1) if self.runs_unattended(n)]
         self.plan = MoePlan(
             self.name,
@@ -239,9 +237,17 @@ class MoeRuntime:
         on = self.name == "offload" and self.cfg.moe_prefetch and reads
         return host_prefetch.rows(self.bank.format if self.bank is not None else None) if on else 0
 
+    def _stage_tokens(self) -> int:
+        """The largest decode batch host reads take, whose pairs host staging's block holds
+        (``host_stage.STAGE``, offload backend); 0 without it."""
+        if not (host_stage.STAGE and self.name == "offload" and self.bank is not None):
+            return 0
+        return host_reads.HostReads.max_tokens(self.bank, self.device.type == "cuda")
+
     def _slots(self, layout: ExpertLayout, layers: int, e: int, staging: int, pools: int = 0) -> int:
         k = self.mc.num_experts_per_tok
         staging += layers * self._spare_rows() * layout.expert_bytes  # held beside the slots
+        staging += self._stage_tokens() * k * layout.expert_bytes  # host staging's block
         return sizing.cache_slots(self.cfg, self.device, layout, layers, e, k, staging, pools, self.static)
 
     # ---- CUDA graphs
