@@ -300,7 +300,7 @@ def test_host_rows_read_in_place_equal_the_resident_bank(fmt, host_stages, host_
     give the bits of the call on a bank holding every expert on the device, graphed too; slots no
     expert holds and the host rows of slotted experts are NaN, so reading the wrong side fails.
     With ``NVFP4_HOST_STAGES`` the host-read launches pipeline more loads, with ``HOST_TILES`` the
-    bf16 gate/up launch fewer: the same bits."""
+    bf16 gate/up launch fewer: the same bits; so do host rows on the device (``host_stage``)."""
     pytest.importorskip("triton")
     from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
@@ -342,3 +342,6 @@ def test_host_rows_read_in_place_equal_the_resident_bank(fmt, host_stages, host_
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, want)
+    # the host rows copied to the device (host staging's block): the resident tiles, the same bits
+    on_device = [NVFP4Tensor(*(p.cuda() for p in w.parts)) if fmt == "nvfp4" else w.cuda() for w in (h13, h2)]
+    assert torch.equal(fused_moe_gemv(x, s13, s2, weights, rows, host=on_device), want)

@@ -887,7 +887,8 @@ def launch_moe_gemv(
     routed experts), computed as one more pair of each token, weighted by sigmoid(logit), its
     term added after the routed ones (``SHARED_AS_PAIR``). ``host``: (w13, w2) of the offload
     backend's host store, laid out as ``w13``/``w2`` (its cache slots); an id e < 0 then reads
-    host row -e - 1 instead of a slot, over PCIe, inside the same launch (``host_reads.py``).
+    host row -e - 1 instead of a slot, over PCIe, inside the same launch (``host_reads.py``), or
+    rows that host staging copied to the device (``host_stage.py``: device tensors).
     ``down``: (ids [T, k] of the down kernel's rows, a callable run between the two launches or
     None), when the down projections are read from other rows than gate/up (``host_prefetch``'s
     down-only copies, joined by the callable); the same bytes give the same result."""
@@ -912,6 +913,9 @@ def launch_moe_gemv(
         assert step == 0 or (step >= 16 and step & (step - 1) == 0), f"shared step {step}: 0 or a power of 2"
     h13 = (b13, s13, g13) if host is None else _host_operands(w13, host[0])  # unread without host
     h2 = (b2, s2, g2) if host is None else _host_operands(w2, host[1])
+    # host rows read over PCIe take their own tiles and stages (the same bits); rows on the device
+    # (host staging's block, ``host_stage.py``) the resident ones
+    over_pcie = host is not None and h13[0].device.type == "cpu"
     sb13, sb2, logit = (x, x, weights) if shared is None else shared  # unread without a shared expert
     if shared is not None:
         assert sb13.shape == (2 * inter, h) and sb2.shape == (h, inter), (
@@ -931,10 +935,10 @@ def launch_moe_gemv(
         (NVFP4_INT if int_dot else NVFP4_PLANES if planes else NVFP4)
         if fp4
         else BF16_HOST
-        if host is not None and HOST_TILES
+        if over_pcie and HOST_TILES
         else BF16
     )
-    host_stages = NVFP4_HOST_STAGES if fp4 and host is not None else None  # same tiles, same bits
+    host_stages = NVFP4_HOST_STAGES if fp4 and over_pcie else None  # same tiles, same bits
     if host_stages is not None:
         stages = host_stages[0]
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
@@ -998,13 +1002,16 @@ def fused_moe_gemv(
     host: tuple | None = None,
     down: tuple | None = None,
 ) -> torch.Tensor:
-    """``launch_moe_gemv`` on CUDA tensors (``host``: pinned host tensors the GPU can address).
-    Graph-capturable: the grid comes from shapes, the experts are read on the device."""
+    """``launch_moe_gemv`` on CUDA tensors (``host``: pinned host tensors the GPU can address, or
+    tensors on its device: host staging's block). Graph-capturable: the grid comes from shapes,
+    the experts are read on the device."""
     w = w13.weight if isinstance(w13, NVFP4Tensor) else w13
     assert x.is_cuda and w.device == x.device == ids.device, "fused_moe_gemv needs CUDA tensors on one device"
     if host is not None:
         hw = host[0].weight if isinstance(host[0], NVFP4Tensor) else host[0]
-        assert hw.is_pinned(), "a host store read by the kernel must be pinned (page-locked) memory"
+        assert hw.is_pinned() or hw.device == x.device, (
+            "a host store read by the kernel must be pinned (page-locked) memory, or on the kernel's device"
+        )
     return launch_moe_gemv(x, w13, w2, weights, ids, shared, host, down)
 
 
