@@ -30,6 +30,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="no prefix cache (on hybrid models it also stops ending a chunk at each prompt's last block)",
     )
     p.add_argument(
+        "--prefix-snapshot-slots", type=int, default=None,
+        help="recurrent-state snapshots the prefix cache of a hybrid (GDN) model keeps (default: "
+        "--max-running-requests); each holds one request's GDN state, device memory an offloaded "
+        "model's expert cache could use instead",
+    )  # fmt: skip
+    p.add_argument(
         "--decode-ahead",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -120,6 +126,7 @@ ENGINE_KEYS = (
     "max_model_len",
     "block_size",
     "enable_prefix_cache",
+    "prefix_snapshot_slots",
     "decode_ahead",
     "seed",
     "dist_timeout_s",

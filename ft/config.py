@@ -115,6 +115,7 @@ class EngineConfig:
             ("num_tokens", self.num_tokens is None or self.num_tokens >= self.block_size),
             ("memory_ratio", 0.0 < self.memory_ratio <= 1.0),
             ("max_running_requests", self.max_running_requests >= 1),
+            ("prefix_snapshot_slots", self.prefix_snapshot_slots is None or self.prefix_snapshot_slots >= 1),
             (
                 "max_num_batched_tokens",
                 self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
