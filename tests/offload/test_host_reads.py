@@ -415,3 +415,23 @@ def test_route_kernel_under_the_interpreter():
     from tests.interpreter import run_check
 
     run_check("tests.offload.test_host_reads", "check_route_kernel")
+
+
+def test_host_reads_take_batches_up_to_their_formats_limit(monkeypatch):
+    """On a GPU, a batch the bank's MoE GEMV takes and no larger than its format's
+    ``MAX_TOKENS`` (the NVFP4 GEMV takes up to 16 tokens, host reads 2 of them); without one,
+    ``CPU_MAX_TOKENS``."""
+
+    class Bank:
+        def __init__(self, fmt: str, gemv: int) -> None:
+            self.format, self.gemv = fmt, gemv
+
+        def takes_gemv(self, tokens: int) -> bool:
+            return 0 < tokens <= self.gemv
+
+    monkeypatch.setattr(host_reads, "MAX_TOKENS", {"bf16": 4, "nvfp4": 2})
+    take = host_reads.HostReads.max_tokens
+    assert take(Bank("nvfp4", 16), cuda=True) == 2 and take(Bank("bf16", 4), cuda=True) == 4
+    assert take(Bank("bf16", 2), cuda=True) == 2  # never past the GEMV's own
+    assert take(Bank("fp8", 16), cuda=True) == 0  # a format without a limit: none
+    assert take(Bank("nvfp4", 16), cuda=False) == host_reads.CPU_MAX_TOKENS

@@ -46,6 +46,11 @@ from ft.quant.nvfp4 import NVFP4Tensor
 ENABLED = os.environ.get("FT_MOE_HOST_READS", "1") != "0"
 PROMOTE_SHARE = 1 / 16  # of a layer's misses, promoted into its cache between steps
 CPU_MAX_TOKENS = 4  # without a GPU (tests), decode batches up to this size take host reads
+# On a GPU, the largest decode batch host reads take, by bank format (and only batches the bank's
+# MoE GEMV takes): the GEMV limits they were timed with (bf16 4, NVFP4 2; the NVFP4 GEMV takes up
+# to 16 tokens since 2026-12-03, where host reads are not timed: a host expert two tokens use is
+# read twice). FT_MOE_HOST_READS_NVFP4_MAX_TOKENS=N sets NVFP4's for a process.
+MAX_TOKENS = {"bf16": 4, "nvfp4": int(os.environ.get("FT_MOE_HOST_READS_NVFP4_MAX_TOKENS", "2"))}
 # The between-step work a step late (``DEFERRED``; FT_MOE_HOST_READS_DEFERRED=0 turns it off):
 # ``after_step`` queues the step's counts to pinned host memory, with the routes it read, and
 # processes the step before's, which the GPU has finished by then, so the host's counting and
@@ -114,9 +119,11 @@ class HostReads:
 
     @staticmethod
     def takes_tokens(bank, tokens: int, cuda: bool) -> bool:
-        """Whether a decode batch of ``tokens`` tokens is one the GEMV takes (on a GPU), or small
-        enough (without one)."""
-        return bank.takes_gemv(tokens) if cuda else 0 < tokens <= CPU_MAX_TOKENS
+        """Whether host reads take a decode batch of ``tokens`` tokens: one the bank's GEMV takes
+        up to the format's ``MAX_TOKENS`` (on a GPU), or small enough (without one)."""
+        if not cuda:
+            return 0 < tokens <= CPU_MAX_TOKENS
+        return bank.takes_gemv(tokens) and tokens <= MAX_TOKENS.get(bank.format, 0)
 
     @staticmethod
     def max_tokens(bank, cuda: bool, limit: int = 256) -> int:

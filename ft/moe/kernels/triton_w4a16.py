@@ -54,12 +54,15 @@ def _configs_from_env(table: dict) -> dict:
 # Qwen3-Next's shape took 1.83 ms against bf16's 1.14 on an H200, docs/benchmarks.md, 2026-12-03).
 CONFIGS = _configs_from_env(copy.deepcopy(triton_moe.CONFIGS))
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
-# timed against this path by tests/nvfp4/w4a16_timings.py on an H200.
-# H200, 2026-11-30, 02:50 UTC (tests/gpu/config_sweep.py, with the GEMV's tiles from that sweep):
-# 31.4 vs 46.4 us at T=1, 54.2 vs 73.1 at T=2; at T=4 98.5 (another tile) vs 105.5. The GEMV now
-# rounds each pair's term as this path does (see triton_moe.GEMV_MAX_TOKENS), so T = 3, 4 could go
-# either way; they stay here until timed with the shipped tile.
-GEMV_MAX_TOKENS = 2
+# timed against this path by tests/nvfp4/w4a16_timings.py on an H200. 2026-11-30 (config_sweep.py):
+# 31.4 vs 46.4 us at T=1, 54.2 vs 73.1 at T=2, 98.5 vs 105.5 at T=4, so the limit was 2. Since
+# then the GEMV reads its codes as words with block sums and integer products; 2026-12-03 21:50
+# UTC (w4a16_timings.py, two runs; a call per distinct routing in a graph, E=512, I=512, top-10):
+# GEMV 47.4 / 47.8 us against 103.0 / 102.8 at T=4, 84.8 / 84.3 against 167.6 / 169.6 at T=8,
+# 157.2 / 157.1 against 285.8 / 294.4 at T=16 (64 and more not timed). The GEMV rounds each pair's
+# term as this path does (see triton_moe.GEMV_MAX_TOKENS). Host reads keep their own limit
+# (``host_reads.MAX_TOKENS``). FT_W4A16_GEMV_MAX_TOKENS=N sets it for a process (an A/B).
+GEMV_MAX_TOKENS = int(os.environ.get("FT_W4A16_GEMV_MAX_TOKENS", "16"))
 
 
 def takes_gemv(tokens: int, inter: int) -> bool:
