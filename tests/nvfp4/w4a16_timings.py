@@ -1,8 +1,8 @@
 """Timing of the Triton W4A16 MoE next to the bf16 Triton MoE, each by its MMA path and, up to
-T=16, by the GEMV path (``triton_moe_gemv``) (not a test): ``python tests/nvfp4/w4a16_timings.py``.
+T=64, by the GEMV path (``triton_moe_gemv``) (not a test): ``python tests/nvfp4/w4a16_timings.py``.
 The last line says up to which T the GEMV path wins, for each format's ``GEMV_MAX_TOKENS``.
 
-Qwen3-Next's shape (E=512, I=512, H=2048, top-10) at T = 1, 64 (decode; eager and CUDA graph)
+Qwen3-Next's shape (E=512, I=512, H=2048, top-10) at T = 1 .. 64 (decode; eager and CUDA graph)
 and 4096 (prefill); the graph column is per call of eight back to back, each with its own routing
 (until 2026-11-30 it timed one call per replay, the replay's ~10 us included, on the same experts
 every call, so they sat in L2). The floor is the larger of the hit experts' bytes over HBM (4.22 TB/s) and
@@ -35,7 +35,7 @@ def main() -> None:
     print(f"moe E={e} I={inter} H={h} top{k}, {torch.cuda.get_device_name()}")
     triton_moe.GEMV_MAX_TOKENS = triton_w4a16.GEMV_MAX_TOKENS = 0  # the MMA columns are MMA only
     wins, last = {"w4a16": 0, "bf16": 0}, 0
-    for t in (1, 2, 4, 8, 16, 64, 4096):
+    for t in (1, 2, 4, 8, 16, 32, 64, 4096):
         x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
         routes = routings(t, e, k)  # the graph column: eight calls, each its own experts
         weights, ids = routes[0]
@@ -45,9 +45,9 @@ def main() -> None:
         graphs = {}
         for name, fn, w13, w2, bytes_per_weight in (
             ("w4a16", fused_moe_w4a16, q13, q2, 0.5 + 1 / 16),
-            *([("w4a16 gemv", fused_moe_gemv, q13, q2, 0.5 + 1 / 16)] if t <= 16 else []),
+            *([("w4a16 gemv", fused_moe_gemv, q13, q2, 0.5 + 1 / 16)] if t <= 64 else []),
             ("bf16", fused_moe_triton, b13, b2, 2.0),
-            *([("bf16 gemv", fused_moe_gemv, b13, b2, 2.0)] if t <= 16 else []),
+            *([("bf16 gemv", fused_moe_gemv, b13, b2, 2.0)] if t <= 64 else []),
         ):
             floor = max(hit * 3 * inter * h * bytes_per_weight / HBM * 1e6, flops)
 
