@@ -78,15 +78,15 @@ class HostReads:
     """The host-read state of one rank: every offloading layer's use counts and promotions."""
 
     def __init__(
-        self, backends: list, top_k: int, device: torch.device, fmt: str | None = None, max_tokens: int = 0
+        self, backends: list, top_k: int, device: torch.device, fmt: str | None = None, stage_tokens: int = 0
     ) -> None:
         self.backends, self.top_k = backends, top_k
         self.fmt = fmt  # the banks' format (what their prefetch does: ``host_prefetch.rows``)
-        # with ``host_stage.STAGE`` (``max_tokens`` > 0: the largest batch host reads take): the
+        # with ``host_stage.STAGE`` (``stage_tokens`` > 0: the largest batch host reads take): the
         # device rows a layer's host experts are copied into, one a pair
         self.stage = None
-        if max_tokens > 0:
-            self.stage = host_stage.StageBlock(backends[0].store.layout, max_tokens * top_k, device)
+        if stage_tokens > 0:
+            self.stage = host_stage.StageBlock(backends[0].store.layout, stage_tokens * top_k, device)
         e = self.num_experts = backends[0].store.num_experts
         spare = backends[0].cache.spare  # rows a layer's prefetch fills (``host_prefetch.py``)
         # [L, E + spare]: each layer's uses of its experts, then the experts its prefetch picked
