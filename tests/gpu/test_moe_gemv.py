@@ -51,7 +51,7 @@ def reference(fmt: str, x, w13, w2, weights, ids):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "bf16-by-pair", "nvfp4-by-pair"])
 @pytest.mark.parametrize("inter", [512, 256, 48])
-@pytest.mark.parametrize("t", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("t", [1, 2, 4, 8, 16, 32, 64])
 def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
     """``-by-pair``: with ``triton_moe_gemv.DOWN_BY_PAIR`` (a down program per pair)."""
     pytest.importorskip("triton")
