@@ -188,7 +188,7 @@ def bench(
     for skew, policy in variants or [(cfg.dummy_routing_skew, cfg.expert_cache_policy)]:
         engine.set_moe_variant(policy, skew)
         # the engine's own: decode ahead (``--no-decode-ahead``) beside the kernel switches
-        switches = kernel_switches.current() | {"engine:decode_ahead": engine._decodes_ahead}
+        switches = kernel_switches.current() | {"engine:decode_ahead": engine.decodes_ahead}
         report = Report(cfg.model_path, name, hbm_gb_s, switches=switches, ttft_idle_s=ttft_idle_s)
         moe = engine.plan.moe
         if moe is not None and moe.layers:

@@ -118,7 +118,7 @@ class LLMEngine:
         )
         self.eos_ids = set(self.model_config.eos_token_ids)
         # decode ahead (``step``): the batch issued ahead and its sequences, until a step collects it
-        self._decodes_ahead = cfg.decode_ahead
+        self.decodes_ahead = cfg.decode_ahead  # public: a benchmark may switch it between steps
         self._ahead: tuple[list, object] | None = None
         self._ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
@@ -186,7 +186,7 @@ class LLMEngine:
                     )
                 return []
             seqs = sched.seqs
-            if not self._decodes_ahead:
+            if not self.decodes_ahead:
                 return self._fold(seqs, self.executor.execute(seqs))
             launched = self.executor.launch(seqs)
         # only a step that runs without the host mid-step (``MoeRuntime.runs_unattended``) gains

@@ -61,7 +61,7 @@ def main() -> None:
     rate(0)  # compiles, warms the graphs and the expert cache
     rows: dict[str, list[float]] = {}
     for seed, name in enumerate(ROUNDS, start=1):
-        engine._decodes_ahead = name == "on"
+        engine.decodes_ahead = name == "on"
         tok_s = rate(seed)
         rows.setdefault(name, []).append(tok_s)
         log(f"decode ahead {name:3s}: {tok_s:8.1f} tok/s ({BATCH} x {STEPS} tokens)")
