@@ -90,9 +90,8 @@ def down_only(fmt: str | None) -> bool:
 class Spare:
     """One layer's prefetch state: its spare rows, the route through them, the copy's event."""
 
-    def __init__(self, cache, picks: torch.Tensor, fmt: str | None = None) -> None:
+    def __init__(self, cache, picks: torch.Tensor) -> None:
         dev = cache.device
-        self.fmt = fmt  # the bank's format: how many rows and what they copy (``rows``, ``down_only``)
         self.first_row = cache.map.num_slots + 1  # past the null row
         self.eff = torch.empty_like(cache.route)  # [E] the route with this step's picks
         self.src = torch.full((cache.spare,), -1, dtype=torch.int64, device=dev)  # host rows to copy
@@ -120,11 +119,11 @@ def start(pred: torch.Tensor, real: torch.Tensor, backend, stream: torch.cuda.St
     """Pick and copy the layer ``backend``'s predicted host experts (``pred`` [T, k]) into its spare rows:
     the choice on the current stream, the copy on ``stream`` after it (at once on a CPU); its
     MoE kernel then reads them there (``routes``)."""
-    sp = backend.spare
-    n = min(rows(sp.fmt), len(sp.src))  # the switch's rows, at most the spare rows sized at start
+    sp, fmt = backend.spare, backend.reads.fmt  # the bank's format: how many rows, what they copy
+    n = min(rows(fmt), len(sp.src))  # the switch's rows, at most the spare rows sized at start
     src, picks = sp.src[:n], sp.picks[:n]  # picks past n stay 0 (the use counts zero every step)
     select_into(pred, real, backend.cache.route, sp.eff, src, picks, sp.scratch, sp.first_row)
-    sp.down_only = down_only(sp.fmt)
+    sp.down_only = down_only(fmt)
     first = sp.down_from if sp.down_only else 0
     if stream is None:
         copy_rows(backend.store.block, backend.cache.block, sp.first_row, src, first)

@@ -105,7 +105,7 @@ class HostReads:
         )
         for i, b in enumerate(backends):
             b.reads, b.uses = self, self.uses[i]
-            b.spare = host_prefetch.Spare(b.cache, self.uses[i, e:], fmt) if spare else None
+            b.spare = host_prefetch.Spare(b.cache, self.uses[i, e:]) if spare else None
 
     def takes(self, bank, x: torch.Tensor, decode: bool) -> bool:
         """Whether a batch reads its experts where they are: the switch on (read at each call, so

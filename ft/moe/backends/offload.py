@@ -427,7 +427,7 @@ class OffloadBackend:
                 self.stage_first_groups(None)
             return
         reads = self.reads
-        if reads is None or self.spare is None or not host_prefetch.rows(self.spare.fmt):
+        if reads is None or self.spare is None or not host_prefetch.rows(reads.fmt):
             return
         if not reads.takes(block.experts, residual, decode_only()):
             return
