@@ -105,7 +105,8 @@ def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     outs = {}
     for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
-        with LLM(model=str(tmp_path / "nvfp4"), device=device, dtype=dtype, progress=False) as llm:
+        llm = LLM(model=str(tmp_path / "nvfp4"), device=device, dtype=dtype, progress=False, num_tokens=2048)
+        with llm:
             outs[device] = llm.generate(prompts, params)
             if device == "cuda":
                 assert (

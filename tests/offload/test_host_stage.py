@@ -81,6 +81,22 @@ def test_a_down_only_prefetch_reads_in_place(ckpt, refs, staging, monkeypatch):
     assert_same(outs, refs[8192])
 
 
+@pytest.mark.parametrize("env, want", [({}, "False True"), ({"FT_MOE_HOST_STAGE": "0"}, "False False"),
+                                       ({"FT_MOE_HOST_STAGE": "1"}, "True True")])  # fmt: skip
+def test_staging_by_bank_format(env, want):
+    """By default NVFP4 banks stage and bf16 banks read in place (what an H200 measured: staging
+    the bf16 rows was slower); FT_MOE_HOST_STAGE sets both formats alike."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k != "FT_MOE_HOST_STAGE"}
+    code = "from ft.moe.backends import host_stage as h; print(h.stages('bf16'), h.stages('nvfp4'))"
+    run = subprocess.run([sys.executable, "-c", code], env=clean | env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] == want
+
+
 def check_kernel() -> None:
     """``_stage_kernel`` (interpreted) against the torch version, random cases with shared rows."""
     from ft.moe.backends.host_stage import _stage_kernel

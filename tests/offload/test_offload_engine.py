@@ -12,6 +12,7 @@ import torch
 import ft.engine.model_runner as model_runner
 from ft import LLM, SamplingParams
 from ft.cli import main
+from ft.moe.backends import host_stage
 from tests.checkpoints import write_checkpoint
 from tests.nvfp4.modelopt_ckpt import write_nvfp4_checkpoint
 from tests.reference.qwen4_exp_ckpt import tiny_qwen4_exp_config, write_qwen4_exp_checkpoint
@@ -51,13 +52,17 @@ def nvfp4(tmp_path_factory):
     ],
     ids=["offload", "hybrid", "cpu", "lean"],
 )
-def test_nvfp4_banks_offloaded_equal_resident(nvfp4, options):
+def test_nvfp4_banks_offloaded_equal_resident(nvfp4, options, monkeypatch):
     want, _ = generate(nvfp4 / "nvfp4", moe_backend="gpu")
+    staged = []
+    real_stage = host_stage.stage
+    monkeypatch.setattr(host_stage, "stage", lambda *a: staged.append(1) or real_stage(*a))
     got, stats = generate(nvfp4 / "nvfp4", **options)
     assert_close(got, want)
     assert stats.moe_hits + stats.moe_misses > 0
     if options["moe_backend"] == "offload" and not options.get("static_experts"):
-        assert stats.moe_prefetched > 0  # NVFP4 banks' host reads prefetch whole experts by default
+        # NVFP4 banks' host reads prefetch whole experts and stage the rest by default
+        assert stats.moe_prefetched > 0 and staged
 
 
 def test_nvfp4_tp2_offload_with_host_prefetch_equals_tp1(nvfp4):

@@ -345,14 +345,15 @@ def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monke
 @pytest.mark.parametrize("prefetch_rows", [0, 3])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_host_reads_staged_in_graphs_equal_resident(ckpt, tmp_path, monkeypatch, fmt, prefetch_rows):
-    """``host_stage.STAGE``: each host-read layer's host experts copied into the device staging
-    block by one kernel after its routing, the MoE kernels reading them there, in whole graphs;
-    beside whole-expert host prefetch too. The bytes the kernels read from the host before now
-    cross by the staging kernel, counted the same."""
+    """Host staging (``host_stage.stages``, forced on for both formats): each host-read layer's
+    host experts copied into the device staging block by one kernel after its routing, the MoE
+    kernels reading them there, in whole graphs; beside whole-expert host prefetch too. The bytes
+    the kernels read from the host before now cross by the staging kernel, counted the same."""
     from ft.moe.backends import host_prefetch, host_reads, host_stage
 
     monkeypatch.setattr(host_reads, "ENABLED", True)
     monkeypatch.setattr(host_stage, "STAGE", True)
+    monkeypatch.setattr(host_stage, "NVFP4_STAGE", True)
     for prefix in ("", "NVFP4_"):
         monkeypatch.setattr(host_prefetch, f"{prefix}ROWS", prefetch_rows)
         monkeypatch.setattr(host_prefetch, f"{prefix}DOWN_ONLY", False)

@@ -47,10 +47,12 @@ ENABLED = os.environ.get("FT_MOE_HOST_READS", "1") != "0"
 PROMOTE_SHARE = 1 / 16  # of a layer's misses, promoted into its cache between steps
 CPU_MAX_TOKENS = 4  # without a GPU (tests), decode batches up to this size take host reads
 # On a GPU, the largest decode batch host reads take, by bank format (and only batches the bank's
-# MoE GEMV takes): the GEMV limits they were timed with (bf16 4, NVFP4 2; the NVFP4 GEMV takes up
-# to 16 tokens since 2026-12-03, where host reads are not timed: a host expert two tokens use is
-# read twice). FT_MOE_HOST_READS_NVFP4_MAX_TOKENS=N sets NVFP4's for a process.
-MAX_TOKENS = {"bf16": 4, "nvfp4": int(os.environ.get("FT_MOE_HOST_READS_NVFP4_MAX_TOKENS", "2"))}
+# MoE GEMV takes). bf16: 4, the GEMV limit it was timed with. NVFP4: 8, with its host experts staged
+# (``host_stage.py``: an expert two tokens share crosses PCIe once): on an H200 (2026-12-03 23:55
+# UTC, the NVFP4 80B under 48 GiB, batch 8) 165.1 tok/s decode taking the copying path (host reads
+# up to 2) against 226.9 with staged host reads up to 8 (68% -> 85% of the PCIe floor); 9 to 16
+# tokens untimed. FT_MOE_HOST_READS_NVFP4_MAX_TOKENS=N sets NVFP4's for a process.
+MAX_TOKENS = {"bf16": 4, "nvfp4": int(os.environ.get("FT_MOE_HOST_READS_NVFP4_MAX_TOKENS", "8"))}
 # The between-step work a step late (``DEFERRED``; FT_MOE_HOST_READS_DEFERRED=0 turns it off):
 # ``after_step`` queues the step's counts to pinned host memory, with the routes it read, and
 # processes the step before's, which the GPU has finished by then, so the host's counting and

@@ -8,7 +8,7 @@ its host rows at 45 GB/s, the down kernel at 24 (under Nsight Compute its host r
 carried half the sectors of gate/up's), where a DMA copy of the same bytes took 327 us (55 GB/s)
 and a kernel streaming random 6 MB blocks in place read 51 GB/s (tests/gpu/zero_copy_bandwidth.py).
 
-With ``STAGE`` on, ``stage`` runs once a layer, after its routing and before its MoE kernels, one
+With staging on (``stages``), ``stage`` runs once a layer, after its routing and before its MoE kernels, one
 kernel of a program per (pair, 16 KB of a row): each pair whose route sends it to the host store
 (row r >= 0 as -(r + 1)) has that whole row (every part of the expert) copied into the
 ``StageBlock`` row of the first pair reading it (so an expert two tokens share crosses PCIe once),
@@ -17,11 +17,17 @@ operand: the same bytes reach the same arithmetic, so the result is bit for bit 
 in place, and the bytes over PCIe are the ones host reads count. Nothing waits for the host, so
 the step stays one CUDA graph. One block serves every layer of the rank (each layer's copy and
 kernels run in stream order); its rows are pairs of the largest batch host reads take, and the
-plan takes its bytes from the expert cache's share (35 MB for the NVFP4 80B: 2 tokens x 10).
+plan takes its bytes from the expert cache's share (142 MB for the NVFP4 80B: 8 tokens x 10).
 
 Not staged: a layer whose down kernel reads other rows than its gate/up kernel (a down-only host
-prefetch, ``host_prefetch.py``) reads in place. OFF until a GPU times it (FT_MOE_HOST_STAGE=1,
-read when the engine builds its offload state, which allocates the block, and at each call).
+prefetch, ``host_prefetch.py``) reads in place.
+
+Timed on an H200 (2026-12-03 23:50 UTC, docs/benchmarks.md), ten experts on the host: NVFP4 509.8 us
+read in place against 377.6 staged (360.4 the copy at 49.4 GB/s, 17 the call on device rows), so
+``NVFP4_STAGE`` is on (the 80B under 48 GiB, batch 1: 140.1 -> 144.4 tok/s at the same 78.7% hit
+rate); bf16 1,238.8 in place against 1,306.6 staged (its kernels read the host at 51-52 GB/s
+already), so ``STAGE``, the bf16 banks' switch, stays off. FT_MOE_HOST_STAGE=0/1 sets both for a
+process (read when the engine builds its offload state, which allocates the block, and at each call).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import torch
 
 from ft.moe.backends.layout import ExpertLayout
 
-STAGE = os.environ.get("FT_MOE_HOST_STAGE", "0") == "1"
+STAGE = os.environ.get("FT_MOE_HOST_STAGE", "0") == "1"  # bf16 banks
+NVFP4_STAGE = os.environ.get("FT_MOE_HOST_STAGE", "1") == "1"
 STAGE_BLOCK = 2048  # int64 words a program copies (16 KB)
 
 try:
@@ -40,6 +47,12 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only machine: the torch version of ``stage``
     triton = None
+
+
+def stages(fmt: str | None) -> bool:
+    """Whether host-read layers of a bank of format ``fmt`` stage their host experts (the switch
+    as it is now)."""
+    return NVFP4_STAGE if fmt == "nvfp4" else STAGE
 
 
 class StageBlock:

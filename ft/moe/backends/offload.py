@@ -409,7 +409,7 @@ class OffloadBackend:
         down, host = None, self.store.tensors
         if route_down is not route:
             down = (route_rows(ids, real, route_down, self.map.null), join)
-        elif self.reads.stage is not None and host_stage.STAGE:  # host rows copied to the device first
+        elif self.reads.stage is not None and host_stage.stages(self.reads.fmt):  # host rows copied first
             rows, host = host_stage.stage(rows, self.store.block, self.reads.stage), self.reads.stage.tensors
         return bank.run(x, weights, rows, self.cache.tensors, shared, host=host, down=down)
 

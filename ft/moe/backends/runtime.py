@@ -239,8 +239,8 @@ class MoeRuntime:
 
     def _stage_tokens(self) -> int:
         """The largest decode batch host reads take, whose pairs host staging's block holds
-        (``host_stage.STAGE``, offload backend); 0 without it."""
-        if not (host_stage.STAGE and self.name == "offload" and self.bank is not None):
+        (``host_stage.stages``, offload backend); 0 without it."""
+        if not (self.name == "offload" and self.bank is not None and host_stage.stages(self.bank.format)):
             return 0
         return host_reads.HostReads.max_tokens(self.bank, self.device.type == "cuda")
 
