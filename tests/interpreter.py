@@ -145,6 +145,25 @@ def widen_moe_tiles(by: int = 16) -> None:
             setattr(triton_moe_gemv, name, (tiles[0] * by, *tiles[1:]))
 
 
+def exact_bf16_dots() -> None:
+    """Make the interpreter's ``tl.dot`` multiply bf16 operands as numbers: it keeps bf16 as their
+    uint16 bit patterns and multiplies those (triton issue 11584, still in 3.8), so without this a
+    kernel whose MMAs take bf16 (the W4A16 kernel) cannot be checked on CPU. For a forked check."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    dot = builder.create_dot
+
+    def widened(handle):
+        if handle.data.dtype == np.uint16 and handle.dtype.is_bf16():
+            wide = (handle.data.astype(np.uint32) << 16).view(np.float32)
+            return interpreter.TensorHandle(wide, interpreter.tl.float32)
+        return handle
+
+    builder.create_dot = lambda self, a, b, d, *rest: dot(self, widened(a), widened(b), d, *rest)
+
+
 def run_fresh(code: str, env: dict[str, str], optimize: bool = False, timeout: int = 600) -> None:
     """``code`` in a new Python at the repository root with ``env`` added to this environment
     (settings Triton reads when it compiles or decorates a kernel); fails with its stderr."""

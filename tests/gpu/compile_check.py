@@ -174,16 +174,18 @@ def entries():
         "c_map": I64,
     }
     w4 = {**mma, "b": U8, "b_scale": U8, "b_global": F32}
-    grouped = (("bf16", triton_moe._grouped_gemm_kernel, mma, triton_moe.CONFIGS),
-               ("NVFP4", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS))  # fmt: skip
-    for name, kernel, ptrs, table in grouped:
+    grouped = (("bf16", triton_moe._grouped_gemm_kernel, mma, triton_moe.CONFIGS, {}),
+               ("NVFP4", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS, {}),
+               ("NVFP4 swapped", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.SWAPPED_CONFIGS,
+                {"SWAP_AB": True}))  # fmt: skip
+    for name, kernel, ptrs, table, extra in grouped:
         for t in (64, 8192):  # the MMA path's tiles for a decode batch and a prefill chunk
             cfgs = triton_moe.pick_config(t, 512, table)
             for which, cfg, swiglu in zip(("gate/up", "down"), cfgs, (True, False)):
                 bm, bn, bk, group_m, warps, stages = cfg
                 consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu,
                           "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
-                          "USE_PDL": 2}  # fmt: skip
+                          "USE_PDL": 2, **extra}  # fmt: skip
                 yield f"{name} MMA {which}, T={t}", kernel, ptrs, consts, warps, stages
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}

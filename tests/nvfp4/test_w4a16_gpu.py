@@ -62,6 +62,18 @@ def test_tp_shards_and_k_tails(inter, t):
     check(t, 512, inter, 2048, 10, seed=inter)
 
 
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("t,inter", [(1, 512), (17, 512), (64, 512), (300, 128), (4096, 512), (33, 48)])
+def test_mma_tiles_both_ways(t, inter, swap, monkeypatch):
+    """The MMA path at every size (the GEMV off), its tiles as today and swapped (``SWAP_AB``:
+    weight rows x tokens, the decoded codes the wgmma's register operand)."""
+    from ft.moe.kernels import triton_w4a16
+
+    monkeypatch.setattr(triton_w4a16, "GEMV_MAX_TOKENS", 0)
+    monkeypatch.setattr(triton_w4a16, "SWAP_AB", swap)
+    check(t, 512, inter, 2048, 10, seed=t)
+
+
 @pytest.mark.parametrize("t", [1, 40])
 def test_modelopt_quantised_experts(t):
     gen = torch.Generator(device="cuda").manual_seed(5)

@@ -53,6 +53,30 @@ def _configs_from_env(table: dict) -> dict:
 # kernel, which its MMAs bound, where this one is bound by decoding codes (a 4k-token call of
 # Qwen3-Next's shape took 1.83 ms against bf16's 1.14 on an H200, docs/benchmarks.md, 2026-12-03).
 CONFIGS = _configs_from_env(copy.deepcopy(triton_moe.CONFIGS))
+# ``SWAP_AB`` (off until a GPU times it; FT_W4A16_SWAP_AB=1): each tile computes its transpose,
+# W[e] rows x tokens, so the decoded codes are the MMA's first operand, which Hopper's wgmma takes
+# from registers: compiled for sm_90 (Triton 3.8, tests/gpu/compile_check.py) the decoded tile
+# skips the shared-memory store, fence and wait it takes as the second operand, and the loop keeps
+# three wgmma groups in flight (``warp_group_dot_wait`` pendings 3) where today's waits for each
+# (pendings 0) before decoding the next tile; and a tile's tokens are the MMA's N, which can be 16
+# (decode calls) without padding a 64-row M. Its tiles (``SWAPPED_CONFIGS``, same layout) put 64
+# weight rows on each warp group: with fewer, two warp groups would decode the same rows.
+SWAP_AB = os.environ.get("FT_W4A16_SWAP_AB", "0") == "1"
+SWAPPED_CONFIGS = _configs_from_env(
+    {
+        "default": [
+            (64, (16, 64, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3)),
+            (512, (32, 64, 128, 8, 4, 3), (32, 128, 64, 8, 8, 3)),
+            (2048, (64, 128, 64, 8, 8, 3), (64, 128, 64, 8, 8, 3)),
+            (1 << 62, (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)),
+        ],
+        "E128": [
+            (64, (16, 64, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3)),
+            (256, (32, 128, 64, 8, 8, 3), (32, 128, 64, 8, 8, 3)),
+            (1 << 62, (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)),
+        ],
+    }
+)
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
 # timed against this path by tests/nvfp4/w4a16_timings.py on an H200. 2026-11-30 (config_sweep.py):
 # 31.4 vs 46.4 us at T=1, 54.2 vs 73.1 at T=2, 98.5 vs 105.5 at T=4, so the limit was 2. Since
@@ -139,6 +163,7 @@ def _w4a16_gemm_kernel(
     A_MAP: tl.constexpr = False,
     C_MAP: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):
     wait_for_previous(USE_PDL)
     # c[rows] = f(g[e] · (a[rows] @ W[e].T)) for one BLOCK_M run of (token, k) pairs sharing expert e
@@ -155,9 +180,12 @@ def _w4a16_gemm_kernel(
     a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
     b_ptr = b + e * s_be + n[:, None].to(tl.int64) * s_bn + kb[None, :]  # [BN, BK/2] packed codes
     s_ptr = b_scale + e * s_se + n[:, None].to(tl.int64) * s_sn + ks[None, :]  # [BN, BK/16]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SWIGLU:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros_like(acc)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             at = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
@@ -175,7 +203,10 @@ def _w4a16_gemm_kernel(
             w = _decode(
                 tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
             )
-        acc = tl.dot(at, tl.trans(w), acc)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(at), acc)
+        else:
+            acc = tl.dot(at, tl.trans(w), acc)
         if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
             if EVEN_K:
                 u = _decode(
@@ -191,10 +222,17 @@ def _w4a16_gemm_kernel(
                     BLOCK_N,
                     BLOCK_K,
                 )
-            acc_up = tl.dot(at, tl.trans(u), acc_up)
+            if SWAP_AB:
+                acc_up = tl.dot(u, tl.trans(at), acc_up)
+            else:
+                acc_up = tl.dot(at, tl.trans(u), acc_up)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K // 2
         s_ptr += BLOCK_K // 16
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        if SWIGLU:
+            acc_up = tl.trans(acc_up)
     g_ptr = b_global + e * s_ge + n
     acc = acc * (tl.load(g_ptr, mask=nmask, other=0.0) * unfold)[None, :]
     if SWIGLU:
@@ -260,6 +298,7 @@ def _launch(
         GROUP_M=group_m,
         A_MAP=a_map is not None,
         C_MAP=c_map is not None,
+        SWAP_AB=SWAP_AB,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(a),
@@ -334,4 +373,5 @@ def fused_moe_w4a16(
     e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
         return torch.zeros_like(x) if into is None else into.out
-    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, CONFIGS)
+    configs = SWAPPED_CONFIGS if SWAP_AB else CONFIGS
+    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, configs)

@@ -1,0 +1,49 @@
+"""The W4A16 MMA kernel (``triton_w4a16``, the GEMV off) under Triton's interpreter, bf16 dots
+made exact (``exact_bf16_dots``): against the NVFP4 torch reference in both orientations of its
+tiles (``SWAP_AB`` off and on), over several row blocks of pairs, column tails and a K tail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.interpreter import INTERPRETER, run_check
+
+pytestmark = INTERPRETER
+
+
+def check_mma(swap: bool) -> None:
+    from ft.moe.kernels import triton_w4a16
+    from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
+    from tests.interpreter import exact_bf16_dots
+    from tests.nvfp4.test_w4a16_gpu import random_bank
+
+    exact_bf16_dots()
+    triton_w4a16.GEMV_MAX_TOKENS = 0  # the MMA path at every size
+    triton_w4a16.SWAP_AB = swap
+    gen = torch.Generator().manual_seed(3)
+    # (tokens, experts, H, I, top-k): I=48 leaves a K tail in down (BLOCK_K 64) and column tails
+    for t, e, h, inter, k in ((20, 8, 128, 64, 3), (70, 6, 64, 48, 2)):
+        x = torch.randn(t, h, generator=gen).bfloat16()
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        weights = torch.rand(t, k, generator=gen)
+        w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+        got = triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids).float()
+        want = fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids)
+        err = ((got - want).norm() / want.norm()).item()
+        if not err < 1e-2:  # raised, not asserted: the check runs under -O
+            raise AssertionError(f"swap {swap}, T={t}: relative error {err:.3g} against the reference")
+
+
+def check_mma_rows() -> None:
+    check_mma(False)
+
+
+def check_mma_swapped() -> None:
+    check_mma(True)
+
+
+@pytest.mark.parametrize("check", ["check_mma_rows", "check_mma_swapped"])
+def test_w4a16_mma_under_the_interpreter(check):
+    # under -O: the wrapper asserts CUDA tensors
+    run_check("tests.nvfp4.test_w4a16_interp", check, optimize=True)
