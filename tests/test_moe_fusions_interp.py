@@ -115,7 +115,7 @@ def check_grouped_gemm() -> None:
     expert and padded, two grouped GEMMs, the top-k sum) within fp16 error of the torch reference:
     several row blocks of pairs, the down product over one and two column blocks, K tails.
     fp16 only: the interpreter's ``tl.dot`` multiplies bf16 operands' bit patterns (triton issue
-    11584), which also leaves the W4A16 kernel (bf16 MMAs) to its GPU tests."""
+    11584; the W4A16 kernel's check, tests/nvfp4/test_w4a16_interp.py, makes them exact)."""
     from ft.moe.kernels.torch_ref import fused_moe_ref
     from ft.moe.kernels.triton_moe import fused_moe_triton
 

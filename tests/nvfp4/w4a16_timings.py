@@ -3,10 +3,12 @@ T=64, by the GEMV path (``triton_moe_gemv``) (not a test): ``python tests/nvfp4/
 The last line says up to which T the GEMV path wins, for each format's ``GEMV_MAX_TOKENS``.
 
 Qwen3-Next's shape (E=512, I=512, H=2048, top-10) at T = 1 .. 64 (decode; eager and CUDA graph)
-and 4096 (prefill); the graph column is per call of eight back to back, each with its own routing
-(until 2026-11-30 it timed one call per replay, the replay's ~10 us included, on the same experts
-every call, so they sat in L2). The floor is the larger of the hit experts' bytes over HBM (4.22 TB/s) and
-the FLOPs at 783 TFLOP/s, from DESIGN.md; NVFP4 bytes count codes and scales.
+and 4096 (prefill), or the sizes FT_TIMINGS_T lists (e.g. 64,4096,8192,16384: prefill chunks;
+with FT_W4A16_SWAP_AB=1 the W4A16 columns run the swapped tiles); the graph column is per call of
+eight back to back, each with its own routing (until 2026-11-30 it timed one call per replay, the
+replay's ~10 us included, on the same experts every call, so they sat in L2). The floor is the
+larger of the hit experts' bytes over HBM (4.22 TB/s) and the FLOPs at 783 TFLOP/s, from
+DESIGN.md; NVFP4 bytes count codes and scales.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def main() -> None:
     print(f"moe E={e} I={inter} H={h} top{k}, {torch.cuda.get_device_name()}")
     triton_moe.GEMV_MAX_TOKENS = triton_w4a16.GEMV_MAX_TOKENS = 0  # the MMA columns are MMA only
     wins, last = {"w4a16": 0, "bf16": 0}, 0
-    for t in (1, 2, 4, 8, 16, 32, 64, 4096):
+    sizes = [int(v) for v in os.environ.get("FT_TIMINGS_T", "1,2,4,8,16,32,64,4096").split(",")]
+    for t in sizes:
         x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
         routes = routings(t, e, k)  # the graph column: eight calls, each its own experts
         weights, ids = routes[0]
