@@ -190,6 +190,9 @@ def entries():
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
                     yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages
+    bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
+    yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
+        "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip
     sums = {"y": BF, "gate": BF, "shared": BF, "out": BF}
     yield "top-k sum + shared", triton_combine._sum_topk_kernel, sums, {
         "K": 10, "HAS_SHARED": True, "BLOCK_H": 1024, "USE_PDL": 2}, 4, 3  # fmt: skip

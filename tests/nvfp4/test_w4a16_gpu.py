@@ -62,6 +62,18 @@ def test_tp_shards_and_k_tails(inter, t):
     check(t, 512, inter, 2048, 10, seed=inter)
 
 
+def test_dequantize_bank_gives_the_reference_bits():
+    """``dequantize_bank`` (one launch) equals ``nvfp4.dequantize`` in bf16 bit for bit, at
+    Qwen3-Next's gate/up and down shapes and at an I with row and input tails."""
+    from ft.moe.kernels.triton_w4a16 import dequantize_bank
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for e, n, k in ((512, 1024, 2048), (512, 2048, 512), (5, 80, 48)):
+        w = random_bank(e, n, k, gen)
+        want = nvfp4.dequantize(w.weight, w.weight_scale, w.weight_scale_2, torch.bfloat16)
+        assert torch.equal(dequantize_bank(w), want), (e, n, k)
+
+
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("t,inter", [(1, 512), (17, 512), (64, 512), (300, 128), (4096, 512), (33, 48)])
 def test_mma_tiles_both_ways(t, inter, swap, monkeypatch):

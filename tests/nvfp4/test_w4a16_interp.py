@@ -47,3 +47,29 @@ def check_mma_swapped() -> None:
 def test_w4a16_mma_under_the_interpreter(check):
     # under -O: the wrapper asserts CUDA tensors
     run_check("tests.nvfp4.test_w4a16_interp", check, optimize=True)
+
+
+def check_dequantize_bank() -> None:
+    """``dequantize_bank`` against ``nvfp4.dequantize``: each value one of the two bf16 neighbours
+    of the reference's fp32 value (the interpreter's fp32 -> bf16 conversion truncates where the
+    GPU rounds to nearest; the GPU test asks for the same bits), over row and input tails, several
+    experts, rows with globals of their own."""
+    from ft.moe.kernels.triton_w4a16 import dequantize_bank
+    from ft.quant.nvfp4 import dequantize
+    from tests.nvfp4.test_w4a16_gpu import random_bank
+
+    gen = torch.Generator().manual_seed(4)
+    for e, n, k, block in ((3, 40, 96, (16, 64)), (2, 64, 128, (64, 256))):
+        w = random_bank(e, n, k, gen)
+        got = dequantize_bank(w, block=block).float()
+        want = dequantize(w.weight, w.weight_scale, w.weight_scale_2, torch.float32)
+        bits, got_bits = want.view(torch.int32), got.view(torch.int32)
+        toward_zero = bits & ~0xFFFF  # the bf16 neighbour nearer zero; the other is one step out
+        exact = (bits & 0xFFFF) == 0
+        ok = (got_bits == toward_zero) | (~exact & (got_bits == toward_zero + 0x10000))
+        if not ok.all():
+            raise AssertionError(f"{(~ok).sum()} values off (E={e} N={n} K={k})")
+
+
+def test_dequantize_bank_under_the_interpreter():
+    run_check("tests.nvfp4.test_w4a16_interp", "check_dequantize_bank")

@@ -4,7 +4,8 @@ The last line says up to which T the GEMV path wins, for each format's ``GEMV_MA
 
 Qwen3-Next's shape (E=512, I=512, H=2048, top-10) at T = 1 .. 64 (decode; eager and CUDA graph)
 and 4096 (prefill), or the sizes FT_TIMINGS_T lists (e.g. 64,4096,8192,16384: prefill chunks;
-with FT_W4A16_SWAP_AB=1 the W4A16 columns run the swapped tiles); the graph column is per call of
+with FT_W4A16_SWAP_AB=1 the W4A16 columns run the swapped tiles; from 1,024 tokens a column
+dequantises the bank to bf16 first, then runs bf16's MMA path); the graph column is per call of
 eight back to back, each with its own routing (until 2026-11-30 it timed one call per replay, the
 replay's ~10 us included, on the same experts every call, so they sat in L2). The floor is the
 larger of the hit experts' bytes over HBM (4.22 TB/s) and the FLOPs at 783 TFLOP/s, from
@@ -23,9 +24,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from ft.moe.kernels import triton_moe, triton_w4a16  # noqa: E402
 from ft.moe.kernels.triton_moe import fused_moe_triton  # noqa: E402
 from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
-from ft.moe.kernels.triton_w4a16 import fused_moe_w4a16  # noqa: E402
+from ft.moe.kernels.triton_w4a16 import dequantize_bank, fused_moe_w4a16  # noqa: E402
 from tests.gpu.kernel_timings import FLOPS, HBM, bench, bench_series, routings  # noqa: E402
 from tests.nvfp4.test_w4a16_gpu import random_bank  # noqa: E402
+
+_buffers: dict = {}
+
+
+def dequantized_bf16(x, w13, w2, weights, ids):
+    """The bf16 MMA path on the NVFP4 bank dequantised first, into buffers kept across calls."""
+    d13 = dequantize_bank(w13, out=_buffers.get(13))
+    d2 = dequantize_bank(w2, out=_buffers.get(2))
+    _buffers.update({13: d13, 2: d2})
+    return fused_moe_triton(x, d13, d2, weights, ids)
 
 
 def main() -> None:
@@ -48,6 +59,8 @@ def main() -> None:
         graphs = {}
         for name, fn, w13, w2, bytes_per_weight in (
             ("w4a16", fused_moe_w4a16, q13, q2, 0.5 + 1 / 16),
+            # prefill sizes: the whole bank dequantised to bf16 (``dequantize_bank``), then bf16's MMA
+            *([("dequant+bf16", dequantized_bf16, q13, q2, 0.5 + 1 / 16)] if t >= 1024 else []),
             *([("w4a16 gemv", fused_moe_gemv, q13, q2, 0.5 + 1 / 16)] if t <= 64 else []),
             ("bf16", fused_moe_triton, b13, b2, 2.0),
             *([("bf16 gemv", fused_moe_gemv, b13, b2, 2.0)] if t <= 64 else []),
