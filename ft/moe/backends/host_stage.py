@@ -94,15 +94,18 @@ def plan(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return src, staged.view(rows.shape)
 
 
-def stage(rows: torch.Tensor, store_block: torch.Tensor, staging: StageBlock) -> torch.Tensor:
+def stage(
+    rows: torch.Tensor, store_block: torch.Tensor, staging: StageBlock, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Copy the host rows that ``rows`` [T, k] reads from ``store_block`` (the host store's
-    ``[n, expert_bytes]`` uint8) into ``staging``; returns the rows pointing at them there."""
+    ``[n, expert_bytes]`` uint8) into ``staging``; returns the rows pointing at them there (in
+    ``out``, if given: a GPU call's, allocated by the caller's stream)."""
     pairs = rows.numel()
     assert pairs <= staging.pairs, f"{pairs} pairs, a staging block of {staging.pairs} rows"
     assert store_block.shape[1] == staging.block.shape[1], "the staging rows are laid out as the store's"
     if rows.is_cuda and triton is not None:
         words = store_block.shape[1] // 8
-        staged = torch.empty_like(rows)
+        staged = torch.empty_like(rows) if out is None else out
         _stage_kernel[(pairs, triton.cdiv(words, STAGE_BLOCK))](
             rows.contiguous(), staged, store_block.view(torch.int64), staging.block.view(torch.int64), words,
             pairs, BLOCK_P=max(16, triton.next_power_of_2(pairs)), BLOCK=STAGE_BLOCK,
@@ -122,11 +125,11 @@ def stage_aside(
     the current stream calls before its kernels read them: a wait for ``done``, recorded after the
     copy)."""
     main = torch.cuda.current_stream(rows.device)
+    staged = torch.empty_like(rows)  # the current stream's: read there after the join, freed in its order
     stream.wait_stream(main)
     with torch.cuda.stream(stream):
-        staged = stage(rows, store_block, staging)
+        stage(rows, store_block, staging, staged)
         done.record(stream)
-    staged.record_stream(main)  # read there after the join, freed in its order
     return staged, lambda: main.wait_event(done)
 
 
