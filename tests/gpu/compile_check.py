@@ -187,7 +187,9 @@ def entries():
     grouped = (("bf16", triton_moe._grouped_gemm_kernel, mma, triton_moe.CONFIGS, {}),
                ("NVFP4", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS, {}),
                ("NVFP4 swapped", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.SWAPPED_CONFIGS,
-                {"SWAP_AB": True}))  # fmt: skip
+                {"SWAP_AB": True}),
+               ("NVFP4 LUT", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS,
+                {"LUT": True}))  # fmt: skip
     for name, kernel, ptrs, table, extra in grouped:
         for t in (64, 8192):  # the MMA path's tiles for a decode batch and a prefill chunk
             cfgs = triton_moe.pick_config(t, 512, table)

@@ -74,16 +74,36 @@ def test_dequantize_bank_gives_the_reference_bits():
         assert torch.equal(dequantize_bank(w), want), (e, n, k)
 
 
-@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("swap,lut", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("t,inter", [(1, 512), (17, 512), (64, 512), (300, 128), (4096, 512), (33, 48)])
-def test_mma_tiles_both_ways(t, inter, swap, monkeypatch):
+def test_mma_tiles_both_ways(t, inter, swap, lut, monkeypatch):
     """The MMA path at every size (the GEMV off), its tiles as today and swapped (``SWAP_AB``:
-    weight rows x tokens, the decoded codes the wgmma's register operand)."""
+    weight rows x tokens, the decoded codes the wgmma's register operand), and with the codes
+    decoded by PTX byte tables (``LUT``)."""
     from ft.moe.kernels import triton_w4a16
 
     monkeypatch.setattr(triton_w4a16, "GEMV_MAX_TOKENS", 0)
     monkeypatch.setattr(triton_w4a16, "SWAP_AB", swap)
+    monkeypatch.setattr(triton_w4a16, "LUT", lut)
     check(t, 512, inter, 2048, 10, seed=t)
+
+
+@pytest.mark.parametrize("t", [64, 4096])
+def test_lut_decode_matches_the_byte_decode(t, monkeypatch):
+    """``LUT`` against the byte decode on the same call: each value is the same (the kernels differ
+    only in the order of a K step's products), so the outputs agree to a few bf16 steps."""
+    from ft.moe.kernels import triton_w4a16
+
+    monkeypatch.setattr(triton_w4a16, "GEMV_MAX_TOKENS", 0)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    w13, w2 = random_bank(512, 1024, 2048, gen), random_bank(512, 2048, 512, gen)
+    x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = routing(t, 512, 10, gen)
+    outs = []
+    for lut in (False, True):
+        monkeypatch.setattr(triton_w4a16, "LUT", lut)
+        outs.append(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids).float())
+    assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])
 
 
 @pytest.mark.parametrize("t", [1, 40])

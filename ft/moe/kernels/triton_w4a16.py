@@ -62,6 +62,14 @@ CONFIGS = _configs_from_env(copy.deepcopy(triton_moe.CONFIGS))
 # (decode calls) without padding a 64-row M. Its tiles (``SWAPPED_CONFIGS``, same layout) put 64
 # weight rows on each warp group: with fewer, two warp groups would decode the same rows.
 SWAP_AB = os.environ.get("FT_W4A16_SWAP_AB", "0") == "1"
+# ``LUT`` (off until a GPU checks its bits and times it; FT_W4A16_LUT=1): codes decoded by PRMT byte
+# tables in inline PTX (``_decode_lut``), ~2.4 instructions a weight where ``_decode`` takes ~14 at
+# the prefill tiles (SASS, sm_90), the kernel then bound by decoding (a 1k prompt's grouped GEMMs
+# were 52.6 of its 70.8 ms of kernels, 2026-12-01). Its K order within a step differs (two half-K
+# products), so its bits differ from the byte decode's; the same values. It takes today's tile
+# orientation (``SWAP_AB`` is set aside while it is on).
+LUT = os.environ.get("FT_W4A16_LUT", "0") == "1"
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline PTX: the same values in Triton
 SWAPPED_CONFIGS = _configs_from_env(
     {
         "default": [
@@ -110,6 +118,52 @@ def _decode_f32(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     return e2m1(codes) * s
 
 
+# ``LUT`` decode: per packed word (eight codes), PRMT byte tables give each value's bf16 bytes, its
+# sign ORed in, and one bf16x2 multiply by the block's scale, exact (value x scale has at most six
+# significant bits and lies in [2^-10, 2688]); half the word's codes a call ("lo": bytes 0-1)
+_LUT_ASM = """{
+.reg .b32 sel, x, sg, lo, hi, ta, tb, w0, w1;
+mov.b32 ta, 0xC0800000;
+mov.b32 tb, 0xC0804000;
+SHIFT
+and.b32 sel, sel, 0x7777;
+prmt.b32 lo, ta, tb, sel;
+mov.b32 ta, 0x3F3F3F00;
+mov.b32 tb, 0x40404040;
+prmt.b32 hi, ta, tb, sel;
+shl.b32 x, $2, 4;
+prmt.b32 sg, x, $2, SIGNS;
+and.b32 sg, sg, 0x80808080;
+or.b32 hi, hi, sg;
+prmt.b32 w0, lo, hi, 0x5140;
+prmt.b32 w1, lo, hi, 0x7362;
+mul.rn.bf16x2 $0, w0, $3;
+mul.rn.bf16x2 $1, w1, $3;
+}"""
+LUT_LO = tl.constexpr(_LUT_ASM.replace("SHIFT", "mov.b32 sel, $2;").replace("SIGNS", "0x5140"))
+LUT_HI = tl.constexpr(_LUT_ASM.replace("SHIFT", "shr.b32 sel, $2, 16;").replace("SIGNS", "0x7362"))
+
+
+@triton.jit
+def _decode_lut(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    # packed uint8 [BN, BK/2], scale uint8 [BN, BK/16] (e4m3 bits) -> bf16 (wa, wb) [BN, BK/2] holding
+    # e2m1 · scale at their true magnitudes, wa's position 4q + i the code of input 8q + i and wb's
+    # that of input 8q + 4 + i (i < 4): the inputs the kernel's activations take in that order
+    s = (e4m3(scale) * 256.0).to(tl.bfloat16)  # exact: e4m3 has 4 significant bits
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, BLOCK_K // 2])
+    if ASM:
+        wa = tl.inline_asm_elementwise(LUT_LO, "=r,=r,r,r,r", [packed, s], tl.bfloat16, True, 4)
+        wb = tl.inline_asm_elementwise(LUT_HI, "=r,=r,r,r,r", [packed, s], tl.bfloat16, True, 4)
+    else:  # the interpreter: the same values by the fp16 placement, in the same order
+        halves = tl.permute(tl.reshape(packed, [BLOCK_N, BLOCK_K // 8, 2, 2]), [0, 1, 3, 2])
+        ha, hb = tl.split(halves)  # [BN, BK/8, 2]: bytes 4q, 4q + 1 and bytes 4q + 2, 4q + 3
+        sf = s.to(tl.float32)
+        wa = e2m1(tl.reshape(tl.join(ha & 0xF, ha >> 4), [BLOCK_N, BLOCK_K // 2])) * 16384.0 * sf
+        wb = e2m1(tl.reshape(tl.join(hb & 0xF, hb >> 4), [BLOCK_N, BLOCK_K // 2])) * 16384.0 * sf
+        wa, wb = wa.to(tl.bfloat16), wb.to(tl.bfloat16)
+    return wa, wb
+
+
 @triton.jit
 def e2m1(codes):
     # 4-bit codes (uint8, any shape) -> fp32 e2m1 values · 2^-14: the code's 3 magnitude bits placed
@@ -123,6 +177,12 @@ def e4m3(scale):
     # e4m3 bits (uint8, any shape) -> fp32 values · 2^-8, placed in an fp16 the same way
     s = ((scale & 0x7F).to(tl.int16) << 7) | ((scale & 0x80).to(tl.int16) << 8)
     return s.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _lut_dots(a0, a1, wa, wb, acc):
+    # acc += a0 @ wa.T + a1 @ wb.T: the two halves of a K step
+    return tl.dot(a1, tl.trans(wb), tl.dot(a0, tl.trans(wa), acc))
 
 
 # a call's pair count, where its weights and row maps start (slices of a batch's): one variant for all
@@ -164,6 +224,8 @@ def _w4a16_gemm_kernel(
     C_MAP: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
+    LUT: tl.constexpr = False,
+    ASM: tl.constexpr = True,
 ):
     wait_for_previous(USE_PDL)
     # c[rows] = f(g[e] · (a[rows] @ W[e].T)) for one BLOCK_M run of (token, k) pairs sharing expert e
@@ -186,49 +248,84 @@ def _w4a16_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SWIGLU:
         acc_up = tl.zeros_like(acc)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            at = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
-            w = _decode(
-                tl.load(b_ptr, mask=nmask[:, None], other=0),
-                tl.load(s_ptr, mask=nmask[:, None], other=0),
-                BLOCK_N,
-                BLOCK_K,
-            )
-        else:  # K is a multiple of 16, so whole bytes and whole scale blocks are in or out
-            left = K - k0
-            at = tl.load(a_ptr, mask=rmask[:, None] & (kk[None, :] < left), other=0.0)
-            bmask = nmask[:, None] & (kb[None, :] < left // 2)
-            smask = nmask[:, None] & (ks[None, :] < left // 16)
-            w = _decode(
-                tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
-            )
-        if SWAP_AB:
-            acc = tl.dot(w, tl.trans(at), acc)
-        else:
-            acc = tl.dot(at, tl.trans(w), acc)
-        if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
+    if LUT:  # ``_decode_lut``: the activations read in its inputs' order, two half-K products a step
+        tl.static_assert(not SWAP_AB, "the table decode runs today's tile orientation")
+        kh = tl.arange(0, BLOCK_K // 2)
+        ka = (kh // 4) * 8 + kh % 4  # wa's inputs; wb's are 4 further
+        a_lut = a + a_rows[:, None].to(tl.int64) * s_am + ka[None, :]
+        for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
-                u = _decode(
-                    tl.load(b_ptr + N * s_bn, mask=nmask[:, None], other=0),
-                    tl.load(s_ptr + N * s_sn, mask=nmask[:, None], other=0),
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-            else:
-                u = _decode(
+                m0 = rmask[:, None]
+                m1 = m0
+                bmask = nmask[:, None]
+                smask = bmask
+            else:  # K is a multiple of 16, so whole bytes and whole scale blocks are in or out
+                left = K - k0
+                m0 = rmask[:, None] & (ka[None, :] < left)
+                m1 = rmask[:, None] & (ka[None, :] + 4 < left)
+                bmask = nmask[:, None] & (kb[None, :] < left // 2)
+                smask = nmask[:, None] & (ks[None, :] < left // 16)
+            a0 = tl.load(a_lut, mask=m0, other=0.0)
+            a1 = tl.load(a_lut + 4, mask=m1, other=0.0)
+            codes, scales = tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0)
+            wa, wb = _decode_lut(codes, scales, BLOCK_N, BLOCK_K, ASM)
+            acc = _lut_dots(a0, a1, wa, wb, acc)
+            if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
+                ua, ub = _decode_lut(
                     tl.load(b_ptr + N * s_bn, mask=bmask, other=0),
                     tl.load(s_ptr + N * s_sn, mask=smask, other=0),
                     BLOCK_N,
                     BLOCK_K,
+                    ASM,
+                )
+                acc_up = _lut_dots(a0, a1, ua, ub, acc_up)
+            a_lut += BLOCK_K
+            b_ptr += BLOCK_K // 2
+            s_ptr += BLOCK_K // 16
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                at = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
+                w = _decode(
+                    tl.load(b_ptr, mask=nmask[:, None], other=0),
+                    tl.load(s_ptr, mask=nmask[:, None], other=0),
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+            else:  # K is a multiple of 16, so whole bytes and whole scale blocks are in or out
+                left = K - k0
+                at = tl.load(a_ptr, mask=rmask[:, None] & (kk[None, :] < left), other=0.0)
+                bmask = nmask[:, None] & (kb[None, :] < left // 2)
+                smask = nmask[:, None] & (ks[None, :] < left // 16)
+                w = _decode(
+                    tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
                 )
             if SWAP_AB:
-                acc_up = tl.dot(u, tl.trans(at), acc_up)
+                acc = tl.dot(w, tl.trans(at), acc)
             else:
-                acc_up = tl.dot(at, tl.trans(u), acc_up)
-        a_ptr += BLOCK_K
-        b_ptr += BLOCK_K // 2
-        s_ptr += BLOCK_K // 16
+                acc = tl.dot(at, tl.trans(w), acc)
+            if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
+                if EVEN_K:
+                    u = _decode(
+                        tl.load(b_ptr + N * s_bn, mask=nmask[:, None], other=0),
+                        tl.load(s_ptr + N * s_sn, mask=nmask[:, None], other=0),
+                        BLOCK_N,
+                        BLOCK_K,
+                    )
+                else:
+                    u = _decode(
+                        tl.load(b_ptr + N * s_bn, mask=bmask, other=0),
+                        tl.load(s_ptr + N * s_sn, mask=smask, other=0),
+                        BLOCK_N,
+                        BLOCK_K,
+                    )
+                if SWAP_AB:
+                    acc_up = tl.dot(u, tl.trans(at), acc_up)
+                else:
+                    acc_up = tl.dot(at, tl.trans(u), acc_up)
+            a_ptr += BLOCK_K
+            b_ptr += BLOCK_K // 2
+            s_ptr += BLOCK_K // 16
     if SWAP_AB:
         acc = tl.trans(acc)
         if SWIGLU:
@@ -284,7 +381,7 @@ def _launch(
         scale.stride(1),
         w.weight_scale_2.stride(0),
         c.stride(0),
-        UNFOLD,
+        1.0 if LUT else UNFOLD,  # the LUT decode's values are at their true magnitudes
         sorted_ids if a_map is None else a_map,  # (unread without its flag)
         sorted_ids if c_map is None else c_map,
         TOPK=topk,
@@ -298,7 +395,9 @@ def _launch(
         GROUP_M=group_m,
         A_MAP=a_map is not None,
         C_MAP=c_map is not None,
-        SWAP_AB=SWAP_AB,
+        SWAP_AB=SWAP_AB and not LUT,
+        LUT=LUT,
+        ASM=not INTERPRETER,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(a),
@@ -420,5 +519,5 @@ def fused_moe_w4a16(
     e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
         return torch.zeros_like(x) if into is None else into.out
-    configs = SWAPPED_CONFIGS if SWAP_AB else CONFIGS
+    configs = SWAPPED_CONFIGS if SWAP_AB and not LUT else CONFIGS
     return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, configs)
