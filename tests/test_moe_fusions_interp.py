@@ -112,13 +112,15 @@ def check_sums() -> None:
 
 def check_grouped_gemm() -> None:
     """The prefill-sized fused MoE for 16-bit banks (``fused_moe_triton``: the pairs sorted by
-    expert and padded, two grouped GEMMs, the top-k sum) within fp16 error of the torch reference:
-    several row blocks of pairs, the down product over one and two column blocks, K tails.
-    fp16 only: the interpreter's ``tl.dot`` multiplies bf16 operands' bit patterns (triton issue
-    11584; the W4A16 kernel's check, tests/nvfp4/test_w4a16_interp.py, makes them exact)."""
+    expert and padded, two grouped GEMMs, the top-k sum) within fp16 / bf16 error of the torch
+    reference: several row blocks of pairs, the down product over one and two column blocks, K
+    tails. bf16 with the interpreter's dots made exact (``exact_bf16_dots``: it multiplies bf16
+    operands' bit patterns, triton issue 11584)."""
     from ft.moe.kernels.torch_ref import fused_moe_ref
     from ft.moe.kernels.triton_moe import fused_moe_triton
+    from tests.interpreter import exact_bf16_dots
 
+    exact_bf16_dots()
     gen = torch.Generator().manual_seed(5)
     for t, e, h, inter, k in ((20, 8, 64, 48, 3), (70, 16, 144, 80, 4)):
         x = torch.randn(t, h, generator=gen)
@@ -126,11 +128,12 @@ def check_grouped_gemm() -> None:
         weights = torch.rand(t, k, generator=gen)
         w13 = torch.randn(e, 2 * inter, h, generator=gen) * h**-0.5
         w2 = torch.randn(e, h, inter, generator=gen) * inter**-0.5
-        got = fused_moe_triton(x.half(), w13.half(), w2.half(), weights, ids).float()
-        want = fused_moe_ref(x, w13.half().float(), w2.half().float(), weights, ids)
-        err = ((got - want).norm() / want.norm()).item()
-        if not err < 2e-3:  # raised, not asserted: the check runs under -O
-            raise AssertionError(f"T={t}: relative error {err:.3g} against the torch reference")
+        for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)):
+            got = fused_moe_triton(x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids).float()
+            want = fused_moe_ref(x, w13.to(dtype).float(), w2.to(dtype).float(), weights, ids)
+            err = ((got - want).norm() / want.norm()).item()
+            if not err < tol:  # raised, not asserted: the check runs under -O
+                raise AssertionError(f"{dtype}, T={t}: relative error {err:.3g} against the torch reference")
 
 
 def check_grouped_gemm_into() -> None:
