@@ -34,7 +34,7 @@ import triton.language as tl
 from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
-from ft.moe.kernels.triton_w4a16 import UNFOLD, _decode_f32, check_operands, e4m3
+from ft.moe.kernels.triton_w4a16 import INTERPRETER, UNFOLD, _decode_f32, check_operands, e4m3
 from ft.quant.nvfp4 import NVFP4Tensor
 
 # (BLOCK_N weight rows per program, MAX_BLOCK_K input elements per step, NUM_WARPS, STAGES of
@@ -215,7 +215,6 @@ NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
 # the quantised inputs' block exponents are clamped to [MIN_EXP, 127] (a block of zeros, or of
 # values below 2^-96, then rounds to zeros) so that 2^(14 - E) and the factor 2^(E - 29) are normal
 MIN_EXP: tl.constexpr = tl.constexpr(-96)
-INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # runs no PTX: ``_int8_codes`` by arithmetic
 
 
 # the words' factors (powers of two, exact): per element, scale · 2^112 (``_plane``: e2m1 · 2^-126 ·

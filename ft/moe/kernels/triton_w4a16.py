@@ -69,7 +69,7 @@ SWAP_AB = os.environ.get("FT_W4A16_SWAP_AB", "0") == "1"
 # products), so its bits differ from the byte decode's; the same values. It takes today's tile
 # orientation (``SWAP_AB`` is set aside while it is on).
 LUT = os.environ.get("FT_W4A16_LUT", "0") == "1"
-INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline PTX: the same values in Triton
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # runs no PTX: its kernels take Triton twins
 SWAPPED_CONFIGS = _configs_from_env(
     {
         "default": [
