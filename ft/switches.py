@@ -31,7 +31,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
     ("ft.moe.kernels.triton_router", "KEYS32", "FT_ROUTER_KEYS32"),
     ("ft.attention.triton_paged", "FUSED_DECODE", "FT_FUSED_ATTN_DECODE"),
-    ("ft.moe.kernels.triton_w4a16", "SWAP_AB", "FT_W4A16_SWAP_AB"),
     ("ft.moe.kernels.triton_w4a16", "LUT", "FT_W4A16_LUT"),
     ("ft.distributed", "SYMM_ALL_REDUCE", "FT_SYMM_ALL_REDUCE"),
     ("ft.moe.backends.host_reads", "ENABLED", "FT_MOE_HOST_READS"),

@@ -186,8 +186,6 @@ def entries():
     w4 = {**mma, "b": U8, "b_scale": U8, "b_global": F32}
     grouped = (("bf16", triton_moe._grouped_gemm_kernel, mma, triton_moe.CONFIGS, {}),
                ("NVFP4", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS, {}),
-               ("NVFP4 swapped", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.SWAPPED_CONFIGS,
-                {"SWAP_AB": True}),
                ("NVFP4 LUT", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS,
                 {"LUT": True}))  # fmt: skip
     for name, kernel, ptrs, table, extra in grouped:

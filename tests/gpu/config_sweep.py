@@ -432,15 +432,13 @@ def sweep_grouped_w4a16() -> None:
     FT_SWEEP_GROUPED_T (e.g. 1024,4096,8192), gate/up then down. The kernel decodes each weight
     tile once per BLOCK_M rows of an expert's pairs, so prefill rows sweep BLOCK_M up to 256 (an
     8k chunk gives Qwen3-Next's experts ~160 pairs each); decode rows keep BLOCK_M 16. The best is
-    benchmarked in the engine with FT_W4A16_PREFILL=up/down before it goes into the table. With
-    FT_W4A16_SWAP_AB=1 the swapped tiles' table (``SWAPPED_CONFIGS``) is swept the same way."""
+    benchmarked in the engine with FT_W4A16_PREFILL=up/down before it goes into the table (the
+    decode as ``triton_w4a16.LUT`` says: FT_W4A16_LUT=0 sweeps the byte decode's)."""
     decode = [(16, bn, bk, 1, w, s) for bn, bk, w, s in grid((32, 64, 128), (64, 128, 256), (4, 8), (3,))]
     tiles = grid((64, 128, 256), (32, 64, 128), (64, 128), (4, 8), (3,))
     prefill = [(bm, bn, bk, 8, w, s) for bm, bn, bk, w, s in tiles if not (bm == 256 and w == 4)]
-    swap = triton_w4a16.SWAP_AB
-    table = triton_w4a16.SWAPPED_CONFIGS if swap else triton_w4a16.CONFIGS
-    title = "W4A16 grouped GEMM" + (", tiles swapped" if swap else "")
-    grouped_rows(title, table, triton_w4a16.fused_moe_w4a16, "nvfp4", decode, prefill)
+    title = "W4A16 grouped GEMM" + (", table decode" if triton_w4a16.LUT else ", byte decode")
+    grouped_rows(title, triton_w4a16.CONFIGS, triton_w4a16.fused_moe_w4a16, "nvfp4", decode, prefill)
 
 
 def grouped_rows(title: str, configs: dict, fused: Callable, fmt: str, decode: list, prefill: list) -> None:

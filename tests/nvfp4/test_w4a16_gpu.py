@@ -74,16 +74,14 @@ def test_dequantize_bank_gives_the_reference_bits():
         assert torch.equal(dequantize_bank(w), want), (e, n, k)
 
 
-@pytest.mark.parametrize("swap,lut", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("lut", [False, True])
 @pytest.mark.parametrize("t,inter", [(1, 512), (17, 512), (64, 512), (300, 128), (4096, 512), (33, 48)])
-def test_mma_tiles_both_ways(t, inter, swap, lut, monkeypatch):
-    """The MMA path at every size (the GEMV off), its tiles as today and swapped (``SWAP_AB``:
-    weight rows x tokens, the decoded codes the wgmma's register operand), and with the codes
-    decoded by PTX byte tables (``LUT``)."""
+def test_mma_tiles_both_decodes(t, inter, lut, monkeypatch):
+    """The MMA path at every size (the GEMV off), its codes decoded byte by byte and by PTX byte
+    tables (``LUT``)."""
     from ft.moe.kernels import triton_w4a16
 
     monkeypatch.setattr(triton_w4a16, "GEMV_MAX_TOKENS", 0)
-    monkeypatch.setattr(triton_w4a16, "SWAP_AB", swap)
     monkeypatch.setattr(triton_w4a16, "LUT", lut)
     check(t, 512, inter, 2048, 10, seed=t)
 

@@ -1,8 +1,8 @@
 """The W4A16 MMA kernel (``triton_w4a16``, the GEMV off) under Triton's interpreter, bf16 dots
-made exact (``exact_bf16_dots``): against the NVFP4 torch reference in both orientations of its
-tiles (``SWAP_AB`` off and on) and with the table decode's input order (``LUT``, whose PTX the
-interpreter replaces by Triton arithmetic), over several row blocks of pairs, column tails and a
-K tail; and ``dequantize_bank``."""
+made exact (``exact_bf16_dots``): against the NVFP4 torch reference with the byte decode and with
+the table decode's input order (``LUT``, whose PTX the interpreter replaces by Triton
+arithmetic), over several row blocks of pairs, column tails and a K tail; and
+``dequantize_bank``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.interpreter import INTERPRETER, run_check
 pytestmark = INTERPRETER
 
 
-def check_mma(swap: bool, lut: bool = False) -> None:
+def check_mma(lut: bool) -> None:
     from ft.moe.kernels import triton_w4a16
     from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
     from tests.interpreter import exact_bf16_dots
@@ -22,7 +22,7 @@ def check_mma(swap: bool, lut: bool = False) -> None:
 
     exact_bf16_dots()
     triton_w4a16.GEMV_MAX_TOKENS = 0  # the MMA path at every size
-    triton_w4a16.SWAP_AB, triton_w4a16.LUT = swap, lut
+    triton_w4a16.LUT = lut
     gen = torch.Generator().manual_seed(3)
     # (tokens, experts, H, I, top-k): I=48 leaves a K tail in down (BLOCK_K 64) and column tails
     for t, e, h, inter, k in ((20, 8, 128, 64, 3), (70, 6, 64, 48, 2)):
@@ -34,24 +34,19 @@ def check_mma(swap: bool, lut: bool = False) -> None:
         want = fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids)
         err = ((got - want).norm() / want.norm()).item()
         if not err < 1e-2:  # raised, not asserted: the check runs under -O
-            raise AssertionError(f"swap {swap}, lut {lut}, T={t}: relative error {err:.3g}")
+            raise AssertionError(f"lut {lut}, T={t}: relative error {err:.3g}")
 
 
-def check_mma_rows() -> None:
-    check_mma(False)
-
-
-def check_mma_swapped() -> None:
-    check_mma(True)
+def check_mma_bytes() -> None:
+    check_mma(lut=False)
 
 
 def check_mma_lut() -> None:
-    """``LUT``'s inputs order and values (its Triton twin of the PTX decode); ``SWAP_AB`` set aside."""
-    check_mma(False, lut=True)
-    check_mma(True, lut=True)
+    """``LUT``'s inputs order and values (its Triton twin of the PTX decode)."""
+    check_mma(lut=True)
 
 
-@pytest.mark.parametrize("check", ["check_mma_rows", "check_mma_swapped", "check_mma_lut"])
+@pytest.mark.parametrize("check", ["check_mma_bytes", "check_mma_lut"])
 def test_w4a16_mma_under_the_interpreter(check):
     # under -O: the wrapper asserts CUDA tensors
     run_check("tests.nvfp4.test_w4a16_interp", check, optimize=True)

@@ -1,5 +1,6 @@
-"""The W4A16 kernel's own tile table: it starts from the bf16 table's values, and
-FT_W4A16_PREFILL sets its prefill row (gate/up and down) for a process without touching bf16's."""
+"""The W4A16 kernel's own tile table: the bf16 table's values but for its own prefill row (swept
+with the table decode, 2026-12-04), and FT_W4A16_PREFILL sets that row (gate/up and down) for a
+process without touching bf16's."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ def run(env: dict) -> list[str]:
     return proc.stdout.splitlines()
 
 
-def test_the_w4a16_table_starts_as_bf16s():
+def test_the_w4a16_table_is_bf16s_but_for_its_prefill_row():
     pytest.importorskip("triton")
-    same, w4, bf16, decode_same, _ = run({})
-    assert same == "True" and w4 == bf16 and decode_same == "True"
+    same, w4, bf16, decode_same, e128 = run({})
+    assert same == "False" and w4 != bf16 and decode_same == "True"
+    assert w4 == "((128, 128, 128, 8, 8, 3), (64, 128, 64, 8, 4, 3))"
+    assert e128 == "((128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3))"  # Qwen3-30B's: bf16's, unswept
 
 
 def test_ft_w4a16_prefill_sets_the_last_rows_of_its_table_alone():

@@ -4,7 +4,7 @@ The last line says up to which T the GEMV path wins, for each format's ``GEMV_MA
 
 Qwen3-Next's shape (E=512, I=512, H=2048, top-10) at T = 1 .. 64 (decode; eager and CUDA graph)
 and 4096 (prefill), or the sizes FT_TIMINGS_T lists (e.g. 64,4096,8192,16384: prefill chunks;
-with FT_W4A16_SWAP_AB=1 the W4A16 columns run the swapped tiles; from 1,024 tokens a column
+FT_W4A16_LUT=0 times the byte decode instead of the table's; from 1,024 tokens a column
 dequantises the bank to bf16 first, then runs bf16's MMA path); the graph column is per call of
 eight back to back, each with its own routing (until 2026-11-30 it timed one call per replay, the
 replay's ~10 us included, on the same experts every call, so they sat in L2). The floor is the

@@ -52,39 +52,21 @@ def _configs_from_env(table: dict) -> dict:
 # (``tests/gpu/config_sweep.py grouped_w4a16``) the same values: those rows were swept for the bf16
 # kernel, which its MMAs bound, where this one is bound by decoding codes (a 4k-token call of
 # Qwen3-Next's shape took 1.83 ms against bf16's 1.14 on an H200, docs/benchmarks.md, 2026-12-03).
-CONFIGS = _configs_from_env(copy.deepcopy(triton_moe.CONFIGS))
-# ``SWAP_AB`` (off until a GPU times it; FT_W4A16_SWAP_AB=1): each tile computes its transpose,
-# W[e] rows x tokens, so the decoded codes are the MMA's first operand, which Hopper's wgmma takes
-# from registers: compiled for sm_90 (Triton 3.8, tests/gpu/compile_check.py) the decoded tile
-# skips the shared-memory store, fence and wait it takes as the second operand, and the loop keeps
-# three wgmma groups in flight (``warp_group_dot_wait`` pendings 3) where today's waits for each
-# (pendings 0) before decoding the next tile; and a tile's tokens are the MMA's N, which can be 16
-# (decode calls) without padding a 64-row M. Its tiles (``SWAPPED_CONFIGS``, same layout) put 64
-# weight rows on each warp group: with fewer, two warp groups would decode the same rows.
-SWAP_AB = os.environ.get("FT_W4A16_SWAP_AB", "0") == "1"
-# ``LUT`` (off until a GPU checks its bits and times it; FT_W4A16_LUT=1): codes decoded by PRMT byte
+CONFIGS = copy.deepcopy(triton_moe.CONFIGS)
+# prefill chunks (above 2,048 tokens) with LUT decoding: swept at T=8192 on an H200 (2026-12-04),
+# 3.53 -> 3.20 ms (gate/up) and -> 3.38 ms (down) a call; an 8k prefill of the NVFP4 80B +7%
+CONFIGS["default"][-1] = (1 << 62, (128, 128, 128, 8, 8, 3), (64, 128, 64, 8, 4, 3))
+CONFIGS = _configs_from_env(CONFIGS)
+# ``LUT`` (on since 2026-12-04; FT_W4A16_LUT=0 turns it off): codes decoded by PRMT byte
 # tables in inline PTX (``_decode_lut``), ~2.4 instructions a weight where ``_decode`` takes ~14 at
 # the prefill tiles (SASS, sm_90), the kernel then bound by decoding (a 1k prompt's grouped GEMMs
 # were 52.6 of its 70.8 ms of kernels, 2026-12-01). Its K order within a step differs (two half-K
-# products), so its bits differ from the byte decode's; the same values. It takes today's tile
-# orientation (``SWAP_AB`` is set aside while it is on).
-LUT = os.environ.get("FT_W4A16_LUT", "0") == "1"
+# products), so its bits differ from the byte decode's; the same values. H200, 2026-12-04: 41%
+# faster than the byte decode at 17 and 64 tokens, 17% at 1k (docs/benchmarks.md). The transposed
+# tiles once tried beside it (the decoded codes as wgmma's register operand) were slower at every
+# size and are gone.
+LUT = os.environ.get("FT_W4A16_LUT", "1") == "1"
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # runs no PTX: its kernels take Triton twins
-SWAPPED_CONFIGS = _configs_from_env(
-    {
-        "default": [
-            (64, (16, 64, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3)),
-            (512, (32, 64, 128, 8, 4, 3), (32, 128, 64, 8, 8, 3)),
-            (2048, (64, 128, 64, 8, 8, 3), (64, 128, 64, 8, 8, 3)),
-            (1 << 62, (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)),
-        ],
-        "E128": [
-            (64, (16, 64, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3)),
-            (256, (32, 128, 64, 8, 8, 3), (32, 128, 64, 8, 8, 3)),
-            (1 << 62, (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)),
-        ],
-    }
-)
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
 # timed against this path by tests/nvfp4/w4a16_timings.py on an H200. 2026-11-30 (config_sweep.py):
 # 31.4 vs 46.4 us at T=1, 54.2 vs 73.1 at T=2, 98.5 vs 105.5 at T=4, so the limit was 2. Since
@@ -223,7 +205,6 @@ def _w4a16_gemm_kernel(
     A_MAP: tl.constexpr = False,
     C_MAP: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False,
     LUT: tl.constexpr = False,
     ASM: tl.constexpr = True,
 ):
@@ -242,14 +223,10 @@ def _w4a16_gemm_kernel(
     a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
     b_ptr = b + e * s_be + n[:, None].to(tl.int64) * s_bn + kb[None, :]  # [BN, BK/2] packed codes
     s_ptr = b_scale + e * s_se + n[:, None].to(tl.int64) * s_sn + ks[None, :]  # [BN, BK/16]
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SWIGLU:
         acc_up = tl.zeros_like(acc)
     if LUT:  # ``_decode_lut``: the activations read in its inputs' order, two half-K products a step
-        tl.static_assert(not SWAP_AB, "the table decode runs today's tile orientation")
         kh = tl.arange(0, BLOCK_K // 2)
         ka = (kh // 4) * 8 + kh % 4  # wa's inputs; wb's are 4 further
         a_lut = a + a_rows[:, None].to(tl.int64) * s_am + ka[None, :]
@@ -300,10 +277,7 @@ def _w4a16_gemm_kernel(
                 w = _decode(
                     tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
                 )
-            if SWAP_AB:
-                acc = tl.dot(w, tl.trans(at), acc)
-            else:
-                acc = tl.dot(at, tl.trans(w), acc)
+            acc = tl.dot(at, tl.trans(w), acc)
             if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
                 if EVEN_K:
                     u = _decode(
@@ -319,17 +293,10 @@ def _w4a16_gemm_kernel(
                         BLOCK_N,
                         BLOCK_K,
                     )
-                if SWAP_AB:
-                    acc_up = tl.dot(u, tl.trans(at), acc_up)
-                else:
-                    acc_up = tl.dot(at, tl.trans(u), acc_up)
+                acc_up = tl.dot(at, tl.trans(u), acc_up)
             a_ptr += BLOCK_K
             b_ptr += BLOCK_K // 2
             s_ptr += BLOCK_K // 16
-    if SWAP_AB:
-        acc = tl.trans(acc)
-        if SWIGLU:
-            acc_up = tl.trans(acc_up)
     g_ptr = b_global + e * s_ge + n
     acc = acc * (tl.load(g_ptr, mask=nmask, other=0.0) * unfold)[None, :]
     if SWIGLU:
@@ -395,7 +362,6 @@ def _launch(
         GROUP_M=group_m,
         A_MAP=a_map is not None,
         C_MAP=c_map is not None,
-        SWAP_AB=SWAP_AB and not LUT,
         LUT=LUT,
         ASM=not INTERPRETER,
         num_warps=warps,
@@ -519,5 +485,4 @@ def fused_moe_w4a16(
     e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
         return torch.zeros_like(x) if into is None else into.out
-    configs = SWAPPED_CONFIGS if SWAP_AB and not LUT else CONFIGS
-    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, configs)
+    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, CONFIGS)
