@@ -38,7 +38,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.backends.host_reads", "FUSED_ROUTE", "FT_MOE_HOST_READS_FUSED_ROUTE"),
     ("ft.moe.backends.host_stage", "STAGE", "FT_MOE_HOST_STAGE"),
     ("ft.moe.backends.host_stage", "NVFP4_STAGE", "FT_MOE_HOST_STAGE"),  # NVFP4 banks' own
-    ("ft.moe.backends.host_stage", "OVERLAP", "FT_MOE_HOST_STAGE_OVERLAP"),
     ("ft.moe.backends.host_prefetch", "ROWS", "FT_MOE_HOST_PREFETCH"),  # on: rows > 0
     ("ft.moe.backends.host_prefetch", "DOWN_ONLY", "FT_MOE_HOST_PREFETCH_DOWN"),
     ("ft.moe.backends.host_prefetch", "NVFP4_ROWS", "FT_MOE_HOST_PREFETCH"),  # NVFP4 banks' own

@@ -121,7 +121,7 @@ class ExpertBank(nn.Module):
 
     def run(
         self, x, weights, ids, tensors: Mapping[str, torch.Tensor] | None = None, shared=None, host=None,
-        down=None, split=None,
+        down=None,
     ):  # fmt: skip
         """The kernel on ``tensors`` (default: the bank's own; a backend passes its cache slots).
         With ``shared`` (gate_up, down, logit) the MoE GEMV also computes the block's shared
@@ -129,9 +129,7 @@ class ExpertBank(nn.Module):
         ``host`` (a host store's tensors, laid out as ``tensors``) an id e < 0 is the host
         store's row -e - 1, read by the MoE GEMV in place (``host_reads.py``). ``down``: (ids
         of the down projections, a callable run between the two launches, or None), where the
-        down kernel reads other rows than gate/up (a down-only prefetch: ``host_prefetch.py``).
-        ``split``: (ids of the host rows' pairs, a callable), the MoE GEMV's two launches around
-        the callable (``host_stage.OVERLAP``; the GPU's kernels only)."""
+        down kernel reads other rows than gate/up (a down-only prefetch: ``host_prefetch.py``)."""
         w13, w2 = self.kernel_weights(tensors)
         if shared is None and host is None:
             assert down is None, "other down rows are a host read's"
@@ -139,14 +137,14 @@ class ExpertBank(nn.Module):
         if host is not None and not x.is_cuda:  # no GPU to read it: both sides as one bank (tests)
             from ft.moe.backends.host_reads import as_one_bank
 
-            assert shared is None and split is None, "a shared expert, a split call: the GPU's MoE GEMV only"
+            assert shared is None, "a shared expert rides in the GPU's MoE GEMV only"
             down_ids = None if down is None else down[0]
             w13, w2, ids = as_one_bank((w13, w2), self.kernel_weights(host), ids, down_ids)
             return self.kernel(x, w13, w2, weights, ids)
         from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # a GPU path: triton is there
 
         host_weights = None if host is None else self.kernel_weights(host)
-        return fused_moe_gemv(x, w13, w2, weights, ids, shared, host_weights, down, split)
+        return fused_moe_gemv(x, w13, w2, weights, ids, shared, host_weights, down)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

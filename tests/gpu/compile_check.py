@@ -130,22 +130,12 @@ def entries():
                                       "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
                             label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
                             yield label, triton_moe_gemv._gate_up_kernel, int_ptrs, consts, iw, st
-                            if not host and st == i_s:  # a split call's launches (host_stage.OVERLAP)
-                                for ph in (1, 2):
-                                    split = {**consts, "HOST": True, "PHASE": ph}
-                                    kernel = triton_moe_gemv._gate_up_kernel
-                                    yield f"{label}, phase {ph}", kernel, int_ptrs, split, iw, st
                     if sums:  # the down kernel by pair reads words only with block sums
                         for st in (ds, *extra):
                             dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
                                   "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
                             label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
                             yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, st
-                            if not host and st == ds:  # a split call's launches (host_stage.OVERLAP)
-                                for ph in (1, 2):
-                                    split = {**dp, "HOST": True, "PHASE": ph}
-                                    kernel = triton_moe_gemv._down_pair_kernel
-                                    yield f"{label}, phase {ph}", kernel, ptrs_pair, split, dw, st
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):

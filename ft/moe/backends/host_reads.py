@@ -86,11 +86,9 @@ class HostReads:
         self.fmt = fmt  # the banks' format (what their prefetch does: ``host_prefetch.rows``)
         # with ``host_stage.STAGE`` (``stage_tokens`` > 0: the largest batch host reads take): the
         # device rows a layer's host experts are copied into, one a pair
-        self.stage = self.stage_stream = self.staged = None
+        self.stage = None
         if stage_tokens > 0:
             self.stage = host_stage.StageBlock(backends[0].store.layout, stage_tokens * top_k, device)
-            if device.type == "cuda":  # ``host_stage.OVERLAP``: the copy's stream, its end
-                self.stage_stream, self.staged = torch.cuda.Stream(device), torch.cuda.Event()
         e = self.num_experts = backends[0].store.num_experts
         spare = backends[0].cache.spare  # rows a layer's prefetch fills (``host_prefetch.py``)
         # [L, E + spare]: each layer's uses of its experts, then the experts its prefetch picked

@@ -33,7 +33,6 @@ process (read when the engine builds its offload state, which allocates the bloc
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 
@@ -42,12 +41,6 @@ from ft.moe.backends.layout import ExpertLayout
 STAGE = os.environ.get("FT_MOE_HOST_STAGE", "0") == "1"  # bf16 banks
 NVFP4_STAGE = os.environ.get("FT_MOE_HOST_STAGE", "1") == "1"
 STAGE_BLOCK = 2048  # int64 words a program copies (16 KB)
-# ``OVERLAP`` (off until a GPU times it; FT_MOE_HOST_STAGE_OVERLAP=1, read at each call): the copy
-# runs on a side stream while the MoE GEMV computes the pairs on device rows and the shared pair,
-# and only the host rows' pairs wait for it (``launch_moe_gemv``'s ``split``: two launches of each
-# kernel, the same bits). The NVFP4 80B under 48 GiB at batch 1 spent ~6.9 ms a token where its
-# link needs ~3.7 and its resident step ~3.0 (2026-12-03): the copy and the compute barely overlap.
-OVERLAP = os.environ.get("FT_MOE_HOST_STAGE_OVERLAP", "0") == "1"
 
 try:
     import triton
@@ -94,18 +87,15 @@ def plan(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return src, staged.view(rows.shape)
 
 
-def stage(
-    rows: torch.Tensor, store_block: torch.Tensor, staging: StageBlock, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def stage(rows: torch.Tensor, store_block: torch.Tensor, staging: StageBlock) -> torch.Tensor:
     """Copy the host rows that ``rows`` [T, k] reads from ``store_block`` (the host store's
-    ``[n, expert_bytes]`` uint8) into ``staging``; returns the rows pointing at them there (in
-    ``out``, if given: a GPU call's, allocated by the caller's stream)."""
+    ``[n, expert_bytes]`` uint8) into ``staging``; returns the rows pointing at them there."""
     pairs = rows.numel()
     assert pairs <= staging.pairs, f"{pairs} pairs, a staging block of {staging.pairs} rows"
     assert store_block.shape[1] == staging.block.shape[1], "the staging rows are laid out as the store's"
     if rows.is_cuda and triton is not None:
         words = store_block.shape[1] // 8
-        staged = torch.empty_like(rows) if out is None else out
+        staged = torch.empty_like(rows)
         _stage_kernel[(pairs, triton.cdiv(words, STAGE_BLOCK))](
             rows.contiguous(), staged, store_block.view(torch.int64), staging.block.view(torch.int64), words,
             pairs, BLOCK_P=max(16, triton.next_power_of_2(pairs)), BLOCK=STAGE_BLOCK,
@@ -115,22 +105,6 @@ def stage(
     take = src >= 0
     staging.block[: len(src)][take] = store_block[src[take].to(store_block.device)].to(staging.block.device)
     return staged
-
-
-def stage_aside(
-    rows: torch.Tensor, store_block: torch.Tensor, staging: StageBlock, stream, done
-) -> tuple[torch.Tensor, Callable[[], None]]:
-    """``stage`` on ``stream`` (CUDA), after what the current stream has issued (the routing, and
-    the previous layer's readers of the block): -> (the rows pointing at the staged copies, what
-    the current stream calls before its kernels read them: a wait for ``done``, recorded after the
-    copy)."""
-    main = torch.cuda.current_stream(rows.device)
-    staged = torch.empty_like(rows)  # the current stream's: read there after the join, freed in its order
-    stream.wait_stream(main)
-    with torch.cuda.stream(stream):
-        stage(rows, store_block, staging, staged)
-        done.record(stream)
-    return staged, lambda: main.wait_event(done)
 
 
 if triton is not None:

@@ -278,14 +278,6 @@ def prestage_rows(room_rows: int, capacity: list[int]) -> list[int]:
     return rows
 
 
-def _splits_calls() -> bool:
-    """Whether the MoE GEMV can split a call around host staging's copy (its down kernel by pair:
-    ``launch_moe_gemv``'s ``split``)."""
-    from ft.moe.kernels import triton_moe_gemv  # a GPU path: triton is there
-
-    return triton_moe_gemv.DOWN_BY_PAIR
-
-
 def real_rows(num_tokens: int, device: torch.device) -> torch.Tensor:
     """[T] whether each row of the batch is a real token (it has a KV slot), not padding; outside
     the engine every row is real. Derived once a forward (``ForwardBatch.derived``): every
@@ -414,17 +406,12 @@ class OffloadBackend:
         real = real_rows(len(x), x.device)  # [T] bool
         route, route_down, join = routes(self)  # the down kernel's differs after a down-only prefetch
         rows = route_and_count(ids, real, route, self.map.null, self.uses)  # [T, k]
-        down, split, host = None, None, self.store.tensors
+        down, host = None, self.store.tensors
         if route_down is not route:
             down = (route_rows(ids, real, route_down, self.map.null), join)
         elif self.reads.stage is not None and host_stage.stages(self.reads.fmt):  # host rows copied first
-            reads, host = self.reads, self.reads.stage.tensors
-            if host_stage.OVERLAP and reads.stage_stream is not None and _splits_calls():
-                aside = reads.stage_stream, reads.staged
-                split = host_stage.stage_aside(rows, self.store.block, reads.stage, *aside)
-            else:
-                rows = host_stage.stage(rows, self.store.block, reads.stage)
-        return bank.run(x, weights, rows, self.cache.tensors, shared, host=host, down=down, split=split)
+            rows, host = host_stage.stage(rows, self.store.block, self.reads.stage), self.reads.stage.tensors
+        return bank.run(x, weights, rows, self.cache.tensors, shared, host=host, down=down)
 
     def lookahead(self, block, residual: torch.Tensor, norm) -> None:
         """Before the layer's mixer (``SparseMoeBlock.lookahead``). Streaming ahead: a long batch

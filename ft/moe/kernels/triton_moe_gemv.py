@@ -257,16 +257,6 @@ def _rows(b, scale, n, k0, s_bn, s_sn, nmask, K, FP4: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
-def _other_phase(topk_ids, tok, slot, s_it, s_ik, TOPK: tl.constexpr, PHASE: tl.constexpr):
-    # whether pair (tok, slot) belongs to the other launch of a split call (``launch_moe_gemv``'s
-    # ``split``): PHASE 1 takes the pairs on device rows and the shared pair, 2 the host rows' pairs
-    e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0)
-    if PHASE == 1:
-        return (slot < TOPK) & (e < 0)
-    return (slot >= TOPK) | (e >= 0)
-
-
-@triton.jit
 def _expert(e, b, scale, glob, host_b, host_scale, host_glob, s_be, s_se, s_ge, HOST: tl.constexpr):
     # (weights or codes, scales, globals) of expert row e; with HOST a negative e is row -e - 1 of
     # the host store (pinned memory the kernel reads over PCIe), whose layout is the slots'
@@ -601,7 +591,6 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, BLOCK_SUMS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     SHARED_BLOCK_K: tl.constexpr = 0, INT_DOT: tl.constexpr = False, ASM: tl.constexpr = True,
-    PHASE: tl.constexpr = 0,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -609,9 +598,6 @@ def _gate_up_kernel(
     p = tl.program_id(0)
     tok = p // (TOPK + SHARED)
     slot = p % (TOPK + SHARED)
-    if PHASE != 0:  # noqa: SIM102 (static: a call of one launch loads no id here)
-        if _other_phase(topk_ids, tok, slot, s_it, s_ik, TOPK, PHASE):
-            return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     x_row = x + tok.to(tl.int64) * s_xt
@@ -774,18 +760,13 @@ def _down_pair_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
-    PHASE: tl.constexpr = 0,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded as the walk rounds
     # it, into ws[tok, slot, n]; the (tok, rows) block's last program writes out[tok, n], the sum
-    # (of a split call, whichever launch's program draws the last ticket)
     tok = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     slot = tl.program_id(2)
-    if PHASE != 0:  # noqa: SIM102 (static: a call of one launch loads no id here)
-        if _other_phase(topk_ids, tok, slot, s_it, s_ik, TOPK, PHASE):
-            return
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
@@ -897,7 +878,6 @@ def launch_moe_gemv(
     shared: tuple | None = None,
     host: tuple | None = None,
     down: tuple | None = None,
-    split: tuple | None = None,
 ) -> torch.Tensor:
     """Checks and launches without the device check (the Triton interpreter runs it on CPU
     tensors): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] bf16 tensors or NVFP4 stacks;
@@ -910,12 +890,7 @@ def launch_moe_gemv(
     rows that host staging copied to the device (``host_stage.py``: device tensors).
     ``down``: (ids [T, k] of the down kernel's rows, a callable run between the two launches or
     None), when the down projections are read from other rows than gate/up (``host_prefetch``'s
-    down-only copies, joined by the callable); the same bytes give the same result. ``split``:
-    (ids [T, k] of the host rows' pairs, a callable): the pairs on device rows (and the shared
-    pair) run first, then the callable (a wait for host staging's copy, ``host_stage.OVERLAP``),
-    then the pairs on host rows with those ids; each pair's term is the one a single launch
-    computes and the last to finish sums them in pair order, so the bits are the same (needs
-    ``DOWN_BY_PAIR``; not beside ``down``)."""
+    down-only copies, joined by the callable); the same bytes give the same result."""
     t, h = x.shape
     check = check_operands if isinstance(w13, NVFP4Tensor) else check_bf16_operands
     _, inter, topk = check(x, w13, w2, weights, ids)
@@ -923,8 +898,6 @@ def launch_moe_gemv(
     assert down_ids.shape == ids.shape and down_ids.dtype == ids.dtype, (
         f"down ids {down_ids.dtype} {tuple(down_ids.shape)}, gate/up ids {ids.dtype} {tuple(ids.shape)}"
     )
-    assert split is None or (down is None and DOWN_BY_PAIR), "a split call needs DOWN_BY_PAIR, no down rows"
-    assert split is None or (split[0].shape == ids.shape and split[0].dtype == ids.dtype), "split ids as ids"
     assert not ids.is_floating_point() and weights.is_floating_point(), (
         f"ids must be integers and weights floats, got {ids.dtype} and {weights.dtype}"
     )
@@ -970,21 +943,18 @@ def launch_moe_gemv(
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
     xq, xf = (blocks or quantize_blocks(x)) if int_dot else (x, x)  # unread without the integer products
-
-    def gate_up(ids: torch.Tensor, phase: int) -> None:
-        _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
-            x, xq, xf, b13, s13, g13, *h13, sb13, act, ids, inter, h,
-            x.stride(0), xq.stride(0), xf.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0),
-            ids.stride(0), ids.stride(1), UNFOLD,
-            **flags, PLANES=planes, BLOCK_SUMS=sums, INT_DOT=int_dot, ASM=not INTERPRETER,
-            BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
-            BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0, PHASE=phase,
-            num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
-        )  # fmt: skip
-
-    gate_up(ids, 1 if split is not None else 0)
+    _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
+        x, xq, xf, b13, s13, g13, *h13, sb13, act, ids, inter, h,
+        x.stride(0), xq.stride(0), xf.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0),
+        ids.stride(0), ids.stride(1), UNFOLD,
+        **flags, PLANES=planes, BLOCK_SUMS=sums, INT_DOT=int_dot, ASM=not INTERPRETER,
+        BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
+        BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
+        num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
+    )  # fmt: skip
     if before_down is not None:
         before_down()
+    ids = down_ids  # what the down kernel reads
     if DOWN_BY_PAIR:
         # words in the down kernel only beside words with block sums in gate/up (``FP4_PLANES=0``:
         # bytes in both), codes 4-byte aligned
@@ -998,28 +968,15 @@ def launch_moe_gemv(
             f"T={t} x {blocks} row blocks: more than the ticket counters"
         )
         ws = torch.empty(t, pairs, h, dtype=torch.float32, device=x.device)  # the pairs' rounded terms
-
-        def down_pairs(ids: torch.Tensor, phase: int) -> None:
-            _down_pair_kernel[(t, blocks, pairs)](
-                act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, ws, triton_gemv.tickets(x.device), h,
-                inter, act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
-                weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
-                **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
-                num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
-                SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0, PHASE=phase,
-                **pdl_args(act),
-            )  # fmt: skip
-
-        if split is None:
-            down_pairs(down_ids, 0)
-        else:  # the device rows' pairs, the wait, then the host rows' pairs (staged there)
-            down_pairs(ids, 1)
-            host_ids, before_host = split
-            before_host()
-            gate_up(host_ids, 2)
-            down_pairs(host_ids, 2)
+        _down_pair_kernel[(t, blocks, pairs)](
+            act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, ws, triton_gemv.tickets(x.device), h, inter,
+            act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
+            weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
+            **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
+            num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
+            SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0, **pdl_args(act),
+        )  # fmt: skip
         return out
-    ids = down_ids  # what the down kernel reads
     down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)
     bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
     _down_sum_kernel[(t, triton.cdiv(h, down_n))](
@@ -1043,7 +1000,6 @@ def fused_moe_gemv(
     shared: tuple | None = None,
     host: tuple | None = None,
     down: tuple | None = None,
-    split: tuple | None = None,
 ) -> torch.Tensor:
     """``launch_moe_gemv`` on CUDA tensors (``host``: pinned host tensors the GPU can address, or
     tensors on its device: host staging's block). Graph-capturable: the grid comes from shapes,
@@ -1055,7 +1011,7 @@ def fused_moe_gemv(
         assert hw.is_pinned() or hw.device == x.device, (
             "a host store read by the kernel must be pinned (page-locked) memory, or on the kernel's device"
         )
-    return launch_moe_gemv(x, w13, w2, weights, ids, shared, host, down, split)
+    return launch_moe_gemv(x, w13, w2, weights, ids, shared, host, down)
 
 
 def shared_pair_alone(x: torch.Tensor, shared: tuple) -> torch.Tensor:
