@@ -1,6 +1,6 @@
 """The W4A16 kernel's own tile table: the bf16 table's values but for its own prefill row (swept
 with the table decode, 2026-12-04), and FT_W4A16_PREFILL sets that row (gate/up and down) for a
-process without touching bf16's."""
+process without touching bf16's; FT_MOE_PREFILL sets bf16's without touching it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ CODE = (
 
 
 def run(env: dict) -> list[str]:
-    clean = {k: v for k, v in os.environ.items() if k != "FT_W4A16_PREFILL"}
+    clean = {k: v for k, v in os.environ.items() if k not in ("FT_W4A16_PREFILL", "FT_MOE_PREFILL")}
     proc = subprocess.run([sys.executable, "-c", CODE], env=clean | env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
@@ -42,3 +42,13 @@ def test_ft_w4a16_prefill_sets_the_last_rows_of_its_table_alone():
     want = "((256, 64, 64, 8, 8, 3), (128, 128, 128, 8, 8, 4))"
     assert same == "False" and w4 == want and e128 == want
     assert bf16 != want and decode_same == "True"
+
+
+def test_ft_moe_prefill_sets_bf16s_last_rows_alone():
+    pytest.importorskip("triton")
+    env = {"FT_MOE_PREFILL": "64,128,64,8,4,4/128,64,128,8,8,3"}
+    same, w4, bf16, decode_same, e128 = run(env)
+    want = "((64, 128, 64, 8, 4, 4), (128, 64, 128, 8, 8, 3))"
+    assert same == "False" and bf16 == want
+    assert w4 == "((128, 128, 128, 8, 8, 3), (64, 128, 64, 8, 4, 3))"  # the W4A16 table's own
+    assert e128 == "((128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3))" and decode_same == "True"

@@ -17,6 +17,9 @@ parallelism, bias terms.
 
 from __future__ import annotations
 
+import copy
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -161,9 +164,24 @@ def store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, c_map, MUL_W: tl.co
     tl.store(c_ptr, acc.to(c.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
+def configs_from_env(table: dict, variable: str) -> dict:
+    """``table`` with the gate/up and down tiles of its last rows (a prefill chunk's calls) set by
+    the environment variable ``variable`` = BM,BN,BK,G,W,S/BM,BN,BK,G,W,S, if set, for a process
+    and the ranks it spawns: what a sweep's best (tests/gpu/config_sweep.py) is benchmarked with in
+    the engine before it is written into the table."""
+    value = os.environ.get(variable)
+    if value:
+        up, down = (tuple(int(v) for v in part.split(",")) for part in value.split("/"))
+        for rows in table.values():
+            rows[-1] = (rows[-1][0], up, down)
+    return table
+
+
 # (max tokens per call) -> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for GEMM 1
 # (fused gate+up: BLOCK_N columns of each) and GEMM 2 (down). First row whose bound >= T wins.
-CONFIGS: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {
+# FT_MOE_PREFILL sets the last rows for a process (``configs_from_env``); ``BASE_CONFIGS`` is the
+# table as written, which the W4A16 kernel's starts from.
+BASE_CONFIGS: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {
     "default": [
         (1, (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4)),
         (16, (16, 64, 128, 1, 4, 3), (16, 128, 64, 1, 4, 3)),
@@ -181,6 +199,7 @@ CONFIGS: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {
         (1 << 62, (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)),
     ],
 }
+CONFIGS = configs_from_env(copy.deepcopy(BASE_CONFIGS), "FT_MOE_PREFILL")
 
 
 def pick_config(

@@ -35,28 +35,16 @@ from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
 
 
-def _configs_from_env(table: dict) -> dict:
-    # FT_W4A16_PREFILL=BM,BN,BK,G,W,S/BM,BN,BK,G,W,S sets the gate/up and down tiles of the tables'
-    # last rows (a prefill chunk's calls) for a process and the ranks it spawns: what a sweep's best
-    # is benchmarked with before it is written into the table
-    value = os.environ.get("FT_W4A16_PREFILL")
-    if value:
-        up, down = (tuple(int(v) for v in part.split(",")) for part in value.split("/"))
-        for rows in table.values():
-            rows[-1] = (rows[-1][0], up, down)
-    return table
-
-
 # The W4A16 kernel's tiles, laid out as ``triton_moe.CONFIGS`` (token bound, gate/up config, down
 # config; first row whose bound >= T wins), and until a sweep of its own
 # (``tests/gpu/config_sweep.py grouped_w4a16``) the same values: those rows were swept for the bf16
 # kernel, which its MMAs bound, where this one is bound by decoding codes (a 4k-token call of
 # Qwen3-Next's shape took 1.83 ms against bf16's 1.14 on an H200, docs/benchmarks.md, 2026-12-03).
-CONFIGS = copy.deepcopy(triton_moe.CONFIGS)
+CONFIGS = copy.deepcopy(triton_moe.BASE_CONFIGS)
 # prefill chunks (above 2,048 tokens) with LUT decoding: swept at T=8192 on an H200 (2026-12-04),
 # 3.53 -> 3.20 ms (gate/up) and -> 3.38 ms (down) a call; an 8k prefill of the NVFP4 80B +7%
 CONFIGS["default"][-1] = (1 << 62, (128, 128, 128, 8, 8, 3), (64, 128, 64, 8, 4, 3))
-CONFIGS = _configs_from_env(CONFIGS)
+CONFIGS = triton_moe.configs_from_env(CONFIGS, "FT_W4A16_PREFILL")  # its prefill rows for a process
 # ``LUT`` (on since 2026-12-04; FT_W4A16_LUT=0 turns it off): codes decoded by PRMT byte
 # tables in inline PTX (``_decode_lut``), ~2.4 instructions a weight where ``_decode`` takes ~14 at
 # the prefill tiles (SASS, sm_90), the kernel then bound by decoding (a 1k prompt's grouped GEMMs
