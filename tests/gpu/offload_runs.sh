@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|bench8k|ttft|ttftbench|memory|census|hostreads|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|census|hostreads|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -19,6 +19,8 @@
 #            (~6 min: 215 s of it loading). --max-running-requests 8 as in the earlier rows: each
 #            request slot and prefix snapshot holds a GDN state (~76 MB for this model), so the
 #            default 64 of each take ~8 GiB from the expert cache (365 instead of 393 resident)
+#   row      issue 8's bf16 row as docs/benchmarks.md reports it (2026-12-03 23:42): the full model at
+#            --memory-ratio 0.94, batch 1 and 8, TTFT after 1 s idle, 8k and 32k prefill (~7 min)
 #   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
 #   ttft     the full model in bf16 at --memory-ratio 0.94, TTFT of a 1k prompt after a second
 #            idle, pre-staging off, on, off, on (ROUNDS) from one load (ttft_idle.py: each prompt's
@@ -29,6 +31,11 @@
 #            after prompts of 1k to 32k tokens (memory_plan.py), with the allocator's segments as
 #            they are and expandable (FT_EXPANDABLE_SEGMENTS=1): on 2026-12-03 the 16k chunk's
 #            tensors peaked 2.2 GiB above the load, the allocator's reservation 10.6 GiB (~6 min)
+#   sweep    the grouped GEMMs' prefill tiles at the calls of an 8k and a 16k chunk, bf16 then NVFP4
+#            (config_sweep.py grouped / grouped_w4a16): a 16k offloaded chunk of the bf16 80B is
+#            bound by its compute (issue 8's 32k row at 80% of the link, target 85%; 2026-12-03),
+#            most of it these GEMMs. Then `FT_MOE_PREFILL=UP/DOWN bash ... bench` with the best
+#            (~6 min)
 #   census   the full model with NVFP4 experts resident (issue 5's row) with --census: the kernels
 #            of a batch-1 decode step, what stands between it and its roofline (~2 min)
 #   hostreads  the MoE GEMV with h of its 10 experts read from the host, bf16 then NVFP4
@@ -92,6 +99,12 @@ bench)
     --output-len 32 --prefill-lens 8000,32768 --num-tokens 40000 --output-json "$out/bench.json" >"$out/bench.log" 2>&1
   grep -E "^(single-stream|prefill|moe)" "$out/bench.log"
   ;;
+row)
+  timeout 560 "${bench[@]}" --moe-backend offload --memory-ratio 0.94 --batch-sizes 1,8 --max-running-requests 8 \
+    --input-len 1024 --output-len 64 --prefill-lens 8000,32000 --num-tokens 34000 --ttft-idle-s 1 \
+    >"$out/row.log" 2>&1
+  grep -E "^(single-stream|prefill|moe| +[0-9]+ )" "$out/row.log" | cut -c1-220
+  ;;
 bench8k)
   timeout 420 "${bench[@]}" --moe-backend offload --batch-sizes 1 --max-running-requests 8 --input-len 1024 \
     --output-len 8 --prefill-lens 32768 --num-tokens 40000 --chunked-prefill-size 8192 >"$out/bench8k.log" 2>&1
@@ -119,6 +132,11 @@ memory)
       "$out/memory_$expandable.log" >"$out/memory_$expandable.out" 2>&1
     grep -E "^(loaded|after)" "$out/memory_$expandable.log"
   done
+  ;;
+sweep)
+  FT_SWEEP_GROUPED_T=8192,16384 timeout 330 python3 tests/gpu/config_sweep.py grouped >"$out/sweep_bf16.log" 2>&1
+  FT_SWEEP_GROUPED_T=16384 timeout 200 python3 tests/gpu/config_sweep.py grouped_w4a16 >"$out/sweep_nvfp4.log" 2>&1
+  grep -hE "^(==|  T=|  best)" "$out/sweep_bf16.log" "$out/sweep_nvfp4.log" | cut -c1-200
   ;;
 census)
   timeout 300 "${bench[@]}" --quantize-experts nvfp4 --batch-sizes 1,16 --max-running-requests 16 --input-len 1024 \
