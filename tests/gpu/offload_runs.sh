@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|census|hostreads|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|nvfp4profile|census|hostreads|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -36,6 +36,10 @@
 #            bound by its compute (issue 8's 32k row at 80% of the link, target 85%; 2026-12-03),
 #            most of it these GEMMs. Then `FT_MOE_PREFILL=UP/DOWN bash ... bench` with the best
 #            (~6 min)
+#   nvfp4profile  where a batch-1 decode step of the NVFP4 80B under --max-gpu-memory 48GiB goes
+#            (profile_offload_decode.py, all 48 layers, host reads and staging as the defaults):
+#            the row sits at 71-73% of its PCIe floor (target 80%), ~144 us a layer against ~76 of
+#            link and ~62 of resident compute; not yet profiled (~4 min)
 #   census   the full model with NVFP4 experts resident (issue 5's row) with --census: the kernels
 #            of a batch-1 decode step, what stands between it and its roofline (~2 min)
 #   hostreads  the MoE GEMV with h of its 10 experts read from the host, bf16 then NVFP4
@@ -132,6 +136,11 @@ memory)
       "$out/memory_$expandable.log" >"$out/memory_$expandable.out" 2>&1
     grep -E "^(loaded|after)" "$out/memory_$expandable.log"
   done
+  ;;
+nvfp4profile)
+  QUANT=nvfp4 timeout 400 python3 tests/gpu/profile_offload_decode.py "$next" 48 48GiB "$out/nvfp4profile.log" \
+    >"$out/nvfp4profile.out" 2>&1
+  tail -n 40 "$out/nvfp4profile.log" | cut -c1-200
   ;;
 sweep)
   FT_SWEEP_GROUPED_T=8192,16384 timeout 330 python3 tests/gpu/config_sweep.py grouped >"$out/sweep_bf16.log" 2>&1
