@@ -42,6 +42,8 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.backends.host_prefetch", "DOWN_ONLY", "FT_MOE_HOST_PREFETCH_DOWN"),
     ("ft.moe.backends.host_prefetch", "NVFP4_ROWS", "FT_MOE_HOST_PREFETCH"),  # NVFP4 banks' own
     ("ft.moe.backends.host_prefetch", "NVFP4_DOWN_ONLY", "FT_MOE_HOST_PREFETCH_DOWN"),
+    ("ft.moe.backends.host_prefetch", "EARLY_ROWS", "FT_MOE_HOST_PREFETCH_EARLY"),  # an integer
+    ("ft.moe.backends.host_prefetch", "NVFP4_EARLY_ROWS", "FT_MOE_HOST_PREFETCH_EARLY"),  # NVFP4 banks' own
     ("ft.moe.backends.pairs", "DEVICE_PAIRS", "FT_MOE_DEVICE_PAIRS"),
     ("ft.moe.backends.pairs", "DIRECT_TERMS", "FT_MOE_DIRECT_TERMS"),
     ("ft.moe.backends.transfer", "MEMCPY", "FT_MOE_MEMCPY"),
