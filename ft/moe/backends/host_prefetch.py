@@ -200,16 +200,21 @@ def start_early(predict: Callable[[], torch.Tensor], real: torch.Tensor, backend
 
 def plain_guess(gate, x: torch.Tensor) -> torch.Tensor:
     """The experts ``gate`` (a ``TopKRouter``) picks for ``x`` [T, H], by a plain GEMV and top-k:
-    no split-K tickets (the fused router's counters belong to the main stream's launches)."""
+    on a GPU the Triton GEMV unsplit and the top-k kernel, which draw no tickets (the split-K
+    counters, the fused router's, belong to the main stream's launches)."""
     from ft.moe.router import route
 
     e = gate.weight.shape[0] - gate.shared_gate
-    logits = torch.nn.functional.linear(x, gate.weight)[:, :e]
-    if logits.is_cuda and triton is not None:
-        from ft.moe.kernels.triton_router import softmax_topk
+    if not (x.is_cuda and triton is not None):
+        return route(torch.nn.functional.linear(x, gate.weight)[:, :e], gate.top_k, gate.renormalize)[1]
+    from ft.layers.triton_gemv import MAX_M, launch_gemv
+    from ft.moe.kernels.triton_router import softmax_topk
 
-        return softmax_topk(logits, gate.top_k, gate.renormalize)[1]
-    return route(logits, gate.top_k, gate.renormalize)[1]
+    if x.dtype in (torch.bfloat16, torch.float16) and len(x) <= MAX_M:
+        logits = launch_gemv(x, gate.weight, splits=1)
+    else:  # cuBLAS: fp32, or more rows than the GEMV takes
+        logits = torch.nn.functional.linear(x, gate.weight)
+    return softmax_topk(logits[:, :e], gate.top_k, gate.renormalize)[1]
 
 
 def routes(backend) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
