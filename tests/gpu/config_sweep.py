@@ -5,7 +5,8 @@
 
 (all sections when none is named). Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b,
 FT_SWEEP_MOE=E,I,H,k (Qwen3-30B: 128,768,2048,8; also the router section's E, H, k),
-FT_SWEEP_ATTN=Hq,Hkv,d (Qwen3-30B: 32,4,128); FT_SWEEP_GROUPED_T=1024,8192 times the grouped GEMM
+FT_SWEEP_ATTN=Hq,Hkv,d (Qwen3-30B: 32,4,128), FT_SWEEP_EXTEND=1024,16384+16384 the extend
+chunks (T, or T queries after C cached tokens); FT_SWEEP_GROUPED_T=1024,8192 times the grouped GEMM
 at prefill sizes; FT_SWEEP_SPLITS=1,2,4,8 the K splits the split-K GEMV and fused router sections try.
 
 Each section sets its kernel's module constants to every config of a small grid, times each shape
@@ -533,31 +534,45 @@ def sweep_conv() -> None:
 ATTN_HEADS = tuple(int(v) for v in os.environ.get("FT_SWEEP_ATTN", "16,2,256").split(","))  # Hq, Hkv, d
 
 
+# the extend sweep's chunks: T queries, or T+C for T queries after C cached tokens (e.g. 16384+16384,
+# the second chunk of a 32k prompt, checked against the shipped config's output, without SDPA)
+EXTEND_SHAPES = os.environ.get("FT_SWEEP_EXTEND", "1024,8000").split(",")
+
+
 def sweep_extend() -> None:
     """``triton_paged._extend_config`` for one causal prompt of 1,024 and 8,000 tokens (no
-    context), against torch's SDPA in fp32 for the check and beside it in bf16 for the time."""
+    context; FT_SWEEP_EXTEND sets the chunks), against torch's SDPA in fp32 for the check and
+    beside it in bf16 for the time."""
     from ft.attention import triton_paged
 
     hq, hkv, d = (4, 2, 32) if DRY else ATTN_HEADS
     page, saved = 16, triton_paged._extend_config
     configs = grid((64, 128), (32, 64, 128), (4, 8), (2, 3))
     rows, shipped = {}, {}
-    for t in (40,) if DRY else (1024, 8000):
-        q, k, v = (torch.randn(t, h, d, device=DEV).to(DTYPE) for h in (hq, hkv, hkv))
-        blocks = triton.cdiv(t, page)
+    for shape in ("40", "40+24") if DRY else EXTEND_SHAPES:
+        t, c = (int(v) for v in (shape + "+0").split("+")[:2])
+        q = torch.randn(t, hq, d, device=DEV).to(DTYPE)
+        k, v = (torch.randn(c + t, hkv, d, device=DEV).to(DTYPE) for _ in range(2))
+        blocks = triton.cdiv(c + t, page)
         cache = torch.zeros(2, blocks, page, hkv, d, device=DEV, dtype=DTYPE)
-        triton_paged.store_kv(cache, k, v, torch.arange(t, device=DEV))
+        triton_paged.store_kv(cache, k, v, torch.arange(c + t, device=DEV))
         table = torch.arange(blocks, device=DEV, dtype=torch.int32)[None]
         cu = torch.tensor([0, t], device=DEV, dtype=torch.int32)
-        ctx = torch.zeros(1, device=DEV, dtype=torch.int32)
+        ctx = torch.full((1,), c, device=DEV, dtype=torch.int32)
         call = P(triton_paged.paged_extend, q, cache, table, cu, ctx, t, d**-0.5)
-        heads = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        want = F.scaled_dot_product_attention(*(h.float() for h in heads), is_causal=True, enable_gqa=True)
-        want = want[0].transpose(0, 1)
-        name = f"{t} tokens, {hq}/{hkv} heads of {d}"
+        name = f"{t} tokens after {c}, {hq}/{hkv} heads of {d}"
         shipped[name] = saved(DTYPE, d, t)
-        sdpa = P(F.scaled_dot_product_attention, *heads, is_causal=True, enable_gqa=True)
-        times = {"SDPA bf16": timer([sdpa])}
+        times = {}
+        if c == 0:
+            heads = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+            want = F.scaled_dot_product_attention(
+                *(h.float() for h in heads), is_causal=True, enable_gqa=True
+            )[0]
+            want = want.transpose(0, 1)
+            sdpa = P(F.scaled_dot_product_attention, *heads, is_causal=True, enable_gqa=True)
+            times["SDPA bf16"] = timer([sdpa])
+        else:  # too large for an fp32 reference: the shipped tiles' output
+            want = call()
         for cfg in dict.fromkeys([shipped[name], *configs]):
             triton_paged._extend_config = lambda dtype, d_, m, cfg=cfg: cfg
             times[cfg] = try_config(call, want, [call], 2e-2)

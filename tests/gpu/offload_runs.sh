@@ -32,10 +32,11 @@
 #            they are and expandable (FT_EXPANDABLE_SEGMENTS=1): on 2026-12-03 the 16k chunk's
 #            tensors peaked 2.2 GiB above the load, the allocator's reservation 10.6 GiB (~6 min)
 #   sweep    the grouped GEMMs' prefill tiles at the calls of an 8k and a 16k chunk, bf16 then NVFP4
-#            (config_sweep.py grouped / grouped_w4a16): a 16k offloaded chunk of the bf16 80B is
+#            (config_sweep.py grouped / grouped_w4a16), and the extend attention's at an 8k prompt
+#            and at a 32k prompt's second 16k chunk: a 16k offloaded chunk of the bf16 80B is
 #            bound by its compute (issue 8's 32k row at 80% of the link, target 85%; 2026-12-03),
-#            most of it these GEMMs. Then `FT_MOE_PREFILL=UP/DOWN bash ... bench` with the best
-#            (~6 min)
+#            most of it these GEMMs and that attention. Then `FT_MOE_PREFILL=UP/DOWN bash ... row`
+#            with the best (~9 min)
 #   nvfp4profile  where a batch-1 decode step of the NVFP4 80B under --max-gpu-memory 48GiB goes
 #            (profile_offload_decode.py, all 48 layers, host reads and staging as the defaults):
 #            the row sits at 71-73% of its PCIe floor (target 80%), ~144 us a layer against ~76 of
@@ -158,7 +159,8 @@ nvfp4profile)
 sweep)
   FT_SWEEP_GROUPED_T=8192,16384 timeout 330 python3 tests/gpu/config_sweep.py grouped >"$out/sweep_bf16.log" 2>&1
   FT_SWEEP_GROUPED_T=16384 timeout 200 python3 tests/gpu/config_sweep.py grouped_w4a16 >"$out/sweep_nvfp4.log" 2>&1
-  grep -hE "^(==|  T=|  best)" "$out/sweep_bf16.log" "$out/sweep_nvfp4.log" | cut -c1-200
+  FT_SWEEP_EXTEND=8000,16384+16384 timeout 240 python3 tests/gpu/config_sweep.py extend >"$out/sweep_extend.log" 2>&1
+  grep -hE "^(==|  T=|  [0-9]+ tokens|  best)" "$out"/sweep_*.log | cut -c1-200
   ;;
 census)
   timeout 300 "${bench[@]}" --quantize-experts nvfp4 --batch-sizes 1,16 --max-running-requests 16 --input-len 1024 \
