@@ -13,8 +13,10 @@ where ``W = e2m1(code) · scale`` is decoded tile by tile and the per-row fp32 g
 applied to the accumulator, after the dot. The decoding uses integer ops only, no fp8 or fp4
 units: an E2M1 code's bits placed into an fp16 exponent/mantissa give ``value · 2^-14`` and an
 E4M3 byte's give ``scale · 2^-8``; their fp32 product ``value · scale · 2^-22`` has at most six
-significant bits, so it is exact in bf16, and the ``2^22`` is folded into the global. Not here:
-fp16 activations (the folded magnitudes underflow fp16), W4A4, expert parallelism.
+significant bits, so it is exact in bf16, and the ``2^22`` is folded into the global. By default
+(``LUT``) the codes are decoded by PTX byte tables instead, to the same values at their true
+magnitudes (no fold), the activations read in that decode's order. Not here: fp16 activations
+(the folded magnitudes underflow fp16), W4A4, expert parallelism.
 """
 
 from __future__ import annotations
