@@ -82,3 +82,24 @@ def check_fp16_qwen3_next_tiles() -> None:
 @pytest.mark.parametrize("check", ["check_fp32_small_tiles", "check_fp16_qwen3_next_tiles"])
 def test_extend_under_the_interpreter(check):
     run_check("tests.test_attention_extend_interp", check)
+
+
+def test_extend_tiles_from_the_environment():
+    """FT_ATTN_EXTEND_TILES sets the 16-bit wide heads' tiles for a process, nothing else's."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = (
+        "import torch; from ft.attention import triton_paged as t; "
+        "print(t._extend_config(torch.bfloat16, 256, 8000), t._extend_config(torch.float32, 256, 8000))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FT_ATTN_EXTEND_TILES"}
+    runs = [
+        subprocess.run([sys.executable, "-c", code], env=env | extra, capture_output=True, text=True)
+        for extra in ({}, {"FT_ATTN_EXTEND_TILES": "64,32,4,3"})
+    ]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    assert runs[0].stdout.strip() == "(128, 64, 8, 2) (32, 32, 8, 2)"
+    assert runs[1].stdout.strip() == "(64, 32, 4, 3) (32, 32, 8, 2)"

@@ -129,6 +129,12 @@ def paged_decode(q, kv_cache, block_tables, seq_lens, scale: float, num_splits: 
     return out
 
 
+# FT_ATTN_EXTEND_TILES=BM,BN,WARPS,STAGES sets the 16-bit, 128-or-wider heads' extend tiles for a
+# process and the ranks it spawns: what a sweep's best (tests/gpu/config_sweep.py extend) is run with
+# in the engine before it is written below
+EXTEND_TILES = tuple(int(v) for v in os.environ.get("FT_ATTN_EXTEND_TILES", "").split(",") if v) or None
+
+
 def _extend_config(dtype: torch.dtype, d: int, max_query_len: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the extend kernel. 16-bit heads of 128 or more
     take 128 (or, for short queries, 64) query rows against 64 keys, 2 stages: on an H200
@@ -138,6 +144,9 @@ def _extend_config(dtype: torch.dtype, d: int, max_query_len: int) -> tuple[int,
     prefill spends half its kernel time here (``config_sweep.py extend``). fp32 and smaller heads
     keep the untimed smaller tiles."""
     if dtype != torch.float32 and d >= 128:
+        if EXTEND_TILES is not None:
+            assert len(EXTEND_TILES) == 4, f"FT_ATTN_EXTEND_TILES={EXTEND_TILES}: BM,BN,WARPS,STAGES"
+            return EXTEND_TILES
         return (128 if max_query_len >= 128 else 64), 64, 8, 2
     block_m = 64 if d <= 128 and dtype != torch.float32 else 32
     return block_m, (64 if d <= 64 else 32), (8 if d >= 128 else 4), 2

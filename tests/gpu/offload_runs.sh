@@ -35,8 +35,8 @@
 #            (config_sweep.py grouped / grouped_w4a16), and the extend attention's at an 8k prompt
 #            and at a 32k prompt's second 16k chunk: a 16k offloaded chunk of the bf16 80B is
 #            bound by its compute (issue 8's 32k row at 80% of the link, target 85%; 2026-12-03),
-#            most of it these GEMMs and that attention. Then `FT_MOE_PREFILL=UP/DOWN bash ... row`
-#            with the best (~9 min)
+#            most of it these GEMMs and that attention. Then `FT_MOE_PREFILL=UP/DOWN
+#            FT_ATTN_EXTEND_TILES=BM,BN,W,S bash ... row` with the bests (~9 min)
 #   nvfp4profile  where a batch-1 decode step of the NVFP4 80B under --max-gpu-memory 48GiB goes
 #            (profile_offload_decode.py, all 48 layers, host reads and staging as the defaults):
 #            the row sits at 71-73% of its PCIe floor (target 80%), ~144 us a layer against ~76 of
