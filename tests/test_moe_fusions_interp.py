@@ -548,6 +548,33 @@ def check_fused_router() -> None:
                 assert torch.equal(got, want), (e, t, h)
 
 
+def check_moe_gemv_down_early() -> None:
+    """``DOWN_EARLY``: the down kernel by pair's NVFP4 words, scales, globals and weight loaded
+    before its wait give the bits of the loop that loads them in it: two K steps (I=512), one
+    (I=256) and one with a K tail (I=48), with the bf16 shared pair; with a wrong step (the
+    second step's words from the first's inputs) the check fails."""
+    from ft.moe.kernels import triton_moe_gemv
+    from tests.nvfp4.test_w4a16_gpu import random_bank
+
+    gen = torch.Generator().manual_seed(5)
+    e, h, t, k = 6, 256, 2, 3
+    for inter in (512, 256, 48):
+        q13, q2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
+        x = torch.randn(t, h, generator=gen).bfloat16()
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        weights = torch.rand(t, k, generator=gen) / k
+        shared = (
+            (torch.randn(2 * inter, h, generator=gen) * h**-0.5).bfloat16(),
+            (torch.randn(h, inter, generator=gen) * inter**-0.5).bfloat16(),
+            torch.randn(t, 1, generator=gen).bfloat16(),
+        )
+        outs = []
+        for early in (False, True):
+            triton_moe_gemv.DOWN_EARLY = early
+            outs.append(triton_moe_gemv.launch_moe_gemv(x, q13, q2, weights, ids, shared=shared))
+        assert torch.equal(outs[0], outs[1]), inter
+
+
 CHECKS = [
     "check_router",
     "check_router_keys32",
@@ -559,6 +586,7 @@ CHECKS = [
     "check_moe_gemv_shared_pair",
     "check_moe_gemv_host_rows",
     "check_moe_gemv_int_dot",
+    "check_moe_gemv_down_early",
     "check_qk_norm_rope",
 ]
 

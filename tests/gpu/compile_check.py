@@ -136,6 +136,10 @@ def entries():
                                   "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
                             label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
                             yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, st
+                        if even:  # ``DOWN_EARLY``: a program's two K steps loaded before the wait
+                            dp = {**dp, "LOOP_STAGES": ds, "EARLY_STEPS": 2}
+                            label = f"MoE GEMV down by pair {tag}, {words}, loaded before the wait"
+                            yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, ds
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):
