@@ -348,6 +348,18 @@ def check_moe_gemv_int_dot() -> None:
         assert ((outs[0] - outs[1]).abs() <= outs[0].abs().clamp(min=1e-3) * 2**-7).all(), h
 
 
+def routing_and_shared_pair(gen, t: int, e: int, k: int, inter: int, h: int, dtype) -> tuple:
+    """Random distinct experts and weights [T, k] and a shared pair (gate_up, down, logit) in dtype."""
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen) / k
+    shared = (
+        (torch.randn(2 * inter, h, generator=gen) * h**-0.5).to(dtype),
+        (torch.randn(h, inter, generator=gen) * inter**-0.5).to(dtype),
+        torch.randn(t, 1, generator=gen).to(dtype),
+    )
+    return ids, weights, shared
+
+
 def check_moe_gemv_host_rows() -> None:
     """Experts read from a host store inside the kernel (``launch_moe_gemv(..., host=...)``, ids
     e < 0 meaning host row -e - 1) give the bits of the same call on a bank holding every expert:
@@ -368,13 +380,7 @@ def check_moe_gemv_host_rows() -> None:
     w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h**-0.5).half()
     w2 = (torch.randn(e, h, inter, generator=gen) * inter**-0.5).half()
     x = torch.randn(t, h, generator=gen).half()
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-    weights = torch.rand(t, k, generator=gen) / k
-    shared = (
-        (torch.randn(2 * inter, h, generator=gen) * h**-0.5).half(),
-        (torch.randn(h, inter, generator=gen) * inter**-0.5).half(),
-        torch.randn(t, 1, generator=gen).half(),
-    )
+    ids, weights, shared = routing_and_shared_pair(gen, t, e, k, inter, h, torch.half)
     q13, q2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
     for used in (0, 2, s):  # experts in slots: none, some, as many as there are slots
         in_slot = torch.randperm(e, generator=gen)[:used]
@@ -561,13 +567,7 @@ def check_moe_gemv_down_early() -> None:
     for inter in (512, 256, 48):
         q13, q2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
         x = torch.randn(t, h, generator=gen).bfloat16()
-        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-        weights = torch.rand(t, k, generator=gen) / k
-        shared = (
-            (torch.randn(2 * inter, h, generator=gen) * h**-0.5).bfloat16(),
-            (torch.randn(h, inter, generator=gen) * inter**-0.5).bfloat16(),
-            torch.randn(t, 1, generator=gen).bfloat16(),
-        )
+        ids, weights, shared = routing_and_shared_pair(gen, t, e, k, inter, h, torch.bfloat16)
         outs = []
         for early in (False, True):
             triton_moe_gemv.DOWN_EARLY = early
