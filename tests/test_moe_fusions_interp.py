@@ -575,11 +575,36 @@ def check_moe_gemv_down_early() -> None:
         assert torch.equal(outs[0], outs[1]), inter
 
 
+def check_router_weights_early() -> None:
+    """``WEIGHTS_EARLY``: the fused router's weight tile loaded before its wait, where a split is
+    one K step, gives the same ids, weights, gate logit and int16 blocks, bit for bit (Qwen3-Next's
+    513 x 2048 in eight splits, a 512-wide one in two, 300 inputs in one step with a K tail); a
+    split of several steps keeps the loop."""
+    from ft.layers import triton_gemv
+    from ft.moe.kernels import triton_moe_gemv, triton_router_gemv
+
+    gen = torch.Generator().manual_seed(6)
+    for e, k, gate, t, h in ((512, 10, True, 1, 2048), (512, 10, True, 2, 512), (128, 8, False, 2, 300)):
+        x = torch.randn(t, h, generator=gen).half()
+        w = (torch.randn(e + gate, h, generator=gen) * h**-0.5).half()
+        p = triton_gemv.plan(e + gate, h, triton_gemv.balanced_splits(e + gate, h, x.device))
+        assert p.k_split == p.block_k, (e, h, p)  # one step a split: the early path runs
+        outs = []
+        for early in (False, True):
+            triton_router_gemv.WEIGHTS_EARLY = early
+            blocks = triton_moe_gemv.empty_blocks(x) if h % 16 == 0 else None
+            got = triton_router_gemv.launch_router_topk(x, w, k, True, gate, blocks=blocks)
+            outs.append([*got[:2], *(got[2:] if gate else ()), *(blocks or ())])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), (e, h)
+
+
 CHECKS = [
     "check_router",
     "check_router_keys32",
     "check_split_k_gemv",
     "check_fused_router",
+    "check_router_weights_early",
     "check_sums",
     "check_silu_and_mul",
     "check_moe_gemv_pairs",

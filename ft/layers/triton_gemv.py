@@ -100,6 +100,14 @@ def split_k_sum(
     k_lo = split * K_SPLIT
     acc = gemv_tile(x, w, n, M, N, k_lo, tl.minimum(K, k_lo + K_SPLIT), s_xm, s_wn, M_P, BLOCK_N,
                     BLOCK_K, EVEN_K)  # fmt: skip
+    return split_k_reduce(acc, ws, counters, n, M, N, M_P, SPLITS)
+
+
+@triton.jit
+def split_k_reduce(acc, ws, counters, n, M, N, M_P: tl.constexpr, SPLITS: tl.constexpr):
+    # ``split_k_sum``'s second half: this program's partial ``acc`` [M_P, BN] into ws[split], its
+    # ticket, and for the last of its column block the partials summed in split order
+    split = tl.program_id(1)
     m = tl.arange(0, M_P)
     mask = (m < M)[:, None] & (n < N)[None, :]
     part = ws + m[:, None] * N + n[None, :]  # [M_P, BN] in one split's [M, N]
@@ -108,7 +116,7 @@ def split_k_sum(
     tl.debug_barrier()
     ticket = tl.atomic_add(counters + tl.program_id(0), 1, sem="acq_rel")
     last = ticket == SPLITS - 1
-    total = tl.zeros([M_P, BLOCK_N], tl.float32)
+    total = tl.zeros_like(acc)
     if last:  # the others' partials: past the acquire, read from L2 (.cg), not a stale L1 line
         for s in tl.static_range(SPLITS):
             total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")

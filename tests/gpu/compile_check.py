@@ -233,14 +233,22 @@ def entries():
             "KEYS32": keys32, "USE_PDL": 2}, 1, 3  # fmt: skip
         router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32,
                   "xq": "*i16", "xf": F32}  # fmt: skip
-        for t_p, blocks in ((1, False), (4, False), (1, True), (2, True)):  # blocks: x's int16 blocks too
-            label = f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}" + (
-                ", int16 blocks" if blocks else ""
+        for t_p, blocks, early in (
+            (1, False, False),
+            (4, False, False),
+            (1, True, False),
+            (2, True, False),
+            (1, True, True),
+        ):  # blocks: x's int16 blocks too; early: WEIGHTS_EARLY
+            label = (
+                f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}"
+                + (", int16 blocks" if blocks else "")
+                + (", weights before the wait" if early else "")
             )
             yield label, triton_router_gemv._router_topk_kernel, \
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
-                         "USE_PDL": 2, "BLOCKS": blocks}, 4, 4  # fmt: skip
+                         "USE_PDL": 2, "BLOCKS": blocks, "EARLY": early}, 4, 4  # fmt: skip
 
 
 def main() -> None:
