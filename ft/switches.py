@@ -29,6 +29,7 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_moe_gemv", "HOST_TILES", "FT_MOE_GEMV_HOST_TILES"),
     ("ft.moe.kernels.triton_moe_gemv", "DOWN_EARLY", "FT_MOE_GEMV_DOWN_EARLY"),
     ("ft.layers.triton_gemv", "SPLIT_K", "FT_GEMV_SPLIT_K"),
+    ("ft.layers.triton_gemv", "WEIGHTS_EARLY", "FT_GEMV_WEIGHTS_EARLY"),
     ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
     ("ft.moe.kernels.triton_router_gemv", "WEIGHTS_EARLY", "FT_ROUTER_WEIGHTS_EARLY"),
     ("ft.moe.kernels.triton_router", "KEYS32", "FT_ROUTER_KEYS32"),

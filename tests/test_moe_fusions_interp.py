@@ -575,20 +575,24 @@ def check_moe_gemv_down_early() -> None:
         assert torch.equal(outs[0], outs[1]), inter
 
 
-def check_router_weights_early() -> None:
-    """``WEIGHTS_EARLY``: the fused router's weight tile loaded before its wait, where a split is
-    one K step, gives the same ids, weights, gate logit and int16 blocks, bit for bit (Qwen3-Next's
-    513 x 2048 in eight splits, a 512-wide one in two, 300 inputs in one step with a K tail); a
-    split of several steps keeps the loop."""
+def check_weights_early() -> None:
+    """``triton_router_gemv.WEIGHTS_EARLY`` and ``triton_gemv.WEIGHTS_EARLY``: the fused router's
+    and the unsplit GEMV's first weight tile loaded before the wait give the same ids, weights, gate
+    logit, int16 blocks and products, bit for bit: Qwen3-Next's router (513 x 2048, eight splits of
+    one step), a 512-wide one in two splits, 1,000 inputs in three splits of three steps, 300 in one
+    step with a K tail; GEMVs of one step, several, and a K tail."""
     from ft.layers import triton_gemv
     from ft.moe.kernels import triton_moe_gemv, triton_router_gemv
 
     gen = torch.Generator().manual_seed(6)
-    for e, k, gate, t, h in ((512, 10, True, 1, 2048), (512, 10, True, 2, 512), (128, 8, False, 2, 300)):
+    for e, k, gate, t, h in (
+        (512, 10, True, 1, 2048),
+        (512, 10, True, 2, 512),
+        (128, 8, False, 4, 1000),
+        (128, 8, False, 2, 300),
+    ):
         x = torch.randn(t, h, generator=gen).half()
         w = (torch.randn(e + gate, h, generator=gen) * h**-0.5).half()
-        p = triton_gemv.plan(e + gate, h, triton_gemv.balanced_splits(e + gate, h, x.device))
-        assert p.k_split == p.block_k, (e, h, p)  # one step a split: the early path runs
         outs = []
         for early in (False, True):
             triton_router_gemv.WEIGHTS_EARLY = early
@@ -597,6 +601,14 @@ def check_router_weights_early() -> None:
             outs.append([*got[:2], *(got[2:] if gate else ()), *(blocks or ())])
         for a, b in zip(*outs):
             assert torch.equal(a, b), (e, h)
+    for n, h in ((64, 256), (48, 1024), (40, 300)):  # one step (BLOCK_K 256), several, a K tail
+        x = torch.randn(3, h, generator=gen).half()
+        w = (torch.randn(n, h, generator=gen) * h**-0.5).half()
+        outs = []
+        for early in (False, True):
+            triton_gemv.WEIGHTS_EARLY = early
+            outs.append(triton_gemv.launch_gemv(x, w, splits=1))
+        assert torch.equal(outs[0], outs[1]), (n, h)
 
 
 CHECKS = [
@@ -604,7 +616,7 @@ CHECKS = [
     "check_router_keys32",
     "check_split_k_gemv",
     "check_fused_router",
-    "check_router_weights_early",
+    "check_weights_early",
     "check_sums",
     "check_silu_and_mul",
     "check_moe_gemv_pairs",

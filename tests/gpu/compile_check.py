@@ -14,6 +14,7 @@ First run (2026-11-30): every kernel compiles; only the attention extend kernel 
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -223,8 +224,13 @@ def entries():
             "ROUND_MID": True, "USE_PDL": 2}  # fmt: skip
     yield "GDN decode step in one launch", triton_decode_layer._decode_layer_kernel, step, dims, 4, 3
     gemv = {"x": BF, "w": BF, "out": BF, "ws": F32, "counters": I32}
-    yield "dense GEMV", triton_gemv._gemv_kernel, gemv, {
-        "M_P": 16, "BLOCK_N": 16, "BLOCK_K": 512, "EVEN_K": True, "USE_PDL": 2}, 4, 4  # fmt: skip
+    for (bn, bk, warps, stages), early in itertools.product(
+        (triton_gemv.NARROW, triton_gemv.WIDE), (False, True)
+    ):
+        # ``triton_gemv.WEIGHTS_EARLY``: the first weight tile before the wait
+        label = f"dense GEMV {bn} x {bk}{', first weights before the wait' if early else ''}"
+        consts = {"M_P": 16, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "USE_PDL": 2, "EARLY": early}
+        yield label, triton_gemv._gemv_kernel, gemv, consts, warps, stages
     split = {"M_P": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "USE_PDL": 2}
     yield "dense GEMV split over K", triton_gemv._gemv_split_k_kernel, gemv, split, 4, 4
     for keys32 in (False, True):  # int64 keys, int32 (``triton_router.KEYS32``)

@@ -47,8 +47,9 @@
 #            share of their PCIe floor (the spare rows take a few experts from the cache)
 #   variants the full model with NVFP4 experts resident (issue 5's row), batch-1 decode with the
 #            untimed decode switches one at a time from one load (decode_variants.py): today
-#            triton_moe_gemv.DOWN_EARLY and triton_router_gemv.WEIGHTS_EARLY, the down kernel's and
-#            the router's loads before their PDL waits, then both (~4 min)
+#            triton_moe_gemv.DOWN_EARLY, triton_router_gemv.WEIGHTS_EARLY and triton_gemv.WEIGHTS_EARLY
+#            (the down kernel's, the router's and the dense GEMVs' first loads before their PDL
+#            waits), then all three (~5 min)
 #   census   the full model with NVFP4 experts resident (issue 5's row) with --census: the kernels
 #            of a batch-1 decode step, what stands between it and its roofline (~2 min)
 #   hostreads  the MoE GEMV with h of its 10 experts read from the host, bf16 then NVFP4
@@ -158,7 +159,7 @@ early)
 variants)
   timeout 400 python3 tests/gpu/decode_variants.py "$next" "$out/variants.log" --nvfp4 \
     ft.moe.kernels.triton_moe_gemv:DOWN_EARLY ft.moe.kernels.triton_router_gemv:WEIGHTS_EARLY \
-    >"$out/variants.out" 2>&1
+    ft.layers.triton_gemv:WEIGHTS_EARLY >"$out/variants.out" 2>&1
   grep -hE "tok/s" "$out/variants.log" | cut -c1-200
   ;;
 nvfp4profile)
