@@ -128,6 +128,7 @@ class Spare:
         self.early_chosen = torch.cuda.Event() if dev.type == "cuda" else None  # eff_early written
         self.early_done = torch.cuda.Event() if dev.type == "cuda" else None  # their copy landed
         self.early_pending = False  # the previous layer started early picks in this forward
+        self.early_input = None  # what their guess reads, kept from reuse until this layer joins them
 
 
 def down_offset(layout) -> int:
@@ -169,11 +170,15 @@ def start(pred: torch.Tensor, real: torch.Tensor, backend, stream: torch.cuda.St
     sp.pending = True
 
 
-def start_early(predict: Callable[[], torch.Tensor], real: torch.Tensor, backend, stream) -> None:
+def start_early(
+    predict: Callable[[], torch.Tensor], real: torch.Tensor, backend, stream, reads: torch.Tensor
+) -> None:
     """The early picks of layer ``backend`` (the next one), while the current layer's MoE kernels
     run: on ``stream`` (CUDA; at once on a CPU), after what the current stream has issued, the
-    guess ``predict()`` [T, k], the choice of up to ``early_rows`` host experts into the first
-    spare rows, and their copy; ``start`` and ``routes`` of that layer then build on them."""
+    guess ``predict()`` [T, k] (which reads the current stream's tensor ``reads``: held until that
+    layer joins the picks, so that its memory is not reused under the guess), the choice of up to
+    ``early_rows`` host experts into the first spare rows, and their copy; ``start`` and
+    ``routes`` of that layer then build on them."""
     sp, fmt = backend.spare, backend.reads.fmt
     n = min(early_rows(fmt), sp.early)
     if n == 0:
@@ -195,7 +200,7 @@ def start_early(predict: Callable[[], torch.Tensor], real: torch.Tensor, backend
         stream.wait_stream(torch.cuda.current_stream(stream.device))  # x, and the staging copy
         with torch.cuda.stream(stream):
             pick_and_copy()
-    sp.early_pending = True
+    sp.early_pending, sp.early_input = True, reads
 
 
 def plain_guess(gate, x: torch.Tensor) -> torch.Tensor:
@@ -224,6 +229,8 @@ def routes(backend) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | No
     waited for before either kernel; one of the down projections (``DOWN_ONLY``) only before
     the down kernel, whose route alone goes through the spare rows."""
     sp = backend.spare
+    if sp is not None:
+        sp.early_input = None  # joined below (or, with the lookahead's, through its copy's event)
     if sp is not None and sp.early_pending and not sp.pending:  # the early picks alone
         sp.early_pending = False
         if sp.early_done is not None:

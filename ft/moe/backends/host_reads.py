@@ -147,6 +147,7 @@ class HostReads:
         for b in self.backends:
             if b.spare is not None:
                 b.spare.pending = b.spare.early_pending = False
+                b.spare.early_input = None
 
     def before_step(self) -> None:
         """Before a step host reads may take (``MoeRuntime.before_step`` asks): every layer's route

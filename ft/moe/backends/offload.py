@@ -422,7 +422,7 @@ class OffloadBackend:
         nxt, gate = self.prefetch.backend, self.prefetch.gate
         if nxt.spare is not None and nxt.reads is self.reads:
             guess = lambda: host_prefetch.plain_guess(gate, x)  # noqa: E731
-            host_prefetch.start_early(guess, real, nxt, self.reads.stream)
+            host_prefetch.start_early(guess, real, nxt, self.reads.stream, x)
 
     def lookahead(self, block, residual: torch.Tensor, norm) -> None:
         """Before the layer's mixer (``SparseMoeBlock.lookahead``). Streaming ahead: a long batch
