@@ -70,13 +70,18 @@ def config(n: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
+def _step(ptr, rows, kk, left, EVEN_K: tl.constexpr):
+    # one BLOCK_K step of rows ``rows`` [R] (a mask) at ``ptr`` [R, BK], the inputs past ``left`` zero
+    if EVEN_K:
+        return tl.load(ptr, mask=rows[:, None], other=0.0)
+    return tl.load(ptr, mask=rows[:, None] & (kk < left)[None, :], other=0.0)
+
+
+@triton.jit
 def first_weights(w, n, N, k_lo, k_hi, s_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # the weight tile of ``gemv_tile``'s first step, w[n, k_lo:k_lo+BK] [BN, BK], as its loop loads it
     kk = tl.arange(0, BLOCK_K)
-    w_ptr = w + n[:, None].to(tl.int64) * s_wn + (k_lo + kk)[None, :]
-    if EVEN_K:
-        return tl.load(w_ptr, mask=(n < N)[:, None], other=0.0)
-    return tl.load(w_ptr, mask=(n < N)[:, None] & (kk < k_hi - k_lo)[None, :], other=0.0)
+    return _step(w + n[:, None].to(tl.int64) * s_wn + (k_lo + kk)[None, :], n < N, kk, k_hi - k_lo, EVEN_K)
 
 
 @triton.jit
@@ -95,22 +100,13 @@ def gemv_tile(
     acc = tl.zeros([M_P, BLOCK_N], tl.float32)
     start = k_lo
     if FIRST:
-        if EVEN_K:
-            xt = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
-        else:
-            xt = tl.load(x_ptr, mask=mmask[:, None] & (kk < k_hi - k_lo)[None, :], other=0.0)
-        acc += tl.dot(xt, tl.trans(w_first))
+        acc += tl.dot(_step(x_ptr, mmask, kk, k_hi - k_lo, EVEN_K), tl.trans(w_first))
         x_ptr += BLOCK_K
         w_ptr += BLOCK_K
         start = k_lo + BLOCK_K
     for k0 in range(start, k_hi, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
-            wt = tl.load(w_ptr, mask=nmask[:, None], other=0.0)
-        else:
-            kmask = (kk < k_hi - k0)[None, :]
-            xt = tl.load(x_ptr, mask=mmask[:, None] & kmask, other=0.0)
-            wt = tl.load(w_ptr, mask=nmask[:, None] & kmask, other=0.0)
+        xt = _step(x_ptr, mmask, kk, k_hi - k0, EVEN_K)
+        wt = _step(w_ptr, nmask, kk, k_hi - k0, EVEN_K)
         acc += tl.dot(xt, tl.trans(wt))  # [M_P, BN], fp32
         x_ptr += BLOCK_K
         w_ptr += BLOCK_K

@@ -105,9 +105,9 @@ class HostReads:
         self.payload_down = np.array(  # what a down-only prefetch copies of an expert
             [host_prefetch.down_payload(b.store.layout) for b in backends], dtype=np.int64
         )
+        early = host_prefetch.early_rows(fmt)  # the first spare rows, if sized for them
         for i, b in enumerate(backends):
             b.reads, b.uses = self, self.uses[i]
-            early = host_prefetch.early_rows(fmt)  # the first spare rows, if sized for them
             b.spare = host_prefetch.Spare(b.cache, self.uses[i, e:], early) if spare else None
 
     def takes(self, bank, x: torch.Tensor, decode: bool) -> bool:

@@ -38,13 +38,12 @@ UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
 
 
 # The W4A16 kernel's tiles, laid out as ``triton_moe.CONFIGS`` (token bound, gate/up config, down
-# config; first row whose bound >= T wins), and until a sweep of its own
-# (``tests/gpu/config_sweep.py grouped_w4a16``) the same values: those rows were swept for the bf16
-# kernel, which its MMAs bound, where this one is bound by decoding codes (a 4k-token call of
-# Qwen3-Next's shape took 1.83 ms against bf16's 1.14 on an H200, docs/benchmarks.md, 2026-12-03).
+# config; first row whose bound >= T wins): the bf16 kernel's values, swept for a kernel its MMAs
+# bound where this one is bound by decoding codes, but for Qwen3-Next's prefill chunks (above
+# 2,048 tokens), swept with LUT decoding at T=8192 on an H200 (``tests/gpu/config_sweep.py
+# grouped_w4a16``, 2026-12-04): 3.53 -> 3.20 ms (gate/up) and -> 3.38 ms (down) a call; an 8k
+# prefill of the NVFP4 80B +7%. The other rows are not yet swept for this kernel.
 CONFIGS = copy.deepcopy(triton_moe.BASE_CONFIGS)
-# prefill chunks (above 2,048 tokens) with LUT decoding: swept at T=8192 on an H200 (2026-12-04),
-# 3.53 -> 3.20 ms (gate/up) and -> 3.38 ms (down) a call; an 8k prefill of the NVFP4 80B +7%
 CONFIGS["default"][-1] = (1 << 62, (128, 128, 128, 8, 8, 3), (64, 128, 64, 8, 4, 3))
 CONFIGS = triton_moe.configs_from_env(CONFIGS, "FT_W4A16_PREFILL")  # its prefill rows for a process
 # ``LUT`` (on since 2026-12-04; FT_W4A16_LUT=0 turns it off): codes decoded by PRMT byte
