@@ -27,11 +27,8 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_moe_gemv", "FP4_DOWN_PLANES", "FT_MOE_GEMV_FP4_DOWN_PLANES"),
     ("ft.moe.kernels.triton_moe_gemv", "FP4_INT_DOT", "FT_MOE_GEMV_FP4_INT_DOT"),
     ("ft.moe.kernels.triton_moe_gemv", "HOST_TILES", "FT_MOE_GEMV_HOST_TILES"),
-    ("ft.moe.kernels.triton_moe_gemv", "DOWN_EARLY", "FT_MOE_GEMV_DOWN_EARLY"),
     ("ft.layers.triton_gemv", "SPLIT_K", "FT_GEMV_SPLIT_K"),
-    ("ft.layers.triton_gemv", "WEIGHTS_EARLY", "FT_GEMV_WEIGHTS_EARLY"),
     ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
-    ("ft.moe.kernels.triton_router_gemv", "WEIGHTS_EARLY", "FT_ROUTER_WEIGHTS_EARLY"),
     ("ft.moe.kernels.triton_router", "KEYS32", "FT_ROUTER_KEYS32"),
     ("ft.attention.triton_paged", "FUSED_DECODE", "FT_FUSED_ATTN_DECODE"),
     ("ft.moe.kernels.triton_w4a16", "LUT", "FT_W4A16_LUT"),
@@ -45,8 +42,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.backends.host_prefetch", "DOWN_ONLY", "FT_MOE_HOST_PREFETCH_DOWN"),
     ("ft.moe.backends.host_prefetch", "NVFP4_ROWS", "FT_MOE_HOST_PREFETCH"),  # NVFP4 banks' own
     ("ft.moe.backends.host_prefetch", "NVFP4_DOWN_ONLY", "FT_MOE_HOST_PREFETCH_DOWN"),
-    ("ft.moe.backends.host_prefetch", "EARLY_ROWS", "FT_MOE_HOST_PREFETCH_EARLY"),  # an integer
-    ("ft.moe.backends.host_prefetch", "NVFP4_EARLY_ROWS", "FT_MOE_HOST_PREFETCH_EARLY"),  # NVFP4 banks' own
     ("ft.moe.backends.pairs", "DEVICE_PAIRS", "FT_MOE_DEVICE_PAIRS"),
     ("ft.moe.backends.pairs", "DIRECT_TERMS", "FT_MOE_DIRECT_TERMS"),
     ("ft.moe.backends.transfer", "MEMCPY", "FT_MOE_MEMCPY"),

@@ -554,76 +554,17 @@ def check_fused_router() -> None:
                 assert torch.equal(got, want), (e, t, h)
 
 
-def check_moe_gemv_down_early() -> None:
-    """``DOWN_EARLY``: the down kernel by pair's NVFP4 words, scales, globals and weight loaded
-    before its wait give the bits of the loop that loads them in it: two K steps (I=512), one
-    (I=256) and one with a K tail (I=48), with the bf16 shared pair; with a wrong step (the
-    second step's words from the first's inputs) the check fails."""
-    from ft.moe.kernels import triton_moe_gemv
-    from tests.nvfp4.test_w4a16_gpu import random_bank
-
-    gen = torch.Generator().manual_seed(5)
-    e, h, t, k = 6, 256, 2, 3
-    for inter in (512, 256, 48):
-        q13, q2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
-        x = torch.randn(t, h, generator=gen).bfloat16()
-        ids, weights, shared = routing_and_shared_pair(gen, t, e, k, inter, h, torch.bfloat16)
-        outs = []
-        for early in (False, True):
-            triton_moe_gemv.DOWN_EARLY = early
-            outs.append(triton_moe_gemv.launch_moe_gemv(x, q13, q2, weights, ids, shared=shared))
-        assert torch.equal(outs[0], outs[1]), inter
-
-
-def check_weights_early() -> None:
-    """``triton_router_gemv.WEIGHTS_EARLY`` and ``triton_gemv.WEIGHTS_EARLY``: the fused router's
-    and the unsplit GEMV's first weight tile loaded before the wait give the same ids, weights, gate
-    logit, int16 blocks and products, bit for bit: Qwen3-Next's router (513 x 2048, eight splits of
-    one step), a 512-wide one in two splits, 1,000 inputs in three splits of three steps, 300 in one
-    step with a K tail; GEMVs of one step, several, and a K tail."""
-    from ft.layers import triton_gemv
-    from ft.moe.kernels import triton_moe_gemv, triton_router_gemv
-
-    gen = torch.Generator().manual_seed(6)
-    for e, k, gate, t, h in (
-        (512, 10, True, 1, 2048),
-        (512, 10, True, 2, 512),
-        (128, 8, False, 4, 1000),
-        (128, 8, False, 2, 300),
-    ):
-        x = torch.randn(t, h, generator=gen).half()
-        w = (torch.randn(e + gate, h, generator=gen) * h**-0.5).half()
-        outs = []
-        for early in (False, True):
-            triton_router_gemv.WEIGHTS_EARLY = early
-            blocks = triton_moe_gemv.empty_blocks(x) if h % 16 == 0 else None
-            got = triton_router_gemv.launch_router_topk(x, w, k, True, gate, blocks=blocks)
-            outs.append([*got[:2], *(got[2:] if gate else ()), *(blocks or ())])
-        for a, b in zip(*outs):
-            assert torch.equal(a, b), (e, h)
-    for n, h in ((64, 256), (48, 1024), (40, 300)):  # one step (BLOCK_K 256), several, a K tail
-        x = torch.randn(3, h, generator=gen).half()
-        w = (torch.randn(n, h, generator=gen) * h**-0.5).half()
-        outs = []
-        for early in (False, True):
-            triton_gemv.WEIGHTS_EARLY = early
-            outs.append(triton_gemv.launch_gemv(x, w, splits=1))
-        assert torch.equal(outs[0], outs[1]), (n, h)
-
-
 CHECKS = [
     "check_router",
     "check_router_keys32",
     "check_split_k_gemv",
     "check_fused_router",
-    "check_weights_early",
     "check_sums",
     "check_silu_and_mul",
     "check_moe_gemv_pairs",
     "check_moe_gemv_shared_pair",
     "check_moe_gemv_host_rows",
     "check_moe_gemv_int_dot",
-    "check_moe_gemv_down_early",
     "check_qk_norm_rope",
 ]
 

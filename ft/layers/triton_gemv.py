@@ -52,13 +52,6 @@ WIDE_N = 4096  # output columns from which a projection takes WIDE
 # OFF until timed on a GPU: the split kernel has run only under Triton's CPU interpreter, NOT yet
 # on a GPU. FT_GEMV_SPLIT_K=1 turns it on for a process and the ranks it spawns.
 SPLIT_K = os.environ.get("FT_GEMV_SPLIT_K", "0") != "0"
-# The unsplit GEMV's first weight tile loaded before its PDL wait (``WEIGHTS_EARLY``; off until a
-# GPU times it, FT_GEMV_WEIGHTS_EARLY=1): weights are no kernel's output, so with ``EARLY`` PDL a
-# program's first BLOCK_K inputs of its rows arrive while the kernel before runs (the rest stream
-# through the pipelined loop as before). In the 2026-12-04 census the decode step's 96 dense GEMVs
-# took 1.06 ms for ~0.73 of bytes, each paying its first load's latency after the wait. The same
-# products in the same order: the same bits. Timed beside ``triton_router_gemv.WEIGHTS_EARLY``.
-WEIGHTS_EARLY = os.environ.get("FT_GEMV_WEIGHTS_EARLY", "0") == "1"
 PROGRAMS_PER_SM = 2  # split until a projection has about this many programs per SM
 MAX_SPLITS = 8
 MIN_SPLIT_K = 256  # inputs one split reads at the least
@@ -78,33 +71,18 @@ def _step(ptr, rows, kk, left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def first_weights(w, n, N, k_lo, k_hi, s_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # the weight tile of ``gemv_tile``'s first step, w[n, k_lo:k_lo+BK] [BN, BK], as its loop loads it
-    kk = tl.arange(0, BLOCK_K)
-    return _step(w + n[:, None].to(tl.int64) * s_wn + (k_lo + kk)[None, :], n < N, kk, k_hi - k_lo, EVEN_K)
-
-
-@triton.jit
 def gemv_tile(
     x, w, n, M, N, k_lo, k_hi, s_xm, s_wn,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    w_first=None, FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    # x[:, k_lo:k_hi] @ w[n, k_lo:k_hi].T as fp32 [M_P, BN]; EVEN_K: every step is whole. FIRST: the
-    # first step's weights are ``w_first`` (``first_weights``, loaded earlier), the same products
+    # x[:, k_lo:k_hi] @ w[n, k_lo:k_hi].T as fp32 [M_P, BN]; EVEN_K: every step is whole
     m = tl.arange(0, M_P)
     kk = tl.arange(0, BLOCK_K)
     nmask, mmask = n < N, m < M
     x_ptr = x + m[:, None].to(tl.int64) * s_xm + (k_lo + kk)[None, :]  # [M_P, BK]
     w_ptr = w + n[:, None].to(tl.int64) * s_wn + (k_lo + kk)[None, :]  # [BN, BK]
     acc = tl.zeros([M_P, BLOCK_N], tl.float32)
-    start = k_lo
-    if FIRST:
-        acc += tl.dot(_step(x_ptr, mmask, kk, k_hi - k_lo, EVEN_K), tl.trans(w_first))
-        x_ptr += BLOCK_K
-        w_ptr += BLOCK_K
-        start = k_lo + BLOCK_K
-    for k0 in range(start, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         xt = _step(x_ptr, mmask, kk, k_hi - k0, EVEN_K)
         wt = _step(w_ptr, nmask, kk, k_hi - k0, EVEN_K)
         acc += tl.dot(xt, tl.trans(wt))  # [M_P, BN], fp32
@@ -117,30 +95,14 @@ def gemv_tile(
 def split_k_sum(
     x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    EVEN_K: tl.constexpr, w_first=None, FIRST: tl.constexpr = False,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
     # This program's partial over K_SPLIT inputs into ws[split]; returns (last, total): whether it
-    # drew its column block's last ticket, and then the partials summed in split order. FIRST: its
-    # first weight tile is ``w_first`` (``split_first_weights``, loaded earlier).
+    # drew its column block's last ticket, and then the partials summed in split order.
     split = tl.program_id(1)
     k_lo = split * K_SPLIT
     acc = gemv_tile(x, w, n, M, N, k_lo, tl.minimum(K, k_lo + K_SPLIT), s_xm, s_wn, M_P, BLOCK_N,
-                    BLOCK_K, EVEN_K, w_first, FIRST)  # fmt: skip
-    return split_k_reduce(acc, ws, counters, n, M, N, M_P, SPLITS)
-
-
-@triton.jit
-def split_first_weights(w, n, N, K, K_SPLIT, s_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # ``first_weights`` of this program's split
-    k_lo = tl.program_id(1) * K_SPLIT
-    return first_weights(w, n, N, k_lo, tl.minimum(K, k_lo + K_SPLIT), s_wn, BLOCK_K, EVEN_K)
-
-
-@triton.jit
-def split_k_reduce(acc, ws, counters, n, M, N, M_P: tl.constexpr, SPLITS: tl.constexpr):
-    # ``split_k_sum``'s second half: this program's partial ``acc`` [M_P, BN] into ws[split], its
-    # ticket, and for the last of its column block the partials summed in split order
-    split = tl.program_id(1)
+                    BLOCK_K, EVEN_K)  # fmt: skip
     m = tl.arange(0, M_P)
     mask = (m < M)[:, None] & (n < N)[None, :]
     part = ws + m[:, None] * N + n[None, :]  # [M_P, BN] in one split's [M, N]
@@ -149,7 +111,7 @@ def split_k_reduce(acc, ws, counters, n, M, N, M_P: tl.constexpr, SPLITS: tl.con
     tl.debug_barrier()
     ticket = tl.atomic_add(counters + tl.program_id(0), 1, sem="acq_rel")
     last = ticket == SPLITS - 1
-    total = tl.zeros_like(acc)
+    total = tl.zeros([M_P, BLOCK_N], tl.float32)
     if last:  # the others' partials: past the acquire, read from L2 (.cg), not a stale L1 line
         for s in tl.static_range(SPLITS):
             total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
@@ -161,15 +123,12 @@ def split_k_reduce(acc, ws, counters, n, M, N, M_P: tl.constexpr, SPLITS: tl.con
 def _gemv_kernel(
     x, w, out, M, N, K, s_xm, s_wn, s_om,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_first = None
-    if EARLY:  # ``WEIGHTS_EARLY``
-        w_first = first_weights(w, n, N, 0, K, s_wn, BLOCK_K, EVEN_K)
     wait_for_previous(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_P)
-    acc = gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K, w_first, EARLY)
+    acc = gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
     o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]
     tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
 
@@ -270,7 +229,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, splits: int = 0) -> torch.Tens
                   num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x))  # fmt: skip
     if p.splits == 1:
         _gemv_kernel[(p.blocks,)](
-            x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), **common, EARLY=WEIGHTS_EARLY
+            x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), **common
         )  # fmt: skip
         return out
     assert p.blocks <= COUNTERS and p.splits * m * n < 2**31, f"N={n} x M={m} too large to split"

@@ -14,7 +14,6 @@ First run (2026-11-30): every kernel compiles; only the attention extend kernel 
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import subprocess
@@ -137,10 +136,6 @@ def entries():
                                   "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
                             label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
                             yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, st
-                        if even:  # ``DOWN_EARLY``: a program's two K steps loaded before the wait
-                            dp = {**dp, "LOOP_STAGES": ds, "EARLY_STEPS": 2}
-                            label = f"MoE GEMV down by pair {tag}, {words}, loaded before the wait"
-                            yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, ds
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):
@@ -224,13 +219,9 @@ def entries():
             "ROUND_MID": True, "USE_PDL": 2}  # fmt: skip
     yield "GDN decode step in one launch", triton_decode_layer._decode_layer_kernel, step, dims, 4, 3
     gemv = {"x": BF, "w": BF, "out": BF, "ws": F32, "counters": I32}
-    for (bn, bk, warps, stages), early in itertools.product(
-        (triton_gemv.NARROW, triton_gemv.WIDE), (False, True)
-    ):
-        # ``triton_gemv.WEIGHTS_EARLY``: the first weight tile before the wait
-        label = f"dense GEMV {bn} x {bk}{', first weights before the wait' if early else ''}"
-        consts = {"M_P": 16, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "USE_PDL": 2, "EARLY": early}
-        yield label, triton_gemv._gemv_kernel, gemv, consts, warps, stages
+    for bn, bk, warps, stages in (triton_gemv.NARROW, triton_gemv.WIDE):  # the shipped tiles
+        consts = {"M_P": 16, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "USE_PDL": 2}
+        yield f"dense GEMV {bn} x {bk}", triton_gemv._gemv_kernel, gemv, consts, warps, stages
     split = {"M_P": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "USE_PDL": 2}
     yield "dense GEMV split over K", triton_gemv._gemv_split_k_kernel, gemv, split, 4, 4
     for keys32 in (False, True):  # int64 keys, int32 (``triton_router.KEYS32``)
@@ -239,22 +230,14 @@ def entries():
             "KEYS32": keys32, "USE_PDL": 2}, 1, 3  # fmt: skip
         router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32,
                   "xq": "*i16", "xf": F32}  # fmt: skip
-        for t_p, blocks, early in (
-            (1, False, False),
-            (4, False, False),
-            (1, True, False),
-            (2, True, False),
-            (1, True, True),
-        ):  # blocks: x's int16 blocks too; early: WEIGHTS_EARLY
-            label = (
-                f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}"
-                + (", int16 blocks" if blocks else "")
-                + (", weights before the wait" if early else "")
+        for t_p, blocks in ((1, False), (4, False), (1, True), (2, True)):  # blocks: x's int16 blocks too
+            label = f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}" + (
+                ", int16 blocks" if blocks else ""
             )
             yield label, triton_router_gemv._router_topk_kernel, \
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
-                         "USE_PDL": 2, "BLOCKS": blocks, "EARLY": early}, 4, 4  # fmt: skip
+                         "USE_PDL": 2, "BLOCKS": blocks}, 4, 4  # fmt: skip
 
 
 def main() -> None:

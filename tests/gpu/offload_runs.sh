@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|early|variants|nvfp4profile|census|hostreads|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|nvfp4profile|census|hostreads|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -41,15 +41,6 @@
 #            (profile_offload_decode.py, all 48 layers, host reads and staging as the defaults):
 #            the row sits at 71-73% of its PCIe floor (target 80%), ~144 us a layer against ~76 of
 #            link and ~62 of resident compute; not yet profiled (~4 min)
-#   early    the NVFP4 80B under 48 GiB at batch 1 with host_prefetch's early picks, 0, 1 and 2 rows
-#            a layer (FT_MOE_HOST_PREFETCH_EARLY; a process each, ~2 min each): the next layer's
-#            router on each layer's MoE input, copied while its MoE kernels run. Compare the rows'
-#            share of their PCIe floor (the spare rows take a few experts from the cache)
-#   variants the full model with NVFP4 experts resident (issue 5's row), batch-1 decode with the
-#            untimed decode switches one at a time from one load (decode_variants.py): today
-#            triton_moe_gemv.DOWN_EARLY, triton_router_gemv.WEIGHTS_EARLY and triton_gemv.WEIGHTS_EARLY
-#            (the down kernel's, the router's and the dense GEMVs' first loads before their PDL
-#            waits), then all three (~5 min)
 #   census   the full model with NVFP4 experts resident (issue 5's row) with --census: the kernels
 #            of a batch-1 decode step, what stands between it and its roofline (~2 min)
 #   hostreads  the MoE GEMV with h of its 10 experts read from the host, bf16 then NVFP4
@@ -146,21 +137,6 @@ memory)
       "$out/memory_$expandable.log" >"$out/memory_$expandable.out" 2>&1
     grep -E "^(loaded|after)" "$out/memory_$expandable.log"
   done
-  ;;
-early)
-  for n in ${EARLY:-0 1 2}; do
-    FT_MOE_HOST_PREFETCH_EARLY=$n timeout 190 "${bench[@]}" --quantize-experts nvfp4 --max-gpu-memory 48GiB \
-      --moe-backend offload --batch-sizes 1 --max-running-requests 8 --input-len 1024 --output-len 128 \
-      --prefill-lens "" --num-tokens 40000 >"$out/early_$n.log" 2>&1
-    echo "early rows $n: $(grep -E '^single-stream' "$out/early_$n.log")"
-    grep -E "^ +1  decode hit" "$out/early_$n.log" | cut -c1-200
-  done
-  ;;
-variants)
-  timeout 400 python3 tests/gpu/decode_variants.py "$next" "$out/variants.log" --nvfp4 \
-    ft.moe.kernels.triton_moe_gemv:DOWN_EARLY ft.moe.kernels.triton_router_gemv:WEIGHTS_EARLY \
-    ft.layers.triton_gemv:WEIGHTS_EARLY >"$out/variants.out" 2>&1
-  grep -hE "tok/s" "$out/variants.log" | cut -c1-200
   ;;
 nvfp4profile)
   QUANT=nvfp4 timeout 400 python3 tests/gpu/profile_offload_decode.py "$next" 48 48GiB "$out/nvfp4profile.log" \

@@ -119,22 +119,3 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph(n, k, monkeypatch)
     x.copy_(x2)
     graph.replay()
     assert torch.equal(out, triton_gemv.gemv(x2, w))
-
-
-@pytest.mark.parametrize("n,k", [(12352, 2048), (2048, 4096), (70, 300)])
-def test_first_weights_loaded_before_the_wait_change_no_bit(n, k, monkeypatch):
-    """``WEIGHTS_EARLY``: the first weight tile loaded before the PDL wait, at both tile widths and
-    a K tail, eagerly and replayed in a CUDA graph: the same bits."""
-    pytest.importorskip("triton")
-    from ft.layers import triton_gemv
-
-    x, w = operands(2, n, k, seed=n + k)
-    want = triton_gemv.launch_gemv(x, w, splits=1)
-    monkeypatch.setattr(triton_gemv, "WEIGHTS_EARLY", True)
-    assert torch.equal(triton_gemv.launch_gemv(x, w, splits=1), want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = triton_gemv.launch_gemv(x, w, splits=1)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)

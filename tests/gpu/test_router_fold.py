@@ -267,27 +267,3 @@ def test_int32_keys_pick_as_the_int64_keys(t, monkeypatch):
         outs.append(got)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
-
-
-@gpu
-@pytest.mark.parametrize("t", [1, 4])
-def test_router_weights_loaded_before_the_wait_change_no_bit(t, monkeypatch):
-    """``triton_router_gemv.WEIGHTS_EARLY`` (Qwen3-Next's 513 x 2048, eight splits of one K step):
-    the same ids, weights, gate logit and int16 blocks, eagerly and in a CUDA graph (with PDL)."""
-    pytest.importorskip("triton")
-    from ft.moe.kernels import triton_moe_gemv, triton_router_gemv
-    from ft.moe.kernels.triton_router_gemv import router_topk
-
-    g = torch.Generator(device="cuda").manual_seed(t)
-    x = torch.randn(t, 2048, generator=g, device="cuda").to(torch.bfloat16)
-    w = (torch.randn(513, 2048, generator=g, device="cuda") * 2048**-0.5).to(torch.bfloat16)
-    want = [*router_topk(x, w, 10, True, True, blocks=True), *triton_moe_gemv.take_blocks(x)]
-    monkeypatch.setattr(triton_router_gemv, "WEIGHTS_EARLY", True)
-    got = [*router_topk(x, w, 10, True, True, blocks=True), *triton_moe_gemv.take_blocks(x)]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = router_topk(x, w, 10, True, True)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(out, want[:3]))

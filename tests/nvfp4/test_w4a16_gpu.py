@@ -158,25 +158,3 @@ def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
         for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
             tok = next(t for t in w if t in g)  # the prompt token is in both
             assert abs(g[tok] - w[tok]) < 0.1 + 0.02 * abs(w[tok])
-
-
-def test_engine_decode_with_the_down_kernels_loads_before_its_wait(tmp_path, monkeypatch):
-    """``triton_moe_gemv.DOWN_EARLY`` in graphed NVFP4 decode (with PDL: its loads before the
-    wait): the same tokens and log-probs, bit for bit, as without it."""
-    pytest.importorskip("triton")
-    from ft import LLM, SamplingParams
-    from ft.moe.kernels import triton_moe_gemv
-    from tests.nvfp4.modelopt_ckpt import write_nvfp4_checkpoint
-
-    write_nvfp4_checkpoint(tmp_path, "qwen3_next", seed=4, moe_intermediate_size=64)
-    prompts = [[5, 17, 3, 88, 41, 9, 2, 60, 33, 71, 12, 50, 7], [30, 1, 64, 19]]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
-    outs = []
-    for early in (False, True):
-        monkeypatch.setattr(triton_moe_gemv, "DOWN_EARLY", early)
-        with LLM(
-            model=str(tmp_path / "nvfp4"), device="cuda", dtype="bfloat16", progress=False, num_tokens=2048
-        ) as llm:
-            outs.append(llm.generate(prompts, params))
-    for a, b in zip(*outs):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -236,33 +236,3 @@ def test_rows_and_what_they_copy_by_bank_format(env, want):
     run = subprocess.run([sys.executable, "-c", code], env=clean | env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[0] == want
-
-
-def test_early_picks_leave_the_lookahead_the_other_host_experts():
-    """Early picks into the first spare rows, then the lookahead's choice on their route: it takes
-    the host experts they left, into the rows past theirs, and the route reads both."""
-    pred_early = torch.tensor([[3, 1], [6, 0]])  # experts 3 and 6 on the host, first by rank
-    src, eff_early, picks = select(pred_early, torch.tensor([True, True]), ROUTE, 2, 9)
-    assert src.tolist() == [1, 3] and picks.tolist() == [4, 7]
-    assert eff_early[3].item() == 9 and eff_early[6].item() == 10
-    pred = torch.tensor([[3, 7], [4, 6]])  # 3 and 6 copied early: 4 (a first choice) and 7 are left
-    src, eff, picks = select(pred, torch.tensor([True, True]), eff_early, 2, 11)
-    assert src.tolist() == [2, 4] and picks.tolist() == [5, 8]
-    assert [eff[i].item() for i in (3, 6, 4, 7, 1)] == [9, 10, 11, 12, -1]
-
-
-@pytest.mark.parametrize("lookahead", [2, 0])
-def test_host_reads_with_early_picks_equal_resident(ckpt, refs, prefetching, monkeypatch, lookahead):
-    """``EARLY_ROWS``: the next layer's router on each layer's MoE input picks host experts into
-    that layer's first spare rows before its lookahead (or alone, without one): exactly the
-    resident backend's outputs, the picks counted and some of them used."""
-    monkeypatch.setattr(host_prefetch, "ROWS", lookahead)
-    monkeypatch.setattr(host_prefetch, "EARLY_ROWS", 2)
-    monkeypatch.setattr(host_prefetch, "DOWN_ONLY", False)
-    early = []
-    start_early = host_prefetch.start_early
-    monkeypatch.setattr(host_prefetch, "start_early", lambda *a: early.append(a[2]) or start_early(*a))
-    outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
-    assert_same(outs, refs[8192])
-    assert early and all(b.spare.early == 2 and len(b.spare.src) == lookahead + 2 for b in early)
-    assert s.moe_prefetched > 0 and 0 < s.moe_prefetch_hits <= s.moe_prefetched

@@ -67,20 +67,6 @@ ROWS = int(os.environ.get("FT_MOE_HOST_PREFETCH", "0"))
 DOWN_ONLY = os.environ.get("FT_MOE_HOST_PREFETCH_DOWN", "1") != "0"
 NVFP4_ROWS = int(os.environ.get("FT_MOE_HOST_PREFETCH", "2"))
 NVFP4_DOWN_ONLY = os.environ.get("FT_MOE_HOST_PREFETCH_DOWN", "0") != "0"
-# Early picks (``EARLY_ROWS``, both formats; off until a GPU times them, FT_MOE_HOST_PREFETCH_EARLY=N
-# sets N rows a layer, sized at start and read at each call): up to N more spare rows of layer l + 1,
-# filled while layer l's MoE kernels run. At batch 1 the link idles from the end of a layer's
-# staging copy to the next layer's lookahead (its MoE kernels, the next input norm and router:
-# ~30 of ~144 us a layer for the NVFP4 80B under 48 GiB, whose step sat at 71-73% of its PCIe
-# floor on 2026-12-04, docs/benchmarks.md; an estimate from the kernels' times, not yet profiled).
-# The guess is the copying path's: layer l + 1's router on layer l's MoE input (52% of the
-# experts it then picks, 72% of its first two, tests/offload/prefetch_accuracy.py), computed on
-# the side stream by a plain GEMV and top-k (the fused router's ticket counters are the main
-# stream's) after layer l's staging copy, so that it takes the link when that copy is done. Layer
-# l + 1's lookahead then picks its own rows among the host experts the early picks left, and its
-# MoE kernels read both. Whole experts only (none beside a down-only prefetch).
-EARLY_ROWS = int(os.environ.get("FT_MOE_HOST_PREFETCH_EARLY", "0"))
-NVFP4_EARLY_ROWS = int(os.environ.get("FT_MOE_HOST_PREFETCH_EARLY", "0"))
 COPY_PROGRAMS = 16  # programs of the copy kernel (each streams its share of every row)
 COPY_BLOCK = 2048  # int64 words a program moves per iteration (16 KB)
 
@@ -101,18 +87,10 @@ def down_only(fmt: str | None) -> bool:
     return NVFP4_DOWN_ONLY if fmt == "nvfp4" else DOWN_ONLY
 
 
-def early_rows(fmt: str | None) -> int:
-    """Spare rows a layer's predecessor fills early for a bank of format ``fmt`` (``EARLY_ROWS``);
-    none beside a down-only prefetch."""
-    return 0 if down_only(fmt) else (NVFP4_EARLY_ROWS if fmt == "nvfp4" else EARLY_ROWS)
-
-
 class Spare:
-    """One layer's prefetch state: its spare rows, the route through them, the copy's event. The
-    first ``early`` rows take the previous layer's early picks (``start_early``), the rest the
-    layer's own lookahead's (``start``)."""
+    """One layer's prefetch state: its spare rows, the route through them, the copy's event."""
 
-    def __init__(self, cache, picks: torch.Tensor, early: int = 0) -> None:
+    def __init__(self, cache, picks: torch.Tensor) -> None:
         dev = cache.device
         self.first_row = cache.map.num_slots + 1  # past the null row
         self.eff = torch.empty_like(cache.route)  # [E] the route with this step's picks
@@ -123,12 +101,6 @@ class Spare:
         self.done = torch.cuda.Event() if dev.type == "cuda" else None
         self.pending = False  # this forward's copy started; the layer's kernel joins it
         self.down_only = False  # what the pending copy moved: the down projections alone
-        self.early = min(early, cache.spare)  # rows sized for early picks
-        self.eff_early = torch.empty_like(cache.route)  # [E] the route with the early picks alone
-        self.early_chosen = torch.cuda.Event() if dev.type == "cuda" else None  # eff_early written
-        self.early_done = torch.cuda.Event() if dev.type == "cuda" else None  # their copy landed
-        self.early_pending = False  # the previous layer started early picks in this forward
-        self.early_input = None  # what their guess reads, kept from reuse until this layer joins them
 
 
 def down_offset(layout) -> int:
@@ -146,80 +118,21 @@ def down_payload(layout) -> int:
 def start(pred: torch.Tensor, real: torch.Tensor, backend, stream: torch.cuda.Stream | None) -> None:
     """Pick and copy the layer ``backend``'s predicted host experts (``pred`` [T, k]) into its spare rows:
     the choice on the current stream, the copy on ``stream`` after it (at once on a CPU); its
-    MoE kernel then reads them there (``routes``). Among the host experts early picks left (their
-    route, once chosen, is the base), into the rows past theirs."""
+    MoE kernel then reads them there (``routes``)."""
     sp, fmt = backend.spare, backend.reads.fmt  # the bank's format: how many rows, what they copy
-    lo = sp.early
-    n = min(rows(fmt), len(sp.src) - lo)  # the switch's rows, at most the spare rows sized at start
-    src, picks = sp.src[lo : lo + n], sp.picks[lo : lo + n]  # picks past them stay 0 (zeroed every step)
-    base = backend.cache.route
-    if sp.early_pending:
-        base = sp.eff_early
-        if sp.early_chosen is not None:
-            torch.cuda.current_stream(base.device).wait_event(sp.early_chosen)
-    select_into(pred, real, base, sp.eff, src, picks, sp.scratch, sp.first_row + lo)
+    n = min(rows(fmt), len(sp.src))  # the switch's rows, at most the spare rows sized at start
+    src, picks = sp.src[:n], sp.picks[:n]  # picks past n stay 0 (the use counts zero every step)
+    select_into(pred, real, backend.cache.route, sp.eff, src, picks, sp.scratch, sp.first_row)
     sp.down_only = down_only(fmt)
     first = sp.down_from if sp.down_only else 0
     if stream is None:
-        copy_rows(backend.store.block, backend.cache.block, sp.first_row + lo, src, first)
+        copy_rows(backend.store.block, backend.cache.block, sp.first_row, src, first)
     else:
         stream.wait_stream(torch.cuda.current_stream(stream.device))  # after the choice
         with torch.cuda.stream(stream):
-            copy_rows(backend.store.block, backend.cache.block, sp.first_row + lo, src, first)
+            copy_rows(backend.store.block, backend.cache.block, sp.first_row, src, first)
             sp.done.record(stream)
     sp.pending = True
-
-
-def start_early(
-    predict: Callable[[], torch.Tensor], real: torch.Tensor, backend, stream, reads: torch.Tensor
-) -> None:
-    """The early picks of layer ``backend`` (the next one), while the current layer's MoE kernels
-    run: on ``stream`` (CUDA; at once on a CPU), after what the current stream has issued, the
-    guess ``predict()`` [T, k] (which reads the current stream's tensor ``reads``: held until that
-    layer joins the picks, so that its memory is not reused under the guess), the choice of up to
-    ``early_rows`` host experts into the first spare rows, and their copy; ``start`` and
-    ``routes`` of that layer then build on them."""
-    sp, fmt = backend.spare, backend.reads.fmt
-    n = min(early_rows(fmt), sp.early)
-    if n == 0:
-        return
-    src, picks = sp.src[:n], sp.picks[:n]
-
-    def pick_and_copy() -> None:
-        pred = predict()
-        select_into(pred, real, backend.cache.route, sp.eff_early, src, picks, sp.scratch, sp.first_row)
-        if sp.early_chosen is not None:
-            sp.early_chosen.record()
-        copy_rows(backend.store.block, backend.cache.block, sp.first_row, src)
-        if sp.early_done is not None:
-            sp.early_done.record()
-
-    if stream is None:
-        pick_and_copy()
-    else:
-        stream.wait_stream(torch.cuda.current_stream(stream.device))  # x, and the staging copy
-        with torch.cuda.stream(stream):
-            pick_and_copy()
-    sp.early_pending, sp.early_input = True, reads
-
-
-def plain_guess(gate, x: torch.Tensor) -> torch.Tensor:
-    """The experts ``gate`` (a ``TopKRouter``) picks for ``x`` [T, H], by a plain GEMV and top-k:
-    on a GPU the Triton GEMV unsplit and the top-k kernel, which draw no tickets (the split-K
-    counters, the fused router's, belong to the main stream's launches)."""
-    from ft.moe.router import route
-
-    e = gate.weight.shape[0] - gate.shared_gate
-    if not (x.is_cuda and triton is not None):
-        return route(torch.nn.functional.linear(x, gate.weight)[:, :e], gate.top_k, gate.renormalize)[1]
-    from ft.layers.triton_gemv import MAX_M, launch_gemv
-    from ft.moe.kernels.triton_router import softmax_topk
-
-    if x.dtype in (torch.bfloat16, torch.float16) and len(x) <= MAX_M:
-        logits = launch_gemv(x, gate.weight, splits=1)
-    else:  # cuBLAS: fp32, or more rows than the GEMV takes
-        logits = torch.nn.functional.linear(x, gate.weight)
-    return softmax_topk(logits[:, :e], gate.top_k, gate.renormalize)[1]
 
 
 def routes(backend) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
@@ -229,16 +142,9 @@ def routes(backend) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | No
     waited for before either kernel; one of the down projections (``DOWN_ONLY``) only before
     the down kernel, whose route alone goes through the spare rows."""
     sp = backend.spare
-    if sp is not None:
-        sp.early_input = None  # joined below (or, with the lookahead's, through its copy's event)
-    if sp is not None and sp.early_pending and not sp.pending:  # the early picks alone
-        sp.early_pending = False
-        if sp.early_done is not None:
-            torch.cuda.current_stream(backend.cache.device).wait_event(sp.early_done)
-        return sp.eff_early, sp.eff_early, None
     if sp is None or not sp.pending:
         return backend.cache.route, backend.cache.route, None
-    sp.pending = sp.early_pending = False  # the lookahead's copy follows the early one on its stream
+    sp.pending = False
 
     def join() -> None:
         if sp.done is not None:

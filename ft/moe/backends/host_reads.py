@@ -105,10 +105,9 @@ class HostReads:
         self.payload_down = np.array(  # what a down-only prefetch copies of an expert
             [host_prefetch.down_payload(b.store.layout) for b in backends], dtype=np.int64
         )
-        early = host_prefetch.early_rows(fmt)  # the first spare rows, if sized for them
         for i, b in enumerate(backends):
             b.reads, b.uses = self, self.uses[i]
-            b.spare = host_prefetch.Spare(b.cache, self.uses[i, e:], early) if spare else None
+            b.spare = host_prefetch.Spare(b.cache, self.uses[i, e:]) if spare else None
 
     def takes(self, bank, x: torch.Tensor, decode: bool) -> bool:
         """Whether a batch reads its experts where they are: the switch on (read at each call, so
@@ -146,8 +145,7 @@ class HostReads:
         since made stale)."""
         for b in self.backends:
             if b.spare is not None:
-                b.spare.pending = b.spare.early_pending = False
-                b.spare.early_input = None
+                b.spare.pending = False
 
     def before_step(self) -> None:
         """Before a step host reads may take (``MoeRuntime.before_step`` asks): every layer's route

@@ -411,18 +411,7 @@ class OffloadBackend:
             down = (route_rows(ids, real, route_down, self.map.null), join)
         elif self.reads.stage is not None and host_stage.stages(self.reads.fmt):  # host rows copied first
             rows, host = host_stage.stage(rows, self.store.block, self.reads.stage), self.reads.stage.tensors
-        self._start_early(x, real)  # after this layer's copies, beside its kernels
         return bank.run(x, weights, rows, self.cache.tensors, shared, host=host, down=down)
-
-    def _start_early(self, x: torch.Tensor, real: torch.Tensor) -> None:
-        """The next MoE layer's early picks (``host_prefetch.start_early``), when it reads the host
-        store too and has rows for them: its router (``self.prefetch``) on this layer's input."""
-        if self.prefetch is None or not host_prefetch.early_rows(self.reads.fmt):
-            return
-        nxt, gate = self.prefetch.backend, self.prefetch.gate
-        if nxt.spare is not None and nxt.reads is self.reads:
-            guess = lambda: host_prefetch.plain_guess(gate, x)  # noqa: E731
-            host_prefetch.start_early(guess, real, nxt, self.reads.stream, x)
 
     def lookahead(self, block, residual: torch.Tensor, norm) -> None:
         """Before the layer's mixer (``SparseMoeBlock.lookahead``). Streaming ahead: a long batch

@@ -232,11 +232,10 @@ class MoeRuntime:
     def _spare_rows(self) -> int:
         """Rows per layer past the null slot for host reads' prefetch: the offload backend, with
         prefetch, where kernels can read the host store (pinned memory, or a CPU); as many as the
-        bank's format asks (``host_prefetch.rows``, and its early picks' ``early_rows``)."""
+        bank's format asks (``host_prefetch.rows``)."""
         reads = self.device.type == "cpu" or pin_available(self.device)
         on = self.name == "offload" and self.cfg.moe_prefetch and reads
-        fmt = self.bank.format if self.bank is not None else None
-        return host_prefetch.rows(fmt) + host_prefetch.early_rows(fmt) if on else 0
+        return host_prefetch.rows(self.bank.format if self.bank is not None else None) if on else 0
 
     def _stage_tokens(self) -> int:
         """The largest decode batch host reads take, whose pairs host staging's block holds

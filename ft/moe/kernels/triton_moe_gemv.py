@@ -168,20 +168,6 @@ FP4_BLOCK_SUMS = os.environ.get("FT_MOE_GEMV_FP4_BLOCK_SUMS", "1") != "0"
 # (FT_MOE_GEMV_FP4_BLOCK_SUMS=0: both kernels' block sums off; FT_MOE_GEMV_FP4_DOWN_PLANES=0).
 FP4_DOWN_PLANES = os.environ.get("FT_MOE_GEMV_FP4_DOWN_PLANES", "1") != "0"
 NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 256, 2, 1))
-# The down kernel by pair's NVFP4 words, scales, row globals and routing weight loaded *before* its
-# PDL wait (``DOWN_EARLY``; off until a GPU times it, FT_MOE_GEMV_DOWN_EARLY=1): none of them is
-# written by the gate/up kernel it waits for. The ids and weights come from the router two launches
-# back, which finished before gate/up passed its own wait, and so before this launch could start
-# (read from L2, .cg); the weights are the bank's (or host staging's block, written before gate/up
-# too). With ``EARLY`` PDL a batch-1 down launch's programs start beside gate/up's (~1,400 programs
-# of 40 registers leave an H200's SMs about a third of their warps), so their 2 KB of codes each
-# arrive while gate/up runs, where they now wait for it first: in the census (2026-12-04) the down
-# kernel took 9.3 us a layer for ~1.9 us of bytes, gate/up 9.4 for ~3.8. Only the words' tiles
-# with one or two K steps (Qwen3-Next's I=512 and its TP shards): all of a program's codes held in
-# registers. The same loads and arithmetic in the same order: the same bits. Unlike the L2
-# prefetch before the wait that lost on 2026-12-01 (docs/benchmarks.md), these are the kernel's own
-# loads moved earlier, not a second request for the same lines.
-DOWN_EARLY = os.environ.get("FT_MOE_GEMV_DOWN_EARLY", "0") == "1"
 # Beside an NVFP4 bank the bf16 shared pair is a branch of its own in both kernels, and its per-lane
 # partial sums over BLOCK_K (fp32 [BLOCK_N, BLOCK_K], e.g. 32 registers a thread at (4, 512, 4 warps))
 # set the kernel's registers for every program: compiled for sm_90, gate/up at its tiles takes 72
@@ -316,20 +302,6 @@ def _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOC
         mask = mask & (kb < (K - k0) // 16)
     words = tl.load(w_ptr, mask=mask, other=0)
     return words, e4m3(tl.load(s_ptr, mask=mask, other=0)) * SCALE_BY
-
-
-@triton.jit
-def _down_words_step(
-    wd, sd, a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    # one K step of the down kernel's words with block sums: the blocks' products summed, times
-    # their scales, [BN, BK/16, 1] (``FP4_DOWN_PLANES``)
-    bd = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
-    for q in tl.static_range(4):
-        lo, hi = _input_pair(a_row, k0, q, K, EVEN_K, BLOCK_K, INPUT_BY)
-        bd += _code(wd, 2 * q) * lo
-        bd += _code(wd, 2 * q + 1) * hi
-    return tl.sum(bd, axis=2, keep_dims=True) * sd
 
 
 @triton.jit
@@ -788,8 +760,8 @@ def _down_pair_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
-    EARLY_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded as the walk rounds
     # it, into ws[tok, slot, n]; the (tok, rows) block's last program writes out[tok, n], the sum
     tok = tl.program_id(0).to(tl.int64)
@@ -797,22 +769,6 @@ def _down_pair_kernel(
     slot = tl.program_id(2)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    if EARLY_STEPS > 0:  # ``DOWN_EARLY``: a routed pair's words, scales, globals and weight first
-        routed = slot < TOPK
-        e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=routed, other=0, cache_modifier=".cg")
-        b_e, s_e, g_e = _expert(
-            e.to(tl.int64), b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
-        )
-        rmask = nmask & routed
-        wd0, sd0 = _fp4_words(b_e, s_e, n, 0, s_bn, s_sn, rmask, K, EVEN_K, BLOCK_N, BLOCK_K, SUMS_BY)
-        wd1, sd1 = wd0, sd0
-        if EARLY_STEPS == 2:
-            wd1, sd1 = _fp4_words(
-                b_e, s_e, n, BLOCK_K, s_bn, s_sn, rmask, K, EVEN_K, BLOCK_N, BLOCK_K, SUMS_BY
-            )
-        early_g = tl.load(g_e + n, mask=rmask, other=0.0)
-        early_w = tl.load(topk_w + tok * s_wt + slot * s_wk, mask=routed, other=0.0, cache_modifier=".cg")
-    wait_for_previous(USE_PDL)
     a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if not FP4:  # one loop, as in ``_gate_up_kernel``: the shared rows differ only in start and stride
@@ -841,13 +797,6 @@ def _down_pair_kernel(
                 w = _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, SBK)
                 sacc += w * _inputs(a_row, k0, K, EVEN_K, SBK)
             term = tl.sum(sacc, axis=1) * tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
-        elif EARLY_STEPS > 0:  # the loads made before the wait, the loop below's arithmetic
-            blocks = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
-            blocks += _down_words_step(wd0, sd0, a_row, 0, K, EVEN_K, BLOCK_N, BLOCK_K)
-            if EARLY_STEPS == 2:
-                blocks += _down_words_step(wd1, sd1, a_row, BLOCK_K, K, EVEN_K, BLOCK_N, BLOCK_K)
-            dot = tl.sum(tl.sum(blocks, axis=2), axis=1)
-            term = dot * (early_g * (early_w.to(tl.float32) * unfold))
         else:
             e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
             b_e, s_e, g_e = _expert(
@@ -859,7 +808,12 @@ def _down_pair_kernel(
                     wd, sd = _fp4_words(
                         b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, SUMS_BY
                     )
-                    blocks += _down_words_step(wd, sd, a_row, k0, K, EVEN_K, BLOCK_N, BLOCK_K)
+                    bd = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
+                    for q in tl.static_range(4):
+                        lo, hi = _input_pair(a_row, k0, q, K, EVEN_K, BLOCK_K, INPUT_BY)
+                        bd += _code(wd, 2 * q) * lo
+                        bd += _code(wd, 2 * q + 1) * hi
+                    blocks += tl.sum(bd, axis=2, keep_dims=True) * sd
                 dot = tl.sum(tl.sum(blocks, axis=2), axis=1)
             else:
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
@@ -1014,8 +968,6 @@ def launch_moe_gemv(
             f"T={t} x {blocks} row blocks: more than the ticket counters"
         )
         ws = torch.empty(t, pairs, h, dtype=torch.float32, device=x.device)  # the pairs' rounded terms
-        steps = triton.cdiv(inter, bk_down)
-        early_steps = steps if DOWN_EARLY and down_planes and steps <= 2 else 0  # loaded before the wait
         _down_pair_kernel[(t, blocks, pairs)](
             act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, ws, triton_gemv.tickets(x.device), h, inter,
             act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
@@ -1023,7 +975,6 @@ def launch_moe_gemv(
             **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
             num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
             SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0, **pdl_args(act),
-            EARLY_STEPS=early_steps,
         )  # fmt: skip
         return out
     down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)

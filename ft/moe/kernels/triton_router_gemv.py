@@ -37,13 +37,6 @@ from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K, softmax_topk_ro
 # model of 2026-11-30 it had gained nothing (482.8 against 482.9). GPU tests:
 # tests/gpu/test_router_fold.py, and test_engine_cuda.py's decode-switch tolerance (both passed).
 FUSED_ROUTER = os.environ.get("FT_FUSED_ROUTER", "1") != "0"
-# The router's first weight tile a program loaded before its PDL wait (``WEIGHTS_EARLY``; off until a
-# GPU times it, FT_ROUTER_WEIGHTS_EARLY=1): all of it where a split is one K step (Qwen3-Next's
-# 513 x 2048: 33 column blocks x 8 splits of 256). The weights are no kernel's output, so with
-# ``EARLY`` PDL the 2 MB arrive while the norm before it runs; the router took 6.6 us a layer for
-# 2.1 MB in the 2026-12-04 census. The same loads and products: the same bits. Timed beside
-# ``triton_moe_gemv.DOWN_EARLY`` and ``triton_gemv.WEIGHTS_EARLY``.
-WEIGHTS_EARLY = os.environ.get("FT_ROUTER_WEIGHTS_EARLY", "0") == "1"
 MAX_TOKENS = 4  # the epilogue's program holds T x E_P keys (int64, or int32 with triton_router.KEYS32)
 
 
@@ -53,15 +46,12 @@ def _router_topk_kernel(
     M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
     E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    BLOCKS: tl.constexpr = False, EARLY: tl.constexpr = False,
+    BLOCKS: tl.constexpr = False,
 ):  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_first = None
-    if EARLY:  # ``WEIGHTS_EARLY``: this program's first weight tile before the wait
-        w_first = triton_gemv.split_first_weights(w, n, N, K, K_SPLIT, s_wn, BLOCK_K, EVEN_K)
     wait_for_previous(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     last, total = triton_gemv.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
-                                          BLOCK_N, BLOCK_K, SPLITS, EVEN_K, w_first, EARLY)  # fmt: skip
+                                          BLOCK_N, BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
     if BLOCKS:  # noqa: SIM102 (static: compiled only with blocks) the first column block of each split
         # quantises the inputs it read, x's int16 blocks for the MoE GEMV
         if tl.program_id(0) == 0:
@@ -137,7 +127,6 @@ def launch_router_topk(
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
         KEYS32=triton_router.keys32(logits.dtype),
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
-        EARLY=WEIGHTS_EARLY,
     )  # fmt: skip
     return weights, ids, logits[:, e:] if shared_gate else None
 
