@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from ft.attention import triton_kernels  # noqa: E402
 from ft.gdn import triton_conv, triton_decode, triton_decode_layer  # noqa: E402
@@ -56,8 +57,9 @@ def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3) -> str:
         i for i, a in enumerate(fn.arg_names) if a in ptrs or a.startswith("s_") or a in ("K", "K_SPLIT")
     ]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned if sig[fn.arg_names[i]] != "constexpr"}
+    source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
     kernel = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+        source(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
         options={"num_warps": warps, "num_stages": stages},
     )  # fmt: skip
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -190,6 +192,17 @@ def entries():
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
                     yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages
+    from ft.moe.kernels import gluon_w4a16  # Gluon (its own AST source: ``build``)
+
+    for which, cfg, swiglu in zip(("gate/up", "down"), gluon_w4a16.CONFIGS["default"][-1][1:], (True, False)):
+        bm, bn, bk, group_m, warps, _ = cfg
+        consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu, "BLOCK_M": bm,
+                  "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "A_MAP": False, "C_MAP": False,
+                  "STAGES": gluon_w4a16.STAGES, **gluon_w4a16.layouts(bm, bn, bk, warps)}  # fmt: skip
+        kernel = gluon_w4a16._w4a16_wgmma_kernel
+        yield f"NVFP4 Gluon wgmma {which}, T=8192", kernel, w4, consts, warps, 1
+        into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
+        yield f"NVFP4 Gluon wgmma {which} into rows", kernel, w4, consts | into, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
     yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip

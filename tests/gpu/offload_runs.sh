@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|nvfp4profile|census|hostreads|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|gluon|nvfp4profile|census|hostreads|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -37,6 +37,11 @@
 #            bound by its compute (issue 8's 32k row at 80% of the link, target 85%; 2026-12-03),
 #            most of it these GEMMs and that attention. Then `FT_MOE_PREFILL=UP/DOWN
 #            FT_ATTN_EXTEND_TILES=BM,BN,W,S bash ... row` with the bests (~9 min)
+#   gluon    the Gluon W4A16 kernel (triton_w4a16.GLUON, written 2026-12-04 without a GPU): its GPU
+#            tests (against the Triton kernel and the reference, and through Into), then the MoE
+#            call at 4k / 8k / 16k tokens with it off and on (w4a16_timings.py; ~4 min). If it wins:
+#            FT_W4A16_GLUON=1 for the NVFP4 48 GiB row's 8k prefill (55% of the link on 2026-12-04,
+#            bound by these GEMMs) and issue 5's TTFT
 #   nvfp4profile  where a batch-1 decode step of the NVFP4 80B under --max-gpu-memory 48GiB goes
 #            (profile_offload_decode.py, all 48 layers, host reads and staging as the defaults):
 #            the row sits at 71-73% of its PCIe floor (target 80%), ~144 us a layer against ~76 of
@@ -136,6 +141,16 @@ memory)
     FT_EXPANDABLE_SEGMENTS=$expandable timeout 290 python3 tests/gpu/memory_plan.py "$next" 0.94 \
       "$out/memory_$expandable.log" >"$out/memory_$expandable.out" 2>&1
     grep -E "^(loaded|after)" "$out/memory_$expandable.log"
+  done
+  ;;
+gluon)
+  timeout 300 python3 -m pytest -q -m gpu -p no:xdist tests/nvfp4/test_w4a16_gpu.py -k gluon >"$out/gluon_tests.log" 2>&1
+  tail -n 3 "$out/gluon_tests.log"
+  for on in 0 1; do
+    FT_W4A16_GLUON=$on FT_TIMINGS_T=4096,8192,16384 timeout 200 python3 tests/nvfp4/w4a16_timings.py \
+      >"$out/gluon_timings_$on.log" 2>&1
+    echo "FT_W4A16_GLUON=$on:"
+    grep -E "^T=" "$out/gluon_timings_$on.log" | cut -c1-200
   done
   ;;
 nvfp4profile)

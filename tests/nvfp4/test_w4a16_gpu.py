@@ -158,3 +158,48 @@ def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
         for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
             tok = next(t for t in w if t in g)  # the prompt token is in both
             assert abs(g[tok] - w[tok]) < 0.1 + 0.02 * abs(w[tok])
+
+
+@pytest.mark.parametrize("t", [2100, 4096, 8192])
+def test_gluon_kernel_matches_the_triton_kernel(t, monkeypatch):
+    """``GLUON`` (the Gluon kernel whose decoding overlaps the wgmmas) against the Triton kernel
+    with the same table decode on the same call, and against the reference: the same values,
+    products summed in another order within a K step, so a few bf16 steps apart."""
+    from ft.moe.kernels import triton_w4a16
+    from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
+
+    monkeypatch.setattr(triton_w4a16, "LUT", True)
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    w13, w2 = random_bank(512, 1024, 2048, gen), random_bank(512, 2048, 512, gen)
+    x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = routing(t, 512, 10, gen)
+    outs = []
+    for gluon in (False, True):
+        monkeypatch.setattr(triton_w4a16, "GLUON", gluon)
+        outs.append(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids).float())
+    assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])
+    ref = fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids)
+    assert rel_err(outs[1], ref) < 2e-2, rel_err(outs[1], ref)
+
+
+def test_gluon_kernel_into_rows(monkeypatch):
+    """The Gluon kernel through ``Into`` (the offload backend's calls: one expert a pair, tokens
+    are rows of a larger batch, terms go to rows of another tensor) gives the Triton kernel's terms."""
+    from ft.moe.kernels import triton_w4a16
+    from ft.moe.kernels.into import Into
+
+    monkeypatch.setattr(triton_w4a16, "LUT", True)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    p, h = 6000, 2048
+    w13, w2 = random_bank(64, 1024, h, gen), random_bank(64, h, 512, gen)
+    x = torch.randn(p // 2, h, generator=gen, device="cuda").to(torch.bfloat16)
+    tokens = torch.randint(0, p // 2, (p,), generator=gen, device="cuda")
+    weights, ids = routing(p, 64, 1, gen)
+    rows = torch.randperm(p + 100, generator=gen, device="cuda")[:p]
+    outs = []
+    for gluon in (False, True):
+        monkeypatch.setattr(triton_w4a16, "GLUON", gluon)
+        into = Into(tokens, torch.zeros(p + 100, h, device="cuda", dtype=torch.bfloat16), rows)
+        outs.append(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids, into=into).float())
+    assert outs[0].abs().sum() > 0
+    assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])

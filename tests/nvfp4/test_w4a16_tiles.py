@@ -52,3 +52,19 @@ def test_ft_moe_prefill_sets_bf16s_last_rows_alone():
     assert same == "False" and bf16 == want
     assert w4 == "((128, 128, 128, 8, 8, 3), (64, 128, 64, 8, 4, 3))"  # the W4A16 table's own
     assert e128 == "((128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3))" and decode_same == "True"
+
+
+def test_the_gluon_kernel_takes_the_shapes_its_tiles_fit():
+    """``gluon_w4a16.supports``: K a multiple of BLOCK_K (64) with at least STAGES - 1 steps for
+    gate/up (K = H) and down (K = I); Qwen3-Next's and its TP=4 shard fit, a 48-row shard (a K
+    tail) and a 64-row one (one down step) take the Triton kernel. Its layouts ask for one wgmma
+    row block of 16 a warp."""
+    pytest.importorskip("triton.experimental.gluon")
+    from ft.moe.kernels import gluon_w4a16
+
+    assert gluon_w4a16.supports(2048, 512) and gluon_w4a16.supports(2048, 128)
+    assert not gluon_w4a16.supports(2048, 48) and not gluon_w4a16.supports(2048, 64)
+    assert not gluon_w4a16.supports(2000, 512)
+    assert gluon_w4a16.layouts(128, 128, 64, 8)["MMA"].warps_per_cta == [8, 1]
+    with pytest.raises(AssertionError):
+        gluon_w4a16.layouts(128, 128, 64, 4)

@@ -55,6 +55,14 @@ CONFIGS = triton_moe.configs_from_env(CONFIGS, "FT_W4A16_PREFILL")  # its prefil
 # tiles once tried beside it (the decoded codes as wgmma's register operand) were slower at every
 # size and are gone.
 LUT = os.environ.get("FT_W4A16_LUT", "1") == "1"
+# ``GLUON`` (off; FT_W4A16_GLUON=1 turns it on for a process and the ranks it spawns): calls of more
+# than ``GLUON_MIN_TOKENS`` tokens run ``gluon_w4a16``'s kernel instead, the same arithmetic with a
+# K step's decoding overlapped with the last step's wgmmas (this kernel's ``tl.dot`` waits for each
+# wgmma group: the 8k gate/up launch at 140 TFLOP/s, docs/benchmarks.md 2026-12-04). NOT yet run on
+# a GPU: compiled for sm_90 only (tests/gpu/compile_check.py); tests/nvfp4/test_w4a16_gpu.py
+# checks it against this kernel and the reference.
+GLUON = os.environ.get("FT_W4A16_GLUON", "0") == "1"
+GLUON_MIN_TOKENS = 2048
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # runs no PTX: its kernels take Triton twins
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
 # timed against this path by tests/nvfp4/w4a16_timings.py on an H200. 2026-11-30 (config_sweep.py):
@@ -474,4 +482,9 @@ def fused_moe_w4a16(
     e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
         return torch.zeros_like(x) if into is None else into.out
+    if GLUON and t > GLUON_MIN_TOKENS:
+        from ft.moe.kernels import gluon_w4a16  # Gluon: compiled only where it runs
+
+        if gluon_w4a16.supports(x.shape[1], inter):
+            return mma_path(gluon_w4a16.launch, x, w13, w2, weights, ids, e, inter, into, gluon_w4a16.CONFIGS)
     return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, CONFIGS)
