@@ -41,6 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ft.moe.kernels import triton_moe, triton_w4a16
+from ft.moe.kernels.triton_moe import pair_tile, store_pairs
+from ft.moe.kernels.triton_w4a16 import e4m3
 from ft.quant.nvfp4 import NVFP4Tensor
 
 LUT_LO = gl.constexpr(triton_w4a16.LUT_LO.value)
@@ -67,13 +69,6 @@ def _cta_barrier():
 
 
 @gluon.jit
-def _e4m3_x256(scale):
-    # e4m3 bits (uint8) -> the scale as bf16, exact (``triton_w4a16.e4m3`` times 256)
-    s = ((scale & 0x7F).to(gl.int16) << 7) | ((scale & 0x80).to(gl.int16) << 8)
-    return (s.to(gl.float16, bitcast=True).to(gl.float32) * 256.0).to(gl.bfloat16)
-
-
-@gluon.jit
 def _load_codes(b_e, s_e, n, kh, k0, s_bn, s_sn, nmask):
     # one K step's packed codes [BN, BK/2] (uint8, four consecutive bytes a thread: one word) and
     # each byte's block scale, gathered in the same shape (a 16-input block is 8 bytes)
@@ -86,7 +81,7 @@ def _load_codes(b_e, s_e, n, kh, k0, s_bn, s_sn, nmask):
 @gluon.jit
 def _decode(codes, scale):
     # ``triton_w4a16._decode_lut``'s halves (wa: inputs 8q + i, wb: 8q + 4 + i at position 4q + i)
-    s = _e4m3_x256(scale)
+    s = (e4m3(scale) * 256.0).to(gl.bfloat16)  # exact: e4m3 has 4 significant bits
     wa = gl.inline_asm_elementwise(LUT_LO, "=r,=r,r,r,r", [codes, s], gl.bfloat16, True, 4)
     wb = gl.inline_asm_elementwise(LUT_HI, "=r,=r,r,r,r", [codes, s], gl.bfloat16, True, 4)
     return wa, wb
@@ -115,15 +110,8 @@ def _w4a16_wgmma_kernel(
     COLS_IO: gl.constexpr = gl.SliceLayout(0, IO)
     ROWS_MMA: gl.constexpr = gl.SliceLayout(1, MMA)
     COLS_MMA: gl.constexpr = gl.SliceLayout(0, MMA)
-    # the program's tile: ``triton_moe.pair_tile`` (GROUP_M row blocks take each column block in turn)
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(EM, BLOCK_M)
-    num_n = gl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    # the program's tile (GROUP_M row blocks take each column block in turn)
+    pid_m, pid_n = pair_tile(gl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(num_padded):
         return
     e = gl.load(block_expert + pid_m).to(gl.int64)
@@ -210,12 +198,7 @@ def _w4a16_wgmma_kernel(
         acc = acc / (1.0 + gl.exp(-acc)) * acc_up
     out_rows = gl.load(sorted_ids + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROWS_MMA))
     omask = out_rows < num_pairs
-    if MUL_W:
-        acc = acc * gl.load(topk_w + out_rows, mask=omask, other=0.0).to(gl.float32)[:, None]
-    if C_MAP:
-        out_rows = gl.load(c_map + out_rows, mask=omask, other=0)
-    c_ptr = c + out_rows[:, None].to(gl.int64) * s_cm + n[None, :]
-    gl.store(c_ptr, acc.to(c.dtype.element_ty), mask=omask[:, None] & nmask[None, :])
+    store_pairs(acc, c, topk_w, out_rows, omask, n, nmask, s_cm, c_map, MUL_W, C_MAP)
 
 
 def supports(h: int, inter: int) -> bool:
