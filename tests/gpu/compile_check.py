@@ -194,15 +194,18 @@ def entries():
                     yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages
     from ft.moe.kernels import gluon_w4a16  # Gluon (its own AST source: ``build``)
 
-    for which, cfg, swiglu in zip(("gate/up", "down"), gluon_w4a16.CONFIGS["default"][-1][1:], (True, False)):
+    gluon_rows = [
+        (t, cfg) for t, row in ((1024, 0), (8192, -1)) for cfg in gluon_w4a16.CONFIGS["default"][row][1:]
+    ]
+    for (t, cfg), which, swiglu in zip(gluon_rows, ("gate/up", "down") * 2, (True, False) * 2):
         bm, bn, bk, group_m, warps, _ = cfg
         consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu, "BLOCK_M": bm,
                   "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "A_MAP": False, "C_MAP": False,
                   "STAGES": gluon_w4a16.STAGES, **gluon_w4a16.layouts(bm, bn, bk, warps)}  # fmt: skip
         kernel = gluon_w4a16._w4a16_wgmma_kernel
-        yield f"NVFP4 Gluon wgmma {which}, T=8192", kernel, w4, consts, warps, 1
+        yield f"NVFP4 Gluon wgmma {which}, T={t}", kernel, w4, consts, warps, 1
         into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
-        yield f"NVFP4 Gluon wgmma {which} into rows", kernel, w4, consts | into, warps, 1
+        yield f"NVFP4 Gluon wgmma {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
     yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip

@@ -48,12 +48,16 @@ from ft.quant.nvfp4 import NVFP4Tensor
 LUT_LO = gl.constexpr(triton_w4a16.LUT_LO.value)
 LUT_HI = gl.constexpr(triton_w4a16.LUT_HI.value)
 STAGES = 3  # activation buffers (cp.async groups in flight: STAGES - 1)
-# its tiles, laid out as ``triton_moe.CONFIGS`` (one row: it runs above ``triton_w4a16.GLUON_MIN_TOKENS``;
-# a config's last entry, stages, is unused): gate/up 128 x (128 + 128) x 64 at 8 warps (255 registers,
-# 112 KB of shared memory compiled for sm_90), down 64 x 128 x 64 at 4 (167 registers, 56 KB);
-# FT_W4A16_GLUON_TILES=UP/DOWN sets them for a process. Not yet swept: nothing here has run on a GPU.
+# its tiles, laid out as ``triton_moe.CONFIGS`` (it runs above ``triton_w4a16.GLUON_MIN_TOKENS``; a
+# config's last entry, stages, is unused): up to 2,048 tokens 64-row tiles at 4 warps (an expert
+# gets ~40 pairs of a 2k call: 128 rows would be mostly padding; gate/up 64 + 64 columns), above
+# gate/up 128 x (128 + 128) x 64 at 8 warps (255 registers, 112 KB of shared memory compiled for
+# sm_90) and down 64 x 128 x 64 at 4 (167 registers, 56 KB). FT_W4A16_GLUON_TILES=UP/DOWN sets the
+# last row for a process. Not yet swept: nothing here has run on a GPU.
+_UP, _DOWN = (128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 3)
+_SMALL_UP = (64, 64, 64, 8, 4, 3)  # 128 columns at 4 warps spill (204 B)
 CONFIGS = triton_moe.configs_from_env(
-    {name: [(1 << 62, (128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 3))] for name in ("default", "E128")},
+    {name: [(2048, _SMALL_UP, _DOWN), (1 << 62, _UP, _DOWN)] for name in ("default", "E128")},
     "FT_W4A16_GLUON_TILES",
 )
 NEW_BARRIER = gl.constexpr(hasattr(gl, "barrier"))  # Triton 3.6's thread_barrier is 3.8's barrier

@@ -56,13 +56,13 @@ CONFIGS = triton_moe.configs_from_env(CONFIGS, "FT_W4A16_PREFILL")  # its prefil
 # size and are gone.
 LUT = os.environ.get("FT_W4A16_LUT", "1") == "1"
 # ``GLUON`` (off; FT_W4A16_GLUON=1 turns it on for a process and the ranks it spawns): calls of more
-# than ``GLUON_MIN_TOKENS`` tokens run ``gluon_w4a16``'s kernel instead, the same arithmetic with a
-# K step's decoding overlapped with the last step's wgmmas (this kernel's ``tl.dot`` waits for each
-# wgmma group: the 8k gate/up launch at 140 TFLOP/s, docs/benchmarks.md 2026-12-04). NOT yet run on
-# a GPU: compiled for sm_90 only (tests/gpu/compile_check.py); tests/nvfp4/test_w4a16_gpu.py
-# checks it against this kernel and the reference.
+# than ``GLUON_MIN_TOKENS`` tokens (FT_W4A16_GLUON_MIN_TOKENS) run ``gluon_w4a16``'s kernel instead,
+# the same arithmetic with a K step's decoding overlapped with the last step's wgmmas (this kernel's
+# ``tl.dot`` waits for each wgmma group: the 8k gate/up launch at 140 TFLOP/s, docs/benchmarks.md
+# 2026-12-04). NOT yet run on a GPU: compiled for sm_90 only (tests/gpu/compile_check.py);
+# tests/nvfp4/test_w4a16_gpu.py checks it against this kernel and the reference.
 GLUON = os.environ.get("FT_W4A16_GLUON", "0") == "1"
-GLUON_MIN_TOKENS = 2048
+GLUON_MIN_TOKENS = int(os.environ.get("FT_W4A16_GLUON_MIN_TOKENS", "512"))
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # runs no PTX: its kernels take Triton twins
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding), as
 # timed against this path by tests/nvfp4/w4a16_timings.py on an H200. 2026-11-30 (config_sweep.py):
