@@ -203,3 +203,22 @@ def test_gluon_kernel_into_rows(monkeypatch):
         outs.append(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids, into=into).float())
     assert outs[0].abs().sum() > 0
     assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("t", [1024, 4096])
+def test_gluon_kernel_small_banks_and_column_tails(t, monkeypatch):
+    """The Gluon kernel on a 128-expert bank (the ``E128`` rows) with H=128 (two gate/up K steps,
+    its fewest) and I=192 (three down steps, a 128-column gate/up tile cut at 192): the Triton
+    kernel's values."""
+    from ft.moe.kernels import triton_w4a16
+
+    monkeypatch.setattr(triton_w4a16, "LUT", True)
+    gen = torch.Generator(device="cuda").manual_seed(t + 1)
+    w13, w2 = random_bank(128, 384, 128, gen), random_bank(128, 128, 192, gen)
+    x = torch.randn(t, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = routing(t, 128, 8, gen)
+    outs = []
+    for gluon in (False, True):
+        monkeypatch.setattr(triton_w4a16, "GLUON", gluon)
+        outs.append(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids).float())
+    assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])

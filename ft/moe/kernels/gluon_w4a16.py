@@ -100,7 +100,9 @@ def _issue_acts(a_ptr0, rmask, k0, K, dst0, dst1):
     async_copy.commit_group()
 
 
-@gluon.jit
+# a call's pair count, where its weights and row maps start (slices of a batch's): one variant for
+# all, as ``triton_w4a16._w4a16_gemm_kernel``
+@gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w", "a_map", "c_map"])
 def _w4a16_wgmma_kernel(
     a, b, b_scale, b_global, c, topk_w, sorted_ids, block_expert, num_padded,
     EM, N, K, num_pairs, s_am, s_be, s_bn, s_se, s_sn, s_ge, s_cm, a_map, c_map,
@@ -210,7 +212,9 @@ def supports(h: int, inter: int) -> bool:
     (K a multiple of BLOCK_K with STAGES - 1 steps, for gate/up and down); else the Triton kernel runs."""
     return all(
         k % cfg[2] == 0 and k // cfg[2] >= STAGES - 1
-        for k, cfg in zip((h, inter), CONFIGS["default"][-1][1:])
+        for rows in CONFIGS.values()
+        for _, *cfgs in rows
+        for k, cfg in zip((h, inter), cfgs)
     )
 
 
