@@ -7,13 +7,14 @@ sm_90, 2026-12-04), so decoding and MMA never overlap: at an 8k chunk the gate/u
 140 TFLOP/s with 255 registers and one program an SM (Nsight Compute, docs/benchmarks.md). Here the
 loop is written out (Gluon: explicit layouts, shared memory and wgmma groups):
 
-    step i:  load step i+1's codes and scales (registers)
-             decode step i by the PTX byte tables (``triton_w4a16.LUT_LO/HI``) while step i-1's
-             wgmmas run, store it to decoded buffer i % 2 (two buffers)
-             wait for step i's activations (cp.async, STAGES buffers, issued STAGES-1 steps ahead)
+    step i:  wait for step i's copies (cp.async, STAGES slots, issued STAGES-1 steps ahead: the
+             activations' two halves, the packed codes and the block scales), barrier
+             decode step i from shared memory by the PTX byte tables (``triton_w4a16.LUT_LO/HI``,
+             a thread one 16-input block: one scale) while step i-1's wgmmas run, store it to
+             decoded buffer i % 2 (two buffers)
              fence, barrier, issue step i's wgmmas (async), wait until only they are in flight,
-             barrier (every warpgroup is past step i-1: its buffers are free), issue the
-             activations of step i+STAGES-1 into step i-1's buffer
+             barrier (every warpgroup is past step i-1: its slot and buffer are free), issue the
+             copies of step i+STAGES-1 into step i-1's slot
 
 The arithmetic is ``triton_w4a16``'s LUT path: per K step of BLOCK_K inputs two half-K products
 (the activations read in the table decode's order, ``ka``), fp32 accumulators, the rows'
@@ -22,7 +23,9 @@ globals, SwiGLU and the routing weight applied after the loop, the same pairs' r
 step), the values agree to fp32 accumulation.
 
 NOT yet run on a GPU (written 2026-12-04 on a machine without one; compiled for sm_90 with Triton
-3.6 by tests/gpu/compile_check.py): off until a GPU test passes and a timing wins
+3.6 and 3.8 by tests/gpu/compile_check.py; the gate/up loop at the 8k tiles is 394 instructions a
+thread, its 16 wgmmas ~1,020 cycles at the tensor cores' rate, no wgmma serialised): off until a
+GPU test passes and a timing wins
 (``triton_w4a16.GLUON``, FT_W4A16_GLUON=1). Supports the prefill tiles only: BLOCK_M 16 x warps
 (one wgmma row block per warp), K a multiple of BLOCK_K with at least STAGES - 1 steps.
 """
@@ -50,12 +53,13 @@ LUT_HI = gl.constexpr(triton_w4a16.LUT_HI.value)
 STAGES = 3  # activation buffers (cp.async groups in flight: STAGES - 1)
 # its tiles, laid out as ``triton_moe.CONFIGS`` (it runs above ``triton_w4a16.GLUON_MIN_TOKENS``; a
 # config's last entry, stages, is unused): up to 2,048 tokens 64-row tiles at 4 warps (an expert
-# gets ~40 pairs of a 2k call: 128 rows would be mostly padding; gate/up 64 + 64 columns), above
-# gate/up 128 x (128 + 128) x 64 at 8 warps (255 registers, 112 KB of shared memory compiled for
-# sm_90) and down 64 x 128 x 64 at 4 (167 registers, 56 KB). FT_W4A16_GLUON_TILES=UP/DOWN sets the
-# last row for a process. Not yet swept: nothing here has run on a GPU.
+# gets ~40 pairs of a 2k call: 128 rows would be mostly padding; gate/up 64 + 64 columns, 128
+# registers), above gate/up 128 x (128 + 128) x 64 at 8 warps (255 registers, 139 KB of shared
+# memory compiled for sm_90) and down 64 x 128 x 64 at 4 (167 registers, 70 KB).
+# FT_W4A16_GLUON_TILES=UP/DOWN sets the last row for a process. Not yet swept: nothing here has run
+# on a GPU.
 _UP, _DOWN = (128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 3)
-_SMALL_UP = (64, 64, 64, 8, 4, 3)  # 128 columns at 4 warps spill (204 B)
+_SMALL_UP = (64, 64, 64, 8, 4, 3)
 CONFIGS = triton_moe.configs_from_env(
     {name: [(2048, _SMALL_UP, _DOWN), (1 << 62, _UP, _DOWN)] for name in ("default", "E128")},
     "FT_W4A16_GLUON_TILES",
@@ -73,31 +77,38 @@ def _cta_barrier():
 
 
 @gluon.jit
-def _load_codes(b_e, s_e, n, kh, k0, s_bn, s_sn, nmask):
-    # one K step's packed codes [BN, BK/2] (uint8, four consecutive bytes a thread: one word) and
-    # each byte's block scale, gathered in the same shape (a 16-input block is 8 bytes)
-    rows = n[:, None].to(gl.int64)
-    codes = gl.load(b_e + rows * s_bn + (k0 // 2 + kh)[None, :], mask=nmask[:, None], other=0)
-    scale = gl.load(s_e + rows * s_sn + (k0 // 16 + kh // 8)[None, :], mask=nmask[:, None], other=0)
-    return codes, scale
+def _issue_step(a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s, k0, K, a0, a1, gc, gs, uc, us,
+                up_codes, up_scales, SWIGLU: gl.constexpr):  # fmt: skip
+    # one K step's copies, one group: the activations' two halves (columns ka and ka + 4), the gate
+    # (and up) rows' packed codes [BN, BK/2] and block scales [BN, BK/16]
+    live = k0 < K
+    m = rmask[:, None] & live
+    async_copy.async_copy_global_to_shared(a0, a_ptr0 + k0, mask=m)
+    async_copy.async_copy_global_to_shared(a1, a_ptr0 + (k0 + 4), mask=m)
+    async_copy.async_copy_global_to_shared(gc, codes_ptr + k0 // 2, mask=nmask_c[:, None] & live)
+    async_copy.async_copy_global_to_shared(gs, scale_ptr + k0 // 16, mask=nmask_s[:, None] & live)
+    if SWIGLU:
+        mask_c = nmask_c[:, None] & live
+        async_copy.async_copy_global_to_shared(uc, codes_ptr + (up_codes + k0 // 2), mask=mask_c)
+        async_copy.async_copy_global_to_shared(
+            us, scale_ptr + (up_scales + k0 // 16), mask=nmask_s[:, None] & live
+        )
+    async_copy.commit_group()
 
 
 @gluon.jit
-def _decode(codes, scale):
-    # ``triton_w4a16._decode_lut``'s halves (wa: inputs 8q + i, wb: 8q + 4 + i at position 4q + i)
-    s = (e4m3(scale) * 256.0).to(gl.bfloat16)  # exact: e4m3 has 4 significant bits
+def _decode(codes_s, scales_s, BLOCK_N: gl.constexpr, HK: gl.constexpr, P3: gl.constexpr, B2: gl.constexpr):
+    # a step's codes [BN, BK/2] and scales [BN, BK/16] from shared memory -> ``triton_w4a16.
+    # _decode_lut``'s halves (wa: inputs 8q + i, wb: 8q + 4 + i at position 4q + i), [BN, BK/2] bf16.
+    # In P3 a thread holds one 16-input block's 8 bytes, so its scale is one element broadcast
+    codes = codes_s.reshape([BLOCK_N, HK // 8, 8]).load(P3)
+    s = (e4m3(scales_s.load(gl.SliceLayout(2, P3))) * 256.0).to(gl.bfloat16)  # exact: 4 significant bits
+    s, codes = gl.broadcast(gl.expand_dims(s, 2), codes)
     wa = gl.inline_asm_elementwise(LUT_LO, "=r,=r,r,r,r", [codes, s], gl.bfloat16, True, 4)
     wb = gl.inline_asm_elementwise(LUT_HI, "=r,=r,r,r,r", [codes, s], gl.bfloat16, True, 4)
+    wa = gl.convert_layout(gl.reshape(wa, [BLOCK_N, HK]), B2, assert_trivial=True)
+    wb = gl.convert_layout(gl.reshape(wb, [BLOCK_N, HK]), B2, assert_trivial=True)
     return wa, wb
-
-
-@gluon.jit
-def _issue_acts(a_ptr0, rmask, k0, K, dst0, dst1):
-    # one K step's two activation halves (columns ka and ka + 4) into their buffers, one group
-    m = rmask[:, None] & (k0 < K)
-    async_copy.async_copy_global_to_shared(dst0, a_ptr0 + k0, mask=m)
-    async_copy.async_copy_global_to_shared(dst1, a_ptr0 + (k0 + 4), mask=m)
-    async_copy.commit_group()
 
 
 # a call's pair count, where its weights and row maps start (slices of a batch's): one variant for
@@ -110,10 +121,11 @@ def _w4a16_wgmma_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     A_MAP: gl.constexpr, C_MAP: gl.constexpr, STAGES: gl.constexpr,
     MMA: gl.constexpr, IO: gl.constexpr, A_SMEM: gl.constexpr, B_SMEM: gl.constexpr,
+    CODES: gl.constexpr, SCALES: gl.constexpr, PLAIN: gl.constexpr, P3: gl.constexpr, B2: gl.constexpr,
 ):  # fmt: skip
     HK: gl.constexpr = BLOCK_K // 2
+    NB: gl.constexpr = BLOCK_K // 16  # scale blocks a step
     ROWS_IO: gl.constexpr = gl.SliceLayout(1, IO)
-    COLS_IO: gl.constexpr = gl.SliceLayout(0, IO)
     ROWS_MMA: gl.constexpr = gl.SliceLayout(1, MMA)
     COLS_MMA: gl.constexpr = gl.SliceLayout(0, MMA)
     # the program's tile (GROUP_M row blocks take each column block in turn)
@@ -128,53 +140,60 @@ def _w4a16_wgmma_kernel(
     a_rows = (rows // TOPK) if A_PER_TOKEN else rows
     if A_MAP:
         a_rows = gl.load(a_map + a_rows, mask=rmask, other=0)
-    kh = gl.arange(0, HK, layout=COLS_IO)
+    kh = gl.arange(0, HK, layout=gl.SliceLayout(0, IO))
     ka = (kh // 4) * 8 + kh % 4  # the table decode's inputs (wa's; wb's are 4 further)
     a_ptr0 = a + a_rows[:, None].to(gl.int64) * s_am + ka[None, :]
-    n_io = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS_IO)
-    nmask_io = n_io < N
-    b_e = b + e * s_be
-    s_e = b_scale + e * s_se
+    # the gate rows' codes and scales at k = 0 (the up rows sit N rows below, same expert)
+    n_c = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODES))
+    codes_ptr = b + e * s_be + n_c[:, None].to(gl.int64) * s_bn
+    codes_ptr += gl.arange(0, HK, layout=gl.SliceLayout(0, CODES))[None, :]
+    n_s = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALES))
+    scale_ptr = b_scale + e * s_se + n_s[:, None].to(gl.int64) * s_sn
+    scale_ptr += gl.arange(0, NB, layout=gl.SliceLayout(0, SCALES))[None, :]
+    nmask_c = n_c < N
+    nmask_s = n_s < N
+    up_codes = N * s_bn
+    up_scales = N * s_sn
 
+    # STAGES steps of copies (activations, codes, scales), two decoded tiles of gate (and up)
     a0_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, HK], A_SMEM)
     a1_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, HK], A_SMEM)
+    gc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HK], PLAIN)
+    gs_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, NB], PLAIN)
     ga_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HK], B_SMEM)
     gb_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HK], B_SMEM)
+    uc_s = gc_s  # (unused without SwiGLU)
+    us_s = gs_s
     if SWIGLU:
+        uc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HK], PLAIN)
+        us_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, NB], PLAIN)
         ua_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HK], B_SMEM)
         ub_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HK], B_SMEM)
 
     steps = K // BLOCK_K
-    for s in gl.static_range(STAGES - 1):  # the first activations
-        _issue_acts(a_ptr0, rmask, s * BLOCK_K, K, a0_s.index(s), a1_s.index(s))
-    g_codes, g_scale = _load_codes(b_e, s_e, n_io, kh, 0, s_bn, s_sn, nmask_io)
-    if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
-        u_codes, u_scale = _load_codes(b_e + N * s_bn, s_e + N * s_sn, n_io, kh, 0, s_bn, s_sn, nmask_io)
+    gl.assume(steps >= STAGES - 1)  # (the launcher's check) no path around the loop to its waits
+    for s in gl.static_range(STAGES - 1):  # the first steps' copies
+        _issue_step(a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s, s * BLOCK_K, K, a0_s.index(s),
+                    a1_s.index(s), gc_s.index(s), gs_s.index(s), uc_s.index(s), us_s.index(s), up_codes,
+                    up_scales, SWIGLU)  # fmt: skip
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
     acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA)
     for i in range(steps):
-        k0 = i * BLOCK_K
         buf = i % 2
         slot = i % STAGES
+        async_copy.wait_group(STAGES - 2)  # this step's copies have landed (this thread's)
+        _cta_barrier()  # ... and every thread's
         # this step's decode (step i-1's wgmmas may still run); its buffer was last read by step
         # i-2, which every warpgroup finished before the last step's closing barrier
-        wa, wb = _decode(g_codes, g_scale)
+        wa, wb = _decode(gc_s.index(slot), gs_s.index(slot), BLOCK_N, HK, P3, B2)
         ga_s.index(buf).store(wa)
         gb_s.index(buf).store(wb)
         if SWIGLU:
-            ua, ub = _decode(u_codes, u_scale)
+            ua, ub = _decode(uc_s.index(slot), us_s.index(slot), BLOCK_N, HK, P3, B2)
             ua_s.index(buf).store(ua)
             ub_s.index(buf).store(ub)
-        # the next step's codes in flight while this one multiplies (masked past the last step)
-        nmask_next = nmask_io & (k0 + BLOCK_K < K)
-        g_codes, g_scale = _load_codes(b_e, s_e, n_io, kh, k0 + BLOCK_K, s_bn, s_sn, nmask_next)
-        if SWIGLU:
-            u_codes, u_scale = _load_codes(
-                b_e + N * s_bn, s_e + N * s_sn, n_io, kh, k0 + BLOCK_K, s_bn, s_sn, nmask_next
-            )
-        async_copy.wait_group(STAGES - 2)  # this step's activations have landed (this thread's)
         fence_async_shared()
-        _cta_barrier()  # ... and every thread's, and every decoded tile is stored
+        _cta_barrier()  # every decoded tile is stored
         a0 = a0_s.index(slot)
         a1 = a1_s.index(slot)
         acc = warpgroup_mma(a0, ga_s.index(buf).permute((1, 0)), acc, is_async=True)
@@ -185,9 +204,11 @@ def _w4a16_wgmma_kernel(
             acc, acc_up = warpgroup_mma_wait(num_outstanding=4, deps=(acc, acc_up))
         else:
             acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-        _cta_barrier()  # every warpgroup is past step i-1: its activation buffer is free
+        _cta_barrier()  # every warpgroup is past step i-1: its slot (decoded, multiplied) is free
         nxt = (i + STAGES - 1) % STAGES
-        _issue_acts(a_ptr0, rmask, k0 + (STAGES - 1) * BLOCK_K, K, a0_s.index(nxt), a1_s.index(nxt))
+        _issue_step(a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s, (i + STAGES - 1) * BLOCK_K, K,
+                    a0_s.index(nxt), a1_s.index(nxt), gc_s.index(nxt), gs_s.index(nxt), uc_s.index(nxt),
+                    us_s.index(nxt), up_codes, up_scales, SWIGLU)  # fmt: skip
     if SWIGLU:
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
     else:
@@ -224,12 +245,17 @@ def layouts(block_m: int, block_n: int, block_k: int, warps: int) -> dict:
     bytes or activations a thread), and the two operands' shared-memory swizzles."""
     hk = block_k // 2
     assert block_m == 16 * warps and warps in (4, 8), f"BLOCK_M {block_m} is not 16 x warps ({warps})"
-    assert 16 <= hk <= 128 and block_n % 8 == 0 and block_n <= 256, (block_n, block_k)
+    assert hk in (32, 64) and block_n % 8 == 0 and block_n <= 256, (block_n, block_k)
     return dict(
         MMA=gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 16]
         ),
         IO=gl.BlockedLayout([1, 4], [128 // hk, hk // 4], [warps, 1], [1, 0]),
+        CODES=gl.BlockedLayout([1, 16], [512 // hk, hk // 16], [warps, 1], [1, 0]),  # 16-byte copies
+        SCALES=gl.BlockedLayout([1, hk // 8], [32, 1], [warps, 1], [1, 0]),  # a row's scales a copy
+        PLAIN=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
+        P3=gl.BlockedLayout([1, 1, 8], [256 // hk, hk // 8, 1], [warps, 1, 1], [2, 1, 0]),  # a block a thread
+        B2=gl.BlockedLayout([1, 8], [256 // hk, hk // 8], [warps, 1], [1, 0]),  # P3's [BN, BK/2]
         A_SMEM=gl.NVMMASharedLayout.get_default_for([block_m, hk], gl.bfloat16),
         B_SMEM=gl.NVMMASharedLayout.get_default_for([block_n, hk], gl.bfloat16),
     )
