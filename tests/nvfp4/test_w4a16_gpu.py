@@ -165,12 +165,13 @@ def test_gluon_kernel_matches_the_triton_kernel(t, monkeypatch):
     """``GLUON`` (the Gluon kernel whose decoding overlaps the wgmmas) against the Triton kernel
     with the same table decode on the same call, and against the reference: the same values,
     products summed in another order within a K step, so a few bf16 steps apart."""
-    from ft.moe.kernels import triton_w4a16
+    from ft.moe.kernels import gluon_w4a16, triton_w4a16
     from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
 
     monkeypatch.setattr(triton_w4a16, "LUT", True)
     gen = torch.Generator(device="cuda").manual_seed(t)
     w13, w2 = random_bank(512, 1024, 2048, gen), random_bank(512, 2048, 512, gen)
+    assert gluon_w4a16.supports(w13, w2)
     x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
     weights, ids = routing(t, 512, 10, gen)
     outs = []
@@ -185,13 +186,14 @@ def test_gluon_kernel_matches_the_triton_kernel(t, monkeypatch):
 def test_gluon_kernel_into_rows(monkeypatch):
     """The Gluon kernel through ``Into`` (the offload backend's calls: one expert a pair, tokens
     are rows of a larger batch, terms go to rows of another tensor) gives the Triton kernel's terms."""
-    from ft.moe.kernels import triton_w4a16
+    from ft.moe.kernels import gluon_w4a16, triton_w4a16
     from ft.moe.kernels.into import Into
 
     monkeypatch.setattr(triton_w4a16, "LUT", True)
     gen = torch.Generator(device="cuda").manual_seed(3)
     p, h = 6000, 2048
     w13, w2 = random_bank(64, 1024, h, gen), random_bank(64, h, 512, gen)
+    assert gluon_w4a16.supports(w13, w2)
     x = torch.randn(p // 2, h, generator=gen, device="cuda").to(torch.bfloat16)
     tokens = torch.randint(0, p // 2, (p,), generator=gen, device="cuda")
     weights, ids = routing(p, 64, 1, gen)
@@ -206,16 +208,16 @@ def test_gluon_kernel_into_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("t", [1024, 4096])
-def test_gluon_kernel_small_banks_and_column_tails(t, monkeypatch):
-    """The Gluon kernel on a 128-expert bank (the ``E128`` rows) with H=128 (two gate/up K steps,
-    its fewest) and I=192 (three down steps, a 128-column gate/up tile cut at 192): the Triton
-    kernel's values."""
-    from ft.moe.kernels import triton_w4a16
+def test_gluon_kernel_small_banks(t, monkeypatch):
+    """The Gluon kernel on a 128-expert bank (the ``E128`` rows) with H = I = 256, its smallest
+    aligned K (four steps): the Triton kernel's values."""
+    from ft.moe.kernels import gluon_w4a16, triton_w4a16
 
     monkeypatch.setattr(triton_w4a16, "LUT", True)
     gen = torch.Generator(device="cuda").manual_seed(t + 1)
-    w13, w2 = random_bank(128, 384, 128, gen), random_bank(128, 128, 192, gen)
-    x = torch.randn(t, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    w13, w2 = random_bank(128, 512, 256, gen), random_bank(128, 256, 256, gen)
+    assert gluon_w4a16.supports(w13, w2)  # (else both calls would run the Triton kernel)
+    x = torch.randn(t, 256, generator=gen, device="cuda").to(torch.bfloat16)
     weights, ids = routing(t, 128, 8, gen)
     outs = []
     for gluon in (False, True):

@@ -54,17 +54,31 @@ def test_ft_moe_prefill_sets_bf16s_last_rows_alone():
     assert e128 == "((128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3))" and decode_same == "True"
 
 
-def test_the_gluon_kernel_takes_the_shapes_its_tiles_fit():
-    """``gluon_w4a16.supports``: K a multiple of BLOCK_K (64) with at least STAGES - 1 steps for
-    gate/up (K = H) and down (K = I); Qwen3-Next's and its TP=4 shard fit, a 48-row shard (a K
-    tail) and a 64-row one (one down step) take the Triton kernel. Its layouts ask for one wgmma
-    row block of 16 a warp."""
+def test_the_gluon_kernel_takes_the_banks_its_copies_fit():
+    """``gluon_w4a16.supports``: K (H for gate/up, I for down) a multiple of 256, so that every code
+    and scale row is a whole number of 16-byte copies, and at least STAGES - 1 steps of 64;
+    Qwen3-Next's bank and its TP=2 shard fit, a TP=4 shard (I = 128: 8-byte scale rows), a
+    48-row shard and an unaligned slice take the Triton kernel. Its layouts ask for one wgmma row
+    block of 16 a warp."""
     pytest.importorskip("triton.experimental.gluon")
-    from ft.moe.kernels import gluon_w4a16
+    import torch
 
-    assert gluon_w4a16.supports(2048, 512) and gluon_w4a16.supports(2048, 128)
-    assert not gluon_w4a16.supports(2048, 48) and not gluon_w4a16.supports(2048, 64)
-    assert not gluon_w4a16.supports(2000, 512)
+    from ft.moe.kernels import gluon_w4a16
+    from ft.quant.nvfp4 import NVFP4Tensor
+
+    def bank(e: int, n: int, k: int) -> NVFP4Tensor:
+        codes = torch.zeros(e, n, k // 2, dtype=torch.uint8)
+        return NVFP4Tensor(codes, torch.zeros(e, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(e, n))
+
+    def fits(h: int, inter: int) -> bool:
+        return gluon_w4a16.supports(bank(2, 2 * inter, h), bank(2, h, inter))
+
+    assert fits(2048, 512) and fits(2048, 256) and fits(256, 256)
+    assert not fits(2048, 128) and not fits(2048, 48) and not fits(2000, 512) and not fits(128, 256)
+    w13, w2 = bank(3, 1024, 2048), bank(3, 2048, 512)
+    moved = torch.zeros(w2.weight.numel() + 8, dtype=torch.uint8)[8:].view(w2.weight.shape)  # 8 B off
+    assert gluon_w4a16.supports(w13, w2)
+    assert not gluon_w4a16.supports(w13, NVFP4Tensor(moved, w2.weight_scale, w2.weight_scale_2))
     assert gluon_w4a16.layouts(128, 128, 64, 8)["MMA"].warps_per_cta == [8, 1]
     with pytest.raises(AssertionError):
         gluon_w4a16.layouts(128, 128, 64, 4)
