@@ -58,7 +58,8 @@ def test_the_gluon_kernel_takes_the_banks_its_copies_fit():
     """``gluon_w4a16.supports``: K (H for gate/up, I for down) a multiple of 256, so that every code
     and scale row is a whole number of 16-byte copies, and at least STAGES - 1 steps of 64;
     Qwen3-Next's bank and its TP=2 shard fit, a TP=4 shard (I = 128: 8-byte scale rows), a
-    48-row shard and an unaligned slice take the Triton kernel. Its layouts ask for one wgmma row
+    48-row shard, an unaligned bank and activations whose rows are not 16-element multiples take the
+    Triton kernel. Its layouts ask for one wgmma row
     block of 16 a warp."""
     pytest.importorskip("triton.experimental.gluon")
     import torch
@@ -77,7 +78,8 @@ def test_the_gluon_kernel_takes_the_banks_its_copies_fit():
     assert not fits(2048, 128) and not fits(2048, 48) and not fits(2000, 512) and not fits(128, 256)
     w13, w2 = bank(3, 1024, 2048), bank(3, 2048, 512)
     moved = torch.zeros(w2.weight.numel() + 8, dtype=torch.uint8)[8:].view(w2.weight.shape)  # 8 B off
-    assert gluon_w4a16.supports(w13, w2)
+    assert gluon_w4a16.supports(w13, w2) and gluon_w4a16.supports(w13, w2, torch.zeros(4, 2048))
+    assert not gluon_w4a16.supports(w13, w2, torch.zeros(4, 2056)[:, :2048])  # rows 8 elements off
     assert not gluon_w4a16.supports(w13, NVFP4Tensor(moved, w2.weight_scale, w2.weight_scale_2))
     assert gluon_w4a16.layouts(128, 128, 64, 8)["MMA"].warps_per_cta == [8, 1]
     with pytest.raises(AssertionError):

@@ -25,9 +25,10 @@ step), the values agree to fp32 accumulation.
 NOT yet run on a GPU (written 2026-12-04 on a machine without one; compiled for sm_90 with Triton
 3.6 and 3.8 by tests/gpu/compile_check.py; the gate/up loop at the 8k tiles is 394 instructions a
 thread, its 16 wgmmas ~1,020 cycles at the tensor cores' rate, no wgmma serialised): off until a
-GPU test passes and a timing wins (``triton_w4a16.GLUON``, FT_W4A16_GLUON=1). Takes the banks ``supports`` says fit (K a multiple
-of 256 for aligned copies: Qwen3-Next's experts and their TP=2 shards), the others run the Triton
-kernel; BLOCK_M is 16 x warps (one wgmma row block a warp).
+GPU test passes and a timing wins (``triton_w4a16.GLUON``, FT_W4A16_GLUON=1). Takes the calls
+``supports`` says fit (K a multiple of 256 and aligned tensors, for whole 16-byte copies:
+Qwen3-Next's experts and their TP=2 shards), the others run the Triton kernel; BLOCK_M is 16 x
+warps (one wgmma row block a warp).
 """
 
 from __future__ import annotations
@@ -228,12 +229,15 @@ def _w4a16_wgmma_kernel(
     store_pairs(acc, c, topk_w, out_rows, omask, n, nmask, s_cm, c_map, MUL_W, C_MAP)
 
 
-def supports(w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
-    """Whether banks gate/up ``w13`` and down ``w2`` fit the kernel (else the Triton kernel runs): K
+def supports(w13: NVFP4Tensor, w2: NVFP4Tensor, x: torch.Tensor | None = None) -> bool:
+    """Whether banks gate/up ``w13`` and down ``w2`` (and activations ``x``: 16-byte aligned rows for
+    their 8-byte copies) fit the kernel (else the Triton kernel runs): K
     (H, then I) a multiple of every row's BLOCK_K with at least STAGES - 1 steps, and every copy of
     codes and scales 16-byte aligned (cp.async has no byte copies): the tensors' starts, expert
     strides and row strides (K/2 and K/16 bytes) multiples of 16, so K a multiple of 256. A TP=4
     shard of Qwen3-Next's experts (I = 128) takes the Triton kernel."""
+    if x is not None and (x.data_ptr() % 16 or x.stride(0) % 16 or x.stride(-1) != 1):
+        return False
     for w, which in ((w13, 0), (w2, 1)):
         k = 2 * w.weight.shape[-1]
         for rows in CONFIGS.values():

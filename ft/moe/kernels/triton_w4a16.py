@@ -485,6 +485,6 @@ def fused_moe_w4a16(
     if GLUON and t > GLUON_MIN_TOKENS:
         from ft.moe.kernels import gluon_w4a16  # Gluon: compiled only where it runs
 
-        if gluon_w4a16.supports(w13, w2):
+        if gluon_w4a16.supports(w13, w2, x):
             return mma_path(gluon_w4a16.launch, x, w13, w2, weights, ids, e, inter, into, gluon_w4a16.CONFIGS)
     return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, CONFIGS)
