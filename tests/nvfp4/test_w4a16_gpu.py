@@ -35,6 +35,17 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).norm() / ref.float().norm())
 
 
+def off_then_on(monkeypatch, switch: str, call) -> list[torch.Tensor]:
+    """``call()``'s output (fp32) with ``triton_w4a16.<switch>`` off, then on."""
+    from ft.moe.kernels import triton_w4a16
+
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(triton_w4a16, switch, on)
+        outs.append(call().float())
+    return outs
+
+
 def check(t: int, e: int, inter: int, h: int, topk: int, seed: int = 0, w13=None, w2=None) -> None:
     pytest.importorskip("triton")
     from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
@@ -97,10 +108,7 @@ def test_lut_decode_matches_the_byte_decode(t, monkeypatch):
     w13, w2 = random_bank(512, 1024, 2048, gen), random_bank(512, 2048, 512, gen)
     x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
     weights, ids = routing(t, 512, 10, gen)
-    outs = []
-    for lut in (False, True):
-        monkeypatch.setattr(triton_w4a16, "LUT", lut)
-        outs.append(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids).float())
+    outs = off_then_on(monkeypatch, "LUT", lambda: triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids))
     assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])
 
 
@@ -174,10 +182,7 @@ def test_gluon_kernel_matches_the_triton_kernel(t, monkeypatch):
     assert gluon_w4a16.supports(w13, w2)
     x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
     weights, ids = routing(t, 512, 10, gen)
-    outs = []
-    for gluon in (False, True):
-        monkeypatch.setattr(triton_w4a16, "GLUON", gluon)
-        outs.append(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids).float())
+    outs = off_then_on(monkeypatch, "GLUON", lambda: triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids))
     assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])
     ref = fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids)
     assert rel_err(outs[1], ref) < 2e-2, rel_err(outs[1], ref)
@@ -198,11 +203,12 @@ def test_gluon_kernel_into_rows(monkeypatch):
     tokens = torch.randint(0, p // 2, (p,), generator=gen, device="cuda")
     weights, ids = routing(p, 64, 1, gen)
     rows = torch.randperm(p + 100, generator=gen, device="cuda")[:p]
-    outs = []
-    for gluon in (False, True):
-        monkeypatch.setattr(triton_w4a16, "GLUON", gluon)
+
+    def call():
         into = Into(tokens, torch.zeros(p + 100, h, device="cuda", dtype=torch.bfloat16), rows)
-        outs.append(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids, into=into).float())
+        return triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids, into=into)
+
+    outs = off_then_on(monkeypatch, "GLUON", call)
     assert outs[0].abs().sum() > 0
     assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])
 
@@ -219,8 +225,5 @@ def test_gluon_kernel_small_banks(t, monkeypatch):
     assert gluon_w4a16.supports(w13, w2)  # (else both calls would run the Triton kernel)
     x = torch.randn(t, 256, generator=gen, device="cuda").to(torch.bfloat16)
     weights, ids = routing(t, 128, 8, gen)
-    outs = []
-    for gluon in (False, True):
-        monkeypatch.setattr(triton_w4a16, "GLUON", gluon)
-        outs.append(triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids).float())
+    outs = off_then_on(monkeypatch, "GLUON", lambda: triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids))
     assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])
