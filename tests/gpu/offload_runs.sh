@@ -38,7 +38,8 @@
 #            most of it these GEMMs and that attention. Then `FT_MOE_PREFILL=UP/DOWN
 #            FT_ATTN_EXTEND_TILES=BM,BN,W,S bash ... row` with the bests (~9 min)
 #   gluon    the Gluon W4A16 kernel (triton_w4a16.GLUON, written 2026-12-04 without a GPU): its GPU
-#            tests (against the Triton kernel and the reference, and through Into), then the MoE
+#            tests (against the Triton kernel and the reference, and through Into), each launch
+#            beside the Triton kernel's at the same tiles (gluon_w4a16_check.py), then the MoE
 #            call at 1k to 16k tokens with it off and on (w4a16_timings.py; ~4 min). If it wins:
 #            FT_W4A16_GLUON=1 for the NVFP4 48 GiB row's 8k prefill (55% of the link on 2026-12-04,
 #            bound by these GEMMs) and issue 5's TTFT
@@ -146,6 +147,8 @@ memory)
 gluon)
   timeout 300 python3 -m pytest -q -m gpu -p no:xdist tests/nvfp4/test_w4a16_gpu.py -k gluon >"$out/gluon_tests.log" 2>&1
   tail -n 3 "$out/gluon_tests.log"
+  timeout 120 python3 tests/gpu/gluon_w4a16_check.py 4096 >"$out/gluon_check.log" 2>&1  # each launch apart
+  grep -vE "^ft rank|[Ww]arn" "$out/gluon_check.log" | tail -n 8
   for on in 0 1; do
     FT_W4A16_GLUON=$on FT_TIMINGS_T=1024,2048,4096,8192,16384 timeout 200 python3 tests/nvfp4/w4a16_timings.py \
       >"$out/gluon_timings_$on.log" 2>&1
