@@ -51,7 +51,7 @@ from ft.quant.nvfp4 import NVFP4Tensor
 
 LUT_LO = gl.constexpr(triton_w4a16.LUT_LO.value)
 LUT_HI = gl.constexpr(triton_w4a16.LUT_HI.value)
-STAGES = 3  # activation buffers (cp.async groups in flight: STAGES - 1)
+STAGES = 3  # copy slots (activations, codes, scales; cp.async groups in flight: STAGES - 1)
 # its tiles, laid out as ``triton_moe.CONFIGS`` (it runs above ``triton_w4a16.GLUON_MIN_TOKENS``; a
 # config's last entry, stages, is unused): up to 2,048 tokens 64-row tiles at 4 warps (an expert
 # gets ~40 pairs of a 2k call: 128 rows would be mostly padding; gate/up 64 + 64 columns, 128
@@ -83,17 +83,16 @@ def _issue_step(a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s, k0, K, a0
     # one K step's copies, one group: the activations' two halves (columns ka and ka + 4), the gate
     # (and up) rows' packed codes [BN, BK/2] and block scales [BN, BK/16]
     live = k0 < K
-    m = rmask[:, None] & live
-    async_copy.async_copy_global_to_shared(a0, a_ptr0 + k0, mask=m)
-    async_copy.async_copy_global_to_shared(a1, a_ptr0 + (k0 + 4), mask=m)
-    async_copy.async_copy_global_to_shared(gc, codes_ptr + k0 // 2, mask=nmask_c[:, None] & live)
-    async_copy.async_copy_global_to_shared(gs, scale_ptr + k0 // 16, mask=nmask_s[:, None] & live)
-    if SWIGLU:
-        mask_c = nmask_c[:, None] & live
+    mask_a = rmask[:, None] & live
+    mask_c = nmask_c[:, None] & live
+    mask_s = nmask_s[:, None] & live
+    async_copy.async_copy_global_to_shared(a0, a_ptr0 + k0, mask=mask_a)
+    async_copy.async_copy_global_to_shared(a1, a_ptr0 + (k0 + 4), mask=mask_a)
+    async_copy.async_copy_global_to_shared(gc, codes_ptr + k0 // 2, mask=mask_c)
+    async_copy.async_copy_global_to_shared(gs, scale_ptr + k0 // 16, mask=mask_s)
+    if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
         async_copy.async_copy_global_to_shared(uc, codes_ptr + (up_codes + k0 // 2), mask=mask_c)
-        async_copy.async_copy_global_to_shared(
-            us, scale_ptr + (up_scales + k0 // 16), mask=nmask_s[:, None] & live
-        )
+        async_copy.async_copy_global_to_shared(us, scale_ptr + (up_scales + k0 // 16), mask=mask_s)
     async_copy.commit_group()
 
 
