@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ft.moe.kernels import triton_moe, triton_w4a16
 from ft.moe.kernels.triton_moe import pair_tile, store_pairs
-from ft.moe.kernels.triton_w4a16 import e4m3
+from ft.moe.kernels.triton_w4a16 import lut_scale
 from ft.quant.nvfp4 import NVFP4Tensor
 
 LUT_LO = gl.constexpr(triton_w4a16.LUT_LO.value)
@@ -102,7 +102,7 @@ def _decode(codes_s, scales_s, BLOCK_N: gl.constexpr, HK: gl.constexpr, P3: gl.c
     # _decode_lut``'s halves (wa: inputs 8q + i, wb: 8q + 4 + i at position 4q + i), [BN, BK/2] bf16.
     # In P3 a thread holds one 16-input block's 8 bytes, so its scale is one element broadcast
     codes = codes_s.reshape([BLOCK_N, HK // 8, 8]).load(P3)
-    s = (e4m3(scales_s.load(gl.SliceLayout(2, P3))) * 256.0).to(gl.bfloat16)  # exact: 4 significant bits
+    s = lut_scale(scales_s.load(gl.SliceLayout(2, P3)))
     s, codes = gl.broadcast(gl.expand_dims(s, 2), codes)
     wa = gl.inline_asm_elementwise(LUT_LO, "=r,=r,r,r,r", [codes, s], gl.bfloat16, True, 4)
     wb = gl.inline_asm_elementwise(LUT_HI, "=r,=r,r,r,r", [codes, s], gl.bfloat16, True, 4)
@@ -252,8 +252,10 @@ def supports(w13: NVFP4Tensor, w2: NVFP4Tensor, x: torch.Tensor | None = None) -
 
 def layouts(block_m: int, block_n: int, block_k: int, warps: int) -> dict:
     """The kernel's layouts for its tiles (constexpr arguments): the wgmma accumulators' (a row
-    block of 16 a warp, the whole BLOCK_N an instruction), the register tiles' (four consecutive
-    bytes or activations a thread), and the two operands' shared-memory swizzles."""
+    block of 16 a warp, the whole BLOCK_N an instruction); the copies' (activations four a thread,
+    codes 16 bytes, a row's scales at once); the decode's (P3: a 16-input block's 8 code bytes a
+    thread, B2 the same as [BN, BK/2]); the plain shared layout of codes and scales and the two
+    MMA operands' swizzles."""
     hk = block_k // 2
     assert block_m == 16 * warps and warps in (4, 8), f"BLOCK_M {block_m} is not 16 x warps ({warps})"
     assert hk in (32, 64) and block_n % 8 == 0 and block_n <= 256, (block_n, block_k)
@@ -275,7 +277,7 @@ def layouts(block_m: int, block_n: int, block_k: int, warps: int) -> dict:
 def launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, mul_w, cfg,
            a_map=None, c_map=None):  # fmt: skip
     """``triton_w4a16._launch``'s contract (cfg = BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages;
-    the activation buffers are ``STAGES``, not the config's stages)."""
+    the copy slots are ``STAGES``, not the config's stages)."""
     sorted_ids, block_expert, num_padded = align
     bm, bn, bk, group_m, warps, _ = cfg
     assert k % bk == 0 and k // bk >= STAGES - 1, f"K={k}: a multiple of {bk}, at least {STAGES - 1} steps"

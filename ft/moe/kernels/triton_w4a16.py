@@ -128,7 +128,7 @@ def _decode_lut(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM
     # packed uint8 [BN, BK/2], scale uint8 [BN, BK/16] (e4m3 bits) -> bf16 (wa, wb) [BN, BK/2] holding
     # e2m1 · scale at their true magnitudes, wa's position 4q + i the code of input 8q + i and wb's
     # that of input 8q + 4 + i (i < 4): the inputs the kernel's activations take in that order
-    s = (e4m3(scale) * 256.0).to(tl.bfloat16)  # exact: e4m3 has 4 significant bits
+    s = lut_scale(scale)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, BLOCK_K // 2])
     if ASM:
         wa = tl.inline_asm_elementwise(LUT_LO, "=r,=r,r,r,r", [packed, s], tl.bfloat16, True, 4)
@@ -141,6 +141,13 @@ def _decode_lut(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM
         wb = e2m1(tl.reshape(tl.join(hb & 0xF, hb >> 4), [BLOCK_N, BLOCK_K // 2])) * 16384.0 * sf
         wa, wb = wa.to(tl.bfloat16), wb.to(tl.bfloat16)
     return wa, wb
+
+
+@triton.jit
+def lut_scale(scale):
+    # e4m3 bits (uint8, any shape) -> the block scale as bf16 at its true magnitude, the operand the
+    # table decode's bf16x2 multiply takes (exact: e4m3 has 4 significant bits)
+    return (e4m3(scale) * 256.0).to(tl.bfloat16)
 
 
 @triton.jit
