@@ -152,9 +152,25 @@ def _extend_config(dtype: torch.dtype, d: int, max_query_len: int) -> tuple[int,
     return block_m, (64 if d <= 64 else 32), (8 if d >= 128 else 4), 2
 
 
+# The extend kernel in Gluon (``gluon_extend``: wgmma from shared memory without spilling, the
+# causal select only on the diagonal tiles, heaviest query blocks first) where it fits a call
+# (``gluon_extend.supports``: Hopper, 16-bit heads of 64 to 256). On since 2026-12-04: on an H200
+# at Qwen3-Next's heads (16 q / 2 kv of 256) 8,000 queries 1,562 -> 1,356 us, a 32k prompt's second
+# 16k chunk 16,874 -> 14,875 us (391 -> 444 TFLOP/s, tests/gpu/extend_timings.py); the offloaded bf16
+# 80B's 32k prefill streams at 86% of the link (84.7% before; docs/benchmarks.md).
+# FT_ATTN_GLUON_EXTEND=0 turns it off for a process and the ranks it spawns.
+GLUON_EXTEND = os.environ.get("FT_ATTN_GLUON_EXTEND", "1") != "0"
+
+
 def paged_extend(q, kv_cache, block_tables, cu_seqlens, context_lens, max_query_len: int, scale: float):
     """Queries [T, Hq, d] after context_lens [B] cached tokens; sequence i owns rows cu_seqlens[i:i+2]."""
     q = _rows(q)
+    if GLUON_EXTEND:
+        from ft.attention import gluon_extend
+
+        if gluon_extend.supports(q, kv_cache, block_tables):
+            return gluon_extend.launch(q, kv_cache, block_tables, cu_seqlens, context_lens, max_query_len,
+                                       scale * LOG2E, _cache_strides(kv_cache))  # fmt: skip
     _, hq, d = q.shape
     hkv = kv_cache.shape[3]
     block_m, block_n, warps, stages = _extend_config(q.dtype, d, max_query_len)

@@ -22,6 +22,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -224,6 +225,13 @@ def entries():
            "out": BF}  # fmt: skip
     yield "attention extend", triton_kernels.extend_kernel, ext, {
         "REP": 8, "D": 256, "PAGE": 16, "BLOCK_M": 128, "BLOCK_N": 64, "PREC": "tf32"}, 8, 2  # fmt: skip
+    from ft.attention import gluon_extend  # Gluon
+
+    for d, (bm, bn, warps) in gluon_extend.TILES.items():
+        consts = {"REP": 8, "D": d, "PAGE": 16, "BLOCK_M": bm, "BLOCK_N": bn,
+                  **gluon_extend.layouts(bm, bn, d, warps, torch.bfloat16)}  # fmt: skip
+        kernel = gluon_extend._extend_wgmma_kernel
+        yield f"attention extend Gluon, heads of {d}", kernel, ext, consts, warps, 1
     gdn = {"mixed": BF, "b": BF, "a": BF, "A_log": F32, "dt_bias": F32, "state": F32, "cu_seqlens": I32,
            "context_lens": I32, "state_slots": I64, "o": BF}  # fmt: skip
     heads = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "VARLEN": False, "USE_PDL": 2}

@@ -37,12 +37,10 @@
 #            bound by its compute (issue 8's 32k row at 80% of the link, target 85%; 2026-12-03),
 #            most of it these GEMMs and that attention. Then `FT_MOE_PREFILL=UP/DOWN
 #            FT_ATTN_EXTEND_TILES=BM,BN,W,S bash ... row` with the bests (~9 min)
-#   gluon    the Gluon W4A16 kernel (triton_w4a16.GLUON, written 2026-12-04 without a GPU): its GPU
-#            tests (against the Triton kernel and the reference, and through Into), each launch
-#            beside the Triton kernel's at the same tiles (gluon_w4a16_check.py), then the MoE
-#            call at 1k to 16k tokens with it off and on (w4a16_timings.py; ~4 min). If it wins:
-#            FT_W4A16_GLUON=1 for the NVFP4 48 GiB row's 8k prefill (55% of the link on 2026-12-04,
-#            bound by these GEMMs) and issue 5's TTFT
+#   gluon    the Gluon W4A16 kernel (triton_w4a16.GLUON, off): its GPU tests (against the Triton
+#            kernel and the reference, and through Into), each launch beside the Triton kernel's at
+#            the same tiles (gluon_w4a16_check.py), then the MoE call at 1k to 16k tokens with it off
+#            and on (w4a16_timings.py; ~1 min). 2026-12-04: 6 passed, bit for bit, 2-5% faster
 #   nvfp4profile  where a batch-1 decode step of the NVFP4 80B under --max-gpu-memory 48GiB goes
 #            (profile_offload_decode.py, all 48 layers, host reads and staging as the defaults):
 #            the row sits at 71-73% of its PCIe floor (target 80%), ~144 us a layer against ~76 of

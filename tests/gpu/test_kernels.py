@@ -93,19 +93,56 @@ def test_attention_decode(d, rep):
     run_attention([(c, 1) for c in DECODE_CTX], 2 * rep, 2, d, torch.bfloat16)
 
 
+@pytest.fixture(params=[False, True], ids=["triton", "gluon"])
+def extend_kernel(request, monkeypatch):
+    """The extend kernel a test runs: Triton's, or (``triton_paged.GLUON_EXTEND``) the Gluon one,
+    skipped where it does not run (not a Hopper GPU)."""
+    from ft.attention import triton_paged
+
+    if request.param and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon extend kernel runs on Hopper")
+    monkeypatch.setattr(triton_paged, "GLUON_EXTEND", request.param)
+    return request.param
+
+
 @gpu
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("rep", [1, 2, 8])
-def test_attention_extend(d, rep):
-    specs = [(0, 37), (5, 1), (16, 64), (100, 130), (0, 1), (300, 7), (33, 200)]
+def test_attention_extend(d, rep, extend_kernel):
+    specs = [(0, 37), (5, 1), (16, 64), (100, 130), (0, 1), (300, 7), (33, 200), (1000, 300), (0, 700)]
     run_attention(specs, 2 * rep, 2, d, torch.bfloat16)
 
 
 @gpu
 @pytest.mark.parametrize("d", [128, 256])
-def test_attention_extend_short_queries(d):
+def test_attention_extend_short_queries(d, extend_kernel):
     """Chunks under 128 tokens take the 64-row tiles (``_extend_config``)."""
     run_attention([(0, 37), (5, 1), (16, 64), (90, 100), (0, 2)], 16, 2, d, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("page", [16, 64])
+def test_gluon_extend_long_chunk_matches_triton(page):
+    """A 4k chunk after 3,000 cached tokens (Qwen3-Next's 16 q / 2 kv heads of 256) through both
+    kernels: every tile kind (whole, diagonal, the last partial one) over many pages, the Gluon
+    kernel taken (``supports``)."""
+    pytest.importorskip("triton")
+    from ft.attention import gluon_extend, triton_paged
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon extend kernel runs on Hopper")
+    torch.manual_seed(0)
+    random.seed(0)
+    ctx, t, hq, hkv, d = 3000, 4100, 16, 2, 256
+    batch, num_blocks = make_batch([(ctx, t)], page)
+    cache = torch.randn(2, num_blocks, page, hkv, d, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(t, hq, d, dtype=torch.bfloat16, device="cuda")
+    args = (q, cache, batch.block_tables, batch.cu_seqlens, batch.context_lens, t, d**-0.5)
+    assert gluon_extend.supports(q, cache, batch.block_tables)
+    want = triton_paged.paged_extend(*args)
+    got = gluon_extend.launch(*args[:-1], d**-0.5 * triton_paged.LOG2E, triton_paged._cache_strides(cache))
+    torch.cuda.synchronize()
+    assert rel_err(got, want) < 1e-2, rel_err(got, want)
 
 
 @gpu

@@ -59,8 +59,11 @@ LUT = os.environ.get("FT_W4A16_LUT", "1") == "1"
 # than ``GLUON_MIN_TOKENS`` tokens (FT_W4A16_GLUON_MIN_TOKENS) run ``gluon_w4a16``'s kernel instead,
 # the same arithmetic with a K step's decoding overlapped with the last step's wgmmas (this kernel's
 # ``tl.dot`` waits for each wgmma group: the 8k gate/up launch at 140 TFLOP/s, docs/benchmarks.md
-# 2026-12-04). NOT yet run on a GPU: compiled for sm_90 only (tests/gpu/compile_check.py);
-# tests/nvfp4/test_w4a16_gpu.py checks it against this kernel and the reference.
+# 2026-12-04). On an H200 (2026-12-04 16:40 UTC, docs/benchmarks.md) its GPU tests pass and its
+# output is this kernel's bit for bit, but it gains little: the MoE call 2-5% at 1k-16k tokens
+# (gate/up at 8k 2.46 -> 2.30 ms under Nsight Compute, still one program an SM at 254 registers,
+# its warps stalled on barriers and loads in turn), the 80B's resident 8k / 16k prefill +0.2% /
+# +0.7%. Off: not worth a second path until it overlaps more (warp specialisation).
 GLUON = os.environ.get("FT_W4A16_GLUON", "0") == "1"
 GLUON_MIN_TOKENS = int(os.environ.get("FT_W4A16_GLUON_MIN_TOKENS", "512"))
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # runs no PTX: its kernels take Triton twins
