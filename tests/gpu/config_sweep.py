@@ -1,7 +1,7 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
     python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels] [moe_gemv_planes]
-        [moe_gemv_shared] [grouped] [grouped_w4a16] [conv] [extend]
+        [moe_gemv_shared] [grouped] [grouped_w4a16] [grouped_w4a16_gluon] [conv] [extend]
 
 (all sections when none is named). Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b,
 FT_SWEEP_MOE=E,I,H,k (Qwen3-30B: 128,768,2048,8; also the router section's E, H, k),
@@ -442,6 +442,30 @@ def sweep_grouped_w4a16() -> None:
     grouped_rows(title, triton_w4a16.CONFIGS, triton_w4a16.fused_moe_w4a16, "nvfp4", decode, prefill)
 
 
+def sweep_grouped_w4a16_gluon() -> None:
+    """The Gluon W4A16 kernel's prefill rows (``gluon_w4a16.CONFIGS``, run with ``triton_w4a16.GLUON``
+    on) at FT_SWEEP_GROUPED_T's token counts above its ``GLUON_MIN_TOKENS``: BLOCK_M is 16 x warps,
+    and tiles of fewer registers fit two or three programs an SM (compiled for sm_90, 2026-12-04:
+    gate/up at 128 x 64 x 64 and 8 warps 127 registers and 96 KB of shared memory, against the
+    shipped 128 x 128's 255 and 139 KB), which would overlap one program's decode with another's
+    wgmmas. The best goes to FT_W4A16_GLUON_TILES=UP/DOWN for an engine run before the table."""
+    if DRY:
+        print("== W4A16 grouped GEMM in Gluon: needs a Hopper GPU; skipped in a dry run")
+        return
+    from ft.moe.kernels import gluon_w4a16
+
+    tiles = grid((4, 8), (64, 128), (64, 128))
+    prefill = [(16 * w, bn, bk, 8, w, 3) for w, bn, bk in tiles]
+    saved, triton_w4a16.GLUON = triton_w4a16.GLUON, True
+    try:
+        banks, x, _ = moe_problem(GROUPED_T[0])
+        assert gluon_w4a16.supports(*banks["nvfp4"], x), "these banks take the Triton kernel"
+        fused = triton_w4a16.fused_moe_w4a16
+        grouped_rows("W4A16 grouped GEMM in Gluon", gluon_w4a16.CONFIGS, fused, "nvfp4", [], prefill)
+    finally:
+        triton_w4a16.GLUON = saved
+
+
 def grouped_rows(title: str, configs: dict, fused: Callable, fmt: str, decode: list, prefill: list) -> None:
     # each FT_SWEEP_GROUPED_T's row of ``configs`` (as pick_config chooses it), gate/up then down, over
     # the decode configs (T <= 64) or the prefill ones, against the shipped row's output
@@ -717,7 +741,8 @@ SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router
             "moe_gemv_kernels": sweep_moe_gemv_kernels,
             "moe_gemv_planes": sweep_moe_gemv_planes, "moe_gemv_shared": sweep_moe_gemv_shared,
             "moe_gemv_int": sweep_moe_gemv_int, "moe_gemv_stages": sweep_moe_gemv_stages,
-            "grouped": sweep_grouped, "grouped_w4a16": sweep_grouped_w4a16, "conv": sweep_conv,
+            "grouped": sweep_grouped, "grouped_w4a16": sweep_grouped_w4a16,
+            "grouped_w4a16_gluon": sweep_grouped_w4a16_gluon, "conv": sweep_conv,
             "extend": sweep_extend}  # fmt: skip
 
 

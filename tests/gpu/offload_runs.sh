@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|gluon|nvfp4profile|census|hostreads|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -41,6 +41,10 @@
 #            kernel and the reference, and through Into), each launch beside the Triton kernel's at
 #            the same tiles (gluon_w4a16_check.py), then the MoE call at 1k to 16k tokens with it off
 #            and on (w4a16_timings.py; ~1 min). 2026-12-04: 6 passed, bit for bit, 2-5% faster
+#   gluontiles  the Gluon W4A16 kernel's prefill tiles at 8k and 16k (config_sweep.py
+#            grouped_w4a16_gluon): tiles of fewer registers fit two or three programs an SM, one's
+#            decode beside another's wgmmas (the shipped 128 x 128 runs one, ~3 min). If one wins:
+#            FT_W4A16_GLUON=1 FT_W4A16_GLUON_TILES=UP/DOWN on issue 5's 8k / 16k prefill row
 #   nvfp4profile  where a batch-1 decode step of the NVFP4 80B under --max-gpu-memory 48GiB goes
 #            (profile_offload_decode.py, all 48 layers, host reads and staging as the defaults):
 #            the row sits at 71-73% of its PCIe floor (target 80%), ~144 us a layer against ~76 of
@@ -153,6 +157,11 @@ gluon)
     echo "FT_W4A16_GLUON=$on:"
     grep -E "^T=" "$out/gluon_timings_$on.log" | cut -c1-200
   done
+  ;;
+gluontiles)
+  FT_SWEEP_GROUPED_T=8192,16384 timeout 400 python3 tests/gpu/config_sweep.py grouped_w4a16_gluon \
+    >"$out/gluontiles.log" 2>&1
+  grep -E "^(==|  )" "$out/gluontiles.log" | cut -c1-220
   ;;
 nvfp4profile)
   QUANT=nvfp4 timeout 400 python3 tests/gpu/profile_offload_decode.py "$next" 48 48GiB "$out/nvfp4profile.log" \
