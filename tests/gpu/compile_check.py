@@ -207,6 +207,9 @@ def entries():
         yield f"NVFP4 Gluon wgmma {which}, T={t}", kernel, w4, consts, warps, 1
         into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
         yield f"NVFP4 Gluon wgmma {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
+        ws = consts | gluon_w4a16.ws_layouts(bm, bn, bk, warps)
+        ws |= {"PRODUCER_WARPS": gluon_w4a16.PRODUCER_WARPS, "PRODUCER_REGS": gluon_w4a16.PRODUCER_REGS}
+        yield f"NVFP4 Gluon warp-specialised {which}, T={t}", gluon_w4a16._w4a16_ws_kernel, w4, ws, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
     yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip

@@ -168,8 +168,19 @@ def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
             assert abs(g[tok] - w[tok]) < 0.1 + 0.02 * abs(w[tok])
 
 
+@pytest.fixture(params=[False, True], ids=["wgmma", "warp-specialised"])
+def gluon_kernel(request, monkeypatch):
+    """The Gluon kernel a test runs when ``GLUON`` is on: the one-partition kernel, or (``gluon_w4a16.WS``)
+    the warp-specialised one (copies and decode in a producer partition; a wrong mbarrier phase would
+    hang it: run these under a `timeout`)."""
+    from ft.moe.kernels import gluon_w4a16
+
+    monkeypatch.setattr(gluon_w4a16, "WS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("t", [1024, 4096, 8192])
-def test_gluon_kernel_matches_the_triton_kernel(t, monkeypatch):
+def test_gluon_kernel_matches_the_triton_kernel(t, monkeypatch, gluon_kernel):
     """``GLUON`` (the Gluon kernel whose decoding overlaps the wgmmas) against the Triton kernel
     with the same table decode on the same call, and against the reference: the same values,
     products summed in another order within a K step, so a few bf16 steps apart."""
@@ -188,7 +199,7 @@ def test_gluon_kernel_matches_the_triton_kernel(t, monkeypatch):
     assert rel_err(outs[1], ref) < 2e-2, rel_err(outs[1], ref)
 
 
-def test_gluon_kernel_into_rows(monkeypatch):
+def test_gluon_kernel_into_rows(monkeypatch, gluon_kernel):
     """The Gluon kernel through ``Into`` (the offload backend's calls: one expert a pair, tokens
     are rows of a larger batch, terms go to rows of another tensor) gives the Triton kernel's terms."""
     from ft.moe.kernels import gluon_w4a16, triton_w4a16
@@ -214,7 +225,7 @@ def test_gluon_kernel_into_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("t", [1024, 4096])
-def test_gluon_kernel_small_banks(t, monkeypatch):
+def test_gluon_kernel_small_banks(t, monkeypatch, gluon_kernel):
     """The Gluon kernel on a 128-expert bank (the ``E128`` rows) with H = I = 256, its smallest
     aligned K (four steps): the Triton kernel's values."""
     from ft.moe.kernels import gluon_w4a16, triton_w4a16
