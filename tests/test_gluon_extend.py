@@ -28,3 +28,18 @@ def test_cpu_tensors_take_the_triton_kernel():
     cache = torch.zeros(2, 4, 16, 2, 256, dtype=torch.bfloat16)
     table = torch.zeros(1, 4, dtype=torch.int32)
     assert not gluon_extend.supports(q, cache, table)  # no GPU
+
+
+def test_the_warp_specialised_kernel_splits_the_registers_and_the_rows():
+    """``ws_layouts``: every partition 4 warps, a wgmma warpgroup 64 query rows; the producer's copies
+    16 bytes or more a thread. ``ATTEND_REGS`` / ``LOAD_REGS`` by Triton's split (12 warps start at
+    64K / 12 / 32 rounded to 8; the first warpgroup gets what the other two leave): both wgmma
+    warpgroups the same count, within an SM's 64K."""
+    for d, (bm, bn, _) in gluon_extend.TILES.items():
+        lay = gluon_extend.ws_layouts(bm, bn, d, torch.bfloat16)
+        assert lay["S_MMA"].warps_per_cta == [4, 1] and lay["O_MMA"].instr_shape == [16, d, 16]
+        assert lay["IO"].warps_per_cta == [4, 1] and lay["IO"].size_per_thread[1] >= 8
+    start = 64 * 1024 // (12 * 32) // 8 * 8
+    attend, load = gluon_extend.ATTEND_REGS, gluon_extend.LOAD_REGS
+    assert (3 * start - attend - load) // 8 * 8 == attend
+    assert (2 * attend + load) * 4 * 32 <= 64 * 1024

@@ -235,6 +235,16 @@ def entries():
                   **gluon_extend.layouts(bm, bn, d, warps, torch.bfloat16)}  # fmt: skip
         kernel = gluon_extend._extend_wgmma_kernel
         yield f"attention extend Gluon, heads of {d}", kernel, ext, consts, warps, 1
+        ws = consts | gluon_extend.ws_layouts(bm, bn, d, torch.bfloat16)
+        ws |= {"ATTEND_REGS": gluon_extend.ATTEND_REGS, "LOAD_REGS": gluon_extend.LOAD_REGS}
+        yield (
+            f"attention extend Gluon warp-specialised, heads of {d}",
+            gluon_extend._extend_ws_kernel,
+            ext,
+            ws,
+            4,
+            1,
+        )
     gdn = {"mixed": BF, "b": BF, "a": BF, "A_log": F32, "dt_bias": F32, "state": F32, "cu_seqlens": I32,
            "context_lens": I32, "state_slots": I64, "o": BF}  # fmt: skip
     heads = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "VARLEN": False, "USE_PDL": 2}

@@ -4,9 +4,10 @@
 
 A CHUNK is T queries, or T+C for T queries after C cached tokens (16384+16384: a 32k prompt's
 second chunk), one sequence, Qwen3-Next's heads (FT_SWEEP_ATTN=Hq,Hkv,d; 16,2,256), pages of 16.
-For each: the Triton kernel at its shipped tiles and the Gluon one (``gluon_extend``), each in a
-CUDA graph (``kernel_timings.bench_series``), with the TFLOP/s of the causal work (4 · d · Hq ·
-the visible query-key pairs) and the Gluon output's relative error against the Triton one's.
+For each: the Triton kernel at its shipped tiles, the Gluon one (``gluon_extend``) and its
+warp-specialised form (``gluon_extend.WS``), each in a CUDA graph (``kernel_timings.bench_series``),
+with the TFLOP/s of the causal work (4 · d · Hq · the visible query-key pairs) and the Gluon
+outputs' relative error against the Triton one's.
 """
 
 from __future__ import annotations
@@ -42,15 +43,16 @@ def main() -> None:
         assert gluon_extend.supports(q, cache, table)
         got = {}
         line = f"{t} queries after {c}, {hq}/{hkv} heads of {d}:"
-        for gluon in (False, True):
-            triton_paged.GLUON_EXTEND = gluon
-            got[gluon] = call()
+        for name, gluon, ws in (("Triton", False, False), ("Gluon", True, False), ("Gluon WS", True, True)):
+            triton_paged.GLUON_EXTEND, gluon_extend.WS = gluon, ws
+            got[name] = call()
             ms = bench_series([call] * 3)
-            name = "Gluon" if gluon else "Triton"
             line += f" {name} {ms * 1e3:,.1f} us ({flops / ms / 1e9:,.0f} TFLOP/s) |"
-        want = got[False].float()
-        err = ((got[True].float() - want).norm() / want.norm()).item()
-        print(f"{line} Gluon vs Triton relative error {err:.2e}", flush=True)
+        want = got["Triton"].float()
+        err = " ".join(
+            f"{k} {((got[k].float() - want).norm() / want.norm()).item():.2e}" for k in ("Gluon", "Gluon WS")
+        )
+        print(f"{line} relative error against Triton: {err}", flush=True)
 
 
 if __name__ == "__main__":

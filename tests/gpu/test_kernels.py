@@ -93,15 +93,18 @@ def test_attention_decode(d, rep):
     run_attention([(c, 1) for c in DECODE_CTX], 2 * rep, 2, d, torch.bfloat16)
 
 
-@pytest.fixture(params=[False, True], ids=["triton", "gluon"])
+@pytest.fixture(params=["triton", "gluon", "gluon-ws"])
 def extend_kernel(request, monkeypatch):
-    """The extend kernel a test runs: Triton's, or (``triton_paged.GLUON_EXTEND``) the Gluon one,
-    skipped where it does not run (not a Hopper GPU)."""
-    from ft.attention import triton_paged
+    """The extend kernel a test runs: Triton's, the Gluon one (``triton_paged.GLUON_EXTEND``) or its
+    warp-specialised form (``gluon_extend.WS``; a wrong mbarrier phase hangs it: run these under a
+    `timeout`), the Gluon ones skipped where they do not run (not a Hopper GPU)."""
+    from ft.attention import gluon_extend, triton_paged
 
-    if request.param and torch.cuda.get_device_capability()[0] != 9:
+    gluon = request.param != "triton"
+    if gluon and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon extend kernel runs on Hopper")
-    monkeypatch.setattr(triton_paged, "GLUON_EXTEND", request.param)
+    monkeypatch.setattr(triton_paged, "GLUON_EXTEND", gluon)
+    monkeypatch.setattr(gluon_extend, "WS", request.param == "gluon-ws")
     return request.param
 
 
@@ -121,8 +124,9 @@ def test_attention_extend_short_queries(d, extend_kernel):
 
 
 @gpu
+@pytest.mark.parametrize("ws", [False, True], ids=["gluon", "gluon-ws"])
 @pytest.mark.parametrize("page", [16, 64])
-def test_gluon_extend_long_chunk_matches_triton(page):
+def test_gluon_extend_long_chunk_matches_triton(page, ws, monkeypatch):
     """A 4k chunk after 3,000 cached tokens (Qwen3-Next's 16 q / 2 kv heads of 256) through both
     kernels: every tile kind (whole, diagonal, the last partial one) over many pages, the Gluon
     kernel taken (``supports``)."""
@@ -139,6 +143,8 @@ def test_gluon_extend_long_chunk_matches_triton(page):
     q = torch.randn(t, hq, d, dtype=torch.bfloat16, device="cuda")
     args = (q, cache, batch.block_tables, batch.cu_seqlens, batch.context_lens, t, d**-0.5)
     assert gluon_extend.supports(q, cache, batch.block_tables)
+    monkeypatch.setattr(triton_paged, "GLUON_EXTEND", False)
+    monkeypatch.setattr(gluon_extend, "WS", ws)
     want = triton_paged.paged_extend(*args)
     got = gluon_extend.launch(*args[:-1], d**-0.5 * triton_paged.LOG2E, triton_paged._cache_strides(cache))
     torch.cuda.synchronize()
