@@ -18,3 +18,14 @@ def test_a_row_runs_its_own_value_when_specs_share_a_switch():
     # defaults; ROWS=0 alone (the spec after it no longer restores 4 over it); ROWS=2; ON alone;
     # all of them: each switch the last value given
     assert seen == [(4, False), (0, False), (2, False), (4, True), (2, True)]
+
+
+def test_prefill_only_switches_are_switches_and_left_out_of_the_default_rows():
+    """``PREFILL_ONLY`` names switches of ``ft.switches`` (a renamed one would silently run again in
+    the default rows), and none of them is among the switches the default rows turn on."""
+    from ft import switches
+    from tests.gpu.decode_variants import PREFILL_ONLY, switches_off
+
+    table = {f"{module}:{attr}" for module, attr, _ in switches.SWITCHES}
+    assert set(PREFILL_ONLY) <= table
+    assert not set(PREFILL_ONLY) & set(switches_off())

@@ -34,14 +34,23 @@ from ft.sampling_params import SamplingParams  # noqa: E402
 from ft.switches import current  # noqa: E402
 from tests.gpu.profiling import cut_config, logger  # noqa: E402
 
+# switches of prefill kernels only (the rows time decode; their prompt step would run them)
+PREFILL_ONLY = (
+    "ft.attention.gluon_extend:WS",
+    "ft.moe.kernels.triton_w4a16:GLUON",
+    "ft.moe.kernels.gluon_w4a16:WS",
+)
+
 
 def switches_off() -> list[str]:
-    """The kernel switches still off (``ft.switches``), but the tensor-parallel one (one GPU here) and
-    the offload backend's (a resident model here)."""
+    """The kernel switches still off (``ft.switches``), but the tensor-parallel one (one GPU here), the
+    offload backend's (a resident model here) and the prefill kernels' (``PREFILL_ONLY``)."""
     return [  # integer switches (off at 0) need a value: name them with =N
         key
         for key, on in current().items()
-        if on is False and not key.startswith(("ft.distributed", "ft.moe.backends"))
+        if on is False
+        and not key.startswith(("ft.distributed", "ft.moe.backends"))
+        and key not in PREFILL_ONLY
     ]
 
 
