@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from ft.attention import gluon_extend  # noqa: E402
+from ft.attention import gluon_extend, gluon_extend_ws  # noqa: E402
 
 
 def test_tiles_fit_a_hopper_sm():
@@ -36,10 +36,10 @@ def test_the_warp_specialised_kernel_splits_the_registers_and_the_rows():
     64K / 12 / 32 rounded to 8; the first warpgroup gets what the other two leave): both wgmma
     warpgroups the same count, within an SM's 64K."""
     for d, (bm, bn, _) in gluon_extend.TILES.items():
-        lay = gluon_extend.ws_layouts(bm, bn, d, torch.bfloat16)
+        lay = gluon_extend_ws.ws_layouts(bm, bn, d, torch.bfloat16)
         assert lay["S_MMA"].warps_per_cta == [4, 1] and lay["O_MMA"].instr_shape == [16, d, 16]
         assert lay["IO"].warps_per_cta == [4, 1] and lay["IO"].size_per_thread[1] >= 8
     start = 64 * 1024 // (12 * 32) // 8 * 8
-    attend, load = gluon_extend.ATTEND_REGS, gluon_extend.LOAD_REGS
+    attend, load = gluon_extend_ws.ATTEND_REGS, gluon_extend_ws.LOAD_REGS
     assert (3 * start - attend - load) // 8 * 8 == attend
     assert (2 * attend + load) * 4 * 32 <= 64 * 1024

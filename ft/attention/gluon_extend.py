@@ -26,8 +26,6 @@ rows); ``triton_paged.GLUON_EXTEND`` (on; FT_ATTN_GLUON_EXTEND=0 turns it off fo
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -35,7 +33,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
-    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -47,16 +44,6 @@ from ft.moe.kernels.gluon_w4a16 import _cta_barrier
 # K and V [BN, D]: 64 + 128 KB at D = 256.
 TILES = {64: (128, 64, 8), 128: (128, 64, 8), 256: (128, 64, 8)}
 SLOTS = gl.constexpr(2)  # key/value tile slots: tile j + 1 is copied while tile j is multiplied
-# ``_extend_ws_kernel`` in place of ``_extend_wgmma_kernel`` (FT_ATTN_GLUON_EXTEND_WS=1): the same tiles
-# warp-specialised, two wgmma warpgroups of 64 query rows each and a producer warpgroup for the
-# copies, key tiles handed over by mbarriers (no CTA-wide barrier a tile, so one warpgroup's softmax
-# may run beside the other's wgmmas). NOT yet run on a GPU (written 2026-12-04 after the session's
-# device time was spent; compiled for sm_90): off until tests/gpu/test_kernels.py -k extend passes
-# with it (under a `timeout`: a wrong mbarrier phase hangs) and extend_timings.py times it faster.
-WS = os.environ.get("FT_ATTN_GLUON_EXTEND_WS", "0") == "1"
-# its partitions' registers (setmaxnreg): Triton starts 12 warps at 168 and gives the first
-# warpgroup what the other two leave, 504 - ATTEND_REGS - LOAD_REGS = ATTEND_REGS here
-ATTEND_REGS, LOAD_REGS = 224, 56
 
 
 @gluon.jit
@@ -179,122 +166,6 @@ def _extend_wgmma_kernel(
     gl.store(dst, o.to(out.dtype.element_ty), mask=(m_o < q_len)[:, None])
 
 
-@gluon.jit
-def _ws_attend(q_s, k_s, v_s, full, empty, out, qk_scale, q_start, q_len, ctx, mb, h, kv_end, n_tiles, n_full,
-               s_ot, s_oh, ROWS: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               S_MMA: gl.constexpr, O_MMA: gl.constexpr, P_OP: gl.constexpr):  # fmt: skip
-    # a wgmma warpgroup's partition: its 64 query rows (ROWS: 0 or 1) over every key tile, each tile
-    # once the producer has signalled it full, handed back on empty once this warpgroup is past it;
-    # then its rows of the output. The other warpgroup runs the same on its own schedule (up to a
-    # tile apart), so one's softmax can run beside the other's wgmmas
-    HALF: gl.constexpr = BLOCK_M // 2
-    qs = q_s.index(ROWS)
-    row0 = mb * BLOCK_M + ROWS * HALF
-    qpos = ctx + row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, S_MMA))
-    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, S_MMA))
-    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, S_MMA))
-    acc = gl.zeros([HALF, D], gl.float32, O_MMA)
-    for j in range(0, n_full):
-        slot = j % SLOTS
-        mbarrier.wait(full.index(slot), (j // SLOTS) & 1)
-        m_i, l_i, acc = _tile(qs, k_s.index(slot), v_s.index(slot), m_i, l_i, acc, qk_scale, qpos,
-                              j * BLOCK_N, kv_end, False, HALF, BLOCK_N, S_MMA, O_MMA, P_OP)  # fmt: skip
-        mbarrier.arrive(empty.index(slot))
-    for j in range(n_full, n_tiles):
-        slot = j % SLOTS
-        mbarrier.wait(full.index(slot), (j // SLOTS) & 1)
-        m_i, l_i, acc = _tile(qs, k_s.index(slot), v_s.index(slot), m_i, l_i, acc, qk_scale, qpos,
-                              j * BLOCK_N, kv_end, True, HALF, BLOCK_N, S_MMA, O_MMA, P_OP)  # fmt: skip
-        mbarrier.arrive(empty.index(slot))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_MMA))
-    o = acc / l_o[:, None]
-    m_o = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, O_MMA))
-    d_o = gl.arange(0, D, layout=gl.SliceLayout(0, O_MMA))
-    dst = out + (q_start + m_o)[:, None] * s_ot + h * s_oh + d_o[None, :]
-    gl.store(dst, o.to(out.dtype.element_ty), mask=(m_o < q_len)[:, None])
-
-
-@gluon.jit
-def _ws_load(q, k_cache, v_cache, table, q_s, k_s, v_s, full, empty, q_start, q_len, hk, h, mb, kv_end,
-             n_tiles,
-             s_qt, s_qh, s_cb, s_cs, s_ch, D: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, IO: gl.constexpr):  # fmt: skip
-    # the producer partition: Q's two row halves and key tile 0 as one group, tile 1 as the next, each
-    # tile signalled full once landed (fenced for the wgmmas); tile j (j >= 2) copied into tile j-2's
-    # slot once both warpgroups have handed that one back
-    HALF: gl.constexpr = BLOCK_M // 2
-    d_io = gl.arange(0, D, layout=gl.SliceLayout(0, IO))
-    for r in gl.static_range(2):
-        m_io = mb * BLOCK_M + r * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, IO))
-        q_ptr = q + (q_start + m_io)[:, None] * s_qt + h * s_qh + d_io[None, :]
-        async_copy.async_copy_global_to_shared(q_s.index(r), q_ptr, mask=(m_io < q_len)[:, None])
-    for t in gl.static_range(SLOTS):
-        _copy_kv(k_cache, v_cache, table, hk, t, n_tiles, kv_end, k_s.index(t), v_s.index(t), s_cb, s_cs,
-                 s_ch, D, PAGE, BLOCK_N, IO)  # fmt: skip
-    async_copy.wait_group(1)  # Q and tile 0
-    fence_async_shared()
-    mbarrier.arrive(full.index(0))
-    async_copy.wait_group(0)  # tile 1 (all zeros past the last tile: signalled, never waited for)
-    fence_async_shared()
-    mbarrier.arrive(full.index(1))
-    for j in range(SLOTS, n_tiles):
-        slot = j % SLOTS
-        mbarrier.wait(empty.index(slot), ((j - SLOTS) // SLOTS) & 1)  # tile j-2 handed back by both
-        _copy_kv(k_cache, v_cache, table, hk, j, n_tiles, kv_end, k_s.index(slot), v_s.index(slot), s_cb,
-                 s_cs, s_ch, D, PAGE, BLOCK_N, IO)  # fmt: skip
-        async_copy.wait_group(0)
-        fence_async_shared()
-        mbarrier.arrive(full.index(slot))
-
-
-@gluon.jit
-def _extend_ws_kernel(
-    q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, out, qk_scale,
-    s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
-    REP: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    S_MMA: gl.constexpr, O_MMA: gl.constexpr, P_OP: gl.constexpr, IO: gl.constexpr,
-    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, ATTEND_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
-):  # fmt: skip
-    # ``_extend_wgmma_kernel``'s contract and arithmetic, warp-specialised: launched with 4 warps (the
-    # first wgmma warpgroup, rows 0-63 of the block), plus a second warpgroup (rows 64-127) and a
-    # 4-warp producer for the copies; key tiles handed over through mbarriers instead of the CTA's
-    # barriers, so the two warpgroups are not held in step
-    mb = gl.num_programs(0) - 1 - gl.program_id(0)
-    b = gl.program_id(1)
-    h = gl.program_id(2)
-    first = gl.load(cu_seqlens + b)
-    q_len = gl.load(cu_seqlens + b + 1) - first
-    q_start = first.to(gl.int64)
-    if mb * BLOCK_M >= q_len:
-        return
-    ctx = gl.load(context_lens + b)
-    hk = h // REP
-    table = block_tables + b * s_bt
-    kv_end = gl.minimum(ctx + q_len, ctx + (mb + 1) * BLOCK_M)
-    n_tiles = gl.cdiv(kv_end, BLOCK_N)
-    n_full = gl.minimum((ctx + mb * BLOCK_M + 1) // BLOCK_N, n_tiles)
-    q_s = gl.allocate_shared_memory(q.dtype.element_ty, [2, BLOCK_M // 2, D], Q_SMEM)
-    k_s = gl.allocate_shared_memory(k_cache.dtype.element_ty, [SLOTS, BLOCK_N, D], KV_SMEM)
-    v_s = gl.allocate_shared_memory(v_cache.dtype.element_ty, [SLOTS, BLOCK_N, D], KV_SMEM)
-    full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    for t in gl.static_range(SLOTS):
-        mbarrier.init(full.index(t), count=1)  # the producer's arrival
-        mbarrier.init(empty.index(t), count=2)  # one from each wgmma warpgroup
-    gl.warp_specialize(
-        (
-            (_ws_attend, (q_s, k_s, v_s, full, empty, out, qk_scale, q_start, q_len, ctx, mb, h, kv_end,
-                          n_tiles, n_full, s_ot, s_oh, 0, D, BLOCK_M, BLOCK_N, S_MMA, O_MMA, P_OP)),
-            (_ws_attend, (q_s, k_s, v_s, full, empty, out, qk_scale, q_start, q_len, ctx, mb, h, kv_end,
-                          n_tiles, n_full, s_ot, s_oh, 1, D, BLOCK_M, BLOCK_N, S_MMA, O_MMA, P_OP)),
-            (_ws_load, (q, k_cache, v_cache, table, q_s, k_s, v_s, full, empty, q_start, q_len, hk, h, mb,
-                        kv_end, n_tiles, s_qt, s_qh, s_cb, s_cs, s_ch, D, PAGE, BLOCK_M, BLOCK_N, IO)),
-        ),
-        (4, 4),
-        (ATTEND_REGS, LOAD_REGS),
-    )  # fmt: skip
-
-
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> bool:
     """Whether ``launch`` takes these: a Hopper GPU (wgmma), 16-bit q and cache of one dtype, heads
     of 64, 128 or 256, and every row copy 16-byte aligned (the tensors' starts, q's and the cache's
@@ -334,16 +205,6 @@ def layouts(block_m: int, block_n: int, d: int, warps: int, dtype: torch.dtype) 
     )
 
 
-def ws_layouts(block_m: int, block_n: int, d: int, dtype: torch.dtype) -> dict:
-    """``layouts`` for ``_extend_ws_kernel``: every partition 4 warps, a wgmma warpgroup 64 query rows
-    (half of ``block_m``); the producer's copies 16 elements a thread (two 16-byte copies) at heads of
-    256, so that a thread holds half the row pointers (at 8 a thread its 56 registers spilled)."""
-    lay = layouts(block_m // 2, block_n, d, 4, dtype)
-    per = 16 if d >= 256 else 8
-    lay["IO"] = gl.BlockedLayout([1, per], [32 // (d // per), d // per], [4, 1], [1, 0])
-    return lay
-
-
 def launch(q, kv_cache, block_tables, cu_seqlens, context_lens, max_query_len: int, qk_scale: float,
            cache_strides):  # fmt: skip
     """``triton_paged.paged_extend``'s contract on q [T, Hq, d] (rows contiguous) with ``qk_scale``
@@ -353,9 +214,12 @@ def launch(q, kv_cache, block_tables, cu_seqlens, context_lens, max_query_len: i
     block_m, block_n, warps = TILES[d]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(max_query_len, block_m), cu_seqlens.shape[0] - 1, hq)
-    if WS:  # three warpgroups of 4 warps, 64 query rows each for the two that multiply
-        kernel, lay, warps = _extend_ws_kernel, ws_layouts(block_m, block_n, d, q.dtype), 4
-        lay.update(ATTEND_REGS=ATTEND_REGS, LOAD_REGS=LOAD_REGS)
+    from ft.attention import gluon_extend_ws  # its helpers are this module's
+
+    if gluon_extend_ws.WS:  # three warpgroups of 4 warps, 64 query rows each for the two that multiply
+        kernel, warps = gluon_extend_ws._extend_ws_kernel, 4
+        lay = gluon_extend_ws.ws_layouts(block_m, block_n, d, q.dtype)
+        lay.update(ATTEND_REGS=gluon_extend_ws.ATTEND_REGS, LOAD_REGS=gluon_extend_ws.LOAD_REGS)
     else:
         kernel, lay = _extend_wgmma_kernel, layouts(block_m, block_n, d, warps, q.dtype)
     kernel[grid](

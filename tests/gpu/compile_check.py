@@ -193,7 +193,7 @@ def entries():
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
                     yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages
-    from ft.moe.kernels import gluon_w4a16  # Gluon (its own AST source: ``build``)
+    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_ws  # Gluon (its own AST source: ``build``)
 
     gluon_rows = [
         (t, cfg) for t, row in ((1024, 0), (8192, -1)) for cfg in gluon_w4a16.CONFIGS["default"][row][1:]
@@ -207,9 +207,10 @@ def entries():
         yield f"NVFP4 Gluon wgmma {which}, T={t}", kernel, w4, consts, warps, 1
         into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
         yield f"NVFP4 Gluon wgmma {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
-        ws = consts | gluon_w4a16.ws_layouts(bm, bn, bk, warps)
-        ws |= {"PRODUCER_WARPS": gluon_w4a16.PRODUCER_WARPS, "PRODUCER_REGS": gluon_w4a16.PRODUCER_REGS}
-        yield f"NVFP4 Gluon warp-specialised {which}, T={t}", gluon_w4a16._w4a16_ws_kernel, w4, ws, warps, 1
+        ws = consts | gluon_w4a16_ws.ws_layouts(bm, bn, bk, warps)
+        ws |= {"PRODUCER_WARPS": gluon_w4a16_ws.PRODUCER_WARPS, "PRODUCER_REGS": gluon_w4a16_ws.PRODUCER_REGS}
+        kernel = gluon_w4a16_ws._w4a16_ws_kernel
+        yield f"NVFP4 Gluon warp-specialised {which}, T={t}", kernel, w4, ws, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
     yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip
@@ -228,23 +229,17 @@ def entries():
            "out": BF}  # fmt: skip
     yield "attention extend", triton_kernels.extend_kernel, ext, {
         "REP": 8, "D": 256, "PAGE": 16, "BLOCK_M": 128, "BLOCK_N": 64, "PREC": "tf32"}, 8, 2  # fmt: skip
-    from ft.attention import gluon_extend  # Gluon
+    from ft.attention import gluon_extend, gluon_extend_ws  # Gluon
 
     for d, (bm, bn, warps) in gluon_extend.TILES.items():
         consts = {"REP": 8, "D": d, "PAGE": 16, "BLOCK_M": bm, "BLOCK_N": bn,
                   **gluon_extend.layouts(bm, bn, d, warps, torch.bfloat16)}  # fmt: skip
         kernel = gluon_extend._extend_wgmma_kernel
         yield f"attention extend Gluon, heads of {d}", kernel, ext, consts, warps, 1
-        ws = consts | gluon_extend.ws_layouts(bm, bn, d, torch.bfloat16)
-        ws |= {"ATTEND_REGS": gluon_extend.ATTEND_REGS, "LOAD_REGS": gluon_extend.LOAD_REGS}
-        yield (
-            f"attention extend Gluon warp-specialised, heads of {d}",
-            gluon_extend._extend_ws_kernel,
-            ext,
-            ws,
-            4,
-            1,
-        )
+        ws = consts | gluon_extend_ws.ws_layouts(bm, bn, d, torch.bfloat16)
+        ws |= {"ATTEND_REGS": gluon_extend_ws.ATTEND_REGS, "LOAD_REGS": gluon_extend_ws.LOAD_REGS}
+        kernel = gluon_extend_ws._extend_ws_kernel
+        yield f"attention extend Gluon warp-specialised, heads of {d}", kernel, ext, ws, 4, 1
     gdn = {"mixed": BF, "b": BF, "a": BF, "A_log": F32, "dt_bias": F32, "state": F32, "cu_seqlens": I32,
            "context_lens": I32, "state_slots": I64, "o": BF}  # fmt: skip
     heads = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "VARLEN": False, "USE_PDL": 2}

@@ -36,9 +36,9 @@ from tests.gpu.profiling import cut_config, logger  # noqa: E402
 
 # switches of prefill kernels only (the rows time decode; their prompt step would run them)
 PREFILL_ONLY = (
-    "ft.attention.gluon_extend:WS",
+    "ft.attention.gluon_extend_ws:WS",
     "ft.moe.kernels.triton_w4a16:GLUON",
-    "ft.moe.kernels.gluon_w4a16:WS",
+    "ft.moe.kernels.gluon_w4a16_ws:WS",
 )
 
 

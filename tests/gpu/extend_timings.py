@@ -5,7 +5,7 @@
 A CHUNK is T queries, or T+C for T queries after C cached tokens (16384+16384: a 32k prompt's
 second chunk), one sequence, Qwen3-Next's heads (FT_SWEEP_ATTN=Hq,Hkv,d; 16,2,256), pages of 16.
 For each: the Triton kernel at its shipped tiles, the Gluon one (``gluon_extend``) and its
-warp-specialised form (``gluon_extend.WS``), each in a CUDA graph (``kernel_timings.bench_series``),
+warp-specialised form (``gluon_extend_ws.WS``), each in a CUDA graph (``kernel_timings.bench_series``),
 with the TFLOP/s of the causal work (4 · d · Hq · the visible query-key pairs) and the Gluon
 outputs' relative error against the Triton one's.
 """
@@ -20,7 +20,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from ft.attention import gluon_extend, triton_paged  # noqa: E402
+from ft.attention import gluon_extend, gluon_extend_ws, triton_paged  # noqa: E402
 from tests.gpu.kernel_timings import bench_series  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def main() -> None:
         got = {}
         line = f"{t} queries after {c}, {hq}/{hkv} heads of {d}:"
         for name, gluon, ws in (("Triton", False, False), ("Gluon", True, False), ("Gluon WS", True, True)):
-            triton_paged.GLUON_EXTEND, gluon_extend.WS = gluon, ws
+            triton_paged.GLUON_EXTEND, gluon_extend_ws.WS = gluon, ws
             got[name] = call()
             ms = bench_series([call] * 3)
             line += f" {name} {ms * 1e3:,.1f} us ({flops / ms / 1e9:,.0f} TFLOP/s) |"

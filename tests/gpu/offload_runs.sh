@@ -37,7 +37,7 @@
 #            bound by its compute (issue 8's 32k row at 80% of the link, target 85%; 2026-12-03),
 #            most of it these GEMMs and that attention. Then `FT_MOE_PREFILL=UP/DOWN
 #            FT_ATTN_EXTEND_TILES=BM,BN,W,S bash ... row` with the bests (~9 min)
-#   gluon    the Gluon W4A16 kernels (triton_w4a16.GLUON, off; gluon_w4a16.WS, the warp-specialised
+#   gluon    the Gluon W4A16 kernels (triton_w4a16.GLUON, off; gluon_w4a16_ws.WS, the warp-specialised
 #            one, off and not yet run): their GPU tests (against the Triton kernel and the reference,
 #            and through Into; a wrong mbarrier phase in the WS kernel hangs: the 300 s timeout),
 #            each launch beside the Triton kernel's at the same tiles (gluon_w4a16_check.py), then
@@ -153,7 +153,7 @@ gluon)
   tail -n 3 "$out/gluon_tests.log"
   timeout 120 python3 tests/gpu/gluon_w4a16_check.py 4096 >"$out/gluon_check.log" 2>&1  # each launch apart
   grep -vE "^ft rank|[Ww]arn" "$out/gluon_check.log" | tail -n 8
-  for on in 0 1 ws; do  # ws: the warp-specialised kernel (gluon_w4a16.WS)
+  for on in 0 1 ws; do  # ws: the warp-specialised kernel (gluon_w4a16_ws.WS)
     FT_W4A16_GLUON=$([ $on = 0 ] && echo 0 || echo 1) FT_W4A16_GLUON_WS=$([ $on = ws ] && echo 1 || echo 0) \
       FT_TIMINGS_T=1024,2048,4096,8192,16384 timeout 200 python3 tests/nvfp4/w4a16_timings.py \
       >"$out/gluon_timings_$on.log" 2>&1

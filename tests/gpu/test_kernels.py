@@ -96,15 +96,15 @@ def test_attention_decode(d, rep):
 @pytest.fixture(params=["triton", "gluon", "gluon-ws"])
 def extend_kernel(request, monkeypatch):
     """The extend kernel a test runs: Triton's, the Gluon one (``triton_paged.GLUON_EXTEND``) or its
-    warp-specialised form (``gluon_extend.WS``; a wrong mbarrier phase hangs it: run these under a
+    warp-specialised form (``gluon_extend_ws.WS``; a wrong mbarrier phase hangs it: run these under a
     `timeout`), the Gluon ones skipped where they do not run (not a Hopper GPU)."""
-    from ft.attention import gluon_extend, triton_paged
+    from ft.attention import gluon_extend_ws, triton_paged
 
     gluon = request.param != "triton"
     if gluon and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon extend kernel runs on Hopper")
     monkeypatch.setattr(triton_paged, "GLUON_EXTEND", gluon)
-    monkeypatch.setattr(gluon_extend, "WS", request.param == "gluon-ws")
+    monkeypatch.setattr(gluon_extend_ws, "WS", request.param == "gluon-ws")
     return request.param
 
 
@@ -131,7 +131,7 @@ def test_gluon_extend_long_chunk_matches_triton(page, ws, monkeypatch):
     kernels: every tile kind (whole, diagonal, the last partial one) over many pages, the Gluon
     kernel taken (``supports``)."""
     pytest.importorskip("triton")
-    from ft.attention import gluon_extend, triton_paged
+    from ft.attention import gluon_extend, gluon_extend_ws, triton_paged
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon extend kernel runs on Hopper")
@@ -144,7 +144,7 @@ def test_gluon_extend_long_chunk_matches_triton(page, ws, monkeypatch):
     args = (q, cache, batch.block_tables, batch.cu_seqlens, batch.context_lens, t, d**-0.5)
     assert gluon_extend.supports(q, cache, batch.block_tables)
     monkeypatch.setattr(triton_paged, "GLUON_EXTEND", False)
-    monkeypatch.setattr(gluon_extend, "WS", ws)
+    monkeypatch.setattr(gluon_extend_ws, "WS", ws)
     want = triton_paged.paged_extend(*args)
     got = gluon_extend.launch(*args[:-1], d**-0.5 * triton_paged.LOG2E, triton_paged._cache_strides(cache))
     torch.cuda.synchronize()

@@ -170,12 +170,12 @@ def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
 
 @pytest.fixture(params=[False, True], ids=["wgmma", "warp-specialised"])
 def gluon_kernel(request, monkeypatch):
-    """The Gluon kernel a test runs when ``GLUON`` is on: the one-partition kernel, or (``gluon_w4a16.WS``)
+    """The Gluon kernel a test runs when ``GLUON`` is on: the one-partition kernel, or (``gluon_w4a16_ws.WS``)
     the warp-specialised one (copies and decode in a producer partition; a wrong mbarrier phase would
     hang it: run these under a `timeout`)."""
-    from ft.moe.kernels import gluon_w4a16
+    from ft.moe.kernels import gluon_w4a16_ws
 
-    monkeypatch.setattr(gluon_w4a16, "WS", request.param)
+    monkeypatch.setattr(gluon_w4a16_ws, "WS", request.param)
     return request.param
 
 
