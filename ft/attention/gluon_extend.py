@@ -107,6 +107,30 @@ def _step(q_s, k_s, v_s, m_i, l_i, acc, j, k_cache, v_cache, table, hk, n_tiles,
 
 
 @gluon.jit
+def _program(cu_seqlens):
+    # (query block, sequence, head) of this program, the last query block first, and its sequence's
+    # first row and length (int32: tile and slot indices)
+    mb = gl.num_programs(0) - 1 - gl.program_id(0)
+    b = gl.program_id(1)
+    h = gl.program_id(2)
+    first = gl.load(cu_seqlens + b)
+    q_len = gl.load(cu_seqlens + b + 1) - first
+    return mb, b, h, first.to(gl.int64), q_len
+
+
+@gluon.jit
+def _keys(context_lens, block_tables, s_bt, mb, b, h, q_len, REP: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr):  # fmt: skip
+    # the block's keys: cached context, kv head, block table row, the end of its causal keys, its key
+    # tiles and how many of them every query of the block sees whole
+    ctx = gl.load(context_lens + b)
+    kv_end = gl.minimum(ctx + q_len, ctx + (mb + 1) * BLOCK_M)
+    n_tiles = gl.cdiv(kv_end, BLOCK_N)
+    n_full = gl.minimum((ctx + mb * BLOCK_M + 1) // BLOCK_N, n_tiles)
+    return ctx, h // REP, block_tables + b * s_bt, kv_end, n_tiles, n_full
+
+
+@gluon.jit
 def _extend_wgmma_kernel(
     q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, out, qk_scale,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
@@ -115,20 +139,11 @@ def _extend_wgmma_kernel(
     Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
 ):  # fmt: skip
     # one program = BLOCK_M queries of one sequence x one query head, the last query block first
-    mb = gl.num_programs(0) - 1 - gl.program_id(0)
-    b = gl.program_id(1)
-    h = gl.program_id(2)
-    first = gl.load(cu_seqlens + b)
-    q_len = gl.load(cu_seqlens + b + 1) - first  # int32 (tile and slot indices)
-    q_start = first.to(gl.int64)
+    mb, b, h, q_start, q_len = _program(cu_seqlens)
     if mb * BLOCK_M >= q_len:
         return
-    ctx = gl.load(context_lens + b)
-    hk = h // REP
-    table = block_tables + b * s_bt
-    kv_end = gl.minimum(ctx + q_len, ctx + (mb + 1) * BLOCK_M)
-    n_tiles = gl.cdiv(kv_end, BLOCK_N)
-    n_full = gl.minimum((ctx + mb * BLOCK_M + 1) // BLOCK_N, n_tiles)  # tiles every query sees whole
+    ctx, hk, table, kv_end, n_tiles, n_full = _keys(context_lens, block_tables, s_bt, mb, b, h, q_len, REP,
+                                                    BLOCK_M, BLOCK_N)  # fmt: skip
 
     q_s = gl.allocate_shared_memory(q.dtype.element_ty, [BLOCK_M, D], Q_SMEM)
     k_s = gl.allocate_shared_memory(k_cache.dtype.element_ty, [SLOTS, BLOCK_N, D], KV_SMEM)

@@ -34,7 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
-from ft.attention.gluon_extend import SLOTS, _copy_kv, _tile, layouts
+from ft.attention.gluon_extend import SLOTS, _copy_kv, _keys, _program, _tile, layouts
 
 # in place of ``gluon_extend._extend_wgmma_kernel`` when on (FT_ATTN_GLUON_EXTEND_WS=1)
 WS = os.environ.get("FT_ATTN_GLUON_EXTEND_WS", "0") == "1"
@@ -133,20 +133,11 @@ def _extend_ws_kernel(
     # first wgmma warpgroup, rows 0-63 of the block), plus a second warpgroup (rows 64-127) and a
     # 4-warp producer for the copies; key tiles handed over through mbarriers instead of the CTA's
     # barriers, so the two warpgroups are not held in step
-    mb = gl.num_programs(0) - 1 - gl.program_id(0)
-    b = gl.program_id(1)
-    h = gl.program_id(2)
-    first = gl.load(cu_seqlens + b)
-    q_len = gl.load(cu_seqlens + b + 1) - first
-    q_start = first.to(gl.int64)
+    mb, b, h, q_start, q_len = _program(cu_seqlens)
     if mb * BLOCK_M >= q_len:
         return
-    ctx = gl.load(context_lens + b)
-    hk = h // REP
-    table = block_tables + b * s_bt
-    kv_end = gl.minimum(ctx + q_len, ctx + (mb + 1) * BLOCK_M)
-    n_tiles = gl.cdiv(kv_end, BLOCK_N)
-    n_full = gl.minimum((ctx + mb * BLOCK_M + 1) // BLOCK_N, n_tiles)
+    ctx, hk, table, kv_end, n_tiles, n_full = _keys(context_lens, block_tables, s_bt, mb, b, h, q_len, REP,
+                                                    BLOCK_M, BLOCK_N)  # fmt: skip
     q_s = gl.allocate_shared_memory(q.dtype.element_ty, [2, BLOCK_M // 2, D], Q_SMEM)
     k_s = gl.allocate_shared_memory(k_cache.dtype.element_ty, [SLOTS, BLOCK_N, D], KV_SMEM)
     v_s = gl.allocate_shared_memory(v_cache.dtype.element_ty, [SLOTS, BLOCK_N, D], KV_SMEM)
