@@ -107,6 +107,30 @@ def _step(q_s, k_s, v_s, m_i, l_i, acc, j, k_cache, v_cache, table, hk, n_tiles,
 
 
 @gluon.jit
+def _copy_q(q, q_s, q_start, q_len, h, s_qt, s_qh, row0, ROWS: gl.constexpr, D: gl.constexpr,
+            IO: gl.constexpr):  # fmt: skip
+    # the sequence's query rows row0 .. row0 + ROWS of head h into q_s (rows past q_len: zeros); the
+    # copies join the caller's next group
+    m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, IO))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, IO))
+    ptr = q + (q_start + m)[:, None] * s_qt + h * s_qh + d[None, :]
+    async_copy.async_copy_global_to_shared(q_s, ptr, mask=(m < q_len)[:, None])
+
+
+@gluon.jit
+def _store_rows(acc, l_i, out, q_start, q_len, h, s_ot, s_oh, row0, ROWS: gl.constexpr, D: gl.constexpr,
+                O_MMA: gl.constexpr):  # fmt: skip
+    # out rows row0 .. row0 + ROWS of head h = acc / l (every query sees key 0, so l > 0); rows past
+    # q_len are not written
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_MMA))
+    o = acc / l_o[:, None]
+    m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, O_MMA))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, O_MMA))
+    dst = out + (q_start + m)[:, None] * s_ot + h * s_oh + d[None, :]
+    gl.store(dst, o.to(out.dtype.element_ty), mask=(m < q_len)[:, None])
+
+
+@gluon.jit
 def _program(cu_seqlens):
     # (query block, sequence, head) of this program, the last query block first, and its sequence's
     # first row and length (int32: tile and slot indices)
@@ -148,10 +172,7 @@ def _extend_wgmma_kernel(
     q_s = gl.allocate_shared_memory(q.dtype.element_ty, [BLOCK_M, D], Q_SMEM)
     k_s = gl.allocate_shared_memory(k_cache.dtype.element_ty, [SLOTS, BLOCK_N, D], KV_SMEM)
     v_s = gl.allocate_shared_memory(v_cache.dtype.element_ty, [SLOTS, BLOCK_N, D], KV_SMEM)
-    m_io = mb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, IO))
-    d_io = gl.arange(0, D, layout=gl.SliceLayout(0, IO))
-    q_ptr = q + (q_start + m_io)[:, None] * s_qt + h * s_qh + d_io[None, :]
-    async_copy.async_copy_global_to_shared(q_s, q_ptr, mask=(m_io < q_len)[:, None])  # with tile 0's group
+    _copy_q(q, q_s, q_start, q_len, h, s_qt, s_qh, mb * BLOCK_M, BLOCK_M, D, IO)  # with tile 0's group
     for t in gl.static_range(SLOTS):
         _copy_kv(k_cache, v_cache, table, hk, t, n_tiles, kv_end, k_s.index(t), v_s.index(t), s_cb, s_cs,
                  s_ch, D, PAGE, BLOCK_N, IO)  # fmt: skip
@@ -173,12 +194,7 @@ def _extend_wgmma_kernel(
                               O_MMA, P_OP, IO)  # fmt: skip
     async_copy.wait_group(0)
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_MMA))
-    o = acc / l_o[:, None]  # every query sees key 0, so l > 0
-    m_o = mb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_MMA))
-    d_o = gl.arange(0, D, layout=gl.SliceLayout(0, O_MMA))
-    dst = out + (q_start + m_o)[:, None] * s_ot + h * s_oh + d_o[None, :]
-    gl.store(dst, o.to(out.dtype.element_ty), mask=(m_o < q_len)[:, None])
+    _store_rows(acc, l_i, out, q_start, q_len, h, s_ot, s_oh, mb * BLOCK_M, BLOCK_M, D, O_MMA)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> bool:

@@ -34,7 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
-from ft.attention.gluon_extend import SLOTS, _copy_kv, _keys, _program, _tile, layouts
+from ft.attention.gluon_extend import SLOTS, _copy_kv, _copy_q, _keys, _program, _store_rows, _tile, layouts
 
 # in place of ``gluon_extend._extend_wgmma_kernel`` when on (FT_ATTN_GLUON_EXTEND_WS=1)
 WS = os.environ.get("FT_ATTN_GLUON_EXTEND_WS", "0") == "1"
@@ -54,6 +54,19 @@ def ws_layouts(block_m: int, block_n: int, d: int, dtype: torch.dtype) -> dict:
 
 
 @gluon.jit
+def _ws_step(q_s, k_s, v_s, full, empty, m_i, l_i, acc, j, qk_scale, qpos, kv_end, MASKED: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, S_MMA: gl.constexpr, O_MMA: gl.constexpr,
+             P_OP: gl.constexpr):  # fmt: skip
+    # key tile j once the producer has signalled it full, handed back on empty once attended
+    slot = j % SLOTS
+    mbarrier.wait(full.index(slot), (j // SLOTS) & 1)
+    m_i, l_i, acc = _tile(q_s, k_s.index(slot), v_s.index(slot), m_i, l_i, acc, qk_scale, qpos, j * BLOCK_N,
+                          kv_end, MASKED, BLOCK_M, BLOCK_N, S_MMA, O_MMA, P_OP)  # fmt: skip
+    mbarrier.arrive(empty.index(slot))
+    return m_i, l_i, acc
+
+
+@gluon.jit
 def _ws_attend(q_s, k_s, v_s, full, empty, out, qk_scale, q_start, q_len, ctx, mb, h, kv_end, n_tiles, n_full,
                s_ot, s_oh, ROWS: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                S_MMA: gl.constexpr, O_MMA: gl.constexpr, P_OP: gl.constexpr):  # fmt: skip
@@ -69,23 +82,12 @@ def _ws_attend(q_s, k_s, v_s, full, empty, out, qk_scale, q_start, q_len, ctx, m
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, S_MMA))
     acc = gl.zeros([HALF, D], gl.float32, O_MMA)
     for j in range(0, n_full):
-        slot = j % SLOTS
-        mbarrier.wait(full.index(slot), (j // SLOTS) & 1)
-        m_i, l_i, acc = _tile(qs, k_s.index(slot), v_s.index(slot), m_i, l_i, acc, qk_scale, qpos,
-                              j * BLOCK_N, kv_end, False, HALF, BLOCK_N, S_MMA, O_MMA, P_OP)  # fmt: skip
-        mbarrier.arrive(empty.index(slot))
+        m_i, l_i, acc = _ws_step(qs, k_s, v_s, full, empty, m_i, l_i, acc, j, qk_scale, qpos, kv_end, False,
+                                 HALF, BLOCK_N, S_MMA, O_MMA, P_OP)  # fmt: skip
     for j in range(n_full, n_tiles):
-        slot = j % SLOTS
-        mbarrier.wait(full.index(slot), (j // SLOTS) & 1)
-        m_i, l_i, acc = _tile(qs, k_s.index(slot), v_s.index(slot), m_i, l_i, acc, qk_scale, qpos,
-                              j * BLOCK_N, kv_end, True, HALF, BLOCK_N, S_MMA, O_MMA, P_OP)  # fmt: skip
-        mbarrier.arrive(empty.index(slot))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_MMA))
-    o = acc / l_o[:, None]
-    m_o = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, O_MMA))
-    d_o = gl.arange(0, D, layout=gl.SliceLayout(0, O_MMA))
-    dst = out + (q_start + m_o)[:, None] * s_ot + h * s_oh + d_o[None, :]
-    gl.store(dst, o.to(out.dtype.element_ty), mask=(m_o < q_len)[:, None])
+        m_i, l_i, acc = _ws_step(qs, k_s, v_s, full, empty, m_i, l_i, acc, j, qk_scale, qpos, kv_end, True,
+                                 HALF, BLOCK_N, S_MMA, O_MMA, P_OP)  # fmt: skip
+    _store_rows(acc, l_i, out, q_start, q_len, h, s_ot, s_oh, row0, HALF, D, O_MMA)
 
 
 @gluon.jit
@@ -97,11 +99,8 @@ def _ws_load(q, k_cache, v_cache, table, q_s, k_s, v_s, full, empty, q_start, q_
     # tile signalled full once landed (fenced for the wgmmas); tile j (j >= 2) copied into tile j-2's
     # slot once both warpgroups have handed that one back
     HALF: gl.constexpr = BLOCK_M // 2
-    d_io = gl.arange(0, D, layout=gl.SliceLayout(0, IO))
     for r in gl.static_range(2):
-        m_io = mb * BLOCK_M + r * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, IO))
-        q_ptr = q + (q_start + m_io)[:, None] * s_qt + h * s_qh + d_io[None, :]
-        async_copy.async_copy_global_to_shared(q_s.index(r), q_ptr, mask=(m_io < q_len)[:, None])
+        _copy_q(q, q_s.index(r), q_start, q_len, h, s_qt, s_qh, mb * BLOCK_M + r * HALF, HALF, D, IO)
     for t in gl.static_range(SLOTS):
         _copy_kv(k_cache, v_cache, table, hk, t, n_tiles, kv_end, k_s.index(t), v_s.index(t), s_cb, s_cs,
                  s_ch, D, PAGE, BLOCK_N, IO)  # fmt: skip
