@@ -458,8 +458,12 @@ def sweep_grouped_w4a16_gluon() -> None:
     prefill = [(16 * w, bn, bk, 8, w, 3) for w, bn, bk in tiles]
     saved, triton_w4a16.GLUON = triton_w4a16.GLUON, True
     try:
-        banks, x, _ = moe_problem(GROUPED_T[0])
-        assert gluon_w4a16.supports(*banks["nvfp4"], x), "these banks take the Triton kernel"
+        _, inter, h, _ = MOE_SHAPE  # one expert of the swept banks' shape (supports reads K and strides)
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        one = (random_bank(1, 2 * inter, h, gen), random_bank(1, h, inter, gen))
+        assert gluon_w4a16.supports(*one, torch.zeros(1, h, device=DEV, dtype=torch.bfloat16)), (
+            "these banks take the Triton kernel"
+        )
         fused = triton_w4a16.fused_moe_w4a16
         grouped_rows("W4A16 grouped GEMM in Gluon", gluon_w4a16.CONFIGS, fused, "nvfp4", [], prefill)
     finally:
