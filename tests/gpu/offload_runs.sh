@@ -38,7 +38,7 @@
 #            most of it these GEMMs and that attention. Then `FT_MOE_PREFILL=UP/DOWN
 #            FT_ATTN_EXTEND_TILES=BM,BN,W,S bash ... row` with the bests (~9 min)
 #   gluon    the Gluon W4A16 kernels (triton_w4a16.GLUON, off; gluon_w4a16_ws.WS, the warp-specialised
-#            one, off and not yet run): their GPU tests (against the Triton kernel and the reference,
+#            one, off: 26-48% slower, 2026-12-04 18:08): their GPU tests (against the Triton kernel and the reference,
 #            and through Into; a wrong mbarrier phase in the WS kernel hangs: the 300 s timeout),
 #            each launch beside the Triton kernel's at the same tiles (gluon_w4a16_check.py), then
 #            the MoE call at 1k to 16k tokens off, on, and warp-specialised (w4a16_timings.py;

@@ -18,11 +18,15 @@ A slot holds a step's activations, codes, scales and decoded tiles. The arithmet
 helpers and epilogue are ``gluon_w4a16``'s (``_operands``, ``_issue_step``, ``_decode``,
 ``_epilogue``), so the output should be that kernel's bit for bit.
 
-NOT yet run on a GPU (written 2026-12-04 after the session's device time was spent): compiled for
-sm_90 with Triton 3.6 (tests/gpu/compile_check.py "Gluon warp": no spills; gate/up at the 8k tiles
-producer 96 registers, wgmma warps 200, 175 KB shared), reviewed for deadlocks and mbarrier
-parities. Off (``WS``) until tests/nvfp4/test_w4a16_gpu.py -k gluon passes with it (under a
-`timeout`: a wrong phase hangs) and w4a16_timings.py times it faster.
+Run on an H200 on 2026-12-04 18:08 (docs/benchmarks.md): its GPU tests pass
+(tests/nvfp4/test_w4a16_gpu.py -k gluon, bit for bit the Triton kernel's), but the MoE call is
+26-48% SLOWER than the one-partition kernel at 1k-16k tokens (8k: 3,714 against 2,958 us). Off
+(``WS``). Our reading, not profiled: one producer warpgroup decodes every code of a step (twice
+the table-decode instructions a thread of the eight-warp kernel), a warp a scheduler with nothing
+to hide its shared-memory reads, and the wgmmas wait on it. A producer of two warpgroups, or
+the decoded weights as the wgmma's register operand (no decoded tile in shared memory), are what
+is left to try. Compiled for sm_90 with Triton 3.6: gate/up at the 8k tiles producer 96
+registers, wgmma warps 200, 175 KB shared, no spills.
 """
 
 from __future__ import annotations
