@@ -211,6 +211,19 @@ def entries():
         ws |= {"PRODUCER_WARPS": gluon_w4a16_ws.PRODUCER_WARPS, "PRODUCER_REGS": gluon_w4a16_ws.PRODUCER_REGS}
         kernel = gluon_w4a16_ws._w4a16_ws_kernel
         yield f"NVFP4 Gluon warp-specialised {which}, T={t}", kernel, w4, ws, warps, 1
+    from ft.moe.kernels import gluon_w4a16_rega  # the weights as the wgmma's register operand
+
+    rega_rows = [
+        (t, cfg) for t, row in ((1024, 0), (8192, -1)) for cfg in gluon_w4a16_rega.CONFIGS["default"][row][1:]
+    ]
+    for (t, cfg), which, swiglu in zip(rega_rows, ("gate/up", "down") * 2, (True, False) * 2):
+        bm, bn, bk, group_m, warps, _ = cfg
+        consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu, "BLOCK_M": bm,
+                  "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "A_MAP": False, "C_MAP": False,
+                  "STAGES": gluon_w4a16_rega.STAGES}  # fmt: skip
+        consts |= gluon_w4a16_rega.layouts(bm, bn, bk, warps)
+        kernel = gluon_w4a16_rega._w4a16_rega_kernel
+        yield f"NVFP4 Gluon register operand {which}, T={t}", kernel, w4, consts, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
     yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip
