@@ -193,37 +193,30 @@ def entries():
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
                     yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages
-    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_ws  # Gluon (its own AST source: ``build``)
+    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_rega, gluon_w4a16_ws  # Gluon (its own AST source)
 
-    gluon_rows = [
-        (t, cfg) for t, row in ((1024, 0), (8192, -1)) for cfg in gluon_w4a16.CONFIGS["default"][row][1:]
-    ]
-    for (t, cfg), which, swiglu in zip(gluon_rows, ("gate/up", "down") * 2, (True, False) * 2):
-        bm, bn, bk, group_m, warps, _ = cfg
-        consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu, "BLOCK_M": bm,
-                  "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "A_MAP": False, "C_MAP": False,
-                  "STAGES": gluon_w4a16.STAGES, **gluon_w4a16.layouts(bm, bn, bk, warps)}  # fmt: skip
-        kernel = gluon_w4a16._w4a16_wgmma_kernel
-        yield f"NVFP4 Gluon wgmma {which}, T={t}", kernel, w4, consts, warps, 1
-        into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
-        yield f"NVFP4 Gluon wgmma {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
-        ws = consts | gluon_w4a16_ws.ws_layouts(bm, bn, bk, warps)
-        ws |= {"PRODUCER_WARPS": gluon_w4a16_ws.PRODUCER_WARPS, "PRODUCER_REGS": gluon_w4a16_ws.PRODUCER_REGS}
-        kernel = gluon_w4a16_ws._w4a16_ws_kernel
-        yield f"NVFP4 Gluon warp-specialised {which}, T={t}", kernel, w4, ws, warps, 1
-    from ft.moe.kernels import gluon_w4a16_rega  # the weights as the wgmma's register operand
-
-    rega_rows = [
-        (t, cfg) for t, row in ((1024, 0), (8192, -1)) for cfg in gluon_w4a16_rega.CONFIGS["default"][row][1:]
-    ]
-    for (t, cfg), which, swiglu in zip(rega_rows, ("gate/up", "down") * 2, (True, False) * 2):
-        bm, bn, bk, group_m, warps, _ = cfg
-        consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu, "BLOCK_M": bm,
-                  "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "A_MAP": False, "C_MAP": False,
-                  "STAGES": gluon_w4a16_rega.STAGES}  # fmt: skip
-        consts |= gluon_w4a16_rega.layouts(bm, bn, bk, warps)
-        kernel = gluon_w4a16_rega._w4a16_rega_kernel
-        yield f"NVFP4 Gluon register operand {which}, T={t}", kernel, w4, consts, warps, 1
+    kinds = (  # the weights as wgmma's B operand, as its register A operand
+        (gluon_w4a16, "wgmma", gluon_w4a16._w4a16_wgmma_kernel),
+        (gluon_w4a16_rega, "register operand", gluon_w4a16_rega._w4a16_rega_kernel),
+    )
+    for module, label, kernel in kinds:
+        rows = [(t, cfg) for t, row in ((1024, 0), (8192, -1)) for cfg in module.CONFIGS["default"][row][1:]]
+        for (t, cfg), which, swiglu in zip(rows, ("gate/up", "down") * 2, (True, False) * 2):
+            bm, bn, bk, group_m, warps, _ = cfg
+            consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu, "BLOCK_M": bm,
+                      "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "A_MAP": False, "C_MAP": False,
+                      "STAGES": module.STAGES, **module.layouts(bm, bn, bk, warps)}  # fmt: skip
+            yield f"NVFP4 Gluon {label} {which}, T={t}", kernel, w4, consts, warps, 1
+            into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
+            yield f"NVFP4 Gluon {label} {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
+            if module is gluon_w4a16:
+                ws = consts | gluon_w4a16_ws.ws_layouts(bm, bn, bk, warps)
+                ws |= {
+                    "PRODUCER_WARPS": gluon_w4a16_ws.PRODUCER_WARPS,
+                    "PRODUCER_REGS": gluon_w4a16_ws.PRODUCER_REGS,
+                }
+                ws_kernel = gluon_w4a16_ws._w4a16_ws_kernel
+                yield f"NVFP4 Gluon warp-specialised {which}, T={t}", ws_kernel, w4, ws, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
     yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip

@@ -84,16 +84,26 @@ def _issue_step(a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s, k0, K, a0
     # (and up) rows' packed codes [BN, BK/2] and block scales [BN, BK/16]
     live = k0 < K
     mask_a = rmask[:, None] & live
-    mask_c = nmask_c[:, None] & live
-    mask_s = nmask_s[:, None] & live
     async_copy.async_copy_global_to_shared(a0, a_ptr0 + k0, mask=mask_a)
     async_copy.async_copy_global_to_shared(a1, a_ptr0 + (k0 + 4), mask=mask_a)
+    copy_weights(
+        codes_ptr, scale_ptr, nmask_c, nmask_s, live, k0, gc, gs, uc, us, up_codes, up_scales, SWIGLU
+    )
+    async_copy.commit_group()
+
+
+@gluon.jit
+def copy_weights(codes_ptr, scale_ptr, nmask_c, nmask_s, live, k0, gc, gs, uc, us, up_codes, up_scales,
+                 SWIGLU: gl.constexpr):  # fmt: skip
+    # a K step's copies of the gate (and up) rows' packed codes [BN, BK/2] and block scales
+    # [BN, BK/16] (not committed: the caller's group)
+    mask_c = nmask_c[:, None] & live
+    mask_s = nmask_s[:, None] & live
     async_copy.async_copy_global_to_shared(gc, codes_ptr + k0 // 2, mask=mask_c)
     async_copy.async_copy_global_to_shared(gs, scale_ptr + k0 // 16, mask=mask_s)
     if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
         async_copy.async_copy_global_to_shared(uc, codes_ptr + (up_codes + k0 // 2), mask=mask_c)
         async_copy.async_copy_global_to_shared(us, scale_ptr + (up_scales + k0 // 16), mask=mask_s)
-    async_copy.commit_group()
 
 
 @gluon.jit

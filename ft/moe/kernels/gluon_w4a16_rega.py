@@ -49,9 +49,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ft.moe.kernels import triton_moe
-from ft.moe.kernels.gluon_w4a16 import _cta_barrier
+from ft.moe.kernels.gluon_w4a16 import _cta_barrier, copy_weights
 from ft.moe.kernels.triton_moe import pair_tile
-from ft.moe.kernels.triton_w4a16 import lut_scale
+from ft.moe.kernels.triton_w4a16 import lut_asm, lut_scale
 from ft.quant.nvfp4 import NVFP4Tensor
 
 REGA = os.environ.get("FT_W4A16_GLUON_REGA", "0") == "1"
@@ -67,27 +67,12 @@ CONFIGS = triton_moe.configs_from_env(
 
 # Two code bytes (bytes 0 and 2 of $2: the same byte of rows g and g + 8, each given twice, once for
 # each of its nibbles) -> their bf16 pairs (low nibble first) times their rows' block scales ($3,
-# $4: bf16x2, the scale twice), exact as ``triton_w4a16``'s table decode: PRMT byte tables give each
-# value's two bf16 bytes, the sign ORed in
-LUT_PAIR = gl.constexpr("""{
-.reg .b32 w, sel, x, sg, lo, hi, ta, tb, w0, w1;
-prmt.b32 w, $2, 0, 0x3320;
-mov.b32 ta, 0xC0800000;
-mov.b32 tb, 0xC0804000;
-and.b32 sel, w, 0x7777;
-prmt.b32 lo, ta, tb, sel;
-mov.b32 ta, 0x3F3F3F00;
-mov.b32 tb, 0x40404040;
-prmt.b32 hi, ta, tb, sel;
-shl.b32 x, w, 4;
-prmt.b32 sg, x, w, 0x5140;
-and.b32 sg, sg, 0x80808080;
-or.b32 hi, hi, sg;
-prmt.b32 w0, lo, hi, 0x5140;
-prmt.b32 w1, lo, hi, 0x7362;
-mul.rn.bf16x2 $0, w0, $3;
-mul.rn.bf16x2 $1, w1, $4;
-}""")
+# $4: bf16x2, the scale twice): ``triton_w4a16``'s table decode on the word of those two bytes
+LUT_PAIR = gl.constexpr(
+    lut_asm("prmt.b32 sel, $2, 0, 0x3320;\nmov.b32 w, sel;", "0x5140", word="w", scale1="$4").replace(
+        ".reg .b32 ", ".reg .b32 w, "
+    )
+)
 
 
 @gluon.jit
@@ -96,14 +81,10 @@ def _issue(a_ptr, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s, k0, K, a_s, gc,
     # one K step's copies, one group: the activations [BT, BK], the gate (and up) rows' codes
     # [BF, BK/2] and block scales [BF, BK/16]
     live = k0 < K
-    mask_c = nmask_c[:, None] & live
-    mask_s = nmask_s[:, None] & live
     async_copy.async_copy_global_to_shared(a_s, a_ptr + k0, mask=rmask[:, None] & live)
-    async_copy.async_copy_global_to_shared(gc, codes_ptr + k0 // 2, mask=mask_c)
-    async_copy.async_copy_global_to_shared(gs, scale_ptr + k0 // 16, mask=mask_s)
-    if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
-        async_copy.async_copy_global_to_shared(uc, codes_ptr + (up_codes + k0 // 2), mask=mask_c)
-        async_copy.async_copy_global_to_shared(us, scale_ptr + (up_scales + k0 // 16), mask=mask_s)
+    copy_weights(
+        codes_ptr, scale_ptr, nmask_c, nmask_s, live, k0, gc, gs, uc, us, up_codes, up_scales, SWIGLU
+    )
     async_copy.commit_group()
 
 
