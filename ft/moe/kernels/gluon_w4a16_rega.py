@@ -69,9 +69,9 @@ CONFIGS = triton_moe.configs_from_env(
 # each of its nibbles) -> their bf16 pairs (low nibble first) times their rows' block scales ($3,
 # $4: bf16x2, the scale twice): ``triton_w4a16``'s table decode on the word of those two bytes
 LUT_PAIR = gl.constexpr(
-    lut_asm("prmt.b32 sel, $2, 0, 0x3320;\nmov.b32 w, sel;", "0x5140", word="w", scale1="$4").replace(
-        ".reg .b32 ", ".reg .b32 w, "
-    )
+    lut_asm("prmt.b32 sel, $2, $4, 0x3340;\nmov.b32 w, sel;", "0x5140", word="w", scale1="$7")
+    .replace(".reg .b32 ", ".reg .b32 w, ")
+    .replace("mul.rn.bf16x2 $0, w0, $3;", "mul.rn.bf16x2 $0, w0, $6;")
 )
 
 
@@ -99,8 +99,9 @@ def _decode(codes_s, scales_s, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COD
     codes = codes_s.reshape([BLOCK_N, NB, 8]).load(CODES)
     s = lut_scale(scales_s.load(gl.SliceLayout(2, CODES)))
     s, codes = gl.broadcast(gl.expand_dims(s, 2), codes)
+    codes = codes.to(gl.int32)  # (a register a byte, as loaded)
     pairs = [gl.join(codes, codes), gl.join(s, s)]  # [BF, BK/16, 8, 2]: a byte (and its scale) a nibble
-    w = gl.inline_asm_elementwise(LUT_PAIR, "=r,=r,r,r,r", pairs, gl.bfloat16, True, 4)
+    w = gl.inline_asm_elementwise(LUT_PAIR, "=r,=r,r,r,r,r,r,r", pairs, gl.bfloat16, True, 4)
     return gl.convert_layout(gl.reshape(w, [BLOCK_N, BLOCK_K]), DOT_A, assert_trivial=True)
 
 
