@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|gluon|rega|regarow|gluontiles|nvfp4profile|census|hostreads|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -45,6 +45,11 @@
 #            tiles (gluon_w4a16_check.py), then the MoE call at 1k to 16k tokens off, on,
 #            warp-specialised and register-operand (w4a16_timings.py; GLUON_VARIANTS="0 rega" for
 #            fewer; ~3 min). 2026-12-04, the one-partition kernel: 6 passed, bit for bit, 2-5% faster
+#   rega     the register-operand W4A16 kernel (gluon_w4a16_rega.REGA, off, not yet run): the Gluon
+#            tests (a wrong operand layout or register reuse shows as wrong values), the MoE call at
+#            1k-16k with the one-partition kernel and with it, its tiles at 8k (config_sweep.py
+#            grouped_w4a16_rega; ~6 min)
+#   regarow  issue 5's 8k / 16k resident prefill row with it off and on (~5 min)
 #   gluontiles  the Gluon W4A16 kernel's prefill tiles at 8k and 16k (config_sweep.py
 #            grouped_w4a16_gluon): tiles of fewer registers fit two or three programs an SM, one's
 #            decode beside another's wgmmas (the shipped 128 x 128 runs one, ~3 min). If one wins:
@@ -164,6 +169,30 @@ gluon)
       >"$out/gluon_timings_$on.log" 2>&1
     echo "FT_W4A16_GLUON=$on:"
     grep -E "^T=" "$out/gluon_timings_$on.log" | cut -c1-200
+  done
+  ;;
+rega)
+  # the register-operand W4A16 kernel (gluon_w4a16_rega.REGA): its GPU tests, the MoE call against the
+  # one-partition kernel, its tiles at 8k
+  timeout 200 python3 -m pytest -q -m gpu -p no:xdist tests/nvfp4/test_w4a16_gpu.py -k gluon \
+    >"$out/rega_tests.log" 2>&1
+  tail -n 3 "$out/rega_tests.log"
+  for on in 0 1; do
+    FT_W4A16_GLUON=1 FT_W4A16_GLUON_REGA=$on FT_TIMINGS_T=1024,2048,4096,8192,16384 timeout 150 \
+      python3 tests/nvfp4/w4a16_timings.py >"$out/rega_timings_$on.log" 2>&1
+    echo "FT_W4A16_GLUON=1 FT_W4A16_GLUON_REGA=$on:"
+    grep -E "^T=" "$out/rega_timings_$on.log" | cut -c1-200
+  done
+  FT_SWEEP_GROUPED_T=8192 timeout 240 python3 tests/gpu/config_sweep.py grouped_w4a16_rega >"$out/regatiles.log" 2>&1
+  grep -E "^(==|  )" "$out/regatiles.log" | cut -c1-220
+  ;;
+regarow)
+  # issue 5's resident prefill row, NVFP4 experts, with the register-operand kernel off / on
+  for on in 0 1; do
+    FT_W4A16_GLUON=$on FT_W4A16_GLUON_REGA=$on timeout 270 "${bench[@]}" --quantize-experts nvfp4 --batch-sizes 1 \
+      --max-running-requests 8 --input-len 1024 --output-len 32 --prefill-lens 8000,16000 --num-tokens 40000 \
+      >"$out/rega_row_$on.log" 2>&1
+    echo "FT_W4A16_GLUON_REGA=$on: $(grep -E '^(single|prefill)' "$out/rega_row_$on.log" | tr '\n' ' ')"
   done
   ;;
 gluontiles)
