@@ -65,13 +65,13 @@ CONFIGS = triton_moe.configs_from_env(
     "FT_W4A16_GLUON_REGA_TILES",
 )
 
-# Two code bytes (bytes 0 and 2 of $2: the same byte of rows g and g + 8, each given twice, once for
-# each of its nibbles) -> their bf16 pairs (low nibble first) times their rows' block scales ($3,
-# $4: bf16x2, the scale twice): ``triton_w4a16``'s table decode on the word of those two bytes
+# Two code bytes ($2 and $4, a register each as loaded: the same byte of rows g and g + 8; $3 and $5
+# repeat them, one element a nibble) -> their bf16 pairs (low nibble first) times their rows' block
+# scales ($6, $7: bf16x2, the scale twice): ``triton_w4a16``'s table decode on a word of the two
 LUT_PAIR = gl.constexpr(
-    lut_asm("prmt.b32 sel, $2, $4, 0x3340;\nmov.b32 w, sel;", "0x5140", word="w", scale1="$7")
-    .replace(".reg .b32 ", ".reg .b32 w, ")
-    .replace("mul.rn.bf16x2 $0, w0, $3;", "mul.rn.bf16x2 $0, w0, $6;")
+    lut_asm(
+        "prmt.b32 sel, $2, $4, 0x3340;\nmov.b32 w, sel;", "0x5140", word="w", scale0="$6", scale1="$7"
+    ).replace(".reg .b32 ", ".reg .b32 w, ")
 )
 
 
@@ -94,7 +94,7 @@ def _decode(codes_s, scales_s, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COD
     # a step's codes [BF, BK/2] and scales [BF, BK/16] in shared memory -> the wgmma's A operand
     # [BF, BK] bf16 in registers: in CODES each thread holds the bytes (t and t + 4 of every block,
     # of rows g and g + 8) its fragment of A needs, its scales by broadcast, each byte twice (join:
-    # one for each nibble), in the fragment's register order
+    # one element for each nibble), in the fragment's register order
     NB: gl.constexpr = BLOCK_K // 16
     codes = codes_s.reshape([BLOCK_N, NB, 8]).load(CODES)
     s = lut_scale(scales_s.load(gl.SliceLayout(2, CODES)))
@@ -115,7 +115,7 @@ def _w4a16_rega_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     A_MAP: gl.constexpr, C_MAP: gl.constexpr, STAGES: gl.constexpr,
     MMA: gl.constexpr, DOT_A: gl.constexpr, CODES: gl.constexpr, IO: gl.constexpr, CODES_IO: gl.constexpr,
-    SCALES_IO: gl.constexpr, A_SMEM: gl.constexpr, PLAIN: gl.constexpr,
+    SCALES_IO: gl.constexpr, A_SMEM: gl.constexpr, PLAIN: gl.constexpr, CODES_SMEM: gl.constexpr,
 ):  # fmt: skip
     HK: gl.constexpr = BLOCK_K // 2
     NB: gl.constexpr = BLOCK_K // 16
@@ -145,12 +145,12 @@ def _w4a16_rega_kernel(
     up_scales = N * s_sn
 
     a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], A_SMEM)
-    gc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HK], PLAIN)
+    gc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HK], CODES_SMEM)
     gs_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, NB], PLAIN)
     uc_s = gc_s  # (unused without SwiGLU)
     us_s = gs_s
     if SWIGLU:
-        uc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HK], PLAIN)
+        uc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HK], CODES_SMEM)
         us_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, NB], PLAIN)
 
     steps = K // BLOCK_K
@@ -268,6 +268,9 @@ def layouts(block_m: int, block_n: int, block_k: int, warps: int) -> dict:
         CODES_IO=gl.BlockedLayout([1, 16], [512 // hk, hk // 16], [warps, 1], [1, 0]),
         SCALES_IO=gl.BlockedLayout([1, nb], [32, 1], [warps, 1], [1, 0]),
         PLAIN=gl.SwizzledSharedLayout(1, 1, 1, [1, 0]),
+        # the codes' 16-byte chunks swapped between the rows of one 128-byte line and the next: a
+        # warp's byte loads (rows g = 0..7, one word each) then fall in eight banks, not four twice
+        CODES_SMEM=gl.SwizzledSharedLayout(16, 128 // hk, hk // 16, [1, 0]),
         A_SMEM=gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16),
     )
 

@@ -105,7 +105,7 @@ def _decode_f32(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 # sign ORed in, and one bf16x2 multiply by the block's scale, exact (value x scale has at most six
 # significant bits and lies in [2^-10, 2688]); half the word's codes a call ("lo": bytes 0-1). The
 # template's WORD is the register holding the codes, SHIFT brings the call's two bytes down into
-# sel, SIGNS picks their signs, SCALE1 is the second byte's scale.
+# sel, SIGNS picks their signs, SCALE0 and SCALE1 are the two bytes' scales.
 _LUT_ASM = """{
 .reg .b32 sel, x, sg, lo, hi, ta, tb, w0, w1;
 mov.b32 ta, 0xC0800000;
@@ -122,15 +122,16 @@ and.b32 sg, sg, 0x80808080;
 or.b32 hi, hi, sg;
 prmt.b32 w0, lo, hi, 0x5140;
 prmt.b32 w1, lo, hi, 0x7362;
-mul.rn.bf16x2 $0, w0, $3;
+mul.rn.bf16x2 $0, w0, SCALE0;
 mul.rn.bf16x2 $1, w1, SCALE1;
 }"""
 
 
-def lut_asm(shift: str, signs: str, word: str = "$2", scale1: str = "$3") -> str:
+def lut_asm(shift: str, signs: str, word: str = "$2", scale0: str = "$3", scale1: str = "$3") -> str:
     """The table decode's PTX (``_LUT_ASM``) with its placeholders filled in."""
     text = _LUT_ASM
-    for key, value in (("SHIFT", shift), ("SIGNS", signs), ("WORD", word), ("SCALE1", scale1)):
+    fill = (("SHIFT", shift), ("SIGNS", signs), ("WORD", word), ("SCALE0", scale0), ("SCALE1", scale1))
+    for key, value in fill:
         text = text.replace(key, value)
     return text
 
