@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ft.moe.kernels.gluon_w4a16 import _cta_barrier
+from ft.layers.gluon_sync import cta_barrier
 
 # (BLOCK_M, BLOCK_N, warps) by head size: a warp holds 16 query rows of the wgmma accumulators
 # ([16, D] fp32: 128 registers a thread at D = 256). Shared memory: Q [BM, D] plus two slots of
@@ -95,12 +95,12 @@ def _step(q_s, k_s, v_s, m_i, l_i, acc, j, k_cache, v_cache, table, hk, n_tiles,
     slot = j % SLOTS
     async_copy.wait_group(SLOTS - 1)  # tile j's copies (this thread's) have landed,
     fence_async_shared()  # visible to the wgmmas (cp.async writes through the generic proxy)
-    _cta_barrier()  # ... and every thread's
+    cta_barrier()  # ... and every thread's
     ks = k_s.index(slot)
     vs = v_s.index(slot)
     m_i, l_i, acc = _tile(q_s, ks, vs, m_i, l_i, acc, qk_scale, qpos, j * BLOCK_N, kv_end, MASKED, BLOCK_M,
                           BLOCK_N, S_MMA, O_MMA, P_OP)  # fmt: skip
-    _cta_barrier()  # every warpgroup has read the slot: tile j + SLOTS goes there
+    cta_barrier()  # every warpgroup has read the slot: tile j + SLOTS goes there
     _copy_kv(k_cache, v_cache, table, hk, j + SLOTS, n_tiles, kv_end, ks, vs, s_cb, s_cs, s_ch, D, PAGE,
              BLOCK_N, IO)  # fmt: skip
     return m_i, l_i, acc

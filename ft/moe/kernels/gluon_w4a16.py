@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ft.layers.gluon_sync import cta_barrier
 from ft.moe.kernels import triton_moe, triton_w4a16
 from ft.moe.kernels.triton_moe import pair_tile, store_pairs
 from ft.moe.kernels.triton_w4a16 import lut_scale
@@ -65,16 +66,6 @@ CONFIGS = triton_moe.configs_from_env(
     {name: [(2048, _SMALL_UP, _DOWN), (1 << 62, _UP, _DOWN)] for name in ("default", "E128")},
     "FT_W4A16_GLUON_TILES",
 )
-NEW_BARRIER = gl.constexpr(hasattr(gl, "barrier"))  # Triton 3.6's thread_barrier is 3.8's barrier
-
-
-@gluon.jit
-def _cta_barrier():
-    # every thread of the program past this point (Triton 3.6 on the GPU machines, 3.8 in CI)
-    if NEW_BARRIER:
-        gl.barrier()
-    else:
-        gl.thread_barrier()
 
 
 @gluon.jit
@@ -200,7 +191,7 @@ def _w4a16_wgmma_kernel(
         buf = i % 2
         slot = i % STAGES
         async_copy.wait_group(STAGES - 2)  # this step's copies have landed (this thread's)
-        _cta_barrier()  # ... and every thread's
+        cta_barrier()  # ... and every thread's
         # this step's decode (step i-1's wgmmas may still run); its buffer was last read by step
         # i-2, which every warpgroup finished before the last step's closing barrier
         wa, wb = _decode(gc_s.index(slot), gs_s.index(slot), BLOCK_N, HK, P3, B2)
@@ -211,7 +202,7 @@ def _w4a16_wgmma_kernel(
             ua_s.index(buf).store(ua)
             ub_s.index(buf).store(ub)
         fence_async_shared()
-        _cta_barrier()  # every decoded tile is stored
+        cta_barrier()  # every decoded tile is stored
         a0 = a0_s.index(slot)
         a1 = a1_s.index(slot)
         acc = warpgroup_mma(a0, ga_s.index(buf).permute((1, 0)), acc, is_async=True)
@@ -222,7 +213,7 @@ def _w4a16_wgmma_kernel(
             acc, acc_up = warpgroup_mma_wait(num_outstanding=4, deps=(acc, acc_up))
         else:
             acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-        _cta_barrier()  # every warpgroup is past step i-1: its slot (decoded, multiplied) is free
+        cta_barrier()  # every warpgroup is past step i-1: its slot (decoded, multiplied) is free
         nxt = (i + STAGES - 1) % STAGES
         _issue_step(a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s, (i + STAGES - 1) * BLOCK_K, K,
                     a0_s.index(nxt), a1_s.index(nxt), gc_s.index(nxt), gs_s.index(nxt), uc_s.index(nxt),

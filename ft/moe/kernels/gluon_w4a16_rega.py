@@ -48,8 +48,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ft.layers.gluon_sync import cta_barrier
 from ft.moe.kernels import triton_moe
-from ft.moe.kernels.gluon_w4a16 import _cta_barrier, copy_weights
+from ft.moe.kernels.gluon_w4a16 import copy_weights
 from ft.moe.kernels.triton_moe import pair_tile
 from ft.moe.kernels.triton_w4a16 import lut_asm, lut_scale
 from ft.quant.nvfp4 import NVFP4Tensor
@@ -163,7 +164,7 @@ def _w4a16_rega_kernel(
     acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     async_copy.wait_group(STAGES - 2)  # step 0's copies have landed (this thread's)
     fence_async_shared()  # ... before the wgmmas (the async proxy) read them
-    _cta_barrier()  # ... and every thread's
+    cta_barrier()  # ... and every thread's
     w_gate = _decode(gc_s.index(0), gs_s.index(0), BLOCK_N, BLOCK_K, CODES, DOT_A)
     w_up = w_gate  # (unused without SwiGLU)
     if SWIGLU:
@@ -179,7 +180,7 @@ def _w4a16_rega_kernel(
         # step i+STAGES-1; step i+1 decoded into other registers (step i's are still being read)
         async_copy.wait_group(STAGES - 3)
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         prv = (i + STAGES - 1) % STAGES
         _issue(a_ptr, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s, (i + STAGES - 1) * BLOCK_K, K,
                a_s.index(prv), gc_s.index(prv), gs_s.index(prv), uc_s.index(prv), us_s.index(prv), up_codes,

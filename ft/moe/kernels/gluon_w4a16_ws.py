@@ -43,7 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ft.moe.kernels.gluon_w4a16 import _cta_barrier, _decode, _epilogue, _issue_step, _operands, layouts
+from ft.layers.gluon_sync import cta_barrier
+from ft.moe.kernels.gluon_w4a16 import _decode, _epilogue, _issue_step, _operands, layouts
 from ft.moe.kernels.triton_moe import pair_tile
 
 # in place of ``gluon_w4a16._w4a16_wgmma_kernel`` when on (FT_W4A16_GLUON_WS=1, with
@@ -115,7 +116,7 @@ def _ws_produce(a, b, b_scale, sorted_ids, a_map, e, pid_m, pid_n, N, K, num_pai
     for i in range(steps):
         slot = i % STAGES
         async_copy.wait_group(STAGES - 2)  # step i's copies (this thread's) have landed
-        _cta_barrier()  # ... and every producer thread's (the partition's barrier)
+        cta_barrier()  # ... and every producer thread's (the partition's barrier)
         wa, wb = _decode(gc_s.index(slot), gs_s.index(slot), BLOCK_N, HK, P3, B2)
         ga_s.index(slot).store(wa)
         gb_s.index(slot).store(wb)
