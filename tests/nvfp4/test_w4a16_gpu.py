@@ -252,3 +252,21 @@ def test_gluon_kernel_small_banks(t, monkeypatch, gluon_kernel):
     weights, ids = routing(t, 128, 8, gen)
     outs = off_then_on(monkeypatch, "GLUON", lambda: triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids))
     assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])
+
+
+def test_register_operand_kernel_feature_tails(monkeypatch):
+    """The register-operand kernel (``gluon_w4a16_rega``) where neither GEMM's features fill its
+    tiles: I = 192 (gate/up 192 of a 128-feature tile's second block, down K = 192, three steps) and
+    H = 320 (down 320 features): the Triton kernel's values. The other Gluon kernel takes no such
+    bank (K a multiple of 256)."""
+    from ft.moe.kernels import gluon_w4a16_rega, triton_w4a16
+
+    monkeypatch.setattr(triton_w4a16, "LUT", True)
+    monkeypatch.setattr(gluon_w4a16_rega, "REGA", True)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    w13, w2 = random_bank(32, 384, 320, gen), random_bank(32, 320, 192, gen)
+    assert gluon_w4a16_rega.supports(w13, w2)
+    x = torch.randn(1500, 320, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = routing(1500, 32, 4, gen)
+    outs = off_then_on(monkeypatch, "GLUON", lambda: triton_w4a16.fused_moe_w4a16(x, w13, w2, weights, ids))
+    assert rel_err(outs[1], outs[0]) < 5e-3, rel_err(outs[1], outs[0])
