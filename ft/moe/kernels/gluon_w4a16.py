@@ -252,17 +252,26 @@ def supports(w13: NVFP4Tensor, w2: NVFP4Tensor, x: torch.Tensor | None = None) -
     codes and scales 16-byte aligned (cp.async has no byte copies): the tensors' starts, expert
     strides and row strides (K/2 and K/16 bytes) multiples of 16, so K a multiple of 256. A TP=4
     shard of Qwen3-Next's experts (I = 128) takes the Triton kernel."""
-    if x is not None and (x.data_ptr() % 16 or x.stride(0) % 16 or x.stride(-1) != 1):
+    return banks_fit(w13, w2, x, CONFIGS, STAGES, x_rows=16, scale_rows=16)
+
+
+def banks_fit(w13: NVFP4Tensor, w2: NVFP4Tensor, x: torch.Tensor | None, configs: dict, stages: int,
+              x_rows: int, scale_rows: int) -> bool:  # fmt: skip
+    """A Gluon W4A16 kernel's ``supports``: x's start 16-byte aligned and its row stride a multiple of
+    ``x_rows`` elements; each bank's K a multiple of every BLOCK_K of ``configs`` with at least
+    ``stages`` - 1 steps; codes and scales with 16-byte aligned starts, code strides multiples of 16
+    bytes and scale strides of ``scale_rows``."""
+    if x is not None and (x.data_ptr() % 16 or x.stride(0) % x_rows or x.stride(-1) != 1):
         return False
     for w, which in ((w13, 0), (w2, 1)):
         k = 2 * w.weight.shape[-1]
-        for rows in CONFIGS.values():
+        for rows in configs.values():
             for row in rows:
                 bk = row[1 + which][2]
-                if k % bk or k // bk < STAGES - 1:
+                if k % bk or k // bk < stages - 1:
                     return False
-        for t in (w.weight, w.weight_scale):
-            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st % 16 for st in t.stride()[:-1]):
+        for t, align in ((w.weight, 16), (w.weight_scale, scale_rows)):
+            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st % align for st in t.stride()[:-1]):
                 return False
     return True
 
@@ -295,26 +304,35 @@ def launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_tok
            a_map=None, c_map=None):  # fmt: skip
     """``triton_w4a16._launch``'s contract (cfg = BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages;
     the copy slots are ``STAGES``, not the config's stages)."""
-    sorted_ids, block_expert, num_padded = align
-    bm, bn, bk, group_m, warps, _ = cfg
-    assert k % bk == 0 and k // bk >= STAGES - 1, f"K={k}: a multiple of {bk}, at least {STAGES - 1} steps"
-    assert a.dtype == torch.bfloat16 and a.stride(1) == 1, "bf16 activations, rows contiguous"
-    em = sorted_ids.shape[0]
-    grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
-    scale = w.weight_scale.view(torch.uint8)
     from ft.moe.kernels import gluon_w4a16_ws  # its helpers are this module's
 
+    bm, bn, bk, _, warps, _ = cfg
     if gluon_w4a16_ws.WS:
         kernel, lay = gluon_w4a16_ws._w4a16_ws_kernel, gluon_w4a16_ws.ws_layouts(bm, bn, bk, warps)
         lay.update(PRODUCER_WARPS=gluon_w4a16_ws.PRODUCER_WARPS, PRODUCER_REGS=gluon_w4a16_ws.PRODUCER_REGS)
     else:
         kernel, lay = _w4a16_wgmma_kernel, layouts(bm, bn, bk, warps)
+    run(kernel, lay, STAGES, a, w, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, mul_w, cfg,
+        a_map, c_map)  # fmt: skip
+
+
+def run(kernel, lay: dict, stages: int, a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk,
+        a_per_token, swiglu, mul_w, cfg, a_map=None, c_map=None):  # fmt: skip
+    """Launch a Gluon W4A16 kernel (they share one signature) with its layouts ``lay`` and ``stages``
+    copy slots, under ``launch``'s contract."""
+    sorted_ids, block_expert, num_padded = align
+    bm, bn, bk, group_m, warps, _ = cfg
+    assert k % bk == 0 and k // bk >= stages - 1, f"K={k}: a multiple of {bk}, at least {stages - 1} steps"
+    assert a.dtype == torch.bfloat16 and a.stride(1) == 1, "bf16 activations, rows contiguous"
+    em = sorted_ids.shape[0]
+    grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
+    scale = w.weight_scale.view(torch.uint8)
     kernel[grid](
         a, w.weight, scale, w.weight_scale_2, c, topk_w, sorted_ids, block_expert, num_padded,
         em, n, k, num_pairs, a.stride(0), w.weight.stride(0), w.weight.stride(1), scale.stride(0),
         scale.stride(1), w.weight_scale_2.stride(0), c.stride(0),
         sorted_ids if a_map is None else a_map, sorted_ids if c_map is None else c_map,
         TOPK=topk, A_PER_TOKEN=a_per_token, SWIGLU=swiglu, MUL_W=mul_w, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_M=group_m, A_MAP=a_map is not None, C_MAP=c_map is not None, STAGES=STAGES,
+        BLOCK_K=bk, GROUP_M=group_m, A_MAP=a_map is not None, C_MAP=c_map is not None, STAGES=stages,
         **lay, num_warps=warps,
     )  # fmt: skip

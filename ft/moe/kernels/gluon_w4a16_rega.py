@@ -38,7 +38,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -50,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ft.layers.gluon_sync import cta_barrier
 from ft.moe.kernels import triton_moe
-from ft.moe.kernels.gluon_w4a16 import copy_weights
+from ft.moe.kernels.gluon_w4a16 import banks_fit, copy_weights, run
 from ft.moe.kernels.triton_moe import pair_tile
 from ft.moe.kernels.triton_w4a16 import lut_asm, lut_scale
 from ft.quant.nvfp4 import NVFP4Tensor
@@ -223,19 +222,7 @@ def supports(w13: NVFP4Tensor, w2: NVFP4Tensor, x: torch.Tensor | None = None) -
     another runs): K (H, then I) a multiple of every row's BLOCK_K with at least STAGES - 1 steps;
     16-byte copies of activation and code rows and 4-byte copies of scale rows, so tensors' starts
     16-byte aligned and code strides multiples of 16 bytes, scale strides of 4."""
-    if x is not None and (x.data_ptr() % 16 or x.stride(0) % 8 or x.stride(-1) != 1):
-        return False
-    for w, which in ((w13, 0), (w2, 1)):
-        k = 2 * w.weight.shape[-1]
-        for rows in CONFIGS.values():
-            for row in rows:
-                bk = row[1 + which][2]
-                if k % bk or k // bk < STAGES - 1:
-                    return False
-        for t, align in ((w.weight, 16), (w.weight_scale, 4)):
-            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st % align for st in t.stride()[:-1]):
-                return False
-    return True
+    return banks_fit(w13, w2, x, CONFIGS, STAGES, x_rows=8, scale_rows=4)
 
 
 def layouts(block_m: int, block_n: int, block_k: int, warps: int) -> dict:
@@ -280,19 +267,6 @@ def launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_tok
            a_map=None, c_map=None):  # fmt: skip
     """``triton_w4a16._launch``'s contract (cfg = BLOCK_M pairs, BLOCK_N features, BLOCK_K, GROUP_M,
     warps, stages; the copy slots are ``STAGES``, not the config's stages)."""
-    sorted_ids, block_expert, num_padded = align
-    bm, bn, bk, group_m, warps, _ = cfg
-    assert k % bk == 0 and k // bk >= STAGES - 1, f"K={k}: a multiple of {bk}, at least {STAGES - 1} steps"
-    assert a.dtype == torch.bfloat16 and a.stride(1) == 1, "bf16 activations, rows contiguous"
-    em = sorted_ids.shape[0]
-    grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
-    scale = w.weight_scale.view(torch.uint8)
-    _w4a16_rega_kernel[grid](
-        a, w.weight, scale, w.weight_scale_2, c, topk_w, sorted_ids, block_expert, num_padded,
-        em, n, k, num_pairs, a.stride(0), w.weight.stride(0), w.weight.stride(1), scale.stride(0),
-        scale.stride(1), w.weight_scale_2.stride(0), c.stride(0),
-        sorted_ids if a_map is None else a_map, sorted_ids if c_map is None else c_map,
-        TOPK=topk, A_PER_TOKEN=a_per_token, SWIGLU=swiglu, MUL_W=mul_w, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_M=group_m, A_MAP=a_map is not None, C_MAP=c_map is not None, STAGES=STAGES,
-        **layouts(bm, bn, bk, warps), num_warps=warps,
-    )  # fmt: skip
+    lay = layouts(*cfg[:3], cfg[4])
+    run(_w4a16_rega_kernel, lay, STAGES, a, w, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu,
+        mul_w, cfg, a_map, c_map)  # fmt: skip
