@@ -157,6 +157,37 @@ def test_an_offloaded_prefill_reports_its_share_of_the_link():
     assert want in format_report(r)
 
 
+def test_prefill_runs_are_each_printed_beside_the_middle_one():
+    """With --prefill-runs the line reports the middle run and lists every run's rate and share."""
+    from ft.bench.offline import Report, format_report
+
+    moe = dict(backend="offload", slots_per_layer=393, experts_per_layer=512, residency=0.77, policy="lru",
+               prefetch=True, routing_skew=0.0, h2d_gb_s=50.0)  # fmt: skip
+    runs = [(8000.0, 40e9), (6400.0, 40e9), (10000.0, 40e9)]  # 40, 32 and 50 GB/s
+    r = Report("m", "H200", 4200.0, prefill={8000: 8000.0}, prefill_streamed={8000: 40e9}, moe=moe,
+               prefill_runs={8000: runs})  # fmt: skip
+    want = (
+        "prefill 8000 tokens: 8,000 tok/s; streamed 40.00 GB at 40.0 GB/s (80% of the link); "
+        "runs 8,000 / 6,400 / 10,000 tok/s (80.0% / 64.0% / 100.0% of the link)"
+    )
+    assert want in format_report(r)
+
+
+def test_bench_offline_prefill_runs(tmp_path, capsys):
+    """--prefill-runs 3: three prefills of fresh prompts after the warm-up, the middle rate reported."""
+    write_checkpoint(tmp_path, "qwen3_next")
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "offline", "--config", str(tmp_path / "config.json"), "--load-format", "dummy"]
+    argv += ["--device", "cpu", "--batch-sizes", "1", "--input-len", "8", "--output-len", "2"]
+    assert main([*argv, "--prefill-lens", "16", "--prefill-runs", "3", "--output-json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    rates = [rate for rate, _ in report["prefill_runs"]["16"]]
+    assert len(rates) == 3 and report["prefill"]["16"] == sorted(rates)[1]
+    assert " tok/s; runs " in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--prefill-runs must be at least 1"):
+        main([*argv, "--prefill-lens", "16", "--prefill-runs", "0"])
+
+
 def test_the_device_peak_is_reported_against_the_plan():
     """On CUDA the report ends its MoE lines with the device's peak against what the plan allowed,
     the part of that kept for activations and the prefill chunk: the figures that say whether the

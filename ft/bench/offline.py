@@ -67,6 +67,9 @@ class Report:
     ttft_prestaged_layers: list[int] = field(default_factory=list)  # layers each TTFT run found pre-staged
     prefill: dict[int, float] = field(default_factory=dict)
     prefill_streamed: dict[int, float] = field(default_factory=dict)  # offload: expert bytes a prefill moved
+    # --prefill-runs > 1: every run's (tok/s, bytes streamed) in order; prefill / prefill_streamed
+    # then hold the middle run's (by rate; the upper middle of an even count)
+    prefill_runs: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
     hf: dict[str, float] = field(default_factory=dict)
     moe: dict = field(default_factory=dict)  # backend, residency, policy, ... and h2d_gb_s measured
     census: list = field(default_factory=list)  # ft.bench.census.Census rows, with --census
@@ -160,6 +163,7 @@ def bench(
     census_batch: int = 1,
     variants: list[tuple[float, str]] | None = None,
     ttft_idle_s: float = 0.0,
+    prefill_runs: int = 1,
 ) -> list[Report]:
     """One report per (routing skew, cache policy) of ``variants`` (default: the config's own),
     measured in that order on one engine; ``ttft_idle_s``: the engine idle before each TTFT run."""
@@ -205,7 +209,8 @@ def bench(
                 report.moe["h2d_gb_s"] = h2d_gb_s
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        measure(engine, report, meta, act_bytes, prompt, batch_sizes, input_len, output_len, prefill_lens)
+        measure(engine, report, meta, act_bytes, prompt, batch_sizes, input_len, output_len, prefill_lens,
+                prefill_runs)  # fmt: skip
         if device.type == "cuda":
             report.memory = device_peak(engine, device)
         if with_census:
@@ -257,7 +262,8 @@ def idle_for(engine: LLMEngine, seconds: float) -> tuple[float, float]:
 
 
 def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, batch_sizes: list[int],
-            input_len: int, output_len: int, prefill_lens: list[int]) -> None:  # fmt: skip
+            input_len: int, output_len: int, prefill_lens: list[int],
+            prefill_runs: int = 1) -> None:  # fmt: skip
     """Fill ``report``: single stream, TTFT, a row per batch size, prefill rates."""
     run_batch(engine, [prompt(min(input_len, 32))], 4)  # warm-up: autotuning, allocator
     single = run_batch(engine, [prompt(input_len)], output_len + 1)
@@ -290,11 +296,19 @@ def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, bat
         report.rows.append(row)
     for length in prefill_lens:
         run_batch(engine, [prompt(length)], 1)  # warm-up
-        before = engine.stats() if offloads(engine) else None
-        res = run_batch(engine, [prompt(length)], 1)
-        report.prefill[length] = length / res["wall"]
-        if before is not None:  # what the link carried for it (issue 8 asks >= 85% of its bandwidth)
-            report.prefill_streamed[length] = engine.stats().moe_bytes_pcie - before.moe_bytes_pcie
+        runs = []
+        for _ in range(prefill_runs):  # fresh prompts: nothing from the prefix cache
+            before = engine.stats() if offloads(engine) else None
+            res = run_batch(engine, [prompt(length)], 1)
+            # what the link carried for it (issue 8 asks >= 85% of its bandwidth)
+            streamed = engine.stats().moe_bytes_pcie - before.moe_bytes_pcie if before is not None else 0.0
+            runs.append((length / res["wall"], streamed))
+        rate, streamed = sorted(runs)[len(runs) // 2]
+        report.prefill[length] = rate
+        if offloads(engine):
+            report.prefill_streamed[length] = streamed
+        if prefill_runs > 1:
+            report.prefill_runs[length] = runs
 
 
 def bench_hf(cfg: EngineConfig, input_len: int, output_len: int) -> dict[str, float]:
@@ -351,6 +365,12 @@ def format_report(r: Report) -> str:
             share = f" ({gb_s / r.moe['h2d_gb_s']:.0%} of the link)" if r.moe.get("h2d_gb_s") else ""
             size = f"{streamed / 1e9:,.2f} GB" if streamed >= 1e8 else f"{streamed / 1e6:,.3f} MB"
             link = f"; streamed {size} at {gb_s:,.1f} GB/s{share}"
+        runs = r.prefill_runs.get(length)
+        if runs:  # every run's rate (and share of the link), the middle one reported above
+            link += f"; runs {' / '.join(f'{tok_s:,.0f}' for tok_s, _ in runs)} tok/s"
+            if streamed and r.moe.get("h2d_gb_s"):
+                shares = (b / (length / tok_s) / 1e9 / r.moe["h2d_gb_s"] for tok_s, b in runs)
+                link += f" ({' / '.join(f'{s:.1%}' for s in shares)} of the link)"
         lines.append(f"prefill {length} tokens: {rate:,.0f} tok/s{link}")
     lines.append(
         f"{'batch':>6} {'aggregate tok/s':>16} {'decode tok/s':>13} {'roofline tok/s':>15} "
@@ -419,6 +439,13 @@ def add_offline_parser(bench_sub) -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--prefill-lens", default="8192,32768")
+    p.add_argument(
+        "--prefill-runs",
+        type=int,
+        default=1,
+        help="prefill each --prefill-lens length this many times after its warm-up (fresh prompts): every "
+        "run printed, the middle one reported",
+    )
     p.add_argument("--compare-hf", action="store_true", help="add a row for transformers' generate")
     p.add_argument(
         "--census", action="store_true", help="count and time the kernels of a decode step and a prefill"
@@ -454,6 +481,8 @@ def cmd_offline(args) -> int:
     variants = [(skew, policy) for skew in skews for policy in policies]
     if args.census_batch < 1:
         raise SystemExit(f"--census-batch must be at least 1, got {args.census_batch}")
+    if args.prefill_runs < 1:
+        raise SystemExit(f"--prefill-runs must be at least 1, got {args.prefill_runs}")
     running = max(sizes + [args.max_running_requests, args.census_batch if args.census else 1])
     options = engine_options(args) | {"max_running_requests": running}
     # the engine loads with the first variant and switches in place to the others
@@ -472,6 +501,7 @@ def cmd_offline(args) -> int:
         census_batch=args.census_batch,
         variants=variants,
         ttft_idle_s=args.ttft_idle_s,
+        prefill_runs=args.prefill_runs,
     )
     print("\n\n".join(format_report(r) for r in reports))
     if args.output_json:

@@ -20,7 +20,9 @@
 #            request slot and prefix snapshot holds a GDN state (~76 MB for this model), so the
 #            default 64 of each take ~8 GiB from the expert cache (365 instead of 393 resident)
 #   row      issue 8's bf16 row as docs/benchmarks.md reports it (2026-12-03 23:42): the full model at
-#            --memory-ratio 0.94, batch 1 and 8, TTFT after 1 s idle, 8k and 32k prefill (~7 min)
+#            --memory-ratio 0.94, batch 1 and 8, TTFT after 1 s idle, 8k and 32k prefill, three
+#            prompts of each (--prefill-runs 3: the 32k share spread 81-86% between loads, 2026-12-04;
+#            ~7 min)
 #   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
 #   ttft     the full model in bf16 at --memory-ratio 0.94, TTFT of a 1k prompt after a second
 #            idle, pre-staging off, on, off, on (ROUNDS) from one load (ttft_idle.py: each prompt's
@@ -123,7 +125,7 @@ bench)
   ;;
 row)
   timeout 560 "${bench[@]}" --moe-backend offload --memory-ratio 0.94 --batch-sizes 1,8 --max-running-requests 8 \
-    --input-len 1024 --output-len 64 --prefill-lens 8000,32000 --num-tokens 34000 --ttft-idle-s 1 \
+    --input-len 1024 --output-len 64 --prefill-lens 8000,32000 --prefill-runs 3 --num-tokens 34000 --ttft-idle-s 1 \
     >"$out/row.log" 2>&1
   grep -E "^(single-stream|prefill|moe| +[0-9]+ )" "$out/row.log" | cut -c1-220
   ;;
