@@ -117,26 +117,44 @@ def _operands(a, b, b_scale, sorted_ids, a_map, e, pid_m, pid_n, N, num_pairs, s
               TOPK: gl.constexpr, A_PER_TOKEN: gl.constexpr, A_MAP: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, IO: gl.constexpr, CODES: gl.constexpr,
               SCALES: gl.constexpr):  # fmt: skip
-    # the tile's pairs and the input rows they read (``triton_moe.tile_pairs``), in the layout the
-    # activation copies take; the gate rows' codes and scales at k = 0 (the up rows sit N rows below,
-    # same expert): the pointers and masks of ``_issue_step``
+    # the activations' pointers in the table decode's input order (``ka``), their rows' mask, and
+    # ``weight_ptrs``: the pointers and masks of ``_issue_step``
     HK: gl.constexpr = BLOCK_K // 2
-    NB: gl.constexpr = BLOCK_K // 16
+    a_rows, rmask = pair_rows(sorted_ids, a_map, pid_m, num_pairs, TOPK, A_PER_TOKEN, A_MAP, BLOCK_M, IO)
+    kh = gl.arange(0, HK, layout=gl.SliceLayout(0, IO))
+    ka = (kh // 4) * 8 + kh % 4  # the table decode's inputs (wa's; wb's are 4 further)
+    a_ptr0 = a + a_rows[:, None].to(gl.int64) * s_am + ka[None, :]
+    codes_ptr, scale_ptr, nmask_c, nmask_s = weight_ptrs(
+        b, b_scale, e, pid_n, N, s_be, s_bn, s_se, s_sn, BLOCK_N, BLOCK_K, CODES, SCALES
+    )
+    return a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s
+
+
+@gluon.jit
+def pair_rows(sorted_ids, a_map, pid_m, num_pairs, TOPK: gl.constexpr, A_PER_TOKEN: gl.constexpr,
+              A_MAP: gl.constexpr, BLOCK_M: gl.constexpr, IO: gl.constexpr):  # fmt: skip
+    # the tile's pairs -> the input rows they read (``triton_moe.tile_pairs``) in IO's rows, and which
+    # are pairs (not padding)
     rows = gl.load(sorted_ids + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, IO)))
     rmask = rows < num_pairs
     a_rows = (rows // TOPK) if A_PER_TOKEN else rows
     if A_MAP:
         a_rows = gl.load(a_map + a_rows, mask=rmask, other=0)
-    kh = gl.arange(0, HK, layout=gl.SliceLayout(0, IO))
-    ka = (kh // 4) * 8 + kh % 4  # the table decode's inputs (wa's; wb's are 4 further)
-    a_ptr0 = a + a_rows[:, None].to(gl.int64) * s_am + ka[None, :]
+    return a_rows, rmask
+
+
+@gluon.jit
+def weight_ptrs(b, b_scale, e, pid_n, N, s_be, s_bn, s_se, s_sn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                CODES: gl.constexpr, SCALES: gl.constexpr):  # fmt: skip
+    # the gate rows' packed codes [BN, BK/2] and block scales [BN, BK/16] at k = 0 (the up rows sit N
+    # rows below, same expert) in the copies' layouts, and which rows are features (< N)
     n_c = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODES))
     codes_ptr = b + e * s_be + n_c[:, None].to(gl.int64) * s_bn
-    codes_ptr += gl.arange(0, HK, layout=gl.SliceLayout(0, CODES))[None, :]
+    codes_ptr += gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, CODES))[None, :]
     n_s = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALES))
     scale_ptr = b_scale + e * s_se + n_s[:, None].to(gl.int64) * s_sn
-    scale_ptr += gl.arange(0, NB, layout=gl.SliceLayout(0, SCALES))[None, :]
-    return a_ptr0, rmask, codes_ptr, scale_ptr, n_c < N, n_s < N
+    scale_ptr += gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, SCALES))[None, :]
+    return codes_ptr, scale_ptr, n_c < N, n_s < N
 
 
 # a call's pair count, where its weights and row maps start (slices of a batch's): one variant for

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ft.layers.gluon_sync import cta_barrier
 from ft.moe.kernels import triton_moe
-from ft.moe.kernels.gluon_w4a16 import banks_fit, copy_weights, run
+from ft.moe.kernels.gluon_w4a16 import banks_fit, copy_weights, pair_rows, run, weight_ptrs
 from ft.moe.kernels.triton_moe import pair_tile
 from ft.moe.kernels.triton_w4a16 import lut_asm, lut_scale
 from ft.quant.nvfp4 import NVFP4Tensor
@@ -123,24 +123,15 @@ def _w4a16_rega_kernel(
     if pid_m * BLOCK_M >= gl.load(num_padded):
         return
     e = gl.load(block_expert + pid_m).to(gl.int64)
-    # the tile's pairs and the input rows they read (``triton_moe.tile_pairs``)
-    rows = gl.load(sorted_ids + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, IO)))
-    rmask = rows < num_pairs
-    a_rows = (rows // TOPK) if A_PER_TOKEN else rows
-    if A_MAP:
-        a_rows = gl.load(a_map + a_rows, mask=rmask, other=0)
+    # the tile's pairs and the input rows they read; the gate rows' codes and scales at k = 0
+    # (features past N copy zeros), the up rows N rows below
+    a_rows, rmask = pair_rows(sorted_ids, a_map, pid_m, num_pairs, TOPK, A_PER_TOKEN, A_MAP, BLOCK_M, IO)
     a_ptr = (
         a + a_rows[:, None].to(gl.int64) * s_am + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, IO))[None, :]
     )
-    # the gate rows' codes and scales at k = 0 (features past N copy zeros), the up rows N rows below
-    n_c = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODES_IO))
-    nmask_c = n_c < N
-    codes_ptr = b + e * s_be + n_c[:, None].to(gl.int64) * s_bn
-    codes_ptr += gl.arange(0, HK, layout=gl.SliceLayout(0, CODES_IO))[None, :]
-    n_s = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALES_IO))
-    nmask_s = n_s < N
-    scale_ptr = b_scale + e * s_se + n_s[:, None].to(gl.int64) * s_sn
-    scale_ptr += gl.arange(0, NB, layout=gl.SliceLayout(0, SCALES_IO))[None, :]
+    codes_ptr, scale_ptr, nmask_c, nmask_s = weight_ptrs(
+        b, b_scale, e, pid_n, N, s_be, s_bn, s_se, s_sn, BLOCK_N, BLOCK_K, CODES_IO, SCALES_IO
+    )
     up_codes = N * s_bn
     up_scales = N * s_sn
 
