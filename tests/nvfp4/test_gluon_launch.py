@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
+
+triton = pytest.importorskip("triton")
 
 from tests.nvfp4.test_w4a16_gpu import random_bank
 

@@ -13,6 +13,8 @@ import torch
 
 from ft.quant.nvfp4 import E2M1_VALUES
 
+pytest.importorskip("triton")  # the PTX strings live in the kernel modules
+
 
 def bf16_bits(x: torch.Tensor) -> torch.Tensor:
     """fp32 values -> their bf16 bit patterns (round to nearest even), int64."""
