@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-
 from tests.nvfp4.test_w4a16_gpu import random_bank
+
+triton = pytest.importorskip("triton")
 
 
 class Recorder:
