@@ -37,6 +37,11 @@ class DepthwiseConv(nn.Module):
 
 
 class GatedDeltaNetMixer(nn.Module):
+    # the layer input goes only into ``project``'s in_proj: a folded pre-norm input
+    # (``ft.layers.norm.FoldedNorm``) is normed inside that GEMV (a ``project`` that reads x
+    # otherwise sets it False)
+    takes_folded_norm = True
+
     def __init__(
         self,
         hidden_size: int,

@@ -23,6 +23,7 @@ from torch import nn
 
 from ft.distributed import TPInfo, all_reduce, get_tp_info
 from ft.layers.loading import load_slice, new_param
+from ft.layers.norm import FoldedNorm
 from ft.models.checkpoint import CheckpointTensor
 from ft.utils import div_even
 
@@ -32,17 +33,29 @@ except ImportError:  # no triton (CPU-only installs)
     triton_gemv = None
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or the Triton GEMV for a few rows on a GPU (``ft.layers.triton_gemv``)."""
-    if (
+def dense(
+    x: torch.Tensor | FoldedNorm, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear``, or the Triton GEMV for a few rows on a GPU (``ft.layers.triton_gemv``). A
+    folded norm's input (``FoldedNorm``) is normed inside the GEMV when the GEMV takes it and no
+    reader has computed it yet; otherwise it is computed first (``FoldedNorm.tensor``)."""
+    takes_gemv = (
         triton_gemv is not None
         and bias is None
         and x.is_cuda
-        and x.dim() == 2
+        and len(x.shape) == 2
         and 0 < x.shape[0] <= triton_gemv.GEMV_MAX_TOKENS
         and x.dtype == weight.dtype
         and x.dtype in (torch.bfloat16, torch.float16)
-    ):
+    )
+    if isinstance(x, FoldedNorm):
+        if takes_gemv and x.a is None and x.x.is_contiguous() and x.residual.is_contiguous():
+            assert x.device == weight.device, "the folded GEMV needs its operands on one device"
+            return triton_gemv.launch_normed_gemv(
+                x.x, x.residual, x.weight, x.eps, x.zero_centered, weight, x.h
+            )  # fmt: skip
+        x = x.tensor()
+    if takes_gemv:
         return triton_gemv.gemv(x, weight)
     return F.linear(x, weight, bias)
 

@@ -28,6 +28,12 @@ stores before that thread's acq_rel (GPU scope) ticket; the ticket reaches the o
 through shared memory behind a barrier, and the last program reads the partials from L2 (.cg).
 The counters are one buffer per device (``tickets``): split launches on a device must not overlap
 (one stream; with PDL every kernel still waits for its predecessor's end first thing).
+
+With a pre-norm folded in (``launch_normed_gemv``, ``ft.layers.norm.FOLD_INPUT_NORM``, off) the
+GEMV reads x and the residual r instead of ``rms_norm(x + r)``: it forms h = x + r and h · w' (w'
+the norm's weight) as the norm kernel rounds them, takes h · w' as the MMA's operand, sums h² beside
+and multiplies each row's products by its 1 / rms at the end; program 0 stores h, the residual
+stream. The fused router does the same over its splits (``normed_split_k_sum``).
 """
 
 from __future__ import annotations
@@ -48,6 +54,12 @@ MAX_M = 16  # rows of x one program pads to (one MMA tile)
 WIDE = (32, 256, 4, 3)  # in_proj 12352 x 2048 15.4 us, qkv 9216 x 2048 12.8 us at M=1
 NARROW = (16, 512, 4, 4)  # out_proj 2048 x 4096 8.8 us, shared expert 1024 x 2048 5.1 us at M=1
 WIDE_N = 4096  # output columns from which a projection takes WIDE
+# the normed GEMV's (``launch_normed_gemv``): its input tile goes through registers (h = x + r, the
+# norm's weight), all M_P = 16 rows of it, so its tiles are its own. Compiled for sm_90 (Triton
+# 3.6): WIDE's 182 registers at one token, 128 at four, no spill (the plain kernel 72); NARROW's
+# (16, 512, 4, 4) spills 1.4 KB, (16, 256, 4, 3) takes 140. NOT yet timed: config_sweep.py normed_gemv.
+NORMED_WIDE = WIDE
+NORMED_NARROW = (16, 256, 4, 3)
 
 # OFF until timed on a GPU: the split kernel has run only under Triton's CPU interpreter, NOT yet
 # on a GPU. FT_GEMV_SPLIT_K=1 turns it on for a process and the ranks it spawns.
@@ -92,6 +104,53 @@ def gemv_tile(
 
 
 @triton.jit
+def rows_repeated(v, M_P: tl.constexpr):
+    # v [T_P, C] -> [M_P, C] whose row i is v's row i % T_P (T_P divides M_P)
+    T_P: tl.constexpr = v.shape[0]
+    C: tl.constexpr = v.shape[1]
+    return tl.reshape(tl.broadcast_to(v[None, :, :], [M_P // T_P, T_P, C]), [M_P, C])
+
+
+@triton.jit
+def normed_gemv_tile(
+    x, r, nw, h, w, n, M, N, k_lo, k_hi, s_xm, s_rm, s_hm, s_wn, store_h,
+    M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+):  # fmt: skip
+    # ``gemv_tile`` of the norm's input before its 1 / rms (``norm.FOLD_INPUT_NORM``), as triton_norm rounds:
+    # h = x + r rounded (stored to ``h`` where store_h), h · w' rounded to x's dtype (w' the norm's
+    # weight, plus 1 when zero-centred) the MMA's operand. The norm's arithmetic runs on T_P rows
+    # (M's power of two), whose rows the MMA's M_P repeat. Returns (the products fp32 [M_P, BN],
+    # each row's sum of h² over k_lo .. k_hi fp32 [M_P, 1]), rows M_P's as the MMA's.
+    t = tl.arange(0, T_P)
+    kk = tl.arange(0, BLOCK_K)
+    nmask, tmask = n < N, t < M
+    x_ptr = x + t[:, None].to(tl.int64) * s_xm + (k_lo + kk)[None, :]  # [T_P, BK]
+    r_ptr = r + t[:, None].to(tl.int64) * s_rm + (k_lo + kk)[None, :]
+    h_ptr = h + t[:, None].to(tl.int64) * s_hm + (k_lo + kk)[None, :]
+    w_ptr = w + n[:, None].to(tl.int64) * s_wn + (k_lo + kk)[None, :]  # [BN, BK]
+    acc = tl.zeros([M_P, BLOCK_N], tl.float32)
+    squares = tl.zeros([T_P], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        xt = _step(x_ptr, tmask, kk, k_hi - k0, EVEN_K)
+        wt = _step(w_ptr, nmask, kk, k_hi - k0, EVEN_K)
+        ht = (xt.to(tl.float32) + _step(r_ptr, tmask, kk, k_hi - k0, EVEN_K).to(tl.float32)).to(xt.dtype)
+        tl.store(h_ptr, ht, mask=tmask[:, None] & (kk < k_hi - k0)[None, :] & store_h)
+        hf = ht.to(tl.float32)
+        squares += tl.sum(hf * hf, 1)
+        wn = tl.load(nw + k0 + kk, mask=kk < k_hi - k0, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            wn = wn + 1.0
+        u = rows_repeated((hf * wn[None, :]).to(xt.dtype), M_P)  # [M_P, BK]
+        acc += tl.dot(u, tl.trans(wt))  # [M_P, BN], fp32
+        x_ptr += BLOCK_K
+        r_ptr += BLOCK_K
+        h_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    return acc, rows_repeated(squares[:, None], M_P)
+
+
+@triton.jit
 def split_k_sum(
     x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
@@ -99,11 +158,34 @@ def split_k_sum(
 ):  # fmt: skip
     # This program's partial over K_SPLIT inputs into ws[split]; returns (last, total): whether it
     # drew its column block's last ticket, and then the partials summed in split order.
+    last, total, _ = normed_split_k_sum(x, x, x, x, w, ws, ws, counters, n, M, N, K, K_SPLIT, s_xm,
+                                        s_xm, s_xm, s_wn, M_P, M_P, BLOCK_N, BLOCK_K, SPLITS, EVEN_K, False,
+                                        False)  # fmt: skip
+    return last, total
+
+
+@triton.jit
+def normed_split_k_sum(
+    x, r, nw, h, w, ws, squares_ws, counters, n, M, N, K, K_SPLIT, s_xm, s_rm, s_hm, s_wn,
+    M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+):  # fmt: skip
+    # ``split_k_sum``, and with NORM over ``normed_gemv_tile``: the first column block's programs
+    # store h for their splits, each program its rows' sums of h² into squares_ws [blocks, SPLITS,
+    # M_P], and the last of a column block returns them summed in split order: (last, total, squares
+    # [M_P, 1]).
     split = tl.program_id(1)
     k_lo = split * K_SPLIT
-    acc = gemv_tile(x, w, n, M, N, k_lo, tl.minimum(K, k_lo + K_SPLIT), s_xm, s_wn, M_P, BLOCK_N,
-                    BLOCK_K, EVEN_K)  # fmt: skip
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
     m = tl.arange(0, M_P)
+    mine = squares_ws + tl.program_id(0) * SPLITS * M_P + m[:, None]  # this column block's [SPLITS, M_P]
+    if NORM:
+        acc, squares = normed_gemv_tile(x, r, nw, h, w, n, M, N, k_lo, k_hi, s_xm, s_rm, s_hm, s_wn,
+                                        tl.program_id(0) == 0, M_P, T_P, BLOCK_N, BLOCK_K, EVEN_K,
+                                        ZERO_CENTERED)  # fmt: skip
+        tl.store(mine + split * M_P, squares)
+    else:
+        acc = gemv_tile(x, w, n, M, N, k_lo, k_hi, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
     mask = (m < M)[:, None] & (n < N)[None, :]
     part = ws + m[:, None] * N + n[None, :]  # [M_P, BN] in one split's [M, N]
     tl.store(part + split * M * N, acc, mask=mask)
@@ -112,11 +194,14 @@ def split_k_sum(
     ticket = tl.atomic_add(counters + tl.program_id(0), 1, sem="acq_rel")
     last = ticket == SPLITS - 1
     total = tl.zeros([M_P, BLOCK_N], tl.float32)
+    squares = tl.zeros([M_P, 1], tl.float32)
     if last:  # the others' partials: past the acquire, read from L2 (.cg), not a stale L1 line
         for s in tl.static_range(SPLITS):
             total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if NORM:
+                squares += tl.load(mine + s * M_P, cache_modifier=".cg")
         tl.store(counters + tl.program_id(0), 0)  # every ticket is drawn: clean for the next call
-    return last, total
+    return last, total, squares
 
 
 @triton.jit
@@ -129,6 +214,23 @@ def _gemv_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_P)
     acc = gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
+    o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]
+    tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
+
+
+@triton.jit
+def _normed_gemv_kernel(
+    x, r, nw, h, w, out, M, N, K, eps, s_xm, s_rm, s_hm, s_wn, s_om,
+    M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    wait_for_previous(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, M_P)
+    acc, squares = normed_gemv_tile(x, r, nw, h, w, n, M, N, 0, K, s_xm, s_rm, s_hm, s_wn,
+                                    tl.program_id(0) == 0, M_P, T_P, BLOCK_N, BLOCK_K, EVEN_K,
+                                    ZERO_CENTERED)  # fmt: skip
+    acc = acc * tl.rsqrt(squares / K + eps)  # the norm's 1 / rms [M_P, 1], applied to the products
     o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]
     tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
 
@@ -178,9 +280,10 @@ class Plan(NamedTuple):
     num_stages: int
 
 
-def plan(n: int, k: int, splits: int) -> Plan:
-    """Tiles for ``splits`` splits of K; the largest BLOCK_K that keeps that many, else fewer."""
-    block_n, max_block_k, num_warps, num_stages = config(n)
+def plan(n: int, k: int, splits: int, tiles: tuple[int, int, int, int] | None = None) -> Plan:
+    """Tiles for ``splits`` splits of K; the largest BLOCK_K that keeps that many, else fewer.
+    ``tiles``: (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, NUM_STAGES) in place of ``config(n)``."""
+    block_n, max_block_k, num_warps, num_stages = tiles or config(n)
     block_k = min(max_block_k, max(16, triton.next_power_of_2(triton.cdiv(k, splits))))
     while True:
         k_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
@@ -237,6 +340,37 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, splits: int = 0) -> torch.Tens
     _gemv_split_k_kernel[(p.blocks, p.splits)](
         x, w, out, ws, tickets(x.device), m, n, k, p.k_split, x.stride(0), w.stride(0), out.stride(0),
         SPLITS=p.splits, **common,
+    )  # fmt: skip
+    return out
+
+
+def launch_normed_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    w: torch.Tensor,
+    h: torch.Tensor,
+) -> torch.Tensor:
+    """``rms_norm(x + residual) @ w.T`` with the norm folded into the product (``normed_gemv_tile``):
+    x, residual [M, K], norm_weight [K], w [N, K] -> [M, N]; writes x + residual into h [M, K].
+    Without the device check (the interpreter runs it)."""
+    x, w = check_operands(x, w)
+    (m, k), n = x.shape, w.shape[0]
+    assert residual.shape == x.shape == h.shape and residual.dtype == x.dtype == h.dtype, (
+        f"residual {tuple(residual.shape)} {residual.dtype} and h {tuple(h.shape)} {h.dtype} must match "
+        f"x {tuple(x.shape)} {x.dtype}"
+    )
+    assert norm_weight.shape == (k,), f"norm weight {tuple(norm_weight.shape)} does not fit K={k}"
+    assert residual.stride(-1) == 1 and h.stride(-1) == 1, "residual and h need unit inner strides"
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    p = plan(n, k, 1, NORMED_WIDE if n >= WIDE_N else NORMED_NARROW)
+    _normed_gemv_kernel[(p.blocks,)](
+        x, residual, norm_weight, h, w, out, m, n, k, eps, x.stride(0), residual.stride(0), h.stride(0),
+        w.stride(0), out.stride(0), M_P=MAX_M, T_P=triton.next_power_of_2(m), BLOCK_N=p.block_n,
+        BLOCK_K=p.block_k, EVEN_K=p.even_k, ZERO_CENTERED=zero_centered, num_warps=p.num_warps,
+        num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip
     return out
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ft.layers import norm
 from ft.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ft.layers.norm import RMSNorm
+from ft.layers.norm import FoldedNorm, RMSNorm
 from ft.models.config import ModelConfig
 
 MIXER_NAMES = {"full_attention": "self_attn", "linear_attention": "linear_attn"}
@@ -43,15 +44,30 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H]: the previous layer's MLP output, or the embedding when ``residual`` is None
         (the first layer). Returns (this layer's MLP output, the residual stream it is not yet added to)."""
+        mixer = getattr(self, self.mixer_name)
+        looks_ahead = getattr(self.mlp, "looks_ahead", False)  # it reads the residual before the mixer
         if residual is None:
             a, residual = self.input_layernorm(x), x
+        elif norm.FOLD_INPUT_NORM and self._folds(x, mixer) and not looks_ahead:
+            a = FoldedNorm(self.input_layernorm, x, residual)
+            residual = a.h  # written by the mixer's first projection
         else:
             a, residual = self.input_layernorm(x, residual)
-        lookahead = getattr(self.mlp, "lookahead", None)
-        if lookahead is not None:  # an MLP that can use its input's guess before the mixer runs
-            lookahead(residual, self.post_attention_layernorm)
-        a, residual = self.post_attention_layernorm(getattr(self, self.mixer_name)(positions, a), residual)
+        if looks_ahead:  # an MLP that can use its input's guess before the mixer runs
+            self.mlp.lookahead(residual, self.post_attention_layernorm)
+        x = mixer(positions, a)
+        if norm.FOLD_POST_NORM and self._folds(x, self.mlp):
+            a = FoldedNorm(self.post_attention_layernorm, x, residual)
+            residual = a.h  # written by the MLP's router
+        else:
+            a, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(a), residual
+
+    @staticmethod
+    def _folds(x: torch.Tensor, reader: nn.Module) -> bool:
+        """Whether the norm before ``reader`` may be left to it (``FoldedNorm``; its switch aside): a
+        decode batch on a GPU, and a reader that takes it."""
+        return x.is_cuda and len(x) <= norm.FOLD_MAX_TOKENS and getattr(reader, "takes_folded_norm", False)
 
 
 class DecoderModel(nn.Module):

@@ -14,6 +14,7 @@ First run (2026-11-30): every kernel compiles; only the attention extend kernel 
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -262,20 +263,34 @@ def entries():
         yield f"dense GEMV {bn} x {bk}", triton_gemv._gemv_kernel, gemv, consts, warps, stages
     split = {"M_P": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "USE_PDL": 2}
     yield "dense GEMV split over K", triton_gemv._gemv_split_k_kernel, gemv, split, 4, 4
+    normed = {**gemv, "r": BF, "nw": BF, "h": BF}
+    for (bn, bk, warps, stages), t_p in itertools.product(
+        (triton_gemv.NORMED_NARROW, triton_gemv.NORMED_WIDE), (1, 4)
+    ):  # norm.FOLD_INPUT_NORM; fmt: skip
+        consts = {"M_P": 16, "T_P": t_p, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "ZERO_CENTERED": True,
+                  "USE_PDL": 2}  # fmt: skip
+        label = f"dense GEMV {bn} x {bk}, norm folded, {t_p} tokens"
+        yield label, triton_gemv._normed_gemv_kernel, normed, consts, warps, stages
     for keys32 in (False, True):  # int64 keys, int32 (``triton_router.KEYS32``)
         yield f"softmax top-k, int32 keys {keys32}", triton_router._softmax_topk_kernel, {
             "logits": BF, "weights": F32, "ids": I64}, {"K": 10, "K_P": 16, "E_P": 512, "RENORMALIZE": True,
             "KEYS32": keys32, "USE_PDL": 2}, 1, 3  # fmt: skip
         router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32,
-                  "xq": "*i16", "xf": F32}  # fmt: skip
-        for t_p, blocks in ((1, False), (4, False), (1, True), (2, True)):  # blocks: x's int16 blocks too
-            label = f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}" + (
-                ", int16 blocks" if blocks else ""
+                  "xq": "*i16", "xf": F32, "r": BF, "nw": BF, "h": BF, "a": BF,
+                  "squares_ws": F32}  # fmt: skip
+        # blocks: x's int16 blocks too; norm: the post-attention norm folded in (``norm.FOLD_POST_NORM``)
+        for t_p, blocks, norm in ((1, False, False), (4, False, False), (1, True, False), (2, True, False),
+                                  (1, True, True), (4, False, True)):  # fmt: skip
+            label = (
+                f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}"
+                + (", int16 blocks" if blocks else "")
+                + (", norm folded" if norm else "")
             )
             yield label, triton_router_gemv._router_topk_kernel, \
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
-                         "USE_PDL": 2, "BLOCKS": blocks}, 4, 4  # fmt: skip
+                         "USE_PDL": 2, "BLOCKS": blocks, "NORM": norm, "ZERO_CENTERED": norm}, \
+                4, 4  # fmt: skip
 
 
 def main() -> None:

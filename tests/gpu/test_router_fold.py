@@ -267,3 +267,53 @@ def test_int32_keys_pick_as_the_int64_keys(t, monkeypatch):
         outs.append(got)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@gpu
+@torch.no_grad()
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("h", [2048, 2880])
+@pytest.mark.parametrize("blocks", [False, True])
+def test_folded_router_equals_the_norm_then_the_router(t, h, blocks):
+    """``router_topk(..., norm=FoldedNorm)`` (``norm.FOLD_POST_NORM``): the residual stream and the normed
+    input the fused norm's (h bit for bit, a to its last bit: 1 / rms summed in another order), the
+    int16 blocks of that a, the ids of the router on the norm's output wherever its k-th and
+    (k+1)-th logits are apart, the weights and gate logit to bf16 rounding; graphed likewise."""
+    pytest.importorskip("triton")
+    from ft.layers.norm import FoldedNorm, RMSNorm
+    from ft.moe.kernels import triton_moe_gemv
+    from ft.moe.kernels.triton_router_gemv import router_topk
+    from tests.gpu.test_moe_gemv import quantize_blocks_ref
+
+    g = torch.Generator(device="cuda").manual_seed(t + h)
+    x = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
+    r = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(513, h, generator=g, device="cuda") * h**-0.5).to(torch.bfloat16)
+    norm = RMSNorm(h, 1e-6, zero_centered=True).cuda()
+    norm.weight.data = (torch.rand(h, generator=g, device="cuda") * 0.2).to(torch.bfloat16)
+    a, h_ref = norm(x, r)
+    ref_w, ref_ids, ref_gate = router_topk(a, w, 10, True, True)
+
+    def folded_route():
+        folded = FoldedNorm(norm, x, r)
+        return folded, router_topk(x, w, 10, True, True, blocks=blocks, norm=folded)
+
+    folded, (weights, ids, gate) = folded_route()
+    assert torch.equal(folded.h, h_ref)
+    torch.testing.assert_close(folded.a, a, atol=0, rtol=2**-7)  # at most one bf16 ulp
+    logits = (a.float() @ w.float().T)[:, :512].sort(-1, descending=True).values
+    apart = (logits[:, 9] - logits[:, 10]) > 0.02
+    assert torch.equal(ids[apart], ref_ids[apart])
+    torch.testing.assert_close(weights[apart], ref_w[apart], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(gate, ref_gate, atol=2e-2, rtol=2e-2)
+    made = triton_moe_gemv.take_blocks(folded.a)
+    assert (made is not None) == blocks
+    if blocks:
+        for got, want in zip(made, quantize_blocks_ref(folded.a)):
+            assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        again, routed = folded_route()
+    graph.replay()
+    assert torch.equal(again.a, folded.a) and torch.equal(again.h, folded.h)
+    assert torch.equal(routed[1], ids) and torch.equal(routed[0], weights)

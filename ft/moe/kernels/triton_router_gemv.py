@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ft.layers import triton_gemv
+from ft.layers.norm import FoldedNorm
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels import triton_moe_gemv, triton_router
 from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K, softmax_topk_rows
@@ -42,18 +43,21 @@ MAX_TOKENS = 4  # the epilogue's program holds T x E_P keys (int64, or int32 wit
 
 @triton.jit
 def _router_topk_kernel(
-    x, w, logits, weights, ids, ws, counters, xq, xf, M, N, E, K, K_SPLIT, s_xm, s_wn, s_qt, s_ft,
+    x, w, logits, weights, ids, ws, counters, xq, xf, r, nw, h, a, squares_ws, M, N, E, K, K_SPLIT, SLICE,
+    eps, s_xm, s_wn, s_qt, s_ft, s_rm, s_hm, s_am,
     M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
     E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    BLOCKS: tl.constexpr = False,
+    BLOCKS: tl.constexpr = False, NORM: tl.constexpr = False, ZERO_CENTERED: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    last, total = triton_gemv.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
-                                          BLOCK_N, BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
-    if BLOCKS:  # noqa: SIM102 (static: compiled only with blocks) the first column block of each split
-        # quantises the inputs it read, x's int16 blocks for the MoE GEMV
+    last, total, squares = triton_gemv.normed_split_k_sum(
+        x, r, nw, h, w, ws, squares_ws, counters, n, M, N, K, K_SPLIT, s_xm, s_rm, s_hm, s_wn, M_P, T_P,
+        BLOCK_N, BLOCK_K, SPLITS, EVEN_K, NORM, ZERO_CENTERED,
+    )  # fmt: skip
+    if BLOCKS and not NORM:  # noqa: SIM102 (static) the first column block of each split quantises
+        # the inputs it read, x's int16 blocks for the MoE GEMV
         if tl.program_id(0) == 0:
             k_lo = tl.program_id(1) * K_SPLIT
             k_hi = tl.minimum(K, k_lo + K_SPLIT)
@@ -61,6 +65,9 @@ def _router_topk_kernel(
                 triton_moe_gemv.quantize_range(x, xq, xf, M, k0, k_hi, s_xm, s_qt, s_ft, T_P, BLOCK_K)
     if last:
         m = tl.arange(0, M_P)
+        inv = tl.rsqrt(squares / K + eps)  # with NORM: the norm's 1 / rms [M_P, 1], applied to the products
+        if NORM:
+            total = total * inv
         mask = (m < M)[:, None] & (n < N)[None, :]
         tl.store(logits + m[:, None] * N + n[None, :], total.to(logits.dtype.element_ty), mask=mask)
         tl.debug_barrier()  # every thread's logits before the launch ticket's release
@@ -78,6 +85,32 @@ def _router_topk_kernel(
             tl.store(weights + out, p, mask=(t < M) & (slot < TOP_K))
             tl.store(ids + out, picked_ids, mask=(t < M) & (slot < TOP_K))
             tl.store(counters + blocks, 0)
+        if NORM:  # the normed input itself for the MoE, this column block's SLICE of it
+            lo = tl.program_id(0) * SLICE
+            hi = tl.minimum(K, lo + SLICE)
+            for k0 in range(lo, hi, 16):
+                normed_slice(x, r, nw, a, inv, M, k0, hi, s_xm, s_rm, s_am, M_P, ZERO_CENTERED)
+            if BLOCKS:  # and its int16 blocks, read back from a (this program's own stores)
+                tl.debug_barrier()
+                for k0 in range(lo, hi, 16):
+                    triton_moe_gemv.quantize_range(a, xq, xf, M, k0, hi, s_am, s_qt, s_ft, T_P, 16)
+
+
+@triton.jit
+def normed_slice(
+    x, r, nw, a, inv, M, k0, k_hi, s_xm, s_rm, s_am, M_P: tl.constexpr, ZERO_CENTERED: tl.constexpr
+):
+    # a[:, k0 : k0 + 16] = rms_norm(x + r) there, as triton_norm rounds it, given the rows' 1 / rms
+    # inv [M_P, 1]
+    m = tl.arange(0, M_P)[:, None].to(tl.int64)
+    k = k0 + tl.arange(0, 16)[None, :]
+    mask = (m < M) & (k < k_hi)
+    ht = tl.load(x + m * s_xm + k, mask=mask, other=0.0)
+    ht = (ht.to(tl.float32) + tl.load(r + m * s_rm + k, mask=mask, other=0.0).to(tl.float32)).to(ht.dtype)
+    wn = tl.load(nw + k, mask=k < k_hi, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        wn = wn + 1.0
+    tl.store(a + m * s_am + k, (ht.to(tl.float32) * inv * wn).to(a.dtype.element_ty), mask=mask)
 
 
 def takes_fused(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -100,12 +133,15 @@ def launch_router_topk(
     shared_gate: bool,
     splits: int = 0,
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm: FoldedNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [T, H], w [E (+ 1), H] (the shared gate's row last) -> (weights [T, k] fp32, ids [T, k]
     int64, largest first; the gate logit [T, 1] in x's dtype or None), over ``splits`` K splits
     (0: ``triton_gemv.balanced_splits``). ``blocks``: buffers (``triton_moe_gemv.empty_blocks``)
     the launch also fills with x's int16 blocks (``triton_moe_gemv.quantize_range``), for the MoE
-    GEMV's integer products. Without the device check (the interpreter runs it)."""
+    GEMV's integer products. ``norm``: route ``rms_norm(x + norm.residual)`` instead of x, the norm
+    folded into the GEMV, writing x + residual into ``norm.h``, the normed input into ``norm.a``
+    and the blocks of that. Without the device check (the interpreter runs it)."""
     x, w = triton_gemv.check_operands(x, w)
     (t, h), n = x.shape, w.shape[0]
     e = n - shared_gate
@@ -119,9 +155,23 @@ def launch_router_topk(
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     ws = torch.empty(p.splits, t, n, dtype=torch.float32, device=x.device)  # the partials
     xq, xf = blocks if blocks is not None else (x, x)  # unwritten without blocks
+    r, nw, hs, a = x, x, x, x  # unread without a norm
+    if norm is not None:
+        r, nw, hs, a = norm.residual, norm.weight, norm.h, torch.empty_like(x)
+        assert r.shape == hs.shape == x.shape and r.dtype == hs.dtype == x.dtype and nw.shape == (h,), (
+            f"the folded norm's residual {tuple(r.shape)}, h {tuple(hs.shape)}, weight {tuple(nw.shape)} "
+            f"do not fit x {tuple(x.shape)} {x.dtype}"
+        )
+        assert r.stride(-1) == hs.stride(-1) == 1, "the residual and h need unit inner strides"
+        squares = torch.empty(p.blocks, p.splits, triton_gemv.MAX_M, dtype=torch.float32, device=x.device)
+        norm.a = a
+    slice_ = triton.cdiv(triton.cdiv(h, 16), p.blocks) * 16  # each column block's share of the normed input
     _router_topk_kernel[(p.blocks, p.splits)](
-        x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), xq, xf, t, n, e, h, p.k_split,
-        x.stride(0), w.stride(0), xq.stride(0), xf.stride(0), BLOCKS=blocks is not None,
+        x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), xq, xf, r, nw, hs, a,
+        ws if norm is None else squares, t, n, e, h, p.k_split, slice_, 0.0 if norm is None else norm.eps,
+        x.stride(0), w.stride(0), xq.stride(0), xf.stride(0), r.stride(0), hs.stride(0), a.stride(0),
+        BLOCKS=blocks is not None, NORM=norm is not None,
+        ZERO_CENTERED=norm is not None and norm.zero_centered,
         M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
@@ -132,13 +182,20 @@ def launch_router_topk(
 
 
 def router_topk(
-    x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, shared_gate: bool, blocks: bool = False
+    x: torch.Tensor,
+    w: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    shared_gate: bool,
+    blocks: bool = False,
+    norm: FoldedNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``launch_router_topk`` on CUDA tensors; graph-capturable (the grid comes from shapes). With
-    ``blocks`` x's int16 blocks are left on x for the MoE GEMV (``triton_moe_gemv.BLOCKS_ATTR``)."""
+    ``blocks`` the routed input's int16 blocks are left on it for the MoE GEMV
+    (``triton_moe_gemv.BLOCKS_ATTR``): on x, or with ``norm`` on ``norm.a``."""
     assert x.is_cuda and w.device == x.device, "router_topk needs CUDA tensors on one device"
     made = triton_moe_gemv.empty_blocks(x) if blocks else None
-    out = launch_router_topk(x, w, top_k, renormalize, shared_gate, blocks=made)
+    out = launch_router_topk(x, w, top_k, renormalize, shared_gate, blocks=made, norm=norm)
     if made is not None:
-        setattr(x, triton_moe_gemv.BLOCKS_ATTR, made)
+        setattr(x if norm is None else norm.a, triton_moe_gemv.BLOCKS_ATTR, made)
     return out
