@@ -194,7 +194,7 @@ def entries():
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
                     yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages
-    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_rega, gluon_w4a16_ws  # Gluon (its own AST source)
+    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_rega  # Gluon (its own AST source)
 
     kinds = (  # the weights as wgmma's B operand, as its register A operand
         (gluon_w4a16, "wgmma", gluon_w4a16._w4a16_wgmma_kernel),
@@ -210,14 +210,6 @@ def entries():
             yield f"NVFP4 Gluon {label} {which}, T={t}", kernel, w4, consts, warps, 1
             into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
             yield f"NVFP4 Gluon {label} {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
-            if module is gluon_w4a16:
-                ws = consts | gluon_w4a16_ws.ws_layouts(bm, bn, bk, warps)
-                ws |= {
-                    "PRODUCER_WARPS": gluon_w4a16_ws.PRODUCER_WARPS,
-                    "PRODUCER_REGS": gluon_w4a16_ws.PRODUCER_REGS,
-                }
-                ws_kernel = gluon_w4a16_ws._w4a16_ws_kernel
-                yield f"NVFP4 Gluon warp-specialised {which}, T={t}", ws_kernel, w4, ws, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
     yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip

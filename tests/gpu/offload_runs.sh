@@ -39,14 +39,13 @@
 #            bound by its compute (issue 8's 32k row at 80% of the link, target 85%; 2026-12-03),
 #            most of it these GEMMs and that attention. Then `FT_MOE_PREFILL=UP/DOWN
 #            FT_ATTN_EXTEND_TILES=BM,BN,W,S bash ... row` with the bests (~9 min)
-#   gluon    the Gluon W4A16 kernels (triton_w4a16.GLUON, off; gluon_w4a16_ws.WS, the warp-specialised
-#            one, off: 26-48% slower, 2026-12-04 18:08; gluon_w4a16_rega.REGA, the decoded weights
-#            as the wgmma's register operand, off and NOT yet run): their GPU tests (against the
-#            Triton kernel and the reference, and through Into; a wrong mbarrier phase in the WS
-#            kernel hangs: the 300 s timeout), each launch beside the Triton kernel's at the same
-#            tiles (gluon_w4a16_check.py), then the MoE call at 1k to 16k tokens off, on,
-#            warp-specialised and register-operand (w4a16_timings.py; GLUON_VARIANTS="0 rega" for
-#            fewer; ~3 min). 2026-12-04, the one-partition kernel: 6 passed, bit for bit, 2-5% faster
+#   gluon    the Gluon W4A16 kernels (triton_w4a16.GLUON, off; gluon_w4a16_rega.REGA, the decoded weights
+#            as the wgmma's register operand, off and NOT yet run; a warp-specialised one measured
+#            26-48% slower on 2026-12-04 18:08 and was removed): their GPU tests (against the Triton
+#            kernel and the reference, and through Into), each launch beside the Triton kernel's at
+#            the same tiles (gluon_w4a16_check.py), then the MoE call at 1k to 16k tokens off, on
+#            and register-operand (w4a16_timings.py; GLUON_VARIANTS="0 rega" for fewer; ~3 min).
+#            2026-12-04, the one-partition kernel: 6 passed, bit for bit, 2-5% faster
 #   rega     the register-operand W4A16 kernel (gluon_w4a16_rega.REGA, off, not yet run): the Gluon
 #            tests (a wrong operand layout or register reuse shows as wrong values), the MoE call at
 #            1k-16k with the one-partition kernel and with it, its tiles at 8k (config_sweep.py
@@ -166,10 +165,9 @@ gluon)
   tail -n 3 "$out/gluon_tests.log"
   timeout 120 python3 tests/gpu/gluon_w4a16_check.py 4096 >"$out/gluon_check.log" 2>&1  # each launch apart
   grep -vE "^ft rank|[Ww]arn" "$out/gluon_check.log" | tail -n 8
-  # ws: the warp-specialised kernel (gluon_w4a16_ws.WS); rega: the weights as the wgmma's register
-  # operand (gluon_w4a16_rega.REGA)
-  for on in ${GLUON_VARIANTS:-0 1 ws rega}; do
-    FT_W4A16_GLUON=$([ $on = 0 ] && echo 0 || echo 1) FT_W4A16_GLUON_WS=$([ $on = ws ] && echo 1 || echo 0) \
+  # rega: the weights as the wgmma's register operand (gluon_w4a16_rega.REGA)
+  for on in ${GLUON_VARIANTS:-0 1 rega}; do
+    FT_W4A16_GLUON=$([ $on = 0 ] && echo 0 || echo 1) \
       FT_W4A16_GLUON_REGA=$([ $on = rega ] && echo 1 || echo 0) \
       FT_TIMINGS_T=1024,2048,4096,8192,16384 timeout 200 python3 tests/nvfp4/w4a16_timings.py \
       >"$out/gluon_timings_$on.log" 2>&1

@@ -21,18 +21,16 @@ class Recorder:
         return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
 
 
-@pytest.mark.parametrize("kind", ["wgmma", "warp-specialised", "register-operand"])
+@pytest.mark.parametrize("kind", ["wgmma", "register-operand"])
 def test_launch_passes_the_kernels_parameters(kind, monkeypatch):
-    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_rega, gluon_w4a16_ws
+    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_rega
 
     module, name = {
         "wgmma": (gluon_w4a16, "_w4a16_wgmma_kernel"),
-        "warp-specialised": (gluon_w4a16_ws, "_w4a16_ws_kernel"),
         "register-operand": (gluon_w4a16_rega, "_w4a16_rega_kernel"),
     }[kind]
     recorder = Recorder(getattr(module, name))
     monkeypatch.setattr(module, name, recorder)
-    monkeypatch.setattr(gluon_w4a16_ws, "WS", kind == "warp-specialised")
     launch = gluon_w4a16_rega.launch if kind == "register-operand" else gluon_w4a16.launch
     configs = (gluon_w4a16_rega if kind == "register-operand" else gluon_w4a16).CONFIGS["default"]
     gen = torch.Generator().manual_seed(0)

@@ -168,15 +168,12 @@ def test_engine_on_cuda_with_nvfp4_experts(tmp_path):
             assert abs(g[tok] - w[tok]) < 0.1 + 0.02 * abs(w[tok])
 
 
-@pytest.fixture(params=["wgmma", "warp-specialised", "register-operand"])
+@pytest.fixture(params=["wgmma", "register-operand"])
 def gluon_kernel(request, monkeypatch):
-    """The Gluon kernel a test runs when ``GLUON`` is on: the one-partition kernel, the
-    warp-specialised one (``gluon_w4a16_ws.WS``: copies and decode in a producer partition; a wrong
-    mbarrier phase would hang it: run these under a `timeout`), or the one with the decoded weights
-    as the wgmma's register operand (``gluon_w4a16_rega.REGA``)."""
-    from ft.moe.kernels import gluon_w4a16_rega, gluon_w4a16_ws
+    """The Gluon kernel a test runs when ``GLUON`` is on: the one-partition kernel, or the one with
+    the decoded weights as the wgmma's register operand (``gluon_w4a16_rega.REGA``)."""
+    from ft.moe.kernels import gluon_w4a16_rega
 
-    monkeypatch.setattr(gluon_w4a16_ws, "WS", request.param == "warp-specialised")
     monkeypatch.setattr(gluon_w4a16_rega, "REGA", request.param == "register-operand")
     if request.param == "register-operand":
         monkeypatch.setattr(gluon_w4a16_rega, "supports", checked(gluon_w4a16_rega.supports))

@@ -84,24 +84,3 @@ def test_the_gluon_kernel_takes_the_banks_its_copies_fit():
     assert gluon_w4a16.layouts(128, 128, 64, 8)["MMA"].warps_per_cta == [8, 1]
     with pytest.raises(AssertionError):
         gluon_w4a16.layouts(128, 128, 64, 4)
-
-
-def test_the_warp_specialised_kernel_lays_out_each_partition_for_its_warps():
-    """``gluon_w4a16_ws.ws_layouts``: the wgmma accumulators and the activations' shared tile for the
-    launch's warps (16 rows each), the copies and the decode for the producer's ``PRODUCER_WARPS``,
-    and at the 8k gate/up tiles (8 wgmma warps) the wgmma warps left at least 160 registers a thread
-    (their two 128 x 128 fp32 accumulators take 128) by Triton's split of an SM's 64K: every warp
-    starts at 64K / warps, the producer's setmaxnreg to ``PRODUCER_REGS`` hands the rest over."""
-    pytest.importorskip("triton.experimental.gluon")
-    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_ws
-
-    lay = gluon_w4a16_ws.ws_layouts(128, 128, 64, 8)
-    assert lay["MMA"].warps_per_cta == [8, 1]
-    producer = gluon_w4a16_ws.PRODUCER_WARPS
-    for name in ("IO", "CODES", "SCALES", "B2"):
-        assert lay[name].warps_per_cta == [producer, 1], name
-    assert lay["P3"].warps_per_cta == [producer, 1, 1]
-    assert lay["A_SMEM"] == gluon_w4a16.layouts(128, 128, 64, 8)["A_SMEM"]
-    start = 64 * 1024 // ((8 + producer) * 32) // 8 * 8
-    left = (start * 8 * 32 + (start - gluon_w4a16_ws.PRODUCER_REGS) * producer * 32) // (8 * 32) // 8 * 8
-    assert left >= 160, left

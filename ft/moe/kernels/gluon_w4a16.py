@@ -322,16 +322,9 @@ def launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_tok
            a_map=None, c_map=None):  # fmt: skip
     """``triton_w4a16._launch``'s contract (cfg = BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages;
     the copy slots are ``STAGES``, not the config's stages)."""
-    from ft.moe.kernels import gluon_w4a16_ws  # its helpers are this module's
-
     bm, bn, bk, _, warps, _ = cfg
-    if gluon_w4a16_ws.WS:
-        kernel, lay = gluon_w4a16_ws._w4a16_ws_kernel, gluon_w4a16_ws.ws_layouts(bm, bn, bk, warps)
-        lay.update(PRODUCER_WARPS=gluon_w4a16_ws.PRODUCER_WARPS, PRODUCER_REGS=gluon_w4a16_ws.PRODUCER_REGS)
-    else:
-        kernel, lay = _w4a16_wgmma_kernel, layouts(bm, bn, bk, warps)
-    run(kernel, lay, STAGES, a, w, c, topk_w, align, num_pairs, n, k, topk, a_per_token, swiglu, mul_w, cfg,
-        a_map, c_map)  # fmt: skip
+    run(_w4a16_wgmma_kernel, layouts(bm, bn, bk, warps), STAGES, a, w, c, topk_w, align, num_pairs, n, k,
+        topk, a_per_token, swiglu, mul_w, cfg, a_map, c_map)  # fmt: skip
 
 
 def run(kernel, lay: dict, stages: int, a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk,

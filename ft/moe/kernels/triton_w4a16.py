@@ -63,8 +63,9 @@ LUT = os.environ.get("FT_W4A16_LUT", "1") == "1"
 # output is this kernel's bit for bit, but it gains little: the MoE call 2-5% at 1k-16k tokens
 # (gate/up at 8k 2.46 -> 2.30 ms under Nsight Compute, still one program an SM at 254 registers,
 # its warps stalled on barriers and loads in turn), the 80B's resident 8k / 16k prefill +0.2% /
-# +0.7%. Off: not worth a second path until it overlaps more (warp specialisation: 26-48% slower,
-# gluon_w4a16_ws; the decoded weights as the wgmma's register operand: gluon_w4a16_rega, not yet run).
+# +0.7%. Off: not worth a second path until it overlaps more (warp specialisation measured 26-48%
+# slower and was removed, docs/benchmarks.md 2026-12-04 18:08; the decoded weights as the wgmma's
+# register operand: gluon_w4a16_rega, not yet run).
 GLUON = os.environ.get("FT_W4A16_GLUON", "0") == "1"
 GLUON_MIN_TOKENS = int(os.environ.get("FT_W4A16_GLUON_MIN_TOKENS", "512"))
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # runs no PTX: its kernels take Triton twins
