@@ -11,6 +11,8 @@ stream ``r`` apart from the sublayer output ``x`` that is not yet added to it:
     x    = mlp(a)                           # -> (x, r) to the next layer; the final norm adds it
 
 The sums are rounded as the unfused adds round them, so the numbers are those of the first form.
+With ``norm.FOLD_INPUT_NORM`` / ``FOLD_POST_NORM`` a decode batch's add and norm are instead handed
+on unevaluated (``FoldedNorm``) to a sublayer that takes one, whose first kernel computes them.
 
 Checkpoint-to-module mapping is data on the class: ``packed_modules`` names the checkpoint
 tensors that a fused module loads part by part; ``ignored_checkpoint_tensors`` are patterns the

@@ -67,6 +67,9 @@ class GatedMLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
+    # the router reads the block's input first: a folded pre-norm (``FoldedNorm``) is normed there
+    takes_folded_norm = True
+
     def __init__(
         self,
         hidden_size: int,
@@ -98,9 +101,6 @@ class SparseMoeBlock(nn.Module):
         ahead = getattr(self.backend, "lookahead", None)
         if ahead is not None:
             ahead(self, residual, norm)
-
-    # the router reads the block's input first: a folded norm (``FoldedNorm``) is normed there
-    takes_folded_norm = True
 
     @property
     def looks_ahead(self) -> bool:
