@@ -19,6 +19,7 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_moe_gemv", "SHARED_AS_PAIR", "FT_SHARED_AS_PAIR"),
     ("ft.gdn.triton_conv", "DECODE_ONE_LAUNCH", "FT_CONV_DECODE_ONE_LAUNCH"),
     ("ft.gdn.triton_decode_layer", "FUSED_DECODE", "FT_GDN_FUSED_DECODE"),
+    ("ft.gdn.triton_conv_proj", "CONV_IN_PROJ", "FT_GDN_CONV_IN_PROJ"),
     ("ft.moe.kernels.triton_moe_gemv", "IDS_AHEAD", "FT_MOE_GEMV_IDS_AHEAD"),
     ("ft.moe.kernels.triton_moe_gemv", "PIPELINE", "FT_MOE_GEMV_PIPELINE"),
     ("ft.moe.kernels.triton_moe_gemv", "DOWN_BY_PAIR", "FT_MOE_GEMV_DOWN_BY_PAIR"),

@@ -46,6 +46,9 @@ def _is_decode(t: int, batch: ForwardBatch) -> bool:
 class FlaGDN:
     name = "fla"
     graph_safe = True  # the decode path (one token per sequence) never syncs with the host
+    # its decode conv is ``triton_conv``'s, which the mixer may run as the input projection's
+    # epilogue instead (``triton_conv_proj``: the same arithmetic)
+    folds_decode_conv = True
 
     def __init__(self) -> None:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule

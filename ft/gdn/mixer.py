@@ -24,8 +24,13 @@ from ft.distributed import get_tp_info
 from ft.forward_context import get_forward_context
 from ft.gdn.snapshots import StateSnapshots, save_conv_snapshots
 from ft.layers.linear import RowParallelLinear, parts_param, split_part
-from ft.layers.norm import GatedRMSNorm
+from ft.layers.norm import FoldedNorm, GatedRMSNorm
 from ft.utils import div_even
+
+try:  # a decode batch's conv as the input projection's epilogue (``triton_conv_proj.CONV_IN_PROJ``)
+    from ft.gdn import triton_conv_proj
+except ImportError:  # no triton (CPU-only installs)
+    triton_conv_proj = None
 
 
 class DepthwiseConv(nn.Module):
@@ -73,25 +78,58 @@ class GatedDeltaNetMixer(nn.Module):
         conv_channels = 2 * self.hk * self.dk + self.hv * self.dv
         return (conv_channels, self.kc - 1), (self.hv, self.dk, self.dv)
 
-    def project(self, x: torch.Tensor):
+    def project(self, x: torch.Tensor, conv: bool = False):
         """x [T, H] -> the conv input [q | k | v] [T, 2·Hk·dk + Hv·dv] (heads in order), z [T, Hv, dv],
-        b and a [T, Hv], for this rank's heads. Views of one projection's output where possible."""
+        b and a [T, Hv], for this rank's heads. Views of one projection's output where possible
+        (``in_proj_output``; with ``conv`` the first part comes out convolved)."""
         raise NotImplementedError
+
+    def in_proj_output(self, x: torch.Tensor, conv: bool = False) -> torch.Tensor:
+        """``in_proj(x)``; with ``conv`` (``_conv_in_projection``) its conv channels come out as the
+        conv's output, the sequences' histories shifted, from one launch (``triton_conv_proj``)."""
+        if not conv:
+            return self.in_proj(x)
+        batch = get_forward_context().batch
+        if isinstance(x, FoldedNorm) and x.a is not None:  # a reader computed it already
+            x = x.a
+        return triton_conv_proj.launch_proj_conv(
+            x,
+            self.in_proj.weight,
+            self.conv1d.weight[:, 0],
+            self.conv_state,
+            batch.context_lens,
+            batch.state_slots,
+        )
+
+    def _conv_in_projection(self, x: torch.Tensor, ctx) -> bool:
+        """Whether the conv runs as the input projection's epilogue (``triton_conv_proj.CONV_IN_PROJ``):
+        a backend whose decode conv is that epilogue's twin, one token a sequence, no snapshots to
+        save from the conv input, a projection the GEMV takes."""
+        return (
+            triton_conv_proj is not None
+            and triton_conv_proj.CONV_IN_PROJ
+            and getattr(ctx.gdn, "folds_decode_conv", False)
+            and ctx.batch.snapshots is None
+            and len(x) == ctx.batch.cu_seqlens.shape[0] - 1
+            and self.in_proj.bias is None
+            and triton_conv_proj.takes(x, self.in_proj.weight)
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        qkv, z, b, a = self.project(x)
         ctx = get_forward_context()
+        convolved = self._conv_in_projection(x, ctx)
+        qkv, z, b, a = self.project(x, convolved)
         snaps = ctx.batch.snapshots
         step = getattr(ctx.gdn, "decode_step", None)  # conv, delta rule and norm in one (decode only)
-        if step is not None and snaps is None:
+        if step is not None and snaps is None and not convolved:
             y = step(qkv, z, b, a, self.conv1d.weight[:, 0], self.conv_state, self.A_log, self.dt_bias,
                      self.ssm_state, self.norm, ctx.batch)  # fmt: skip
             if y is not None:
                 return self.out_proj(y)
         if snaps is not None:  # before the conv moves the slots' history past the points
             save_conv_snapshots(qkv, self.conv_state, ctx.batch, snaps)
-        mixed = ctx.gdn.conv(qkv, self.conv1d.weight[:, 0], self.conv_state, ctx.batch)
+        mixed = qkv if convolved else ctx.gdn.conv(qkv, self.conv1d.weight[:, 0], self.conv_state, ctx.batch)
         if snaps is None:
             o = self._delta(ctx.gdn, mixed, b, a, ctx.batch)
         else:

@@ -38,10 +38,10 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNetMixer):
             [GroupedLoader(qkvz, [dk, dk, r * dv, r * dv]), GroupedLoader(ba, [r, r], offset=qkvz.local)]
         )
 
-    def project(self, x: torch.Tensor):
+    def project(self, x: torch.Tensor, conv: bool = False):
         t, value = x.shape[0], self.hv * self.dv
         sizes = [2 * self.hk * self.dk + value, value, self.hv, self.hv]
-        qkv, z, b, a = self.in_proj(x).split(sizes, dim=-1)
+        qkv, z, b, a = self.in_proj_output(x, conv).split(sizes, dim=-1)
         return qkv, z.view(t, self.hv, self.dv), b, a
 
 

@@ -30,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from ft.attention import triton_kernels  # noqa: E402
-from ft.gdn import triton_conv, triton_decode, triton_decode_layer  # noqa: E402
+from ft.gdn import triton_conv, triton_conv_proj, triton_decode, triton_decode_layer  # noqa: E402
 from ft.layers import triton_gemv, triton_norm, triton_rope  # noqa: E402
 from ft.moe.backends import host_stage  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
@@ -263,6 +263,17 @@ def entries():
                   "USE_PDL": 2}  # fmt: skip
         label = f"dense GEMV {bn} x {bk}, norm folded, {t_p} tokens"
         yield label, triton_gemv._normed_gemv_kernel, normed, consts, warps, stages
+    conv = {**normed, "conv_w": BF, "conv_state": BF, "context_lens": I32, "state_slots": I64}
+    plain, normed_tiles = triton_gemv.WIDE, triton_gemv.NORMED_WIDE
+    for (bn, bk, warps, stages), t_p, norm in (
+        (plain, 1, False),
+        (normed_tiles, 1, True),
+        (normed_tiles, 4, True),
+    ):
+        consts = {"M_P": 16, "T_P": t_p, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "NORM": norm,
+                  "ZERO_CENTERED": True, "KC": 4, "KP": 4, "USE_PDL": 2}  # fmt: skip
+        label = f"GDN in_proj + decode conv, {t_p} tokens" + (", norm folded" if norm else "")
+        yield label, triton_conv_proj._proj_conv_kernel, conv, consts, warps, stages
     for keys32 in (False, True):  # int64 keys, int32 (``triton_router.KEYS32``)
         yield f"softmax top-k, int32 keys {keys32}", triton_router._softmax_topk_kernel, {
             "logits": BF, "weights": F32, "ids": I64}, {"K": 10, "K_P": 16, "E_P": 512, "RENORMALIZE": True,

@@ -32,7 +32,7 @@ class Qwen4ExpGatedDeltaNet(GatedDeltaNetMixer):
         )
         self.in_proj = ColumnParallelLinear(cfg.hidden_size, (), parts=parts)
 
-    def project(self, x: torch.Tensor):
+    def project(self, x: torch.Tensor, conv: bool = False):
         q, k, v, z, b, a = self.in_proj.output_sizes
-        qkv, z, b, a = self.in_proj(x).split([q + k + v, z, b, a], dim=-1)
+        qkv, z, b, a = self.in_proj_output(x, conv).split([q + k + v, z, b, a], dim=-1)
         return qkv, z.view(x.shape[0], self.hv, self.dv), b, a

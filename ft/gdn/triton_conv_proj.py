@@ -1,0 +1,120 @@
+"""A decode batch's GDN input projection with the causal conv as the GEMV's epilogue, one launch
+where there were two (``CONV_IN_PROJ``, off until timed on a GPU).
+
+The in_proj GEMV (``triton_gemv``: a program per BLOCK_N output columns, every row) stores its
+rows, then a program whose columns include conv channels (the first C, ``[q | k | v]`` heads
+first) reads them back and overwrites them with ``silu(conv)`` of each sequence's history, shifting
+the history in ``conv_state[slot]`` (``triton_conv.conv_decode_channels``, the decode conv
+kernel's arithmetic: the same bits). A program owns its channels of every sequence's history, as
+the conv kernel's (sequence, channel block) programs own theirs, so no program waits for another.
+Rows are sequences of one token each (a decode batch), the input norm may be folded in
+(``FoldedNorm``, as ``launch_normed_gemv``). The census of issue 5's batch-1 step has 36 decode
+conv launches at 2.6 us each (94 of 3,052 us, docs/benchmarks.md 2026-12-04 05:19).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.gdn.triton_conv import conv_decode_channels, store_history
+from ft.layers import triton_gemv
+from ft.layers.norm import FoldedNorm
+from ft.layers.pdl import pdl_args, wait_for_previous
+
+# Off until timed on a GPU (NOT yet run on one): FT_GDN_CONV_IN_PROJ=1 turns it on for a process and
+# the ranks it spawns.
+CONV_IN_PROJ = os.environ.get("FT_GDN_CONV_IN_PROJ", "0") == "1"
+
+
+@triton.jit
+def _proj_conv_kernel(
+    x, r, nw, h, w, out, conv_w, conv_state, context_lens, state_slots, M, N, K, C, eps,
+    s_xm, s_rm, s_hm, s_wn, s_om, s_wc, s_ss, s_sc,
+    M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, KC: tl.constexpr,
+    KP: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    wait_for_previous(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, M_P)
+    if NORM:  # x + r normed first (``triton_gemv.launch_normed_gemv``)
+        acc, squares = triton_gemv.normed_gemv_tile(
+            x, r, nw, h, w, n, M, N, 0, K, s_xm, s_rm, s_hm, s_wn, tl.program_id(0) == 0, M_P, T_P, BLOCK_N,
+            BLOCK_K, EVEN_K, ZERO_CENTERED,
+        )  # fmt: skip
+        acc = acc * tl.rsqrt(squares / K + eps)
+    else:
+        acc = triton_gemv.gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
+    tl.store(out + m[:, None].to(tl.int64) * s_om + n[None, :], acc.to(out.dtype.element_ty),
+             mask=(m < M)[:, None] & (n < N)[None, :])  # fmt: skip
+    if tl.program_id(0) * BLOCK_N < C:  # this program's conv channels, sequence by sequence
+        cmask = n < C
+        for t in range(0, M):
+            tl.debug_barrier()  # the rows this program stored, before its threads read them back
+            has_hist = tl.load(context_lens + t) > 0
+            base = conv_state + tl.load(state_slots + t).to(tl.int64) * s_ss + n[:, None] * s_sc
+            row = out + t * s_om
+            y, shifted = conv_decode_channels(row, conv_w, base, n, cmask, has_hist, s_wc, KC, KP)
+            tl.debug_barrier()  # every thread's loads of the row and the history before any store
+            tl.store(row + n, y.to(out.dtype.element_ty), mask=cmask)
+            store_history(base, shifted, cmask, KC, KP)
+
+
+def takes(x: torch.Tensor | FoldedNorm, w: torch.Tensor) -> bool:
+    """Whether a projection of x by w can run here: a decode batch of at most ``GEMV_MAX_TOKENS``
+    rows, bf16/fp16 on a GPU (the GEMV's conditions)."""
+    return (
+        x.is_cuda
+        and len(x.shape) == 2
+        and 0 < x.shape[0] <= triton_gemv.GEMV_MAX_TOKENS
+        and x.dtype == w.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
+def launch_proj_conv(
+    x: torch.Tensor | FoldedNorm,
+    w: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    context_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """x [B, K] (a token of each of B sequences; or a ``FoldedNorm``, normed inside), w [N, K] ->
+    [B, N] = x @ w.T with columns :C replaced by the decode conv's output (``causal_conv1d_silu``
+    of them), conv_weight [C, Kc], conv_state [slots, C, Kc-1] updated in place at the sequences'
+    ``state_slots`` (history read where ``context_lens`` > 0). Without the device check (the
+    interpreter runs it)."""
+    norm = x if isinstance(x, FoldedNorm) else None
+    x, w = triton_gemv.check_operands(x.x if norm is not None else x, w)
+    (b, k), n = x.shape, w.shape[0]
+    c, kc = conv_weight.shape
+    assert c <= n and conv_state.shape[1:] == (c, kc - 1), (
+        f"conv weight {tuple(conv_weight.shape)} and state {tuple(conv_state.shape)} do not fit {n} outputs"
+    )
+    assert conv_state.stride(-1) == 1 and conv_weight.stride(-1) == 1, "conv weight and state rows contiguous"
+    assert context_lens.shape == state_slots.shape == (b,), "a context length and a state slot a sequence"
+    r, nw, h = x, x, x  # unread without a norm
+    if norm is not None:
+        r, nw, h = norm.residual, norm.weight, norm.h
+        assert r.shape == h.shape == x.shape and r.stride(-1) == h.stride(-1) == 1, "residual and h as x"
+    out = torch.empty(b, n, dtype=x.dtype, device=x.device)
+    tiles = (
+        (triton_gemv.NORMED_WIDE if n >= triton_gemv.WIDE_N else triton_gemv.NORMED_NARROW)
+        if norm is not None
+        else None
+    )
+    p = triton_gemv.plan(n, k, 1, tiles)
+    _proj_conv_kernel[(p.blocks,)](
+        x, r, nw, h, w, out, conv_weight, conv_state, context_lens, state_slots, b, n, k, c,
+        norm.eps if norm is not None else 0.0, x.stride(0), r.stride(0), h.stride(0), w.stride(0),
+        out.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
+        M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(b), BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+        EVEN_K=p.even_k, NORM=norm is not None, ZERO_CENTERED=norm is not None and norm.zero_centered, KC=kc,
+        KP=triton.next_power_of_2(kc), num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
+    )  # fmt: skip
+    return out
