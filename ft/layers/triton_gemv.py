@@ -117,11 +117,13 @@ def normed_gemv_tile(
     M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
 ):  # fmt: skip
-    # ``gemv_tile`` of the norm's input before its 1 / rms (``norm.FOLD_INPUT_NORM``), as triton_norm rounds:
-    # h = x + r rounded (stored to ``h`` where store_h), h · w' rounded to x's dtype (w' the norm's
-    # weight, plus 1 when zero-centred) the MMA's operand. The norm's arithmetic runs on T_P rows
-    # (M's power of two), whose rows the MMA's M_P repeat. Returns (the products fp32 [M_P, BN],
-    # each row's sum of h² over k_lo .. k_hi fp32 [M_P, 1]), rows M_P's as the MMA's.
+    # ``gemv_tile`` of the norm's input before its 1 / rms (``norm.FOLD_INPUT_NORM``), as triton_norm
+    # rounds: h = x + r rounded (stored to ``h`` where store_h), h · w' rounded to x's dtype (w' the
+    # norm's weight, plus 1 when zero-centred) the MMA's operand. Written on T_P rows (M's power of
+    # two) repeated to the MMA's M_P: Triton still computes all M_P rows in the operand's layout
+    # (the same instructions), but the loads and registers are T_P rows' (compiled for sm_90 at one
+    # token: 182 registers against 204 written on M_P rows). Returns (the products fp32 [M_P, BN],
+    # each row's sum of h² over k_lo .. k_hi fp32 [M_P, 1]), rows repeated as the MMA's.
     t = tl.arange(0, T_P)
     kk = tl.arange(0, BLOCK_K)
     nmask, tmask = n < N, t < M
