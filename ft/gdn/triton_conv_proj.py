@@ -113,7 +113,7 @@ def launch_proj_conv(
         x, r, nw, h, w, out, conv_weight, conv_state, context_lens, state_slots, b, n, k, c,
         norm.eps if norm is not None else 0.0, x.stride(0), r.stride(0), h.stride(0), w.stride(0),
         out.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
-        M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(b), BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+        M_P=triton_gemv.MAX_M, T_P=triton_gemv.norm_rows(b), BLOCK_N=p.block_n, BLOCK_K=p.block_k,
         EVEN_K=p.even_k, NORM=norm is not None, ZERO_CENTERED=norm is not None and norm.zero_centered, KC=kc,
         KP=triton.next_power_of_2(kc), num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip

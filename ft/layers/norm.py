@@ -23,9 +23,9 @@ from ft.layers.loading import new_param
 # census of the 80B with NVFP4 experts has 97 norm launches, 177 us of 3,052 (docs/benchmarks.md
 # 2026-12-04 05:19). The folded products multiply 1 / rms after the sum (rms(h) is a factor of
 # every row's products), the unfolded ones before it: their rounding differs, by an ulp of the
-# normed input. What each costs instead, compiled for sm_90 (docs/benchmarks.md 2026-12-04 20:30):
-# the GEMV's K step is 632 instructions against the plain one's 181 (the norm's arithmetic on the
-# MMA operand's 16 rows, M of them real), the router's single step the same once a program.
+# normed input. What each costs instead, compiled for sm_90 (docs/benchmarks.md 2026-12-04 19:48):
+# the GEMV's K step is 288 instructions at one token against the plain one's 181 (the norm's
+# arithmetic on the input tile), the router's single step the same once a program.
 FOLD_INPUT_NORM = os.environ.get("FT_FOLD_INPUT_NORM", "0") == "1"
 FOLD_POST_NORM = os.environ.get("FT_FOLD_POST_NORM", "0") == "1"
 FOLD_MAX_TOKENS = 4  # a decode batch: the GEMV's GEMV_MAX_TOKENS and the fused router's MAX_TOKENS

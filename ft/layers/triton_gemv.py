@@ -48,6 +48,9 @@ import triton.language as tl
 
 from ft.layers.pdl import pdl_args, wait_for_previous
 
+# the interpreter runs no PTX: ``_pinned`` is the identity there
+PIN_ASM: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
 GEMV_MAX_TOKENS = 4  # M = 5 .. 16 not timed yet
 MAX_M = 16  # rows of x one program pads to (one MMA tile)
 # (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, NUM_STAGES), module constants so config_sweep can try others:
@@ -56,8 +59,9 @@ NARROW = (16, 512, 4, 4)  # out_proj 2048 x 4096 8.8 us, shared expert 1024 x 20
 WIDE_N = 4096  # output columns from which a projection takes WIDE
 # the normed GEMV's (``launch_normed_gemv``): its input tile goes through registers (h = x + r, the
 # norm's weight), all M_P = 16 rows of it, so its tiles are its own. Compiled for sm_90 (Triton
-# 3.6): WIDE's 182 registers at one token, 128 at four, no spill (the plain kernel 72); NARROW's
-# (16, 512, 4, 4) spills 1.4 KB, (16, 256, 4, 3) takes 140. NOT yet timed: config_sweep.py normed_gemv.
+# 3.6): WIDE's 110 registers at one token, 144 at four, no spill (the plain kernel 72); NARROW's
+# (16, 512, 4, 4) 146 (it spilled before ``_pinned``), (16, 256, 4, 3) 96. NOT yet timed:
+# config_sweep.py normed_gemv.
 NORMED_WIDE = WIDE
 NORMED_NARROW = (16, 256, 4, 3)
 
@@ -104,6 +108,22 @@ def gemv_tile(
 
 
 @triton.jit
+def _pinned(v, ASM: tl.constexpr):
+    # v itself (16-bit values), through an instruction the compiler may not repeat: computed once in
+    # their own layout and moved to the MMA operand's through shared memory, not recomputed in it.
+    # The interpreter runs no PTX (ASM off): there it is v.
+    if ASM:
+        v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
+    return v
+
+
+def norm_rows(m: int) -> int:
+    """The rows ``normed_gemv_tile`` computes the norm on for M rows: M's power of two, at least 2
+    (compiled for sm_90 a single row's layout is the MMA operand's own, replicated 32 times)."""
+    return max(2, triton.next_power_of_2(m))
+
+
+@triton.jit
 def rows_repeated(v, M_P: tl.constexpr):
     # v [T_P, C] -> [M_P, C] whose row i is v's row i % T_P (T_P divides M_P)
     T_P: tl.constexpr = v.shape[0]
@@ -119,11 +139,12 @@ def normed_gemv_tile(
 ):  # fmt: skip
     # ``gemv_tile`` of the norm's input before its 1 / rms (``norm.FOLD_INPUT_NORM``), as triton_norm
     # rounds: h = x + r rounded (stored to ``h`` where store_h), h · w' rounded to x's dtype (w' the
-    # norm's weight, plus 1 when zero-centred) the MMA's operand. Computed on T_P rows (M's power of
-    # two) and repeated to the MMA's M_P: compiled for sm_90 at WIDE's tiles and one token a K step
-    # is 632 instructions and 182 registers, against 1,057 and 204 on all M_P rows (the plain GEMV:
-    # 181 and 72). Returns (the products fp32 [M_P, BN], each row's sum of h² over k_lo .. k_hi fp32
-    # [M_P, 1]), rows repeated as the MMA's.
+    # norm's weight, plus 1 when zero-centred) the MMA's operand. Computed on T_P rows (``norm_rows``)
+    # once (``_pinned``) and repeated to the MMA's M_P: compiled for sm_90 at WIDE's tiles a K step
+    # is 288 instructions and 110 registers at one token (T_P 2), 345 and 144 at four; the same
+    # arithmetic written on all 16 rows was 1,057 and 204, on one row without the pin 632 and 182
+    # (the plain GEMV: 181 and 72). Returns (the products fp32 [M_P, BN], each row's sum of h² over
+    # k_lo .. k_hi fp32 [M_P, 1]), rows repeated as the MMA's.
     t = tl.arange(0, T_P)
     kk = tl.arange(0, BLOCK_K)
     nmask, tmask = n < N, t < M
@@ -143,7 +164,7 @@ def normed_gemv_tile(
         wn = tl.load(nw + k0 + kk, mask=kk < k_hi - k0, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             wn = wn + 1.0
-        u = rows_repeated((hf * wn[None, :]).to(xt.dtype), M_P)  # [M_P, BK]
+        u = rows_repeated(_pinned((hf * wn[None, :]).to(xt.dtype), PIN_ASM), M_P)  # [M_P, BK]
         acc += tl.dot(u, tl.trans(wt))  # [M_P, BN], fp32
         x_ptr += BLOCK_K
         r_ptr += BLOCK_K
@@ -370,7 +391,7 @@ def launch_normed_gemv(
     p = plan(n, k, 1, NORMED_WIDE if n >= WIDE_N else NORMED_NARROW)
     _normed_gemv_kernel[(p.blocks,)](
         x, residual, norm_weight, h, w, out, m, n, k, eps, x.stride(0), residual.stride(0), h.stride(0),
-        w.stride(0), out.stride(0), M_P=MAX_M, T_P=triton.next_power_of_2(m), BLOCK_N=p.block_n,
+        w.stride(0), out.stride(0), M_P=MAX_M, T_P=norm_rows(m), BLOCK_N=p.block_n,
         BLOCK_K=p.block_k, EVEN_K=p.even_k, ZERO_CENTERED=zero_centered, num_warps=p.num_warps,
         num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip

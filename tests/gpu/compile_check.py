@@ -259,8 +259,8 @@ def entries():
     for (bn, bk, warps, stages), t_p in itertools.product(
         (triton_gemv.NORMED_NARROW, triton_gemv.NORMED_WIDE), (1, 4)
     ):  # norm.FOLD_INPUT_NORM; fmt: skip
-        consts = {"M_P": 16, "T_P": t_p, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "ZERO_CENTERED": True,
-                  "USE_PDL": 2}  # fmt: skip
+        consts = {"M_P": 16, "T_P": triton_gemv.norm_rows(t_p), "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True,
+                  "ZERO_CENTERED": True, "USE_PDL": 2}  # fmt: skip
         label = f"dense GEMV {bn} x {bk}, norm folded, {t_p} tokens"
         yield label, triton_gemv._normed_gemv_kernel, normed, consts, warps, stages
     conv = {**normed, "conv_w": BF, "conv_state": BF, "context_lens": I32, "state_slots": I64}
@@ -270,8 +270,8 @@ def entries():
         (normed_tiles, 1, True),
         (normed_tiles, 4, True),
     ):
-        consts = {"M_P": 16, "T_P": t_p, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "NORM": norm,
-                  "ZERO_CENTERED": True, "KC": 4, "KP": 4, "USE_PDL": 2}  # fmt: skip
+        consts = {"M_P": 16, "T_P": triton_gemv.norm_rows(t_p), "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True,
+                  "NORM": norm, "ZERO_CENTERED": True, "KC": 4, "KP": 4, "USE_PDL": 2}  # fmt: skip
         label = f"GDN in_proj + decode conv, {t_p} tokens" + (", norm folded" if norm else "")
         yield label, triton_conv_proj._proj_conv_kernel, conv, consts, warps, stages
     for keys32 in (False, True):  # int64 keys, int32 (``triton_router.KEYS32``)
@@ -292,8 +292,8 @@ def entries():
             yield label, triton_router_gemv._router_topk_kernel, \
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
-                         "USE_PDL": 2, "BLOCKS": blocks, "NORM": norm, "ZERO_CENTERED": norm}, \
-                4, 4  # fmt: skip
+                         "USE_PDL": 2, "BLOCKS": blocks, "NORM": norm, "ZERO_CENTERED": norm,
+                         "NORM_ROWS": triton_gemv.norm_rows(t_p)}, 4, 4  # fmt: skip
 
 
 def main() -> None:

@@ -49,11 +49,12 @@ def _router_topk_kernel(
     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
     E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     BLOCKS: tl.constexpr = False, NORM: tl.constexpr = False, ZERO_CENTERED: tl.constexpr = False,
+    NORM_ROWS: tl.constexpr = 2,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     last, total, squares = triton_gemv.normed_split_k_sum(
-        x, r, nw, h, w, ws, squares_ws, counters, n, M, N, K, K_SPLIT, s_xm, s_rm, s_hm, s_wn, M_P, T_P,
+        x, r, nw, h, w, ws, squares_ws, counters, n, M, N, K, K_SPLIT, s_xm, s_rm, s_hm, s_wn, M_P, NORM_ROWS,
         BLOCK_N, BLOCK_K, SPLITS, EVEN_K, NORM, ZERO_CENTERED,
     )  # fmt: skip
     if BLOCKS and not NORM:  # noqa: SIM102 (static) the first column block of each split quantises
@@ -170,7 +171,7 @@ def launch_router_topk(
         x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), xq, xf, r, nw, hs, a,
         ws if norm is None else squares, t, n, e, h, p.k_split, slice_, 0.0 if norm is None else norm.eps,
         x.stride(0), w.stride(0), xq.stride(0), xf.stride(0), r.stride(0), hs.stride(0), a.stride(0),
-        BLOCKS=blocks is not None, NORM=norm is not None,
+        BLOCKS=blocks is not None, NORM=norm is not None, NORM_ROWS=triton_gemv.norm_rows(t),
         ZERO_CENTERED=norm is not None and norm.zero_centered,
         M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
