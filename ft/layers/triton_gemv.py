@@ -57,11 +57,11 @@ MAX_M = 16  # rows of x one program pads to (one MMA tile)
 WIDE = (32, 256, 4, 3)  # in_proj 12352 x 2048 15.4 us, qkv 9216 x 2048 12.8 us at M=1
 NARROW = (16, 512, 4, 4)  # out_proj 2048 x 4096 8.8 us, shared expert 1024 x 2048 5.1 us at M=1
 WIDE_N = 4096  # output columns from which a projection takes WIDE
-# the normed GEMV's (``launch_normed_gemv``): its input tile goes through registers (h = x + r, the
-# norm's weight), all M_P = 16 rows of it, so its tiles are its own. Compiled for sm_90 (Triton
-# 3.6): WIDE's 110 registers at one token, 144 at four, no spill (the plain kernel 72); NARROW's
-# (16, 512, 4, 4) 146 (it spilled before ``_pinned``), (16, 256, 4, 3) 96. NOT yet timed:
-# config_sweep.py normed_gemv.
+# the normed GEMV's (``launch_normed_gemv``): its input tile is computed (h = x + r, the norm's
+# weight) and moved to the MMA operand through shared memory, so its tiles are its own. Compiled
+# for sm_90 (Triton 3.6): WIDE's 110 registers at one token, 144 at four, no spill (the plain
+# kernel 72); NARROW's (16, 512, 4, 4) 146 (it spilled before ``_pinned``), (16, 256, 4, 3) 96.
+# NOT yet timed: config_sweep.py normed_gemv.
 NORMED_WIDE = WIDE
 NORMED_NARROW = (16, 256, 4, 3)
 
