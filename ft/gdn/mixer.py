@@ -111,6 +111,7 @@ class GatedDeltaNetMixer(nn.Module):
             and getattr(ctx.gdn, "folds_decode_conv", False)
             and ctx.batch.snapshots is None
             and len(x) == ctx.batch.cu_seqlens.shape[0] - 1
+            and ctx.batch.is_decode_only
             and self.in_proj.bias is None
             and triton_conv_proj.takes(x, self.in_proj.weight)
         )

@@ -53,6 +53,8 @@ def _proj_conv_kernel(
              mask=(m < M)[:, None] & (n < N)[None, :])  # fmt: skip
     if tl.program_id(0) * BLOCK_N < C:  # this program's conv channels, sequence by sequence
         cmask = n < C
+        # a plain loop: with num_stages the pipeliner could hoist the next row's loads above the
+        # barrier that orders them after this program's stores
         for t in range(0, M):
             tl.debug_barrier()  # the rows this program stored, before its threads read them back
             has_hist = tl.load(context_lens + t) > 0
@@ -101,7 +103,11 @@ def launch_proj_conv(
     r, nw, h = x, x, x  # unread without a norm
     if norm is not None:
         r, nw, h = norm.residual, norm.weight, norm.h
-        assert r.shape == h.shape == x.shape and r.stride(-1) == h.stride(-1) == 1, "residual and h as x"
+        assert r.shape == h.shape == x.shape and r.dtype == h.dtype == x.dtype and nw.shape == (k,), (
+            f"the folded norm's residual {tuple(r.shape)} {r.dtype}, h {tuple(h.shape)}, weight "
+            f"{tuple(nw.shape)} do not fit x {tuple(x.shape)} {x.dtype}"
+        )
+        assert r.stride(-1) == h.stride(-1) == 1, "the residual and h need unit inner strides"
     out = torch.empty(b, n, dtype=x.dtype, device=x.device)
     tiles = (
         (triton_gemv.NORMED_WIDE if n >= triton_gemv.WIDE_N else triton_gemv.NORMED_NARROW)

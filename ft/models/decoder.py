@@ -68,8 +68,14 @@ class DecoderLayer(nn.Module):
     @staticmethod
     def _folds(x: torch.Tensor, reader: nn.Module) -> bool:
         """Whether the norm before ``reader`` may be left to it (``FoldedNorm``; its switch aside): a
-        decode batch on a GPU, and a reader that takes it."""
-        return x.is_cuda and len(x) <= norm.FOLD_MAX_TOKENS and getattr(reader, "takes_folded_norm", False)
+        bf16 decode batch on a GPU (in fp16 the operand h · w', unscaled by 1 / rms, could overflow),
+        and a reader that takes it."""
+        return (
+            x.is_cuda
+            and x.dtype == torch.bfloat16
+            and len(x) <= norm.FOLD_MAX_TOKENS
+            and getattr(reader, "takes_folded_norm", False)
+        )
 
 
 class DecoderModel(nn.Module):

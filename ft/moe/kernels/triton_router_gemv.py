@@ -13,8 +13,12 @@ and runs ``triton_router.softmax_topk_rows`` on all T rows at once: the same ids
 denominator's sum order may differ). It resets both counters it used.
 
 The logits buffer is an output: the shared expert's gate logit (weight row E, last) is its
-[T, 1] column view, in x's dtype, as ``TopKRouter`` returns it. Not here: more than
-``MAX_TOKENS`` tokens (one program's registers hold every row's keys), fp32 activations.
+[T, 1] column view, in x's dtype, as ``TopKRouter`` returns it. With a pre-norm folded in
+(``norm``, ``ft.layers.norm.FOLD_POST_NORM``) the logits are those of the normed input up to
+rounding: 1 / rms multiplies the products' sum (``triton_gemv.normed_split_k_sum``), not the
+inputs, so a near tie in the top k can fall the other way; the normed input the launch writes is
+the norm kernel's up to the order 1 / rms was summed in. Not here: more than ``MAX_TOKENS`` tokens
+(one program's registers hold every row's keys), fp32 activations.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def normed_slice(
     x, r, nw, a, inv, M, k0, k_hi, s_xm, s_rm, s_am, M_P: tl.constexpr, ZERO_CENTERED: tl.constexpr
 ):
     # a[:, k0 : k0 + 16] = rms_norm(x + r) there, as triton_norm rounds it, given the rows' 1 / rms
-    # inv [M_P, 1]
+    # inv [M_P, 1] (summed in another order than the norm kernel's: an ulp apart at most)
     m = tl.arange(0, M_P)[:, None].to(tl.int64)
     k = k0 + tl.arange(0, 16)[None, :]
     mask = (m < M) & (k < k_hi)
