@@ -66,16 +66,7 @@ def _proj_conv_kernel(
             store_history(base, shifted, cmask, KC, KP)
 
 
-def takes(x: torch.Tensor | FoldedNorm, w: torch.Tensor) -> bool:
-    """Whether a projection of x by w can run here: a decode batch of at most ``GEMV_MAX_TOKENS``
-    rows, bf16/fp16 on a GPU (the GEMV's conditions)."""
-    return (
-        x.is_cuda
-        and len(x.shape) == 2
-        and 0 < x.shape[0] <= triton_gemv.GEMV_MAX_TOKENS
-        and x.dtype == w.dtype
-        and x.dtype in (torch.bfloat16, torch.float16)
-    )
+takes = triton_gemv.takes  # the projections it runs are the GEMV's
 
 
 def launch_proj_conv(
@@ -103,18 +94,9 @@ def launch_proj_conv(
     r, nw, h = x, x, x  # unread without a norm
     if norm is not None:
         r, nw, h = norm.residual, norm.weight, norm.h
-        assert r.shape == h.shape == x.shape and r.dtype == h.dtype == x.dtype and nw.shape == (k,), (
-            f"the folded norm's residual {tuple(r.shape)} {r.dtype}, h {tuple(h.shape)}, weight "
-            f"{tuple(nw.shape)} do not fit x {tuple(x.shape)} {x.dtype}"
-        )
-        assert r.stride(-1) == h.stride(-1) == 1, "the residual and h need unit inner strides"
+        triton_gemv.check_norm_operands(x, r, h, nw)
     out = torch.empty(b, n, dtype=x.dtype, device=x.device)
-    tiles = (
-        (triton_gemv.NORMED_WIDE if n >= triton_gemv.WIDE_N else triton_gemv.NORMED_NARROW)
-        if norm is not None
-        else None
-    )
-    p = triton_gemv.plan(n, k, 1, tiles)
+    p = triton_gemv.plan(n, k, 1, triton_gemv.normed_config(n) if norm is not None else None)
     _proj_conv_kernel[(p.blocks,)](
         x, r, nw, h, w, out, conv_weight, conv_state, context_lens, state_slots, b, n, k, c,
         norm.eps if norm is not None else 0.0, x.stride(0), r.stride(0), h.stride(0), w.stride(0),

@@ -39,15 +39,7 @@ def dense(
     """``F.linear``, or the Triton GEMV for a few rows on a GPU (``ft.layers.triton_gemv``). A
     folded norm's input (``FoldedNorm``) is normed inside the GEMV when the GEMV takes it and no
     reader has computed it yet; otherwise it is computed first (``FoldedNorm.tensor``)."""
-    takes_gemv = (
-        triton_gemv is not None
-        and bias is None
-        and x.is_cuda
-        and len(x.shape) == 2
-        and 0 < x.shape[0] <= triton_gemv.GEMV_MAX_TOKENS
-        and x.dtype == weight.dtype
-        and x.dtype in (torch.bfloat16, torch.float16)
-    )
+    takes_gemv = triton_gemv is not None and bias is None and triton_gemv.takes(x, weight)
     if isinstance(x, FoldedNorm):
         if takes_gemv and x.a is None and x.x.is_contiguous() and x.residual.is_contiguous():
             assert x.device == weight.device, "the folded GEMV needs its operands on one device"

@@ -71,9 +71,9 @@ class FoldedNorm:
     to compute inside its own kernel (``FOLD_INPUT_NORM``, ``FOLD_POST_NORM``): a decode batch's
     GEMV takes the norm's 1 / rms into its products (``triton_gemv.launch_normed_gemv``), the fused
     router also writes the normed input for the experts (``triton_router_gemv``), a launch fewer
-    each. That reader
-    writes the residual stream ``h = x + residual`` into ``h`` (allocated here, so the layer can
-    pass it on at once) and, if it makes it, the normed input into ``a``; any other reader calls
+    each. That reader writes the residual stream ``h = x + residual`` into ``h`` (allocated here,
+    so the layer can pass it on at once) and, if it makes it, the normed input into ``a``; any
+    other reader calls
     ``tensor()``, which runs the norm as usual (writing ``h`` too) unless ``a`` is made. It has a
     tensor's shape, dtype and device, nothing else: a sublayer takes one only if everything it
     does with its input goes through a reader of these (``takes_folded_norm``)."""

@@ -78,6 +78,23 @@ def config(n: int) -> tuple[int, int, int, int]:
     return WIDE if n >= WIDE_N else NARROW
 
 
+def normed_config(n: int) -> tuple[int, int, int, int]:
+    """``config`` for a GEMV with a norm folded in (``NORMED_WIDE``, ``NORMED_NARROW``)."""
+    return NORMED_WIDE if n >= WIDE_N else NORMED_NARROW
+
+
+def takes(x, w: torch.Tensor) -> bool:
+    """Whether x @ w.T (x a tensor, or a norm's input folded: ``ft.layers.norm.FoldedNorm``) is a
+    product for the GEMV: at most ``GEMV_MAX_TOKENS`` rows of bf16/fp16 on a GPU, w of x's dtype."""
+    return (
+        x.is_cuda
+        and len(x.shape) == 2
+        and 0 < x.shape[0] <= GEMV_MAX_TOKENS
+        and x.dtype == w.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
 @triton.jit
 def _step(ptr, rows, kk, left, EVEN_K: tl.constexpr):
     # one BLOCK_K step of rows ``rows`` [R] (a mask) at ``ptr`` [R, BK], the inputs past ``left`` zero
@@ -367,6 +384,19 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, splits: int = 0) -> torch.Tens
     return out
 
 
+def check_norm_operands(x: torch.Tensor, residual: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor):
+    """A folded norm's operands beside x [M, K]: residual and h (the sum's buffer) of x's shape and
+    dtype with unit inner strides, the norm's weight [K]."""
+    assert residual.shape == x.shape == h.shape and residual.dtype == x.dtype == h.dtype, (
+        f"the folded norm's residual {tuple(residual.shape)} {residual.dtype} and h {tuple(h.shape)} "
+        f"{h.dtype} must match x {tuple(x.shape)} {x.dtype}"
+    )
+    assert norm_weight.shape == (x.shape[1],), (
+        f"norm weight {tuple(norm_weight.shape)} does not fit K={x.shape[1]}"
+    )
+    assert residual.stride(-1) == 1 and h.stride(-1) == 1, "the residual and h need unit inner strides"
+
+
 def launch_normed_gemv(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -381,14 +411,9 @@ def launch_normed_gemv(
     Without the device check (the interpreter runs it)."""
     x, w = check_operands(x, w)
     (m, k), n = x.shape, w.shape[0]
-    assert residual.shape == x.shape == h.shape and residual.dtype == x.dtype == h.dtype, (
-        f"residual {tuple(residual.shape)} {residual.dtype} and h {tuple(h.shape)} {h.dtype} must match "
-        f"x {tuple(x.shape)} {x.dtype}"
-    )
-    assert norm_weight.shape == (k,), f"norm weight {tuple(norm_weight.shape)} does not fit K={k}"
-    assert residual.stride(-1) == 1 and h.stride(-1) == 1, "residual and h need unit inner strides"
+    check_norm_operands(x, residual, h, norm_weight)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    p = plan(n, k, 1, NORMED_WIDE if n >= WIDE_N else NORMED_NARROW)
+    p = plan(n, k, 1, normed_config(n))
     _normed_gemv_kernel[(p.blocks,)](
         x, residual, norm_weight, h, w, out, m, n, k, eps, x.stride(0), residual.stride(0), h.stride(0),
         w.stride(0), out.stride(0), M_P=MAX_M, T_P=norm_rows(m), BLOCK_N=p.block_n,

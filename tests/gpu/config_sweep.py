@@ -168,7 +168,7 @@ def sweep_normed_gemv() -> None:
             want = mod.launch_normed_gemv(x, r, nw, 1e-6, True, ws[0], h)
             unfolded = [P(norm_then_gemv, x, r, nw, w) for w in ws]
             times = {"rms_norm + GEMV": None if DRY else timer(unfolded)}
-            shipped[f"M={m} {name}"] = mod.NORMED_WIDE if n >= mod.WIDE_N else mod.NORMED_NARROW
+            shipped[f"M={m} {name}"] = mod.normed_config(n)
             for cfg in dict.fromkeys([shipped[f"M={m} {name}"], *configs]):
                 mod.NORMED_WIDE = mod.NORMED_NARROW = cfg
                 calls = [P(mod.launch_normed_gemv, x, r, nw, 1e-6, True, w, h) for w in ws]

@@ -163,11 +163,7 @@ def launch_router_topk(
     r, nw, hs, a = x, x, x, x  # unread without a norm
     if norm is not None:
         r, nw, hs, a = norm.residual, norm.weight, norm.h, torch.empty_like(x)
-        assert r.shape == hs.shape == x.shape and r.dtype == hs.dtype == x.dtype and nw.shape == (h,), (
-            f"the folded norm's residual {tuple(r.shape)}, h {tuple(hs.shape)}, weight {tuple(nw.shape)} "
-            f"do not fit x {tuple(x.shape)} {x.dtype}"
-        )
-        assert r.stride(-1) == hs.stride(-1) == 1, "the residual and h need unit inner strides"
+        triton_gemv.check_norm_operands(x, r, hs, nw)
         squares = torch.empty(p.blocks, p.splits, triton_gemv.MAX_M, dtype=torch.float32, device=x.device)
         norm.a = a
     slice_ = triton.cdiv(triton.cdiv(h, 16), p.blocks) * 16  # each column block's share of the normed input
