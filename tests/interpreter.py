@@ -120,8 +120,6 @@ def _close_server() -> None:
 MOE_TILES = (
     "BF16",
     "NVFP4",
-    "BF16_DOWN",
-    "NVFP4_DOWN",
     "PAIR_DOWN",
     "NVFP4_PLANES",
     "NVFP4_DOWN_PLANES",

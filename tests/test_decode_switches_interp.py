@@ -57,11 +57,12 @@ def check_conv_decode_one_launch() -> None:
         require(err < bound, f"{dtype}: output off the reference by {err}")
 
 
-def down_switch_changes_no_bit(switch: str) -> None:
-    """A down-kernel switch of ``triton_moe_gemv`` gives the same bits on and off: bf16-free formats
-    (fp16 and NVFP4 with fp16 arithmetic checked exactly), k = 0 (the shared term alone), 1, 3 and
-    10, I over one K chunk and over several, with and without a shared expert, H over several row
-    blocks, each launch's programs in a random order; every ticket counter is back at zero after it."""
+def check_moe_gemv_down_order() -> None:
+    """The down kernel's programs (one per token, row block and pair) in any order give the same
+    bits: the last of a row block sums the pairs' rounded terms in pair order, whichever finishes
+    last. fp16 and NVFP4 banks, k = 0 (the shared term alone), 1, 3 and 10, I over one K chunk and
+    over several, with and without a shared expert, H over several row blocks, each launch's
+    programs in two random orders; every ticket counter is back at zero after each call."""
     from ft.layers import triton_gemv
     from ft.moe.kernels import triton_moe_gemv as mod
     from tests.nvfp4.test_w4a16_gpu import random_bank
@@ -69,8 +70,6 @@ def down_switch_changes_no_bit(switch: str) -> None:
 
     gen = torch.Generator().manual_seed(1)
     e, h, t = 12, 320, 3  # H: two row blocks and a tail at the interpreter's down tiles
-    mod.DOWN_BY_PAIR = False  # the walk, which the other switches change (by pair: their own off)
-    mod.FP4_DOWN_PLANES = False  # the walk reads bytes: by pair on bytes too, for the same bits
     for k, inter, fmt, shared in ((10, 48, "fp16", False), (3, 640, "fp16", True), (1, 32, "nvfp4", False),
                                   (3, 48, "nvfp4", True), (0, 48, "fp16", True)):  # fmt: skip
         if fmt == "nvfp4":
@@ -91,36 +90,22 @@ def down_switch_changes_no_bit(switch: str) -> None:
                 torch.randn(t, 1, generator=gen).to(dtype),
             )
         outs = []
-        for on in (False, True):
-            setattr(mod, switch, on)
-            with programs_shuffled(k + inter):  # else a row block's pairs always finish in order
+        for seed in (k + inter, k + inter + 1):  # else a row block's pairs always finish in order
+            with programs_shuffled(seed):
                 outs.append(mod.launch_moe_gemv(x, w13, w2, weights, ids, pair))
-        require(
-            torch.equal(outs[0], outs[1]), f"{switch} k={k} I={inter} {fmt} shared={shared}: results differ"
-        )
-        require(not triton_gemv.tickets(x.device).any(), f"{switch}: a ticket counter was left non-zero")
+            require(not triton_gemv.tickets(x.device).any(), f"k={k} {fmt}: a ticket counter left non-zero")
+        require(torch.equal(outs[0], outs[1]), f"k={k} I={inter} {fmt} shared={shared}: results differ")
 
 
-def check_moe_gemv_ids_ahead() -> None:
-    """``triton_moe_gemv.IDS_AHEAD`` (the down kernel picks expert ids and weights from registers)."""
-    down_switch_changes_no_bit("IDS_AHEAD")
-
-
-def check_moe_gemv_down_by_pair() -> None:
-    """``triton_moe_gemv.DOWN_BY_PAIR`` (a down program per pair, the last of a row block sums)."""
-    down_switch_changes_no_bit("DOWN_BY_PAIR")
-
-
-VARIANTS = ((), ("FP4_PLANES",), ("FP4_BLOCK_SUMS",), ("FP4_BLOCK_SUMS", "FP4_DOWN_PLANES"))
+VARIANTS = ((), ("FP4_PLANES",), ("FP4_PLANES", "FP4_DOWN_PLANES"))
 
 
 def check_moe_gemv_fp4_planes() -> None:
-    """``triton_moe_gemv.FP4_PLANES`` (the gate/up kernel's NVFP4 codes decoded from 32-bit words),
-    with ``FP4_BLOCK_SUMS`` (a block's scale once) and ``FP4_DOWN_PLANES`` (the down kernel by pair
-    too), against the byte-wise decode and the torch reference: the same weights, so the results agree to
-    the fp32 order of the partial sums (an output within one bf16 step); k = 1, 3 and 10, H over one
-    K step, one with a tail, several, and several then a tail, with and without a shared expert,
-    either down kernel after it."""
+    """``triton_moe_gemv.FP4_PLANES`` (the gate/up kernel's NVFP4 codes decoded from 32-bit words, a
+    block's scale once), with ``FP4_DOWN_PLANES`` (the down kernel too), against the byte-wise decode
+    and the torch reference: the same weights, so the results agree to the fp32 order of the
+    partial sums (an output within one bf16 step); k = 1, 3 and 10, H over one K step, one with a
+    tail, several, and several then a tail, with and without a shared expert."""
     from ft.moe.kernels import triton_moe_gemv as mod
     from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
     from tests.nvfp4.test_w4a16_gpu import random_bank
@@ -128,10 +113,8 @@ def check_moe_gemv_fp4_planes() -> None:
     mod.FP4_INT_DOT = False  # the words' own products (the integer ones: check_moe_gemv_int_dot)
     gen = torch.Generator().manual_seed(2)
     e, t = 12, 3
-    for k, h, inter, shared, by_pair in ((10, 64, 32, False, True), (3, 48, 48, True, True),
-                                         (1, 1024, 320, False, True), (3, 528, 32, False, True),
-                                         (3, 64, 48, True, False)):  # fmt: skip
-        mod.DOWN_BY_PAIR = by_pair
+    for k, h, inter, shared in ((10, 64, 32, False), (3, 48, 48, True), (1, 1024, 320, False),
+                                (3, 528, 32, False), (3, 64, 48, True)):  # fmt: skip
         w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
         x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
@@ -144,17 +127,16 @@ def check_moe_gemv_fp4_planes() -> None:
                 torch.randn(t, 1, generator=gen).to(torch.bfloat16),
             )
         outs = {}
-        # bytes first, then words as they are switched on (the largest case without the per-element
-        # words, which the others cover: the interpreter's time)
-        for on in VARIANTS if h < 1024 else (VARIANTS[0], *VARIANTS[2:]):
-            mod.FP4_PLANES = bool(on)  # every variant but bytes reads words in gate/up
-            mod.FP4_BLOCK_SUMS, mod.FP4_DOWN_PLANES = "FP4_BLOCK_SUMS" in on, "FP4_DOWN_PLANES" in on
+        # bytes first, then words as they are switched on (the largest case without words in gate/up
+        # alone, which the others cover: the interpreter's time)
+        for on in VARIANTS if h < 1024 else (VARIANTS[0], VARIANTS[2]):
+            mod.FP4_PLANES, mod.FP4_DOWN_PLANES = "FP4_PLANES" in on, "FP4_DOWN_PLANES" in on
             outs[on] = mod.launch_moe_gemv(x, w13, w2, weights, ids, pair).float()
         bytes_out = outs[()]
         step = bytes_out.abs().clamp(min=1e-3) * 2**-7  # one bf16 step (8 significant bits)
         want = None if shared else fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids).float()
         for on, got in outs.items():
-            what = f"k={k} H={h} I={inter} shared={shared} by pair={by_pair} words {on}"
+            what = f"k={k} H={h} I={inter} shared={shared} words {on}"
             require(bool(((got - bytes_out).abs() <= step).all()), f"{what}: disagrees with bytes")
             if want is not None:
                 err = ((got - want).norm() / want.norm()).item()
@@ -184,8 +166,7 @@ def check_gdn_decode_layer() -> None:
 CHECKS = [
     "check_gdn_decode_layer",
     "check_conv_decode_one_launch",
-    "check_moe_gemv_ids_ahead",
-    "check_moe_gemv_down_by_pair",
+    "check_moe_gemv_down_order",
     "check_moe_gemv_fp4_planes",
 ]
 

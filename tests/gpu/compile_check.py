@@ -96,50 +96,32 @@ def entries():
             tag = f"{name}, loop stages {stages}{', host rows' if host else ''}"
             yield f"MoE GEMV gate/up {tag}", triton_moe_gemv._gate_up_kernel, ptrs, {
                 **common, "LOOP_STAGES": stages, "HOST": host, "PLANES": False}, warps, 4  # fmt: skip
-            for ahead in (False, True):
-                down = {**common, "IDS_AHEAD": ahead, "TOPK_P": 16, "LOOP_STAGES": stages, "HOST": host}
-                yield (
-                    f"MoE GEMV down {tag}, ids ahead {ahead}",
-                    triton_moe_gemv._down_sum_kernel,
-                    ptrs,
-                    down,
-                    warps,
-                    4,
-                )
             pair = {**common, "LOOP_STAGES": stages, "HOST": host}
             ptrs_pair = {**ptrs, "ws": F32, "counters": I32}
             yield f"MoE GEMV down by pair {tag}", triton_moe_gemv._down_pair_kernel, ptrs_pair, pair, warps, 4
             if is4 and stages == 4:  # codes read as words (FP4_PLANES), at their tiles, with a K tail too
                 bn, bk, pw, ps = triton_moe_gemv.NVFP4_PLANES
                 dn, dk, dw, ds = triton_moe_gemv.NVFP4_DOWN_PLANES
-                for even, sums in ((True, False), (True, True), (False, True)):
-                    gu = {**common, "LOOP_STAGES": ps, "HOST": host, "PLANES": True, "BLOCK_SUMS": sums,
-                          "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": even}  # fmt: skip
-                    words = f"planes{', block sums' if sums else ''}, even K {even}"
-                    yield (
-                        f"MoE GEMV gate/up {tag}, {words}",
-                        triton_moe_gemv._gate_up_kernel,
-                        ptrs,
-                        gu,
-                        pw,
-                        ps,
-                    )
+                for even in (True, False):
+                    gu = {**common, "LOOP_STAGES": ps, "HOST": host, "PLANES": True, "BLOCK_N": bn,
+                          "BLOCK_K": bk, "EVEN_K": even}  # fmt: skip
+                    words = f"planes, even K {even}"
+                    label = f"MoE GEMV gate/up {tag}, {words}"
+                    yield label, triton_moe_gemv._gate_up_kernel, ptrs, gu, pw, ps
                     # host rows may pipeline more loads at the same tiles (``NVFP4_HOST_STAGES``)
                     extra = (2, 3) if host else ()
-                    if sums:  # integer products too (FP4_INT_DOT), at their tiles
-                        ib, ik, iw, i_s = triton_moe_gemv.NVFP4_INT
-                        int_ptrs = {**ptrs, "xq": "*i16", "xf": F32}
-                        for st in (i_s, *extra):
-                            consts = {**gu, "INT_DOT": True, "BLOCK_N": ib, "BLOCK_K": ik, "LOOP_STAGES": st,
-                                      "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
-                            label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
-                            yield label, triton_moe_gemv._gate_up_kernel, int_ptrs, consts, iw, st
-                    if sums:  # the down kernel by pair reads words only with block sums
-                        for st in (ds, *extra):
-                            dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
-                                  "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
-                            label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
-                            yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, st
+                    ib, ik, iw, i_s = triton_moe_gemv.NVFP4_INT  # integer products too (FP4_INT_DOT)
+                    int_ptrs = {**ptrs, "xq": "*i16", "xf": F32}
+                    for st in (i_s, *extra):
+                        consts = {**gu, "INT_DOT": True, "BLOCK_N": ib, "BLOCK_K": ik, "LOOP_STAGES": st,
+                                  "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
+                        label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
+                        yield label, triton_moe_gemv._gate_up_kernel, int_ptrs, consts, iw, st
+                    for st in (ds, *extra):  # the down kernel on words
+                        dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
+                              "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
+                        label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
+                        yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, st
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):

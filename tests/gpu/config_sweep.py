@@ -281,7 +281,7 @@ def shared_pair(problem) -> tuple:
 
 
 # the MoE GEMV's loop switches, each timed on at the shipped tiles
-MOE_GEMV_SWITCHES = ("IDS_AHEAD", "PIPELINE", "FP4_PLANES")
+MOE_GEMV_SWITCHES = ("PIPELINE", "FP4_PLANES")
 
 
 def moe_gemv_variants(mod, fmt: str) -> list[tuple[str, ...]]:
@@ -333,65 +333,50 @@ def sweep_moe_gemv() -> None:
     report("MoE GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)", shipped, rows)
 
 
-def timed_moe_gemv(problem, down, *, fmt: str, name: str | None, by_pair: bool) -> float | None:
-    """us per call of the MoE GEMV with down tiles ``down`` (module constant ``name``; None: as
-    shipped) and DOWN_BY_PAIR = ``by_pair``, checked against the shipped kernels' output."""
+def timed_moe_gemv(problem, down, *, fmt: str) -> float | None:
+    """us per call of the MoE GEMV with down tiles ``down`` (``PAIR_DOWN``; None: as shipped),
+    checked against the shipped kernels' output."""
     mod = triton_moe_gemv
     banks, x, routes = problem
     w13, w2 = banks[fmt]
-    shipped = (getattr(mod, name) if name else None), mod.DOWN_BY_PAIR
+    shipped = mod.PAIR_DOWN
     want = mod.launch_moe_gemv(x, w13, w2, *routes[0])
-    if name:
-        setattr(mod, name, down)
-    mod.DOWN_BY_PAIR = by_pair
+    mod.PAIR_DOWN = down or shipped
     calls = [P(mod.launch_moe_gemv, x, w13, w2, w, i) for w, i in routes]
     try:
         return try_config(calls[0], want, calls, 2e-2)
     finally:
-        if name:
-            setattr(mod, name, shipped[0])
-        mod.DOWN_BY_PAIR = shipped[1]
+        mod.PAIR_DOWN = shipped
 
 
 def sweep_moe_gemv_kernels() -> None:
-    """The MoE GEMV's down kernel's own tiles, gate/up's as shipped, per bank format: the walk's
-    (``BF16_DOWN``/``NVFP4_DOWN``, ``DOWN_BY_PAIR`` off) and by pair's (``PAIR_DOWN``, on); at
-    T = 1 (a batch-1 decode step), the best then timed at T = 2. Prints the env lines
-    (``FT_MOE_GEMV_*``) that set the best."""
+    """The bf16 MoE GEMV's down kernel's own tiles (``PAIR_DOWN``, which NVFP4 banks take only on
+    bytes: their words' tiles are ``moe_gemv_planes``'), gate/up's as shipped; at T = 1 (a batch-1
+    decode step), the best then timed at T = 2. Prints the env line (``FT_MOE_GEMV_PAIR_DOWN``)."""
     mod = triton_moe_gemv
-    grids = {
-        False: grid((2, 4, 8, 16), (512,), (4, 8), (1, 4)),
-        True: grid((4, 8, 16), (128, 256, 512), (2, 4), (1, 2)),  # smaller K steps: fewer registers
-    }
+    configs = grid((4, 8, 16), (128, 256, 512), (2, 4), (1, 2))  # smaller K steps: fewer registers
     problems = {t: moe_problem(t) for t in (1, 2)}
     fmt_us = lambda v: f"{v:.1f}" if v is not None else "failed"  # noqa: E731
-    for fmt in MOE_FORMATS:
-        walk = "NVFP4_DOWN" if fmt == "nvfp4" else "BF16_DOWN"
-        shipped_us = {
-            t: timed_moe_gemv(problems[t], None, fmt=fmt, name=None, by_pair=mod.DOWN_BY_PAIR) for t in (1, 2)
+    for fmt in [f for f in MOE_FORMATS if f == "bf16"]:
+        shipped_us = {t: timed_moe_gemv(problems[t], None, fmt=fmt) for t in (1, 2)}
+        downs = {
+            cfg: timed_moe_gemv(problems[1], cfg, fmt=fmt) for cfg in dict.fromkeys([mod.PAIR_DOWN, *configs])
         }
-        for by_pair in (False, True):
-            name = "PAIR_DOWN" if by_pair else walk
-            shipped = getattr(mod, name) or (mod.NVFP4 if fmt == "nvfp4" else mod.BF16)
-            timed = P(timed_moe_gemv, fmt=fmt, name=name, by_pair=by_pair)
-            downs = {cfg: timed(problems[1], cfg) for cfg in dict.fromkeys([shipped, *grids[by_pair]])}
-            best = min((c for c in downs if downs[c] is not None), key=downs.get, default=shipped)
-            print(f"== MoE GEMV down, {fmt}, by pair {by_pair}: as shipped T=1 {fmt_us(shipped_us[1])} us")
-            for cfg, us in sorted(downs.items(), key=lambda kv: kv[1] or 1e9)[:5]:
-                print(f"  down {cfg}: {fmt_us(us)} us")
-            t1, t2 = fmt_us(downs.get(best)), fmt_us(timed(problems[2], best))
-            print(f"  best {best}: T=1 {t1} us, T=2 {t2} us (as shipped {fmt_us(shipped_us[2])})")
-            env = f"FT_MOE_GEMV_{name}={','.join(map(str, best))}"
-            print(f"  env FT_MOE_GEMV_DOWN_BY_PAIR={int(by_pair)} {env}", flush=True)
+        best = min((c for c in downs if downs[c] is not None), key=downs.get, default=mod.PAIR_DOWN)
+        print(f"== MoE GEMV down, {fmt}: as shipped T=1 {fmt_us(shipped_us[1])} us")
+        for cfg, us in sorted(downs.items(), key=lambda kv: kv[1] or 1e9)[:5]:
+            print(f"  down {cfg}: {fmt_us(us)} us")
+        t1, t2 = fmt_us(downs.get(best)), fmt_us(timed_moe_gemv(problems[2], best, fmt=fmt))
+        print(f"  best {best}: T=1 {t1} us, T=2 {t2} us (as shipped {fmt_us(shipped_us[2])})")
+        print(f"  env FT_MOE_GEMV_PAIR_DOWN={','.join(map(str, best))}", flush=True)
 
 
 def sweep_moe_gemv_planes() -> None:
-    """The NVFP4 MoE GEMV's codes read as words: gate/up's tiles (``NVFP4_PLANES``) with a block's
-    scale per element and once (``FP4_BLOCK_SUMS``), against the byte-wise decode at its shipped
-    tiles, the down kernel as shipped; then the down kernel by pair reading words too
-    (``FP4_DOWN_PLANES``, tiles ``NVFP4_DOWN_PLANES``) after the best gate/up; T = 1 and 2."""
+    """The NVFP4 MoE GEMV's codes read as words: gate/up's tiles (``NVFP4_PLANES``) against the
+    byte-wise decode at its shipped tiles, the down kernel on bytes; then the down kernel reading
+    words too (``FP4_DOWN_PLANES``, tiles ``NVFP4_DOWN_PLANES``) after the best gate/up; T = 1 and 2."""
     mod = triton_moe_gemv
-    names = ("NVFP4_PLANES", "FP4_PLANES", "FP4_BLOCK_SUMS", "FP4_DOWN_PLANES", "NVFP4_DOWN_PLANES")
+    names = ("NVFP4_PLANES", "FP4_PLANES", "FP4_DOWN_PLANES", "NVFP4_DOWN_PLANES", "FP4_INT_DOT")
     saved = {n: getattr(mod, n) for n in names}
     gate_up = grid((4, 8, 16), (256, 512, 1024, 2048), (4, 8), (1, 3))
     downs = grid((4, 8, 16, 32), (128, 256, 512), (1, 2, 4), (1, 2))
@@ -407,7 +392,8 @@ def sweep_moe_gemv_planes() -> None:
         try:
             for n in names:
                 setattr(mod, n, saved[n])
-            mod.FP4_PLANES = mod.FP4_DOWN_PLANES = False  # bytes: the reference and the row to beat
+            # bytes: the reference and the row to beat; the words' own products (not the integer ones)
+            mod.FP4_PLANES = mod.FP4_DOWN_PLANES = mod.FP4_INT_DOT = False
             want = calls[0]()
             for n, v in values.items():
                 setattr(mod, n, v)
@@ -418,35 +404,28 @@ def sweep_moe_gemv_planes() -> None:
 
     rows: dict = {}
     for t in (1, 2):
-        rows[f"T={t} gate/up, per element"] = {
-            "bytes, shipped tiles": timed(t, FP4_PLANES=False, FP4_DOWN_PLANES=False)
-        }
-        rows[f"T={t} gate/up, block sums"] = {}
+        row = rows[f"T={t} gate/up, words"] = {"bytes, shipped tiles": timed(t)}
         for cfg in dict.fromkeys([saved["NVFP4_PLANES"], *gate_up]):
-            for sums in (False, True):
-                us = timed(t, FP4_PLANES=True, FP4_BLOCK_SUMS=sums, FP4_DOWN_PLANES=False, NVFP4_PLANES=cfg)
-                rows[f"T={t} gate/up, {'block sums' if sums else 'per element'}"][cfg] = us
+            row[cfg] = timed(t, FP4_PLANES=True, NVFP4_PLANES=cfg)
     report(
         "MoE GEMV gate/up, NVFP4 codes as words (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, STAGES)",
         saved["NVFP4_PLANES"],
         rows,
     )
-    # the down kernel reads words only beside gate/up's block sums: their best tiles at T=1
-    ok = {c: us for c, us in rows["T=1 gate/up, block sums"].items() if us}
+    # the down kernel reads words only beside gate/up's words: their best tiles at T=1
+    ok = {c: us for c, us in rows["T=1 gate/up, words"].items() if us and isinstance(c, tuple)}
     best_up = min(ok, key=ok.get) if ok else saved["NVFP4_PLANES"]
-    print(
-        f"  best gate/up with block sums: FT_MOE_GEMV_NVFP4_PLANES={','.join(map(str, best_up))}", flush=True
-    )
+    print(f"  best gate/up on words: FT_MOE_GEMV_NVFP4_PLANES={','.join(map(str, best_up))}", flush=True)
     rows = {}
     for t in (1, 2):
-        up = dict(FP4_PLANES=True, FP4_BLOCK_SUMS=True, NVFP4_PLANES=best_up)
+        up = dict(FP4_PLANES=True, NVFP4_PLANES=best_up)
         rows[f"T={t} down by pair, words"] = {"bytes, shipped tiles": timed(t, **up, FP4_DOWN_PLANES=False)}
         for cfg in dict.fromkeys([saved["NVFP4_DOWN_PLANES"], *downs]):
             rows[f"T={t} down by pair, words"][cfg] = timed(
                 t, **up, FP4_DOWN_PLANES=True, NVFP4_DOWN_PLANES=cfg
             )
     report(
-        "MoE GEMV down by pair, NVFP4 words, block sums (after the best gate/up)",
+        "MoE GEMV down, NVFP4 words (after the best gate/up)",
         saved["NVFP4_DOWN_PLANES"],
         rows,
     )

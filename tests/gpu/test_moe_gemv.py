@@ -5,8 +5,6 @@ whole step, the dispatch by token count, and CUDA-graph capture with the experts
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -49,17 +47,12 @@ def reference(fmt: str, x, w13, w2, weights, ids):
     return fused_moe_ref(x.float(), w13[hit].float(), w2[hit].float(), weights, local)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "bf16-by-pair", "nvfp4-by-pair"])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("inter", [512, 256, 48])
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16, 32, 64])
 def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
-    """``-by-pair``: with ``triton_moe_gemv.DOWN_BY_PAIR`` (a down program per pair)."""
     pytest.importorskip("triton")
-    from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
-
-    monkeypatch.setattr(triton_moe_gemv, "DOWN_BY_PAIR", fmt.endswith("-by-pair"))
-    fmt = fmt.removesuffix("-by-pair")
 
     x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + inter)
     got = fused_moe_gemv(x, w13, w2, weights, ids)
@@ -73,12 +66,12 @@ def test_gemv_equals_reference_and_mma_kernel(fmt, t, inter, monkeypatch):
     assert err < 4e-3, f"{fmt} T={t} I={inter}: relative error {err:.3g} against the MMA kernel"
 
 
-@pytest.mark.parametrize("words", ["gate/up", "gate/up, block sums", "both, block sums"])
+@pytest.mark.parametrize("words", ["gate/up", "both"])
 @pytest.mark.parametrize("t", [1, 2])
 @pytest.mark.parametrize("h", [2048, 2880])
 def test_nvfp4_codes_as_words_equal_bytes(t, h, words, monkeypatch):
-    """``FP4_PLANES`` (the gate/up kernel's NVFP4 codes decoded from 32-bit words; with
-    ``FP4_BLOCK_SUMS`` a block's scale once; with ``FP4_DOWN_PLANES`` the down kernel by pair too)
+    """``FP4_PLANES`` (the gate/up kernel's NVFP4 codes decoded from 32-bit words, a block's scale
+    once; with ``FP4_DOWN_PLANES`` the down kernel too)
     against the byte-wise decode, within one bf16 step, and the torch reference: H = 2048 whole
     steps, 2880 five steps of 512 and a tail of 320."""
     pytest.importorskip("triton")
@@ -87,12 +80,10 @@ def test_nvfp4_codes_as_words_equal_bytes(t, h, words, monkeypatch):
     x, w13, w2, weights, ids = problem("nvfp4", t, 64, 256, h, 8, seed=h + t)
     monkeypatch.setattr(triton_moe_gemv, "FP4_INT_DOT", False)  # the words' own products (its own test)
     monkeypatch.setattr(triton_moe_gemv, "FP4_PLANES", False)
-    monkeypatch.setattr(triton_moe_gemv, "FP4_BLOCK_SUMS", False)
     monkeypatch.setattr(triton_moe_gemv, "FP4_DOWN_PLANES", False)
     want = triton_moe_gemv.fused_moe_gemv(x, w13, w2, weights, ids).float()
     monkeypatch.setattr(triton_moe_gemv, "FP4_PLANES", True)
-    monkeypatch.setattr(triton_moe_gemv, "FP4_BLOCK_SUMS", "block sums" in words)
-    monkeypatch.setattr(triton_moe_gemv, "FP4_DOWN_PLANES", words.startswith("both"))
+    monkeypatch.setattr(triton_moe_gemv, "FP4_DOWN_PLANES", words == "both")
     got = triton_moe_gemv.fused_moe_gemv(x, w13, w2, weights, ids).float()
     step = want.abs().clamp(min=1e-3) * 2**-7
     assert ((got - want).abs() <= step).all(), f"T={t} H={h} words {words}: words and bytes disagree"
@@ -146,8 +137,8 @@ def test_int8_codes_and_dp2a_equal_their_arithmetic():
 def test_nvfp4_integer_products(t, h, shared, monkeypatch):
     """``FP4_INT_DOT`` (gate/up's products as int16 inputs times int8 codes, ``dp2a``): the inputs'
     blocks as the torch rule makes them, bit for bit; the call within one bf16 step of the words
-    with block sums and within bf16 error of the torch reference, with the bf16 shared pair too;
-    H = 2048 whole steps, 2880 five steps of 512 and a tail of 320."""
+    and within bf16 error of the torch reference, with the bf16 shared pair too; H = 2048 whole
+    steps, 2880 five steps of 512 and a tail of 320."""
     pytest.importorskip("triton")
     from ft.moe.kernels import triton_moe_gemv
 
@@ -230,13 +221,9 @@ def test_dispatch_by_token_count(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("by_pair", [False, True])
-def test_cuda_graph_replays_new_tokens_and_experts(fmt, by_pair, monkeypatch):
+def test_cuda_graph_replays_new_tokens_and_experts(fmt):
     pytest.importorskip("triton")
-    from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv
-
-    monkeypatch.setattr(triton_moe_gemv, "DOWN_BY_PAIR", by_pair)
 
     x, w13, w2, weights, ids = problem(fmt, 2, 512, 512, 2048, 10, seed=11)
     fused_moe_gemv(x, w13, w2, weights, ids)  # compile outside the capture
@@ -254,14 +241,9 @@ def test_cuda_graph_replays_new_tokens_and_experts(fmt, by_pair, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("t, inter", [(1, 512), (4, 512), (2, 768)])
-def test_loop_variants_give_the_same_bits(fmt, t, inter, monkeypatch):
-    """``triton_moe_gemv.IDS_AHEAD`` (the down kernel's expert ids and weights picked from
-    registers) and ``PIPELINE`` (the loops' loads run ahead) change no bit, alone or together,
-    with the shared expert as a pair and without; nor does ``DOWN_BY_PAIR`` (a down program per
-    pair) in bf16. With NVFP4 the walk decodes bytes and the down kernel by pair words with block
-    sums (``FP4_DOWN_PLANES``): other fp32 orders, so the two may be a rounding apart (within a
-    row's largest magnitude · 2^-6, as in ``test_nvfp4_integer_products``). The ticket counters are
-    back at zero after."""
+def test_pipelined_loops_give_the_same_bits(fmt, t, inter, monkeypatch):
+    """``triton_moe_gemv.PIPELINE`` (the loops' loads run ahead) changes no bit, with the shared
+    expert as a pair and without, and the ticket counters are back at zero after each call."""
     from ft.layers import triton_gemv
     from ft.moe.kernels import triton_moe_gemv as mod
 
@@ -274,20 +256,11 @@ def test_loop_variants_give_the_same_bits(fmt, t, inter, monkeypatch):
     )
     for pair in (None, shared):
         outs = []
-        for ahead, pipeline, by_pair in itertools.product((False, True), repeat=3):
-            monkeypatch.setattr(mod, "IDS_AHEAD", ahead)
+        for pipeline in (False, True):
             monkeypatch.setattr(mod, "PIPELINE", pipeline)
-            monkeypatch.setattr(mod, "DOWN_BY_PAIR", by_pair)
             outs.append(mod.fused_moe_gemv(x, w13, w2, weights, ids, pair))
-        walk, by_pair = outs[0::2], outs[1::2]  # by_pair is the product's last, fastest axis
-        assert all(torch.equal(walk[0], o) for o in walk[1:]), pair is not None
-        assert all(torch.equal(by_pair[0], o) for o in by_pair[1:]), pair is not None
-        if fmt == "bf16":
-            assert torch.equal(walk[0], by_pair[0]), pair is not None
-        else:
-            scale = walk[0].float().abs().amax(1, keepdim=True)
-            assert ((walk[0].float() - by_pair[0].float()).abs() <= scale * 2**-6).all(), pair is not None
-        assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
+            assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
+        assert torch.equal(outs[0], outs[1]), pair is not None
 
 
 @pytest.mark.parametrize(

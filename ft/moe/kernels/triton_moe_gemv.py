@@ -10,12 +10,11 @@ globals; for bf16, g = 1):
     act[p, n] = silu(g_gate[e, n] · x[t]·W_gate[e, n]) · (g_up[e, n] · x[t]·W_up[e, n])   # [T*k, I]
     out[t, n] = sum_j weights[t, j] · g_down[e, n] · act[(t, j)]·W_down[e, n]              # [T, H]
 
-The first launch runs one program per (pair, BLOCK_N rows of I); the second, by default
-(``DOWN_BY_PAIR``), one program per (token, BLOCK_N rows of H, pair), each storing its pair's
-rounded term, the last of a row block summing them in pair order; or (``DOWN_BY_PAIR`` off) one
-program per (token, BLOCK_N rows of H) walking its k experts and their K chunks as one flat loop.
-Either way the sum over k needs no third kernel. Dot products are fp32 multiply-accumulates of
-BLOCK_K-wide chunks kept per lane and reduced once per expert with ``tl.sum`` (no ``tl.dot``).
+The first launch runs one program per (pair, BLOCK_N rows of I); the second one program per
+(token, BLOCK_N rows of H, pair), each storing its pair's rounded term, the last of a row block
+summing them in pair order, so the sum over k needs no third kernel. Dot products are fp32
+multiply-accumulates of BLOCK_K-wide chunks kept per lane and reduced once per expert with
+``tl.sum`` (no ``tl.dot``).
 As in the MMA paths, ``act`` is rounded to bf16 and so is each pair's weighted term, and ``out``
 sums a token's k terms in fp32 and rounds once: a batch computed a pair at a time (the offload backend's
 streaming, k = 1 per call) and summed in fp32 gives the same bits as one call, exactly for
@@ -44,12 +43,9 @@ from ft.quant.nvfp4 import NVFP4Tensor
 # T=1 (MMA path 46.4). T=1, k=10 with BLOCK_N 8 is 10 x 64 gate/up and 256 down programs.
 BF16 = (8, 512, 4, 4)
 NVFP4 = (8, 512, 8, 4)
-# the walking down kernel's own tiles (None: the gate/up kernel's; ``DOWN_BY_PAIR`` off)
-BF16_DOWN = None
-NVFP4_DOWN = None
-# the down kernel by pair's (``DOWN_BY_PAIR``), both formats: the best of tests/gpu/config_sweep.py
-# moe_gemv_kernels on an H200 (2026-12-01), T=1 with gate/up 25.2 us in bf16 and 29.1 in NVFP4
-# against the walk's 30.8 and 41.8 at the shipped tiles; small 2-warp programs, 2,816 of them
+# the down kernel's, both formats (bytes; NVFP4 words: ``NVFP4_DOWN_PLANES``): the best of
+# tests/gpu/config_sweep.py moe_gemv_kernels on an H200 (2026-12-01), small 2-warp programs,
+# 2,816 of them at T=1
 PAIR_DOWN = (8, 512, 2, 1)
 
 
@@ -87,7 +83,6 @@ BF16_HOST = _tiles_from_env("BF16_HOST", (BF16[0], BF16[1], BF16[2], 1))
 # experts in 476-492 us against 514 at the tiles' own stages, within the rows' spread (gate/up
 # 40-46 GB/s, down 18-28 either way): unset. Loop stages are not what holds the down kernel back.
 NVFP4_HOST_STAGES = _tiles_from_env("NVFP4_HOST_STAGES", None)
-BF16_DOWN, NVFP4_DOWN = _tiles_from_env("BF16_DOWN", BF16_DOWN), _tiles_from_env("NVFP4_DOWN", NVFP4_DOWN)
 PAIR_DOWN = _tiles_from_env("PAIR_DOWN", PAIR_DOWN)
 # A block's (bf16) shared expert as one more pair of each token in these two launches, beside a
 # bf16 or NVFP4 bank, instead of its own four (gate/up GEMV, SiLU, down GEMV, gated add: ~12 us of
@@ -100,13 +95,6 @@ PAIR_DOWN = _tiles_from_env("PAIR_DOWN", PAIR_DOWN)
 # close to fp32 as without (tests/gpu/test_engine_cuda.py). FT_SHARED_AS_PAIR=0 turns it off for a
 # process and the ranks it spawns.
 SHARED_AS_PAIR = os.environ.get("FT_SHARED_AS_PAIR", "1") != "0"
-# The down kernel walks a token's k experts in one loop whose weight addresses come from a load
-# of the expert id inside the loop; if Triton's pipeliner does not run that chain ahead, each
-# expert costs two dependent memory round trips, which would explain the down kernel's ~1/3 of
-# its byte floor in the census (docs/benchmarks.md). With IDS_AHEAD the ids and routing weights
-# are loaded as one vector before the loop and picked from registers. Same arithmetic, same bits.
-# Off until timed on a GPU (NOT yet run on one): tests/gpu/config_sweep.py moe_gemv times both.
-IDS_AHEAD = os.environ.get("FT_MOE_GEMV_IDS_AHEAD", "0") == "1"
 # The kernels' loops as ``tl.range(..., num_stages=STAGES)``: Triton pipelines only the loads that
 # feed a ``tl.dot`` from the launch's num_stages, and these kernels have none (compiled for sm_90
 # they take 128 bytes of shared memory: no load buffered ahead), so each step's loads wait for
@@ -115,57 +103,39 @@ IDS_AHEAD = os.environ.get("FT_MOE_GEMV_IDS_AHEAD", "0") == "1"
 # batch-1 decode of the 24-layer Qwen3-Next on an H200 456 -> 464 tok/s in bf16, 407 -> 450 with
 # NVFP4 experts (docs/benchmarks.md).
 PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "1") != "0"
-# The down kernel with a program per (token, BLOCK_N rows of H, pair) instead of per (token, rows)
-# walking the token's pairs: at T=1 with k=10 and a shared pair, 2,816 programs that each load one
-# expert's rows and reduce once, where the walk's 256 each load and reduce eleven times in a chain
-# (the down kernel took about as long as gate/up for a third of its bytes: 15.4 against 17.7 us a
-# layer in the census, docs/benchmarks.md). Each program stores its rounded term into a workspace
-# [T, pairs, H] and draws a ticket from its (token, rows) counter (``triton_gemv.tickets``); the
-# last of the pairs sums the terms in pair order, the shared term last, as the walk does. A term's
-# dot product is reduced inside its program in an order its tile sets (2 warps here, the walk's 4
-# or 8), so its fp32 rounding can differ from the walk's at some widths; rounded to bf16, the terms
-# were the walk's bits at I = 512 and 768 on an H200 (tests/gpu/test_moe_gemv.py), and every
-# caller takes the same kernel, so offloaded still equals resident. On since 2026-12-01
-# (FT_MOE_GEMV_DOWN_BY_PAIR=0 walks): batch-1 decode on an H200 with the 80B's NVFP4 experts
-# resident 243.7 -> 248.2 / 256.2 tok/s (the walk at its own best tiles), the 24-layer Next in
-# bf16 501-502 -> 511-513 (docs/benchmarks.md).
-DOWN_BY_PAIR = os.environ.get("FT_MOE_GEMV_DOWN_BY_PAIR", "1") != "0"
+# The down kernel runs a program per (token, BLOCK_N rows of H, pair): at T=1 with k=10 and a
+# shared pair, 2,816 programs that each load one expert's rows and reduce once (a program per
+# (token, rows) walking the token's pairs chained eleven loads and reductions: removed 2026-12-04,
+# slower in every timing since 2026-12-01, docs/benchmarks.md). Each program stores its rounded
+# term into a workspace [T, pairs, H] and draws a ticket from its (token, rows) counter
+# (``triton_gemv.tickets``); the last of the pairs sums the terms in pair order, the shared term
+# last, so the sum does not depend on which program finishes last.
+#
 # The gate/up kernel's NVFP4 codes read as 32-bit words of eight and decoded in place
-# (``_fp4_words``, ``_plane``): the code's magnitude bits placed into an fp32 (no fp16 step), its
-# block's scale multiplied in per element, the inputs paired with each word's eight codes by
-# reading them as bf16 pairs (no reshape of the codes). An H200's profile of the byte-wise decode
-# (ncu, 2026-12-01, docs/benchmarks.md) has the gate/up kernel busy issuing (60% of the SMs'
-# throughput, 10% of DRAM's), its loop 470 SASS instructions for 32 weights a thread, 153 of them
-# byte permutes; this loop is 306, at 47 registers instead of 99. Under ncu gate/up went 23.8 ->
-# 20.5 us at the shipped tiles; the down kernel by pair, decoded the same way, went 16.7 -> 24.8
-# us (it reads words only with block sums, ``FP4_DOWN_PLANES``). The weights are the same values (exact
-# products either way); the per-lane partial sums run over other lanes, so their fp32 order, and a
-# rounding, can differ (greedy tokens of a random-weight 80B diverge: 2% agree). With its own tiles
-# from tests/gpu/config_sweep.py moe_gemv_planes (T=1 25.2 us with the down kernel, against 30.5
-# byte-wise) the 80B's batch-1 decode with NVFP4 experts went 248.5 / 253.6 / 247.3 -> 273.5 /
-# 272.9 tok/s on an H200 (docs/benchmarks.md, 2026-12-01). On (FT_MOE_GEMV_FP4_PLANES=0: bytes).
+# (``_fp4_words``, ``_code``): the code's magnitude bits placed into an fp32 (no fp16 step), the
+# inputs paired with each word's eight codes by reading them as bf16 pairs (no reshape of the
+# codes), a block's sixteen products summed first and its scale multiplied in once. An H200's
+# profile of the byte-wise decode (ncu, 2026-12-01, docs/benchmarks.md) has the gate/up kernel busy
+# issuing (60% of the SMs' throughput, 10% of DRAM's), its loop 470 SASS instructions for 32
+# weights a thread, 153 of them byte permutes. The inputs are multiplied by 2^64 (exact) so that
+# every product e2m1 · 2^-126 · x · 2^64 is a normal fp32 (an input below 2^-63 in magnitude gives
+# a subnormal product, a few bits short: against sums of order 1e-2, nothing; one of 2^64 or more
+# overflows to inf, and a zero code's product is then NaN where the byte-wise sum stays finite);
+# the block's sum times scale · 2^40 is the byte-wise value · 2^-22. Each code is three
+# instructions (``_code``) and one multiply-add. The weights are the same values; the per-lane
+# partial sums run over other lanes, so their fp32 order, and a rounding, can differ (greedy
+# tokens of a random-weight 80B diverge: 2% agree). Under ncu gate/up went 23.8 -> 17.2 us; the
+# 80B's batch-1 decode with NVFP4 experts 248.5 -> 273.5 tok/s (H200, 2026-12-01). (The scale
+# multiplied per code instead, 20.5 us: removed 2026-12-04.) On; FT_MOE_GEMV_FP4_PLANES=0 reads
+# bytes, as does any code tensor not 4-byte aligned (``_word_aligned``).
 FP4_PLANES = os.environ.get("FT_MOE_GEMV_FP4_PLANES", "1") != "0"
-# its own gate/up tiles: the sweep's best at T=1 with ``FP4_BLOCK_SUMS`` (one loop stage: 4,096
-# codes a program, four steps of 512)
+# its own gate/up tiles: the sweep's best at T=1 (one loop stage: 4,096 codes a program, four
+# steps of 512)
 NVFP4_PLANES = _tiles_from_env("NVFP4_PLANES", (4, 512, 4, 1))
-# With the words (either kernel): a block's sixteen products summed first, its scale multiplied in
-# once (``_code``: no scale in the decode), instead of the scale times each code. The inputs are
-# multiplied by 2^64 (exact) so that every product e2m1 · 2^-126 · x · 2^64 is a normal fp32 (an
-# input below 2^-63 in magnitude gives a subnormal product, a few bits short: against sums of
-# order 1e-2, nothing; one of 2^64 or more overflows to inf, and a zero code's product is then NaN
-# where the byte-wise sum stays finite); the block's sum times scale · 2^40 is the per-element
-# path's value. Each code is then three instructions (``_code``) and one multiply-add. The same
-# weights, the fp32 order of the sums changes (greedy tokens of a random-weight 80B: 2% agree).
-# Under ncu (H200, 2026-12-01, docs/benchmarks.md) gate/up went 20.5 -> 17.2 us; its issue rate
-# stays the limit (0.63 warps a scheduler a cycle, 14% of DRAM's throughput).
-FP4_BLOCK_SUMS = os.environ.get("FT_MOE_GEMV_FP4_BLOCK_SUMS", "1") != "0"
-# The down kernel by pair reads words too (with block sums; the per-element words were slower
-# there, 16.7 -> 24.8 us under ncu), at tiles of its own. tests/gpu/config_sweep.py moe_gemv_planes
-# on an H200 (2026-12-01, 94b9f7a), gate/up + down a call: T=1 23.0 us byte-wise -> 18.9, T=2
-# 37.5 -> 28.0. The 80B's batch-1 decode with NVFP4 experts: 269.3 tok/s with the down kernel on
-# bytes, 283.8 with words, 272.8 with gate/up's block sums off (the down kernel then still read
-# words; from 414020d it reads bytes without them) (docs/benchmarks.md). On for both
-# (FT_MOE_GEMV_FP4_BLOCK_SUMS=0: both kernels' block sums off; FT_MOE_GEMV_FP4_DOWN_PLANES=0).
+# The down kernel reads words too (with gate/up's words), at tiles of its own.
+# tests/gpu/config_sweep.py moe_gemv_planes on an H200 (2026-12-01, 94b9f7a), gate/up + down a
+# call: T=1 23.0 us byte-wise -> 18.9, T=2 37.5 -> 28.0; the 80B's batch-1 decode with NVFP4
+# experts 269.3 -> 283.8 tok/s (docs/benchmarks.md). On (FT_MOE_GEMV_FP4_DOWN_PLANES=0: bytes).
 FP4_DOWN_PLANES = os.environ.get("FT_MOE_GEMV_FP4_DOWN_PLANES", "1") != "0"
 NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 256, 2, 1))
 # Beside an NVFP4 bank the bf16 shared pair is a branch of its own in both kernels, and its per-lane
@@ -186,7 +156,7 @@ NVFP4_DOWN_PLANES = _tiles_from_env("NVFP4_DOWN_PLANES", (8, 256, 2, 1))
 # 128 in down; FT_MOE_GEMV_NVFP4_SHARED_BK(_DOWN)=N.
 NVFP4_SHARED_BK = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK", "64"))
 NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "128"))
-# The gate/up kernel's NVFP4 products as integer dot products (with the words and block sums): the
+# The gate/up kernel's NVFP4 products as integer dot products (with the words): the
 # inputs come as int16 blocks (from the fused router, or ``quantize_blocks``' launch: each 16-wide
 # block of x times the power of two 2^(14 - E), E its largest magnitude's exponent, rounded to an
 # integer; the block's factor kept in fp32), each block's codes are one 64-bit load of two words
@@ -195,7 +165,7 @@ NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "1
 # times two int8 codes into an int32) takes the products: a block's sum is an exact integer
 # (|sum| < 16 · 12 · 2^15 < 2^24, exact in fp32 too), multiplied once by its scale times the input
 # block's factor. Compiled for sm_90 at (4, 512, 4, 1) the loop is 125 SASS instructions for 32
-# weights a thread (the words with block sums: 224), no shared-memory exchange in it, 40 registers
+# weights a thread (the words: 224), no shared-memory exchange in it, 40 registers
 # without the shared branch. An input is exact in its block's int16 unless it is below 2^-7 of the
 # block's largest magnitude, whose bits below 2^-15 of that magnitude are rounded off (bf16 keeps 8
 # bits: x = m · 2^(e-7), and 2^(14-E) · 2^(e-7) is an integer for e >= E - 7). The blocks come
@@ -207,9 +177,7 @@ NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "1
 # a warp's cycles), the quantising launch 2.9 us alone. The 80B's batch-1 decode with the blocks
 # from the router, rows alternating in one process: off 294.8 / 295.9, on 303.5 / 303.9 / 302.4
 # tok/s. On (FT_MOE_GEMV_FP4_INT_DOT=0 turns it off for a process and the ranks it spawns): with it on,
-# run_gpu_tests.sh kernels gave 558 passed and the offload NVFP4 tests 19 passed (2026-12-02 05:10;
-# test_loop_variants_give_the_same_bits allows the walking and by-pair down kernels a rounding apart,
-# as they sum NVFP4 terms in other fp32 orders).
+# run_gpu_tests.sh kernels gave 558 passed and the offload NVFP4 tests 19 passed (2026-12-02 05:10).
 FP4_INT_DOT = os.environ.get("FT_MOE_GEMV_FP4_INT_DOT", "1") != "0"
 NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
 # the quantised inputs' block exponents are clamped to [MIN_EXP, 127] (a block of zeros, or of
@@ -217,10 +185,8 @@ NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
 MIN_EXP: tl.constexpr = tl.constexpr(-96)
 
 
-# the words' factors (powers of two, exact): per element, scale · 2^112 (``_plane``: e2m1 · 2^-126 ·
-# scale · 2^104 = the byte-wise e2m1 · scale · 2^-22); with block sums, inputs · 2^64 keep every
-# product e2m1 · x · 2^-62 normal, and the block's sum times scale · 2^40 is again · 2^-22
-PLANE_BY: tl.constexpr = tl.constexpr(2.0**112)
+# the words' factors (powers of two, exact): inputs · 2^64 keep every product e2m1 · 2^-126 · x · 2^64
+# normal, and the block's sum times scale · 2^40 is the byte-wise e2m1 · scale · 2^-22
 SUMS_BY: tl.constexpr = tl.constexpr(2.0**48)
 INPUT_BY: tl.constexpr = tl.constexpr(2.0**64)
 
@@ -287,11 +253,11 @@ def _inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, SCALE_BY: tl.constexpr):  # fmt: skip
+               BLOCK_K: tl.constexpr):  # fmt: skip
     # rows n, inputs k0 .. k0+BK of one NVFP4 expert (``FP4_PLANES``): (codes as [BN, BK/16, 2]
     # 32-bit words, the two of each 16-wide block, code j of a word in its bits 4j..4j+3; the blocks'
-    # scales [BN, BK/16, 1] as fp32 times SCALE_BY · 2^-8, the 2^-8 ``e4m3``'s: ``PLANE_BY`` or
-    # ``SUMS_BY``). One 3-d shape for codes, scales and inputs keeps them in one register layout.
+    # scales [BN, BK/16, 1] as fp32 times ``SUMS_BY`` · 2^-8, the 2^-8 ``e4m3``'s). One 3-d shape for
+    # codes, scales and inputs keeps them in one register layout.
     kb = tl.arange(0, BLOCK_K // 16)[None, :, None]
     half = tl.arange(0, 2)[None, None, :]
     rows = n[:, None, None].to(tl.int64)
@@ -301,32 +267,25 @@ def _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOC
     if not EVEN_K:  # K is a multiple of 16: whole blocks (both words, one scale) are in or out
         mask = mask & (kb < (K - k0) // 16)
     words = tl.load(w_ptr, mask=mask, other=0)
-    return words, e4m3(tl.load(s_ptr, mask=mask, other=0)) * SCALE_BY
+    return words, e4m3(tl.load(s_ptr, mask=mask, other=0)) * SUMS_BY
 
 
 @triton.jit
 def _gate_up_words(b_e, s_e, n, N, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SCALE_BY: tl.constexpr):  # fmt: skip
+                   BLOCK_K: tl.constexpr):  # fmt: skip
     # ``_fp4_words`` of the gate rows n and of the up rows N below them
-    wg, sg = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, SCALE_BY)
-    wu, su = _fp4_words(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, SCALE_BY)
+    wg, sg = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
+    wu, su = _fp4_words(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
     return wg, sg, wu, su
 
 
 @triton.jit
-def _plane(words, scale, J: tl.constexpr):
-    # code J of each word as fp32 e2m1 · scale · 2^-22, as ``_rows`` gives it: the three magnitude
-    # bits go to an fp32's lowest two exponent bits and top mantissa bit (e2m1 · 2^-126, subnormal
-    # for a zero exponent, which fp32 arithmetic on the GPU keeps: not flushed), the sign bit to
-    # the sign; its product with the scale is exact and normal
-    return _code(words, J) * scale
-
-
-@triton.jit
 def _code(words, J: tl.constexpr):
-    # code J of each word as fp32 e2m1 · 2^-126 (``_plane`` without the scale). Its four bits alone
-    # (q), one multiply writes two copies, at bits 22..25 and 28..31, without overlap or carries; the
-    # mask keeps the first's magnitude and the second's sign: three instructions a code
+    # code J of each word as fp32 e2m1 · 2^-126: the three magnitude bits go to an fp32's lowest two
+    # exponent bits and top mantissa bit (subnormal for a zero exponent, which fp32 arithmetic on
+    # the GPU keeps: not flushed), the sign bit to the sign. Its four bits alone (q), one multiply
+    # writes two copies, at bits 22..25 and 28..31, without overlap or carries; the mask keeps the
+    # first's magnitude and the second's sign: three instructions a code
     q = words & (15 << (4 * J))
     if J < 6:
         both = q * ((1 << (22 - 4 * J)) + (1 << (28 - 4 * J)))
@@ -589,8 +548,8 @@ def _gate_up_kernel(
     s_xt, s_qt, s_ft, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
-    PLANES: tl.constexpr = False, BLOCK_SUMS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    SHARED_BLOCK_K: tl.constexpr = 0, INT_DOT: tl.constexpr = False, ASM: tl.constexpr = True,
+    PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
+    INT_DOT: tl.constexpr = False, ASM: tl.constexpr = True,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
@@ -642,12 +601,12 @@ def _gate_up_kernel(
                     iu = _int_block_sums(u_lo, u_hi, p0, p1, p2, p3, p4, p5, p6, p7, ASM)
                     gate += ig.to(tl.float32) * (sg * factor)
                     up += iu.to(tl.float32) * (su * factor)
-            elif PLANES and BLOCK_SUMS:  # codes as words, a block's scale once (``FP4_BLOCK_SUMS``)
+            elif PLANES:  # codes as words, a block's scale once (``FP4_PLANES``)
                 gate = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 up = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
                     wg, sg, wu, su = _gate_up_words(
-                        b_e, s_e, n, N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, SUMS_BY
+                        b_e, s_e, n, N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K
                     )
                     bg = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)  # the blocks' sums, unscaled
                     bu = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
@@ -659,21 +618,6 @@ def _gate_up_kernel(
                         bu += _code(wu, 2 * q + 1) * hi
                     gate += tl.sum(bg, axis=2, keep_dims=True) * sg  # scale · 2^40
                     up += tl.sum(bu, axis=2, keep_dims=True) * su
-                gate = tl.sum(gate, axis=2)
-                up = tl.sum(up, axis=2)
-            elif PLANES:  # codes as words (``FP4_PLANES``)
-                gate = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
-                up = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
-                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    wg, sg, wu, su = _gate_up_words(
-                        b_e, s_e, n, N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, PLANE_BY
-                    )
-                    for q in tl.static_range(4):  # the inputs once for both
-                        lo, hi = _input_pair(x_row, k0, q, K, EVEN_K, BLOCK_K)
-                        gate += _plane(wg, sg, 2 * q) * lo  # a multiply-add each (and the scale's)
-                        gate += _plane(wg, sg, 2 * q + 1) * hi
-                        up += _plane(wu, su, 2 * q) * lo
-                        up += _plane(wu, su, 2 * q + 1) * hi
                 gate = tl.sum(gate, axis=2)
                 up = tl.sum(up, axis=2)
             else:
@@ -695,64 +639,6 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_sum_kernel(
-    act, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, shared_logit, out, topk_w,
-    topk_ids, N, K,
-    s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
-    TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IDS_AHEAD: tl.constexpr = False, TOPK_P: tl.constexpr = 1,
-    LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    wait_for_previous(USE_PDL)
-    # out[tok, n] = sum over the k slots of weights · g · act[(tok, slot)]·W_down[e, n]; with SHARED,
-    # then the shared expert's term (bf16 rows shared_b, stride s_hn) weighted by sigmoid(logit[tok])
-    tok = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    steps = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # one slot's per-lane partial dot products
-    total = tl.zeros([BLOCK_N], tl.float32)
-    js = tl.arange(0, TOPK_P)
-    if IDS_AHEAD:  # the token's experts and weights in registers before the loop (``IDS_AHEAD``)
-        all_e = tl.load(topk_ids + tok * s_it + js * s_ik, mask=js < TOPK, other=0).to(tl.int64)
-        all_w = tl.load(topk_w + tok * s_wt + js * s_wk, mask=js < TOPK, other=0.0).to(tl.float32)
-    # one flat loop over (slot, K chunk), so that with LOOP_STAGES > 1 loads pipeline across experts
-    for i in tl.range(0, TOPK * steps, num_stages=LOOP_STAGES):
-        slot = i // steps
-        k0 = (i % steps) * BLOCK_K
-        if IDS_AHEAD:  # one value and zeros summed: exact
-            e = tl.sum(tl.where(js == slot, all_e, 0), 0)
-        else:
-            e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
-        a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
-        b_e, s_e, g_e = _expert(
-            e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
-        )
-        w = _rows(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, FP4, EVEN_K, BLOCK_N, BLOCK_K)
-        acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
-        if i % steps == steps - 1:  # the slot's last chunk: its term, weighted and rounded
-            if IDS_AHEAD:
-                scale = tl.sum(tl.where(js == slot, all_w, 0.0), 0)
-            else:
-                scale = tl.load(topk_w + tok * s_wt + slot * s_wk).to(tl.float32)
-            if FP4:
-                row_scale = tl.load(g_e + n, mask=nmask, other=0.0) * (scale * unfold)
-            else:
-                row_scale = tl.zeros([BLOCK_N], tl.float32) + scale
-            term = tl.sum(acc, axis=1) * row_scale
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            total += term.to(out.dtype.element_ty).to(tl.float32)
-    if SHARED:  # the shared expert's term last, rounded like a routed pair's
-        a_row = act + (tok * (TOPK + 1) + TOPK) * s_at
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-            w = _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
-            acc += w * _inputs(a_row, k0, K, EVEN_K, BLOCK_K)
-        gate = tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
-        total += (tl.sum(acc, axis=1) * gate).to(out.dtype.element_ty).to(tl.float32)
-    tl.store(out + tok * s_ot + n, total.to(out.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
 def _down_pair_kernel(
     act, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, shared_logit, out, topk_w,
     topk_ids, ws, counters, N, K,
@@ -762,8 +648,8 @@ def _down_pair_kernel(
     PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
-    # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded as the walk rounds
-    # it, into ws[tok, slot, n]; the (tok, rows) block's last program writes out[tok, n], the sum
+    # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded to out's dtype, into
+    # ws[tok, slot, n]; the (tok, rows) block's last program writes out[tok, n], the sum in pair order
     tok = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     slot = tl.program_id(2)
@@ -805,9 +691,7 @@ def _down_pair_kernel(
             if PLANES:  # codes as words, a block's scale once (``FP4_DOWN_PLANES``)
                 blocks = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    wd, sd = _fp4_words(
-                        b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K, SUMS_BY
-                    )
+                    wd, sd = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
                     bd = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
                     for q in tl.static_range(4):
                         lo, hi = _input_pair(a_row, k0, q, K, EVEN_K, BLOCK_K, INPUT_BY)
@@ -928,8 +812,7 @@ def launch_moe_gemv(
     planes = (
         fp4 and FP4_PLANES and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and _word_aligned(b13, *h13[:1])
     )
-    sums = planes and FP4_BLOCK_SUMS
-    int_dot = sums and FP4_INT_DOT and _word_aligned(b13, *h13[:1], size=8)  # a block's codes: 8 bytes
+    int_dot = planes and FP4_INT_DOT and _word_aligned(b13, *h13[:1], size=8)  # a block's codes: 8 bytes
     block_n, max_block_k, num_warps, stages = (
         (NVFP4_INT if int_dot else NVFP4_PLANES if planes else NVFP4)
         if fp4
@@ -947,7 +830,7 @@ def launch_moe_gemv(
         x, xq, xf, b13, s13, g13, *h13, sb13, act, ids, inter, h,
         x.stride(0), xq.stride(0), xf.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0),
         ids.stride(0), ids.stride(1), UNFOLD,
-        **flags, PLANES=planes, BLOCK_SUMS=sums, INT_DOT=int_dot, ASM=not INTERPRETER,
+        **flags, PLANES=planes, INT_DOT=int_dot, ASM=not INTERPRETER,
         BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
         BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
@@ -955,38 +838,23 @@ def launch_moe_gemv(
     if before_down is not None:
         before_down()
     ids = down_ids  # what the down kernel reads
-    if DOWN_BY_PAIR:
-        # words in the down kernel only beside words with block sums in gate/up (``FP4_PLANES=0``:
-        # bytes in both), codes 4-byte aligned
-        down_planes = sums and FP4_DOWN_PLANES and _word_aligned(b2, *h2[:1])
-        down_n, down_k, down_warps, down_stages = NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
-        if host_stages is not None:
-            down_stages = host_stages[1]
-        bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
-        blocks = triton.cdiv(h, down_n)
-        assert t * blocks <= triton_gemv.COUNTERS, (
-            f"T={t} x {blocks} row blocks: more than the ticket counters"
-        )
-        ws = torch.empty(t, pairs, h, dtype=torch.float32, device=x.device)  # the pairs' rounded terms
-        _down_pair_kernel[(t, blocks, pairs)](
-            act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, ws, triton_gemv.tickets(x.device), h, inter,
-            act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
-            weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
-            **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
-            num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
-            SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0, **pdl_args(act),
-        )  # fmt: skip
-        return out
-    down_n, down_k, down_warps, down_stages = (NVFP4_DOWN if fp4 else BF16_DOWN) or (NVFP4 if fp4 else BF16)
+    # words in the down kernel only beside words in gate/up (``FP4_PLANES=0``: bytes in both), codes
+    # 4-byte aligned
+    down_planes = planes and FP4_DOWN_PLANES and _word_aligned(b2, *h2[:1])
+    down_n, down_k, down_warps, down_stages = NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
+    if host_stages is not None:
+        down_stages = host_stages[1]
     bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
-    _down_sum_kernel[(t, triton.cdiv(h, down_n))](
-        act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, h, inter,
+    blocks = triton.cdiv(h, down_n)
+    assert t * blocks <= triton_gemv.COUNTERS, f"T={t} x {blocks} row blocks: more than the ticket counters"
+    ws = torch.empty(t, pairs, h, dtype=torch.float32, device=x.device)  # the pairs' rounded terms
+    _down_pair_kernel[(t, blocks, pairs)](
+        act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, ws, triton_gemv.tickets(x.device), h, inter,
         act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
-        weights.stride(1),
-        ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
-        **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, IDS_AHEAD=IDS_AHEAD,
-        TOPK_P=triton.next_power_of_2(max(topk, 1)), num_warps=down_warps, num_stages=down_stages,
-        LOOP_STAGES=down_stages if PIPELINE else 1, **pdl_args(act),
+        weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
+        **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
+        num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
+        SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0, **pdl_args(act),
     )  # fmt: skip
     return out
 
