@@ -101,6 +101,26 @@ def test_request_that_cannot_fit_is_refused(ckpt):
         assert not llm.engine.has_unfinished_requests()  # the good prompt was not left queued
 
 
+def test_last_generated_token_needs_no_kv(ckpt):
+    """A request holds its prompt and every generated token but the last in the KV cache (the last is
+    sampled, never fed back): prompt 15 + 2 tokens fit a 16-token pool, with the tokens of a roomy
+    one, and so does a prompt of 16 with one token; 16 + 2 does not."""
+    prompt = [(7 * i + 3) % 90 + 1 for i in range(15)]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", progress=False, block_size=4) as roomy:
+        want = roomy.generate([prompt, prompt + [5]], [params, SamplingParams(max_tokens=1, temperature=0.0)])
+    with LLM(
+        model=str(ckpt), device="cpu", dtype="float32", progress=False, block_size=4, num_tokens=16
+    ) as llm:
+        got = llm.generate([prompt], params)[0]
+        assert got.token_ids == want[0].token_ids and len(got.token_ids) == 2
+        assert llm.generate([prompt + [5]], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids == (
+            want[1].token_ids
+        )
+        with pytest.raises(ValueError, match="needs 17 tokens of KV cache"):
+            llm.generate([prompt + [5]], params)
+
+
 def test_prompt_logprob_rows_cap_what_a_batch_computes_of_such_prompts():
     """A batch computes at most ``prompt_logprob_rows`` prompt tokens of requests asking their
     prompt log-probs (their logits live at once), the rest of its budget for the others; such a

@@ -188,6 +188,20 @@ def test_bench_offline_prefill_runs(tmp_path, capsys):
         main([*argv, "--prefill-lens", "16", "--prefill-runs", "0"])
 
 
+def test_bench_offline_prefill_as_long_as_the_pool(tmp_path, capsys):
+    """A prefill row as long as the KV pool runs (its one generated token is never cached: a
+    262,144-token prompt with --num-tokens 262144); one token longer stops before any row is run."""
+    write_checkpoint(tmp_path, "qwen3_next")
+    argv = ["bench", "offline", "--config", str(tmp_path / "config.json"), "--load-format", "dummy"]
+    argv += ["--device", "cpu", "--batch-sizes", "", "--input-len", "8", "--output-len", "2"]
+    argv += ["--num-tokens", "48", "--block-size", "16"]
+    assert main([*argv, "--prefill-lens", "48"]) == 0
+    assert "prefill 48 tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="the KV pool holds 48 tokens, the longest request 49"):
+        main([*argv, "--prefill-lens", "49"])
+    assert "single-stream" not in capsys.readouterr().out
+
+
 def test_the_device_peak_is_reported_against_the_plan():
     """On CUDA the report ends its MoE lines with the device's peak against what the plan allowed,
     the part of that kept for activations and the prefill chunk: the figures that say whether the

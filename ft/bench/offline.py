@@ -32,6 +32,7 @@ from ft.bench.roofline import decode_step_bytes, measure_bandwidth
 from ft.config import EngineConfig
 from ft.engine.engine import LLMEngine
 from ft.sampling_params import SamplingParams
+from ft.scheduler.request import kv_tokens
 
 
 @dataclass
@@ -170,6 +171,12 @@ def bench(
     rng = random.Random(seed)
     engine = LLMEngine(cfg)
     vocab = engine.model_config.vocab_size
+    blocks = engine.scheduler.blocks
+    pool = blocks.num_blocks * blocks.block_size
+    need = max([kv_tokens(n, 1) for n in prefill_lens] + [kv_tokens(input_len, output_len + 1)])
+    if need > pool:  # before any row, not after the others have run
+        engine.shutdown()
+        raise SystemExit(f"the KV pool holds {pool} tokens, the longest request {need}: raise --num-tokens")
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(n)]

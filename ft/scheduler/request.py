@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from ft.sampling_params import Logprobs, SamplingParams
 
 
+def kv_tokens(prompt_len: int, max_tokens: int) -> int:
+    """The KV-cache tokens a request holds at most: its prompt and every generated token but the
+    last, which is sampled and never fed back (no step, not even one scheduled ahead, runs past a
+    request's last token by length: ``Scheduler.schedule_ahead``)."""
+    return prompt_len + max(max_tokens, 1) - 1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

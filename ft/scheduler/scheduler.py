@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from ft.sampling_params import SamplingParams
 from ft.scheduler.kv_pool import BlockAllocator
 from ft.scheduler.radix_cache import RadixCache
-from ft.scheduler.request import Request, Status
+from ft.scheduler.request import Request, Status, kv_tokens
 from ft.scheduler.state_pool import SlotAllocator
 
 HISTORY = 8  # tokens before a chunk that every rank sees (n-gram embeddings need the last few)
@@ -101,9 +101,10 @@ class Scheduler:
                 f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) = {total}"
                 f" exceeds the model's context of {self.max_model_len} tokens"
             )
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+        kv = kv_tokens(req.prompt_len, req.params.max_tokens)
+        if self.blocks.blocks_for(kv) > self.blocks.num_blocks:
             raise ValueError(
-                f"request needs {total} tokens of KV cache; the pool holds "
+                f"request needs {kv} tokens of KV cache; the pool holds "
                 f"{self.blocks.num_blocks * self.blocks.block_size}"
             )
         req.arrival, self._arrivals = self._arrivals, self._arrivals + 1

@@ -55,8 +55,9 @@ class EngineInfo:
 
     @property
     def max_request_tokens(self) -> int:
-        """Prompt plus generated tokens one request may hold: the context or the pool, the less."""
-        return min(self.max_model_len, self.pool_tokens)
+        """Prompt plus generated tokens one request may have: the context, or what the pool holds
+        (``kv_tokens``: every token but the last generated one), the less."""
+        return min(self.max_model_len, self.pool_tokens + 1)
 
 
 @dataclass

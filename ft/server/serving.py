@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ft.sampling_params import SamplingParams
+from ft.scheduler.request import kv_tokens
 from ft.server.engine_client import EngineClient, EngineDeadError, EngineRequestError
 from ft.server.engine_process import EngineInfo
 from ft.server.generation import Generation
@@ -61,6 +62,13 @@ class ServerState:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} tokens "
                 f"exceeds this server's limit of {limit} tokens per request",
                 param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if kv_tokens(len(ids), max_tokens) > self.info.pool_tokens:  # a prompt alone (max_tokens 0)
+            raise APIError(
+                400,
+                f"the prompt ({len(ids)} tokens) exceeds this server's KV cache of {self.info.pool_tokens}",
+                param="prompt",
                 code="context_length_exceeded",
             )
 

@@ -73,6 +73,30 @@ def test_chunked_prefill_prompt_logprobs(server, llm):
     assert all(abs(got[i] - want.prompt_logprobs[i][ids[i]]) < 1e-4 for i in range(1, len(ids)))
 
 
+def test_a_request_that_fills_the_pool_is_served_and_one_beyond_is_400(server, llm):
+    """The 64-token pool holds a 60-token prompt and 5 tokens (the last is never cached) and, alone, a
+    64-token prompt's log-probs; one token more of either is a 400 naming the field."""
+    ids = [(i * 19 + 2) % 280 for i in range(65)]
+    want = llm.generate([ids[:60]], greedy(5, ignore_eos=True))[0]
+    client = server.client()
+    r = client.completions.create(
+        model=MODEL,
+        prompt=ids[:60],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert extra(r.choices[0], "token_ids") == want.token_ids
+    r = client.completions.create(model=MODEL, prompt=ids[:64], max_tokens=0, echo=True, logprobs=1)
+    assert len(r.choices[0].logprobs.token_logprobs) == 64
+    for prompt, max_tokens, param in ((ids[:60], 6, "max_tokens"), (ids, 0, "prompt")):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
+        got = httpx.post(
+            f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+        )
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
+
+
 def test_shared_prefix_without_cache(server, llm, tok):
     assert check_shared_prefix(server, llm, tok) == 0
 
