@@ -24,7 +24,7 @@ def store_kv_kernel(
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t · s_vt passes 2^31 in chunks of 233k tokens (9,216-wide rows)
     slot = tl.load(slots + t)
     if slot < 0:  # padding row
         return

@@ -211,7 +211,7 @@ def gdn_recurrent(
 def _gates_kernel(
     b, a, A_log, dt_bias, g, beta, T, HV, s_bt, s_bh, s_at, s_ah, BT: tl.constexpr, BH: tl.constexpr
 ):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # t · s_bt: int32 only to 173k tokens
     h = tl.arange(0, BH)
     live = (t < T)[:, None] & (h < HV)[None, :]
     g_t, beta_t = gates(
