@@ -153,7 +153,10 @@ def test_an_offloaded_prefill_reports_its_share_of_the_link():
     moe = dict(backend="offload", slots_per_layer=393, experts_per_layer=512, residency=0.77, policy="lru",
                prefetch=True, routing_skew=0.0, h2d_gb_s=55.0)  # fmt: skip
     r = Report("m", "H200", 4200.0, prefill={8000: 8000.0}, prefill_streamed={8000: 36e9}, moe=moe)
-    want = "prefill 8000 tokens: 8,000 tok/s; streamed 36.00 GB at 36.0 GB/s (65% of the link)"
+    want = (
+        "prefill 8000 tokens: 8,000 tok/s, first token in 1.00 s; "
+        "streamed 36.00 GB at 36.0 GB/s (65% of the link)"
+    )
     assert want in format_report(r)
 
 
@@ -167,7 +170,8 @@ def test_prefill_runs_are_each_printed_beside_the_middle_one():
     r = Report("m", "H200", 4200.0, prefill={8000: 8000.0}, prefill_streamed={8000: 40e9}, moe=moe,
                prefill_runs={8000: runs})  # fmt: skip
     want = (
-        "prefill 8000 tokens: 8,000 tok/s; streamed 40.00 GB at 40.0 GB/s (80% of the link); "
+        "prefill 8000 tokens: 8,000 tok/s, first token in 1.00 s; "
+        "streamed 40.00 GB at 40.0 GB/s (80% of the link); "
         "runs 8,000 / 6,400 / 10,000 tok/s (80.0% / 64.0% / 100.0% of the link)"
     )
     assert want in format_report(r)
@@ -183,7 +187,7 @@ def test_bench_offline_prefill_runs(tmp_path, capsys):
     report = json.loads(out_json.read_text())
     rates = [rate for rate, _ in report["prefill_runs"]["16"]]
     assert len(rates) == 3 and report["prefill"]["16"] == sorted(rates)[1]
-    assert " tok/s; runs " in capsys.readouterr().out
+    assert " s; runs " in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--prefill-runs must be at least 1"):
         main([*argv, "--prefill-lens", "16", "--prefill-runs", "0"])
 

@@ -378,7 +378,8 @@ def format_report(r: Report) -> str:
             if streamed and r.moe.get("h2d_gb_s"):
                 shares = (b / (length / tok_s) / 1e9 / r.moe["h2d_gb_s"] for tok_s, b in runs)
                 link += f" ({' / '.join(f'{s:.1%}' for s in shares)} of the link)"
-        lines.append(f"prefill {length} tokens: {rate:,.0f} tok/s{link}")
+        first = length / rate  # the prompt's wall time to its one token: its time to first token
+        lines.append(f"prefill {length} tokens: {rate:,.0f} tok/s, first token in {first:,.2f} s{link}")
     lines.append(
         f"{'batch':>6} {'aggregate tok/s':>16} {'decode tok/s':>13} {'roofline tok/s':>15} "
         f"{'achieved/roof':>14} {'GB/step':>8}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|bench8k|ttft|ttftbench|memory|sweep|gluon|rega|regarow|fold|foldrow|gluontiles|nvfp4profile|census|hostreads|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|rega|regarow|fold|foldrow|gluontiles|nvfp4profile|census|hostreads|hybrid
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -23,6 +23,8 @@
 #            --memory-ratio 0.94, batch 1 and 8, TTFT after 1 s idle, 8k and 32k prefill, three
 #            prompts of each (--prefill-runs 3: the 32k share spread 81-86% between loads, 2026-12-04;
 #            ~7 min)
+#   long     TTFT of a 262,143-token prompt (the headline command's context) on the full bf16 80B
+#            offloaded at --memory-ratio 0.94, --num-tokens 262144; never run yet (~6 min)
 #   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
 #   ttft     the full model in bf16 at --memory-ratio 0.94, TTFT of a 1k prompt after a second
 #            idle, pre-staging off, on, off, on (ROUNDS) from one load (ttft_idle.py: each prompt's
@@ -133,6 +135,16 @@ row)
     --input-len 1024 --output-len 64 --prefill-lens 8000,32000 --prefill-runs 3 --num-tokens 34000 --ttft-idle-s 1 \
     >"$out/row.log" 2>&1
   grep -E "^(single-stream|prefill|moe| +[0-9]+ )" "$out/row.log" | cut -c1-220
+  ;;
+long)
+  # the headline command's longest prompt: the full bf16 80B offloaded at --memory-ratio 0.94 with a
+  # 262,144-token pool, one 262,143-token prompt (with its one token, the whole context), warmed
+  # once at the same length, then its time to first token; 16 prefix snapshots (one a 16k chunk)
+  # and one running request, so the GDN state rows leave the expert cache its memory (~6 min)
+  timeout 590 "${bench[@]}" --moe-backend offload --memory-ratio 0.94 --batch-sizes "" --max-running-requests 1 \
+    --prefix-snapshot-slots 16 --input-len 1024 --output-len 16 --prefill-lens 262143 --num-tokens 262144 \
+    >"$out/long.log" 2>&1
+  grep -E "^(single-stream|TTFT|prefill|moe)" "$out/long.log" | cut -c1-220
   ;;
 bench8k)
   timeout 420 "${bench[@]}" --moe-backend offload --batch-sizes 1 --max-running-requests 8 --input-len 1024 \
