@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ft import LLM, SamplingParams
+from ft.utils import cdiv
 from tests.checkpoints import write_checkpoint
 
 PROMPTS = [
@@ -54,21 +55,28 @@ def test_chunked_prefill_equals_one_shot(ckpt, alone, chunk):
         assert_same(got, want, tol=5e-5)
 
 
-def test_prompt_logprobs_in_capped_batches_equal_one_shot(ckpt, alone, monkeypatch):
-    """The engine's cap on prompt rows with log-probs a batch (3 here): every prompt position
-    still gets its log-probs, as computed in one shot."""
-    from ft.engine import engine
+def test_prompt_logprobs_in_slices_equal_one_shot(ckpt, alone, monkeypatch):
+    """The runner computes prompt log-probs a few rows at a time (``PROMPT_LOGPROB_BYTES``: 3 rows
+    here) inside a whole chunk: every prompt position still gets the log-probs of one shot, no
+    logits call takes more than 3 rows, and each prompt is still one forward."""
+    from ft.engine import model_runner
 
-    caps, scheduler = [], engine.Scheduler
-    monkeypatch.setattr(
-        engine, "Scheduler", lambda *a, **kw: (caps.append(kw["prompt_logprob_rows"]), scheduler(*a, **kw))[1]
-    )
-    monkeypatch.setattr(
-        engine, "PROMPT_LOGPROB_BYTES", 3 * 8 * 96
-    )  # tests/checkpoints.py: a vocabulary of 96
-    for got, want in zip(generate(ckpt, PROMPTS), alone):
-        assert_same(got, want, tol=5e-5)
-    assert caps == [3]
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_BYTES", 3 * 8 * 96)  # tests/checkpoints.py: 96 tokens
+    calls, compute = [], None
+
+    def spy(self, hidden):
+        calls.append(hidden.shape[0])
+        return compute(self, hidden)
+
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", progress=False, block_size=4) as llm:
+        model = llm.engine.executor.runner.model
+        compute = type(model).compute_logits
+        monkeypatch.setattr(type(model), "compute_logits", spy)
+        for prompt, want in zip(PROMPTS, alone):
+            calls.clear()
+            assert_same(llm.generate([prompt], PARAMS)[0], want, tol=5e-5)
+            prefill = cdiv(len(prompt) - 1, 3) + 1  # the prompt's rows with targets in 3s, then its last row
+            assert max(calls) <= 3 and len(calls) == prefill + PARAMS.max_tokens - 1, calls
 
 
 def test_small_pool_preempts_and_recomputes(ckpt, alone):
@@ -119,21 +127,3 @@ def test_last_generated_token_needs_no_kv(ckpt):
         )
         with pytest.raises(ValueError, match="needs 17 tokens of KV cache"):
             llm.generate([prompt + [5]], params)
-
-
-def test_prompt_logprob_rows_cap_what_a_batch_computes_of_such_prompts():
-    """A batch computes at most ``prompt_logprob_rows`` prompt tokens of requests asking their
-    prompt log-probs (their logits live at once), the rest of its budget for the others; such a
-    prompt takes more batches, each capped, and its last one samples."""
-    from ft.scheduler.kv_pool import BlockAllocator
-    from ft.scheduler.request import Request
-    from ft.scheduler.scheduler import Scheduler
-    from ft.scheduler.state_pool import SlotAllocator
-
-    sched = Scheduler(BlockAllocator(64, 4), SlotAllocator(4), 4, 64, 256, prompt_logprob_rows=5)
-    lp = SamplingParams(max_tokens=2, prompt_logprobs=1)
-    sched.add(Request("plain", list(range(20)), SamplingParams(max_tokens=2)))
-    sched.add(Request("lp", list(range(12)), lp))
-    sched.add(Request("lp2", list(range(12)), lp))
-    first = {s.request_id: len(s.token_ids) for s in sched.schedule().seqs}
-    assert first == {"plain": 20, "lp": 5}  # lp2 waits (first come, first served): 5 rows taken

@@ -21,11 +21,6 @@ from ft.scheduler.request import Request
 from ft.scheduler.scheduler import Scheduler
 from ft.scheduler.state_pool import SlotAllocator
 
-# A batch's prompt log-probs at most this much at once (each row's fp32 logits and log-softmax:
-# 8 bytes a vocabulary entry, 1.2 MB a token of Qwen3's 151,936): 880 rows there, what the
-# activation reserve holds beside a chunk, where a 16k chunk of them would take 19 GB
-PROMPT_LOGPROB_BYTES = 1 << 30
-
 
 @dataclass
 class EngineStats:
@@ -114,7 +109,6 @@ class LLMEngine:
             max_len,
             cache=cache,
             hybrid=plan.has_gdn,
-            prompt_logprob_rows=max(1, PROMPT_LOGPROB_BYTES // (8 * self.model_config.vocab_size)),
         )
         self.eos_ids = set(self.model_config.eos_token_ids)
         # decode ahead (``step``): the batch issued ahead and its sequences, until a step collects it

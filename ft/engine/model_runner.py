@@ -22,7 +22,7 @@ from ft.engine import allocator
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.gdn import get_gdn_backend
 from ft.gdn.snapshots import SnapshotPoint, state_snapshots
-from ft.layers.sampler import Draw, Sampler, SampleResult, top_logprobs
+from ft.layers.sampler import Draw, Sampler, SampleResult, logprob_rows, top_parts
 from ft.models.config import ModelConfig
 from ft.models.dummy import init_dummy_weights, skew_routers
 from ft.models.loader import load_weights
@@ -34,6 +34,11 @@ from ft.moe.backends.sizing import device_budget, prefill_chunk
 from ft.sampling_params import Logprobs
 from ft.scheduler.scheduler import HISTORY, ScheduledSeq
 from ft.utils import cdiv, upload, upload_lists
+
+# Prompt log-probs are computed this much of a batch at a time (each row's fp32 logits and
+# log-softmax, 8 bytes a vocabulary entry: ~880 rows of Qwen3's 151,936), so a chunk of any length
+# asks no more of the activation reserve for them (a 16k chunk's at once would take 19 GB)
+PROMPT_LOGPROB_BYTES = 1 << 30
 
 
 @dataclass
@@ -49,8 +54,8 @@ class Launched:
     on the first rank its sampled tokens on the device and on their way to the host."""
 
     seqs: list[ScheduledSeq]
-    logits: torch.Tensor
-    rows: list[range]  # each sequence's rows of ``logits``
+    logits: torch.Tensor  # [S, V], sequence i's last row in row i
+    prompt: list[tuple | None]  # each sequence's prompt log-probs (``top_parts``), on the device
     sampling: list[int] = field(default_factory=list)  # the sequences that sample, in ``draw`` order
     draw: Draw | None = None  # their tokens (and log-probs), on the device
     host: Draw | None = None  # the same, copied to the host once ``done`` has passed
@@ -342,29 +347,41 @@ class ModelRunner:
 
     def _forward(
         self, seqs: list[ScheduledSeq], ids_now: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, list[range]]:
-        """Logits for the rows that need them, and for each sequence its rows' indices in them.
-        ``ids_now``: the input ids [T] already on the device (decode ahead), in place of the
-        sequences' own."""
+    ) -> tuple[torch.Tensor, list[tuple | None]]:
+        """The logits of each sequence's last row [S, V], and each sequence's prompt log-probs
+        (``_prompt_logprobs``). ``ids_now``: the input ids [T] already on the device (decode
+        ahead), in place of the sequences' own."""
         if self.graphs is not None and self.graphs.can_run(seqs):
-            return self.graphs.run(seqs, ids_now), [range(i, i + 1) for i in range(len(seqs))]
+            return self.graphs.run(seqs, ids_now), [None] * len(seqs)
         ids, batch = self._batch(seqs)
         if ids_now is not None:
             ids.copy_(ids_now)
         with forward_context(ForwardContext(batch, self.attention, self.gdn)):
             hidden = self.model(ids, batch.positions)
-        # rows whose logits we need: every row of a chunk asking for prompt log-probs, else the last
-        rows, flat, end = [], [], -1
+        last = hidden.index_select(0, batch.cu_seqlens[1:].long() - 1)  # no host-to-device copy
+        return self.model.compute_logits(last), self._prompt_logprobs(hidden, seqs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> list[tuple | None]:
+        """For each sequence with prompt targets, ``top_parts`` of the log-probs of its first rows,
+        one a target, on the first rank (the others None); the logits a slice of
+        ``PROMPT_LOGPROB_BYTES`` at a time on every rank (the vocabulary-parallel head gathers)."""
+        step = max(1, PROMPT_LOGPROB_BYTES // (8 * self.mc.vocab_size))
+        out, start = [], 0
         for s in seqs:
-            end += len(s.token_ids)
-            first = end - len(s.token_ids) + 1 if s.prompt_targets else end
-            rows.append(range(len(flat), len(flat) + end - first + 1))
-            flat.extend(range(first, end + 1))
-        if len(flat) == len(seqs):  # each sequence's last row: from cu_seqlens, no host-to-device copy
-            index = batch.cu_seqlens[1:].long() - 1
-        else:  # a pageable list would block the host until the forward has run
-            index = upload(torch.tensor(flat, dtype=torch.int64), hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, index)), rows
+            n, parts = len(s.prompt_targets or ()), None
+            if n:  # a pageable list would block the host until the forward has run
+                targets = upload(torch.tensor(s.prompt_targets, dtype=torch.int64), hidden.device)
+                slices = []
+                for i in range(0, n, step):
+                    logits = self.model.compute_logits(hidden[start + i : start + min(i + step, n)])
+                    if self.tp.is_first:
+                        lp = torch.log_softmax(logits, dim=-1)
+                        slices.append(top_parts(lp, s.params.prompt_logprobs, targets[i : i + step]))
+                if slices:
+                    parts = (*(torch.cat(t) for t in zip(*slices)), targets)
+            out.append(parts)
+            start += len(s.token_ids)
+        return out
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult] | None:
@@ -392,15 +409,14 @@ class ModelRunner:
             )
             broadcast_from_first(ids, self.tp)
         self.moe.before_step(tokens)
-        logits, rows = self._forward(seqs, ids)  # [R, V]; GDN layers save the snapshots as they run
+        logits, prompt = self._forward(seqs, ids)  # [S, V]; GDN layers save the snapshots as they run
         self.moe.after_step(tokens)
-        out = Launched(seqs, logits, rows)
+        out = Launched(seqs, logits, prompt)
         if not self.tp.is_first:
             return out
         out.sampling = [i for i, s in enumerate(seqs) if s.sample]
-        last = [rows[i][-1] for i in out.sampling]
-        decode = last == list(range(len(last)))
-        sampled = logits[: len(last)] if decode else logits[last]  # decode: no gather
+        every = len(out.sampling) == len(seqs)
+        sampled = logits if every else logits[out.sampling]  # decode: no gather
         params = [seqs[i].params for i in out.sampling]
         if params:
             index = [seqs[i].output_index for i in out.sampling]
@@ -417,7 +433,7 @@ class ModelRunner:
         rank, None on the others."""
         if not self.tp.is_first:
             return None
-        seqs, logits, rows = launched.seqs, launched.logits, launched.rows
+        seqs = launched.seqs
         samples = []
         if launched.host is not None:
             if launched.done is not None:
@@ -425,11 +441,7 @@ class ModelRunner:
             samples = self.sampler.results(launched.host, [seqs[i].params for i in launched.sampling])
         by_seq = dict(zip(launched.sampling, samples))
         out = []
-        for i, s in enumerate(seqs):
-            plp = None
-            if s.prompt_targets:
-                lp = torch.log_softmax(logits[list(rows[i])[: len(s.prompt_targets)]], dim=-1)
-                targets = torch.tensor(s.prompt_targets, device=lp.device)
-                plp = top_logprobs(lp, s.params.prompt_logprobs, targets)
+        for i, (s, parts) in enumerate(zip(seqs, launched.prompt)):
+            plp = None if parts is None else logprob_rows(*(t.tolist() for t in parts))
             out.append(SeqResult(s.request_id, by_seq.get(i), plp))
         return out

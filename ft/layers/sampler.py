@@ -63,12 +63,6 @@ def logprob_rows(top_v: list, top_i: list, picked: list, chosen: list) -> list[L
     return rows
 
 
-def top_logprobs(logprobs: torch.Tensor, n: int, chosen: torch.Tensor) -> list[Logprobs]:
-    """Per row: the top-n entries of ``logprobs`` [R, V] plus the ``chosen`` [R] token."""
-    parts = top_parts(logprobs, n, chosen)
-    return logprob_rows(*(t.tolist() for t in parts), chosen.tolist())
-
-
 def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on ``device`` without a stream sync: pinned, copied asynchronously."""
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")

@@ -72,14 +72,8 @@ class Scheduler:
         max_model_len: int,
         cache: RadixCache | None = None,
         hybrid: bool = False,
-        prompt_logprob_rows: int | None = None,
     ) -> None:
         self.blocks, self.slots, self.cache, self.hybrid = blocks, slots, cache, hybrid
-        # the most prompt tokens a batch computes for requests asking their prompt log-probs: each
-        # such row's logits and their log-softmax live at once ([rows, V] fp32 each), whatever
-        # the chunk size (the engine sets it from the vocabulary)
-        self.prompt_logprob_rows = prompt_logprob_rows
-        self._logprob_rows = prompt_logprob_rows  # what the batch being built has left of them
         self.max_running = min(max_running, slots.num_slots)
         self.max_batched_tokens, self.max_model_len = max_batched_tokens, max_model_len
         self.waiting: deque[Request] = deque()
@@ -134,14 +128,10 @@ class Scheduler:
     # ---- building a batch
     def schedule(self) -> SchedulerOutput:
         budget, seqs, preempted = self.max_batched_tokens, [], []
-        self._logprob_rows = self.prompt_logprob_rows
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, budget)
-            if n == 0:  # its prompt log-probs wait for the next batch
-                i += 1
-                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self._grow(req, req.num_computed_tokens + n):
                 seqs.append(self._scheduled(req, n))
                 budget -= n
@@ -155,9 +145,7 @@ class Scheduler:
             if self.slots.num_free == 0:
                 break
             self._hit(req)
-            n = self._chunk(req, budget)
-            if n == 0:
-                break
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 self._release(req)
                 req.num_computed_tokens = req.num_cached_tokens = 0
@@ -230,14 +218,6 @@ class Scheduler:
         req.num_computed_tokens = req.num_cached_tokens = len(nodes) * self.blocks.block_size
         req.restore_snapshot = nodes[-1].snapshot if self.hybrid else None
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens of ``req`` to compute now (prompt tokens that want log-probs take what is left
-        of the batch's ``prompt_logprob_rows``)."""
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if req.wants_prompt_logprobs and self._logprob_rows is not None:
-            n = min(n, self._logprob_rows)
-        return n
-
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.blocks.blocks_for(num_tokens) - len(req.block_ids)
         if need <= 0:
@@ -255,8 +235,6 @@ class Scheduler:
         targets = None
         if req.wants_prompt_logprobs:
             targets = req.prompt_token_ids[start + 1 : min(start + n + 1, req.prompt_len)]
-            if self._logprob_rows is not None:  # taken once the batch holds them (not on a retry)
-                self._logprob_rows -= n
         snapshot, at = None, 0
         if self.hybrid and self.cache is not None:
             # the last block boundary in (start, start + n] that a later request could hit
