@@ -49,6 +49,10 @@ def test_bench_offline_cli(tmp_path, capsys):
     assert [r["batch"] for r in report["rows"]] == [1, 3]
     assert all(r["decode_tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in report["rows"])
     assert report["prefill"]["24"] > 0 and report["ttft_ms"] > 0
+    # each prompt beside its compute floor: its FLOPs over the matmul rate measured on the device
+    floors = report["compute_floor_s"]
+    assert report["matmul_tflops"] > 0 and 0 < floors["12"] < floors["24"]
+    assert printed.count("(compute floor ") == 2  # the TTFT's and the prefill's
     assert len(report["ttft_runs_ms"]) == 5 and sorted(report["ttft_runs_ms"])[2] == report["ttft_ms"]
     assert report["switches"]["ft.distributed:SYMM_ALL_REDUCE"] is False  # what the run had, recorded
     assert "kernel switches on: " in printed
@@ -132,6 +136,55 @@ def test_decode_bytes_count_distinct_experts(tmp_path):
     assert one.dense == many.dense and many.kv == 1000 * one.kv
 
 
+def test_prefill_flops_are_transformers_matmuls(tmp_path):
+    """The prefill floor's FLOPs against transformers' forward of the same checkpoint under torch's
+    FLOP counter (its last token's logits only, eager attention): the dense projections, routers
+    and one row of lm_head are its ``mm`` FLOPs; attention is its ``bmm`` FLOPs (QK^T and PV over
+    every key) times the causal share (L + 1) / 2L. Its experts run as grouped matmuls the counter
+    does not count: those are 2 · 3 · H · I FLOPs a routed token and layer, from the config."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ft.bench.roofline import prefill_flops
+
+    hf = write_checkpoint(tmp_path, "qwen3_moe", seed=1)
+    hf.set_attn_implementation("eager")
+    mc = load_model_config(str(tmp_path))
+    model = build_model(mc, TPInfo(0, 1), "meta", torch.bfloat16)
+    length = 24
+    with FlopCounterMode(display=False) as counter:
+        hf(torch.randint(0, mc.vocab_size, (1, length)), logits_to_keep=1)
+    ops = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    got = prefill_flops(model, mc, length)
+    assert got.dense + got.lm_head == ops["aten.mm"]
+    assert got.attention == ops["aten.bmm"] * (length + 1) / (2 * length)
+    k, inter = mc.num_experts_per_tok, mc.moe_intermediate_size
+    assert got.experts == 2 * 3 * mc.hidden_size * inter * k * length * mc.num_layers
+    assert got.recurrent == 0
+    assert prefill_flops(model, mc, 2 * length).dense == 2 * got.dense  # linear in the prompt
+
+
+def test_prefill_flops_of_a_hybrid_model(tmp_path):
+    """Qwen3-Next: attention only in its full-attention layers (causal: L(L + 1)/2 keys a head),
+    the GDN recurrence 6 · dk · dv a value head and token in the others; a sparse layer's
+    ``max_keys`` caps what a query attends (each query past the cap sees ``max_keys`` keys)."""
+    from ft.bench.roofline import prefill_flops
+
+    write_checkpoint(tmp_path, "qwen3_next")
+    mc = load_model_config(str(tmp_path))
+    model = build_model(mc, TPInfo(0, 1), "meta", torch.bfloat16)
+    length, gdn = 40, mc.layer_types.count("linear_attention")
+    got = prefill_flops(model, mc, length)
+    dk, dv, hv = mc.linear_key_head_dim, mc.linear_value_head_dim, mc.linear_num_value_heads
+    assert got.recurrent == 6 * hv * dk * dv * length * gdn
+    causal = 4 * mc.num_heads * mc.head_dim * length * (length + 1) / 2
+    assert got.attention == causal * (mc.num_layers - gdn)
+    attn = [m for m in model.modules() if hasattr(m, "cache_shape")]
+    for m in attn:
+        m.max_keys = 16
+    capped = 4 * mc.num_heads * mc.head_dim * (16 * 17 / 2 + (length - 16) * 16)
+    assert prefill_flops(model, mc, length).attention == capped * len(attn)
+
+
 def test_bench_offline_compare_hf_adds_a_transformers_row(tmp_path, capsys):
     """--compare-hf times transformers' generate on the same config (random weights) after the
     engine's rows, in the same command."""
@@ -187,7 +240,7 @@ def test_bench_offline_prefill_runs(tmp_path, capsys):
     report = json.loads(out_json.read_text())
     rates = [rate for rate, _ in report["prefill_runs"]["16"]]
     assert len(rates) == 3 and report["prefill"]["16"] == sorted(rates)[1]
-    assert " s; runs " in capsys.readouterr().out
+    assert "; runs " in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--prefill-runs must be at least 1"):
         main([*argv, "--prefill-lens", "16", "--prefill-runs", "0"])
 

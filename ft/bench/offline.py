@@ -4,7 +4,9 @@ Prompts are random token ids. For each batch size N, N prompts of ``input_len`` 
 ``output_len`` tokens each: aggregate tok/s is all output tokens over the wall time (prefill
 included); decode tok/s is N over the mean time of a pure decode step, compared with the decode
 roofline (``ft.bench.roofline``). Also: single-stream decode (output_len / (time − TTFT)), TTFT
-at ``input_len`` (median of 5), and prefill tok/s of one long prompt per ``--prefill-lens``.
+at ``input_len`` (median of 5), and prefill tok/s of one long prompt per ``--prefill-lens``, the
+TTFT and each prefill beside their compute floor (the prompt's FLOPs over the dense matmul rate
+measured on the device, ``roofline.prefill_flops``).
 
 When experts are offloaded (``--moe-backend offload|hybrid|cpu``), each row also gives the decode
 steps' expert-cache hit rate, the expert bytes copied host -> device per generated token, and
@@ -28,7 +30,7 @@ import torch
 
 from ft import switches as kernel_switches
 from ft.bench.census import CENSUS_TOKENS, census, format_census
-from ft.bench.roofline import decode_step_bytes, measure_bandwidth
+from ft.bench.roofline import decode_step_bytes, measure_bandwidth, measure_matmul_rate, prefill_flops
 from ft.config import EngineConfig
 from ft.engine.engine import LLMEngine
 from ft.sampling_params import SamplingParams
@@ -59,14 +61,18 @@ class Report:
     model: str
     device: str
     hbm_gb_s: float
+    matmul_tflops: float = 0.0  # the dense matmul rate measured on the device (bf16 on a GPU)
     rows: list[Row] = field(default_factory=list)
     single_stream_tok_s: float = 0.0
     ttft_ms: float = 0.0
+    ttft_input_len: int = 0  # the TTFT prompt's length
     ttft_runs_ms: list[float] = field(default_factory=list)  # the five runs the median is of, in order
     ttft_idle_s: float = 0.0  # the engine idle this long before each TTFT run (``--ttft-idle-s``)
     idle_hook_ms: list[tuple[float, float]] = field(default_factory=list)  # engine.idle(): host, copies after
     ttft_prestaged_layers: list[int] = field(default_factory=list)  # layers each TTFT run found pre-staged
     prefill: dict[int, float] = field(default_factory=dict)
+    # prompt length (the TTFT's and each prefill's) -> its FLOPs over ``matmul_tflops``, in seconds
+    compute_floor_s: dict[int, float] = field(default_factory=dict)
     prefill_streamed: dict[int, float] = field(default_factory=dict)  # offload: expert bytes a prefill moved
     # --prefill-runs > 1: every run's (tok/s, bytes streamed) in order; prefill / prefill_streamed
     # then hold the middle run's (by rate; the upper middle of an even count)
@@ -190,6 +196,7 @@ def bench(
     device = cfg.resolved_device
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     hbm_gb_s = measure_bandwidth(device) / 1e9
+    matmul_tflops = measure_matmul_rate(device) / 1e12
     h2d_gb_s = None
     moe = engine.plan.moe
     offloaded = offloads(engine)
@@ -200,7 +207,11 @@ def bench(
         engine.set_moe_variant(policy, skew)
         # the engine's own: decode ahead (``--no-decode-ahead``) beside the kernel switches
         switches = kernel_switches.current() | {"engine:decode_ahead": engine.decodes_ahead}
-        report = Report(cfg.model_path, name, hbm_gb_s, switches=switches, ttft_idle_s=ttft_idle_s)
+        report = Report(cfg.model_path, name, hbm_gb_s, matmul_tflops, switches=switches)
+        report.ttft_idle_s = ttft_idle_s
+        for length in (input_len, *prefill_lens):
+            flops = prefill_flops(meta, engine.model_config, length).total
+            report.compute_floor_s[length] = flops / (matmul_tflops * 1e12)
         moe = engine.plan.moe
         if moe is not None and moe.layers:
             report.moe = {
@@ -282,7 +293,7 @@ def measure(engine: LLMEngine, report: Report, meta, act_bytes: int, prompt, bat
         used = engine.stats().moe_prestaged_layers
         report.ttft_runs_ms.append(1e3 * run_batch(engine, [prompt(input_len)], 1)["wall"])
         report.ttft_prestaged_layers.append(engine.stats().moe_prestaged_layers - used)
-    report.ttft_ms = statistics.median(report.ttft_runs_ms)
+    report.ttft_ms, report.ttft_input_len = statistics.median(report.ttft_runs_ms), input_len
     for n in batch_sizes:
         run_batch(engine, [prompt(input_len) for _ in range(n)], 2)  # warm-up: kernels tuned for these shapes
         res = run_batch(engine, [prompt(input_len) for _ in range(n)], output_len)
@@ -352,11 +363,13 @@ def bench_hf(cfg: EngineConfig, input_len: int, output_len: int) -> dict[str, fl
 
 def format_report(r: Report) -> str:
     lines = [
-        f"model {r.model} on {r.device}; measured memory bandwidth {r.hbm_gb_s:,.0f} GB/s",
+        f"model {r.model} on {r.device}; measured memory bandwidth {r.hbm_gb_s:,.0f} GB/s, "
+        f"dense matmul {r.matmul_tflops:,.1f} TFLOP/s",
         *([kernel_switches.describe(r.switches)] if r.switches else []),
         f"single-stream decode: {r.single_stream_tok_s:,.1f} tok/s   TTFT: {r.ttft_ms:,.1f} ms"
         + (f" (runs {', '.join(f'{t:,.1f}' for t in r.ttft_runs_ms)})" if r.ttft_runs_ms else "")
-        + (f", each after {r.ttft_idle_s:g} s idle" if r.ttft_idle_s else ""),
+        + (f", each after {r.ttft_idle_s:g} s idle" if r.ttft_idle_s else "")
+        + _floor(r, r.ttft_input_len, r.ttft_ms / 1e3),
     ]
     if any(r.ttft_prestaged_layers) and r.idle_hook_ms:  # offload.PRESTAGE: what each idle spell staged
         host, copies = (statistics.median(v) for v in zip(*r.idle_hook_ms))
@@ -379,7 +392,11 @@ def format_report(r: Report) -> str:
                 shares = (b / (length / tok_s) / 1e9 / r.moe["h2d_gb_s"] for tok_s, b in runs)
                 link += f" ({' / '.join(f'{s:.1%}' for s in shares)} of the link)"
         first = length / rate  # the prompt's wall time to its one token: its time to first token
-        lines.append(f"prefill {length} tokens: {rate:,.0f} tok/s, first token in {first:,.2f} s{link}")
+        lines.append(
+            f"prefill {length} tokens: {rate:,.0f} tok/s, first token in {first:,.2f} s"
+            + _floor(r, length, first)
+            + link
+        )
     lines.append(
         f"{'batch':>6} {'aggregate tok/s':>16} {'decode tok/s':>13} {'roofline tok/s':>15} "
         f"{'achieved/roof':>14} {'GB/step':>8}"
@@ -428,6 +445,14 @@ def format_report(r: Report) -> str:
     for k, v in r.hf.items():
         lines.append(f"transformers {k}: {v:,.1f}")
     return "\n".join(lines + format_census(r.census))
+
+
+def _floor(r: Report, length: int, seconds: float) -> str:
+    """``seconds`` for a prompt of ``length`` beside its compute floor, if known."""
+    floor = r.compute_floor_s.get(length)
+    if not floor or not seconds:
+        return ""
+    return f" (compute floor {1e3 * floor:,.1f} ms: {floor / seconds:.0%})"
 
 
 def as_dict(r: Report) -> dict:

@@ -70,6 +70,8 @@ class QKNormGate:
 
 
 class QKNormAttention(nn.Module):
+    max_keys: int | None = None  # every earlier key (causal); sparse variants attend fewer
+
     def __init__(
         self,
         hidden_size: int,

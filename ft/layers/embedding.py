@@ -17,6 +17,8 @@ from ft.utils import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):
+    lookup = True  # a token reads one row (``ft.bench.roofline``: not a matmul, not read whole)
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.tp = get_tp_info()
@@ -50,6 +52,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary; each rank computes its rows, then they are gathered."""
+
+    lookup = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, V]
         logits = F.linear(x, self.weight)

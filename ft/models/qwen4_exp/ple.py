@@ -36,6 +36,8 @@ def load_int64(param: torch.Tensor, ckpt: CheckpointTensor, shard_id=None) -> No
 
 
 class PLETable(nn.Module):
+    lookup = True  # a token reads a few rows (``ft.bench.roofline``: not a matmul, not read whole)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         u, o, heads = len(cfg.ple_layers), len(cfg.ple_ngram_orders), cfg.ple_heads

@@ -127,6 +127,12 @@ class QSAAttention(QKNormAttention):
     def extra_paged_caches(self) -> dict[str, tuple[int, ...]]:
         return {"index_keys": (self.indexer.head_dim,)}
 
+    @property
+    def max_keys(self) -> int:
+        """The keys a query attends at most: its local blocks and the selected ones (the prefill
+        roofline, ``ft.bench.roofline``)."""
+        return (self.local_blocks + self.topk) * self.block_size
+
     def attend(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, around: QKNormGate
     ) -> torch.Tensor:
