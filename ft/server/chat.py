@@ -1,7 +1,10 @@
 """POST /v1/chat/completions: messages through the tokenizer's chat template, then generation.
 
 ``logprobs: true`` with ``top_logprobs: k`` gives OpenAI's per-token entries (token, logprob,
-bytes, top_logprobs). Without ``max_tokens`` a chat may run to the end of the context.
+bytes, top_logprobs). Without ``max_tokens`` a chat may run to the end of the context. With
+``tools`` the template shows the model the functions and the answer's calls come back as
+``tool_calls`` (``tool_calls.py``: the Hermes format of Qwen's templates), finish reason
+``tool_calls``; streamed, each call is one delta once its block is complete.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from ft.server.generation import Generation, Update
 from ft.server.protocol import APIError, ChatCompletionRequest, parse
 from ft.server.serving import ServerState, usage
 from ft.server.tokenizer import Tokenizer
+from ft.server.tool_calls import ToolCallStream, parse_tool_calls
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
@@ -21,9 +25,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     state.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    prompt = await state.chat_prompt(
-        [m.for_template() for m in req.messages], req.add_generation_prompt, req.chat_template_kwargs or {}
-    )
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.calls_tools:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    messages = [m.for_template() for m in req.messages]
+    prompt = await state.chat_prompt(messages, req.add_generation_prompt, kwargs)
     ids = await state.encode(prompt, req.add_special_tokens)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
@@ -40,6 +46,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
 class _Writer:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, gen: Generation) -> None:
         self.state, self.req, self.gen = state, req, gen
+        # each choice's calls as its text streams (``events``)
+        self.streams = {c.index: ToolCallStream() for c in gen.choices} if req.calls_tools else {}
 
     def _header(self, obj: str) -> dict:
         return {"id": self.gen.id, "object": obj, "created": self.gen.created, "model": self.state.model_name}
@@ -52,11 +60,17 @@ class _Writer:
     def body(self) -> dict:
         choices = []
         for c in self.gen.choices:
+            message, finish = {"role": "assistant", "content": c.text.text}, c.finish_reason
+            if self.req.calls_tools:
+                message["content"], calls = parse_tool_calls(c.text.text)
+                if calls:
+                    message["tool_calls"] = [call.as_dict() for call in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
             entry = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text.text},
+                "message": message,
                 "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish,
             }
             if self.req.return_token_ids:
                 entry["prompt_token_ids"], entry["token_ids"] = c.prompt_token_ids, c.token_ids
@@ -80,11 +94,23 @@ class _Writer:
             yield self._header("chat.completion.chunk") | {"choices": [], "usage": usage(self.gen)}
 
     def _chunk_choice(self, u: Update) -> dict:
+        text, finish = u.text, u.choice.finish_reason if u.finished else None
+        delta = {}
+        stream = self.streams.get(u.choice.index)
+        if stream is not None:  # content released as far as it cannot start a call; calls whole
+            text, calls = stream.feed(text)
+            if u.finished:
+                text += stream.finish()
+                finish = "tool_calls" if stream.calls and finish == "stop" else finish
+            if calls:
+                delta["tool_calls"] = [c.as_dict(stream.calls - len(calls) + i) for i, c in enumerate(calls)]
+        if text or not (u.finished or delta):
+            delta = {"content": text} | delta
         entry = {
             "index": u.choice.index,
-            "delta": {"content": u.text} if u.text or not u.finished else {},
+            "delta": delta,
             "logprobs": self._logprobs(u.token_ids, u.logprobs),
-            "finish_reason": u.choice.finish_reason if u.finished else None,
+            "finish_reason": finish,
         }
         if self.req.return_token_ids:
             entry["token_ids"] = u.token_ids

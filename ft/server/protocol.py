@@ -129,6 +129,18 @@ class ChatMessage(BaseModel):
         return out
 
 
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema, for the template to show the model
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -137,6 +149,28 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     chat_template_kwargs: dict | None = None
+    tools: list[Tool] | None = None
+    # "auto" (the default with tools): the model may call them; "none": the template is not shown
+    # them and the output is not parsed for calls
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # accepted; the model decides how many it makes
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice(cls, v):
+        if v in ("none", "auto"):
+            return v
+        if v == "required" or isinstance(v, dict):
+            raise ValueError(
+                "only 'auto' and 'none' are supported: 'required' and a named function need "
+                "constrained decoding, which this server does not do"
+            )
+        raise ValueError("should be 'auto' or 'none'")
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the template is shown the tools and the output parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 def parse(model: type[BaseModel], body: bytes) -> BaseModel:

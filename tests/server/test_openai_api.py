@@ -186,6 +186,25 @@ def test_penalties_and_logit_bias_reach_the_sampler(server, llm):
     assert extra(r.choices[0], "token_ids") == want and 9 not in want
 
 
+def test_chat_tools_reach_the_template(server, llm, tok):
+    """``tools`` are shown to the model through the chat template (the prompt is the template's
+    with them), and the answer is the model's as without tools; ``tool_choice: none`` leaves them
+    out of the prompt."""
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    client = server.client()
+    for choice, shown in (("auto", True), ("none", False)):
+        r = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, temperature=0, tools=[TOOL], tool_choice=choice,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        text = tok.apply_chat_template(messages, tools=[TOOL] if shown else None, tokenize=False,
+                                       add_generation_prompt=True)  # fmt: skip
+        ids = tok.encode(text, add_special_tokens=False)
+        assert extra(r.choices[0], "prompt_token_ids") == ids and ("# Tools" in text) == shown
+        want = llm.generate([ids], greedy(6, ignore_eos=True))[0]
+        assert extra(r.choices[0], "token_ids") == want.token_ids
+
+
 def test_chat_logprobs(server, llm, tok):
     messages = [{"role": "user", "content": "a b c"}]
     want = llm.generate([chat_ids(tok, messages)], greedy(6, logprobs=3, ignore_eos=True))[0]
@@ -258,6 +277,15 @@ def test_disconnect_mid_stream_frees_kv(server, llm):
 
 C, X = "/v1/completions", "/v1/chat/completions"
 OK = {"model": MODEL, "prompt": [1, 2, 3]}
+HI = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 BAD = {
     "malformed-json": (C, b'{"model": "tiny", "prompt": [1, 2', 400, None),
     "not-an-object": (C, b"[1, 2, 3]", 400, None),
@@ -291,6 +319,20 @@ BAD = {
         400,
         "top_logprobs",
     ),
+    "tool-choice-required": (X, HI | {"tools": [TOOL], "tool_choice": "required"}, 400, "tool_choice"),
+    "tool-choice-named": (
+        X,
+        HI | {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "weather"}}},
+        400,
+        "tool_choice",
+    ),
+    "tool-without-name": (
+        X,
+        HI | {"tools": [{"type": "function", "function": {}}]},
+        400,
+        "tools.0.function.name",
+    ),
+    "tool-wrong-type": (X, HI | {"tools": [TOOL | {"type": "retrieval"}]}, 400, "tools.0.type"),
     "body-too-large": (C, json.dumps(OK | {"prompt": "a" * 200_000}).encode(), 413, None),
     "unknown-route": ("/v1/embeddings", OK, 404, None),
 }
