@@ -23,7 +23,9 @@ CHAT_TEMPLATE = (  # tools as Qwen's templates show them: a system turn listing 
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    # a thinking model's generation prompt opens its reasoning (Qwen3's ``enable_thinking``)
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
 
 # pairs of byte strings to merge, in priority order

@@ -4,7 +4,9 @@
 bytes, top_logprobs). Without ``max_tokens`` a chat may run to the end of the context. With
 ``tools`` the template shows the model the functions and the answer's calls come back as
 ``tool_calls`` (``tool_calls.py``: the Hermes format of Qwen's templates), finish reason
-``tool_calls``; streamed, each call is one delta once its block is complete.
+``tool_calls``; streamed, each call is one delta once its block is complete. With
+``--reasoning-parser`` a thinking model's reasoning comes back apart, as ``reasoning_content``
+(``reasoning.py``), and only the answer is parsed for calls.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from starlette.responses import Response
 from ft.sampling_params import Logprobs
 from ft.server.generation import Generation, Update
 from ft.server.protocol import APIError, ChatCompletionRequest, parse
+from ft.server.reasoning import ReasoningStream, split_reasoning, thinks
 from ft.server.serving import ServerState, usage
 from ft.server.tokenizer import Tokenizer
 from ft.server.tool_calls import ToolCallStream, parse_tool_calls
@@ -37,17 +40,23 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     state.check_prompt(ids, max_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     gen = state.generation("chatcmpl", [ids], state.sampling_params(req, max_tokens, logprobs), req)
-    writer = _Writer(state, req, gen)
+    writer = _Writer(state, req, gen, thinks(prompt) if state.reasoning_parser else None)
     if req.stream:
         return await state.stream(request, gen, writer.events())
     return await state.complete(request, gen, writer.body)
 
 
 class _Writer:
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, gen: Generation) -> None:
-        self.state, self.req, self.gen = state, req, gen
-        # each choice's calls as its text streams (``events``)
-        self.streams = {c.index: ToolCallStream() for c in gen.choices} if req.calls_tools else {}
+    def __init__(
+        self, state: ServerState, req: ChatCompletionRequest, gen: Generation, thinking: bool | None = None
+    ) -> None:
+        """``thinking``: None without a reasoning parser, else whether the prompt leaves the model
+        in its reasoning (``reasoning.thinks``)."""
+        self.state, self.req, self.gen, self.thinking = state, req, gen, thinking
+        # each choice's reasoning and calls as its text streams (``events``)
+        indices = [c.index for c in gen.choices]
+        self.reasoning = {i: ReasoningStream(thinking) for i in indices} if thinking is not None else {}
+        self.calls = {i: ToolCallStream() for i in indices} if req.calls_tools else {}
 
     def _header(self, obj: str) -> dict:
         return {"id": self.gen.id, "object": obj, "created": self.gen.created, "model": self.state.model_name}
@@ -60,12 +69,18 @@ class _Writer:
     def body(self) -> dict:
         choices = []
         for c in self.gen.choices:
-            message, finish = {"role": "assistant", "content": c.text.text}, c.finish_reason
+            text, finish = c.text.text, c.finish_reason
+            reasoning, calls = None, []
+            if self.thinking is not None:
+                reasoning, text = split_reasoning(text, self.thinking)
             if self.req.calls_tools:
-                message["content"], calls = parse_tool_calls(c.text.text)
-                if calls:
-                    message["tool_calls"] = [call.as_dict() for call in calls]
-                    finish = "tool_calls" if finish == "stop" else finish
+                text, calls = parse_tool_calls(text)
+            message = {"role": "assistant", "content": text if text or reasoning is None else None}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [call.as_dict() for call in calls]
+                finish = "tool_calls" if finish == "stop" else finish
             entry = {
                 "index": c.index,
                 "message": message,
@@ -96,7 +111,15 @@ class _Writer:
     def _chunk_choice(self, u: Update) -> dict:
         text, finish = u.text, u.choice.finish_reason if u.finished else None
         delta = {}
-        stream = self.streams.get(u.choice.index)
+        thoughts = self.reasoning.get(u.choice.index)
+        if thoughts is not None:  # the reasoning apart, as far as it cannot be a tag
+            reasoning, text = thoughts.feed(text)
+            if u.finished:
+                more = thoughts.finish()
+                reasoning, text = reasoning + more[0], text + more[1]
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+        stream = self.calls.get(u.choice.index)
         if stream is not None:  # content released as far as it cannot start a call; calls whole
             text, calls = stream.feed(text)
             if u.finished:

@@ -36,6 +36,12 @@ def register(subparsers) -> None:
     p.add_argument(
         "--max-request-bytes", type=int, default=None, help="largest request body (default 32 MiB)"
     )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3"],
+        default=None,
+        help="chat answers give a thinking model's reasoning apart, as reasoning_content",
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_serve)
@@ -93,7 +99,7 @@ def _serve(args: argparse.Namespace, cfg, client, sock: socket.socket) -> int:
     tokenizer = Tokenizer.load(cfg.tokenizer or cfg.model)
     metrics = Metrics(name, lambda: client.stats)
     client.on_first_token, client.on_token_gap = metrics.ttft.observe, metrics.itl.observe
-    state = ServerState(client, tokenizer, metrics, name, args.max_waiting_requests)
+    state = ServerState(client, tokenizer, metrics, name, args.max_waiting_requests, args.reasoning_parser)
     app = build_app(state, args.api_key, args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
     config = uvicorn.Config(
         app, log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=5

@@ -31,6 +31,7 @@ class ServerState:
     metrics: Metrics
     model_name: str
     max_waiting: int | None = None
+    reasoning_parser: str | None = None  # ``--reasoning-parser``: chat answers split their reasoning
 
     @property
     def info(self) -> EngineInfo:

@@ -40,7 +40,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = start_server(model_dir, tmp_path_factory.mktemp("log") / "serve.log", "--max-request-bytes", "100000")
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    s = start_server(model_dir, log, "--max-request-bytes", "100000", "--reasoning-parser", "qwen3")
     yield s
     assert s.stop(signal.SIGINT) == 0, s.output()
     assert "ft serve: stopped" in s.output()
@@ -203,6 +204,25 @@ def test_chat_tools_reach_the_template(server, llm, tok):
         assert extra(r.choices[0], "prompt_token_ids") == ids and ("# Tools" in text) == shown
         want = llm.generate([ids], greedy(6, ignore_eos=True))[0]
         assert extra(r.choices[0], "token_ids") == want.token_ids
+
+
+def test_chat_reasoning_apart(server, llm, tok):
+    """With ``--reasoning-parser qwen3`` (this server's) a prompt that opens the reasoning (the
+    template's ``enable_thinking``) has the whole answer, cut before ``</think>``, as
+    ``reasoning_content`` and no content, whole and streamed; without it, content as ever."""
+    messages = [{"role": "user", "content": "think about it"}]
+    kwargs = {"enable_thinking": True}
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs))
+    want = tok.decode(llm.generate([ids], greedy(8, ignore_eos=True))[0].token_ids, skip_special_tokens=True)
+    body = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    extra_body = {"chat_template_kwargs": kwargs, "ignore_eos": True}
+    r = server.client().chat.completions.create(**body, extra_body=extra_body)
+    message = r.choices[0].message
+    assert extra(message, "reasoning_content") == want and message.content is None
+    stream = server.client().chat.completions.create(**body, extra_body=extra_body, stream=True)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join(extra(d, "reasoning_content") or "" for d in deltas) == want
+    assert not "".join(d.content or "" for d in deltas)
 
 
 def test_chat_logprobs(server, llm, tok):

@@ -77,8 +77,9 @@ def test_no_partial_tag_is_released():
     assert stream.feed("\n") == ("", []) and stream.finish() == ""  # the template's newline after it
 
 
-def writer(text: str, finish: str = "stop", tools: bool = True):
-    """The chat writer over one finished choice whose output is ``text``."""
+def writer(text: str, finish: str = "stop", tools: bool = True, thinking: bool | None = None):
+    """The chat writer over one finished choice whose output is ``text`` (``thinking``: as the
+    chat endpoint passes it with a reasoning parser, None without)."""
     from ft.server.chat import _Writer
     from ft.server.generation import Update
     from ft.server.protocol import ChatCompletionRequest
@@ -98,7 +99,7 @@ def writer(text: str, finish: str = "stop", tools: bool = True):
     gen = SimpleNamespace(id="chatcmpl-1", created=0, choices=[choice], updates=updates,
                           prompt_tokens=1, completion_tokens=1)  # fmt: skip
     state = SimpleNamespace(model_name="m", tokenizer=None)
-    return _Writer(state, req, gen)
+    return _Writer(state, req, gen, thinking)
 
 
 async def _events(w) -> list[dict]:
