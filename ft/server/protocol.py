@@ -75,6 +75,17 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     return_token_ids: bool = False
+    response_format: dict | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict | None) -> dict | None:
+        if v is not None and v.get("type") != "text":
+            raise ValueError(
+                f"type {v.get('type')!r} is not supported, only 'text': JSON output needs constrained "
+                "decoding, which this server does not do"
+            )
+        return v
 
     @field_validator("logit_bias")
     @classmethod

@@ -187,6 +187,11 @@ def test_penalties_and_logit_bias_reach_the_sampler(server, llm):
     assert extra(r.choices[0], "token_ids") == want and 9 not in want
 
 
+def test_response_format_text_is_accepted(server):
+    r = server.post(X, HI | {"response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+
+
 def test_chat_tools_reach_the_template(server, llm, tok):
     """``tools`` are shown to the model through the chat template (the prompt is the template's
     with them), and the answer is the model's as without tools; ``tool_choice: none`` leaves them
@@ -353,6 +358,7 @@ BAD = {
         "tools.0.function.name",
     ),
     "tool-wrong-type": (X, HI | {"tools": [TOOL | {"type": "retrieval"}]}, 400, "tools.0.type"),
+    "response-format-json": (X, HI | {"response_format": {"type": "json_object"}}, 400, "response_format"),
     "body-too-large": (C, json.dumps(OK | {"prompt": "a" * 200_000}).encode(), 413, None),
     "unknown-route": ("/v1/embeddings", OK, 404, None),
 }
