@@ -163,7 +163,8 @@ class ServerState:
                 runner.result()
             except EngineDeadError as e:
                 raise APIError(500, f"the engine has stopped: {e}", "server_error") from None
-            return JSONResponse(body())
+            # in a thread: an echoed long prompt's log-probs are a tokenizer call or two a token
+            return JSONResponse(await asyncio.to_thread(body))
         finally:
             runner.cancel()
             watcher.cancel()
