@@ -28,6 +28,7 @@ from ft.server.completions import create_completion
 from ft.server.metrics import CONTENT_TYPE
 from ft.server.protocol import APIError
 from ft.server.serving import ServerState
+from ft.server.tokens import detokenize, tokenize
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
@@ -93,6 +94,14 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(state, request)
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(state, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(state, request)
+
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(APIKey, key=api_key)
@@ -108,13 +117,13 @@ async def _send_error(send, e: APIError) -> None:
 
 
 class APIKey:
-    """``Authorization: Bearer KEY`` on /v1 routes; /health and /metrics stay open (probes, scrapers)."""
+    """``Authorization: Bearer KEY`` on every route but /health and /metrics (probes, scrapers)."""
 
     def __init__(self, app, key: str) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/metrics"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 why = "a wrong API key" if given else "no API key"

@@ -24,7 +24,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get("FT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $FT_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on all but /health and /metrics (default: $FT_API_KEY)",
     )
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     p.add_argument(

@@ -184,6 +184,26 @@ class ChatCompletionRequest(_SamplingRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
 
+class TokenizeRequest(_Strict):  # POST /tokenize (vLLM's)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template's)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):  # POST /detokenize
+    model: str | None = None
+    tokens: list[Int64]
+
+
 def parse(model: type[BaseModel], body: bytes) -> BaseModel:
     """Validate a JSON body; an APIError(400) naming the first bad field otherwise."""
     try:

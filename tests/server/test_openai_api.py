@@ -187,6 +187,27 @@ def test_penalties_and_logit_bias_reach_the_sampler(server, llm):
     assert extra(r.choices[0], "token_ids") == want and 9 not in want
 
 
+def test_tokenize_and_detokenize(server, llm, tok):
+    """/tokenize gives the ids the server runs for a prompt (special tokens added, as completions
+    add them) or a chat (the template's, none added), with the context; /detokenize reverses it."""
+    text = "hello the world, 中文 😀"
+    r = server.post("/tokenize", {"model": MODEL, "prompt": text}).json()
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == server.client().models.list().data[0].model_extra["max_model_len"]
+    messages = [{"role": "user", "content": "hello there"}]
+    assert server.post("/tokenize", {"messages": messages}).json()["tokens"] == chat_ids(tok, messages)
+    back = server.post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"]
+    assert back == tok.decode(r["tokens"], skip_special_tokens=False)
+    for path, body, param in (
+        ("/tokenize", {"prompt": "x", "messages": messages}, None),
+        ("/tokenize", {}, None),
+        ("/detokenize", {"tokens": [1, 10_000]}, "tokens"),
+        ("/detokenize", {"tokens": "12"}, "tokens"),
+    ):
+        got = server.post(path, body)
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, (path, body, got.text)
+
+
 def test_response_format_text_is_accepted(server):
     r = server.post(X, HI | {"response_format": {"type": "text"}})
     assert r.status_code == 200, r.text

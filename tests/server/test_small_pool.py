@@ -142,6 +142,7 @@ def test_missing_or_wrong_api_key_is_401(server, key):
         with pytest.raises(openai.AuthenticationError):
             client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=2)
     assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}).status_code == 401  # the rest does
     r = server.client().completions.create(
         model=MODEL, prompt=[1, 2], max_tokens=2, extra_body={"return_token_ids": True}
     )

@@ -1,0 +1,34 @@
+"""POST /tokenize and /detokenize (vLLM's routes): a prompt, or a chat's messages through the chat
+template, as the token ids the server would run, and token ids back to text. For clients that
+count or cut prompts to the context (``max_model_len`` comes with the count) without the model's
+tokenizer at hand."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ft.server.protocol import APIError, DetokenizeRequest, TokenizeRequest, parse
+from ft.server.serving import ServerState
+
+
+async def tokenize(state: ServerState, request: Request) -> Response:
+    req: TokenizeRequest = parse(TokenizeRequest, await request.body())  # type: ignore[assignment]
+    state.check_model(req.model)
+    text, special = req.prompt, req.add_special_tokens
+    if req.messages is not None:
+        messages = [m.for_template() for m in req.messages]
+        text = await state.chat_prompt(messages, req.add_generation_prompt, req.chat_template_kwargs or {})
+    ids = await state.encode(text, special if special is not None else req.messages is None)
+    return JSONResponse({"count": len(ids), "max_model_len": state.info.max_request_tokens, "tokens": ids})
+
+
+async def detokenize(state: ServerState, request: Request) -> Response:
+    req: DetokenizeRequest = parse(DetokenizeRequest, await request.body())  # type: ignore[assignment]
+    state.check_model(req.model)
+    vocab = state.info.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+    tok = state.need_tokenizer("detokenizing")
+    return JSONResponse({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
