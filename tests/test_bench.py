@@ -257,6 +257,10 @@ def test_bench_offline_prefill_as_long_as_the_pool(tmp_path, capsys):
     with pytest.raises(SystemExit, match="the KV pool holds 48 tokens, the longest request 49"):
         main([*argv, "--prefill-lens", "49"])
     assert "single-stream" not in capsys.readouterr().out
+    # the census's prompt decodes more than the rows' (CENSUS_TOKENS and one per sequence)
+    argv[argv.index("--input-len") + 1] = "43"  # rows: 43 + 3 - 1 tokens; the census: 43 + 7 - 1
+    with pytest.raises(SystemExit, match="the KV pool holds 48 tokens, the longest request 49"):
+        main([*argv, "--prefill-lens", "", "--census"])
 
 
 def test_the_device_peak_is_reported_against_the_plan():

@@ -179,7 +179,10 @@ def bench(
     vocab = engine.model_config.vocab_size
     blocks = engine.scheduler.blocks
     pool = blocks.num_blocks * blocks.block_size
-    need = max([kv_tokens(n, 1) for n in prefill_lens] + [kv_tokens(input_len, output_len + 1)])
+    lengths = [kv_tokens(n, 1) for n in prefill_lens] + [kv_tokens(input_len, output_len + 1)]
+    if with_census:  # its prompts decode CENSUS_TOKENS and a token per sequence of its batch
+        lengths.append(kv_tokens(input_len, CENSUS_TOKENS + census_batch))
+    need = max(lengths)
     if need > pool:  # before any row, not after the others have run
         engine.shutdown()
         raise SystemExit(f"the KV pool holds {pool} tokens, the longest request {need}: raise --num-tokens")

@@ -415,8 +415,10 @@ class ModelRunner:
         if not self.tp.is_first:
             return out
         out.sampling = [i for i, s in enumerate(seqs) if s.sample]
-        every = len(out.sampling) == len(seqs)
-        sampled = logits if every else logits[out.sampling]  # decode: no gather
+        if out.sampling == list(range(len(out.sampling))):  # decodes first, as the scheduler puts them
+            sampled = logits[: len(out.sampling)]  # no gather
+        else:  # a pageable index would block the host until the forward has run
+            sampled = logits.index_select(0, upload(torch.tensor(out.sampling), logits.device))
         params = [seqs[i].params for i in out.sampling]
         if params:
             index = [seqs[i].output_index for i in out.sampling]

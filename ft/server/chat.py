@@ -28,11 +28,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     state.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    kwargs = dict(req.chat_template_kwargs or {})
-    if req.calls_tools:
-        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     messages = [m.for_template() for m in req.messages]
-    prompt = await state.chat_prompt(messages, req.add_generation_prompt, kwargs)
+    prompt = await state.chat_prompt(messages, req.add_generation_prompt, req.template_kwargs())
     ids = await state.encode(prompt, req.add_special_tokens)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:

@@ -55,9 +55,10 @@ class EngineInfo:
 
     @property
     def max_request_tokens(self) -> int:
-        """Prompt plus generated tokens one request may have: the context, or what the pool holds
-        (``kv_tokens``: every token but the last generated one), the less."""
-        return min(self.max_model_len, self.pool_tokens + 1)
+        """Prompt plus generated tokens any request may have (what /v1/models advertises): the
+        context, or the pool, the less. (A request that generates holds all but its last token
+        in the pool, so one more fits it: ``ServerState.check_prompt``.)"""
+        return min(self.max_model_len, self.pool_tokens)
 
 
 @dataclass

@@ -152,13 +152,10 @@ class Tool(_Strict):
     function: FunctionSpec
 
 
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=0)
+class _ChatTemplate(_Strict):
+    """What a chat's prompt is made of: its messages through the template, with these."""
+
     add_generation_prompt: bool = True
-    add_special_tokens: bool = False
     chat_template_kwargs: dict | None = None
     tools: list[Tool] | None = None
     # "auto" (the default with tools): the model may call them; "none": the template is not shown
@@ -183,14 +180,27 @@ class ChatCompletionRequest(_SamplingRequest):
         """Whether the template is shown the tools and the output parsed for calls."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    def template_kwargs(self) -> dict:
+        """The chat template's arguments beyond the messages."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.calls_tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        return kwargs
 
-class TokenizeRequest(_Strict):  # POST /tokenize (vLLM's)
+
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplate):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    add_special_tokens: bool = False
+
+
+class TokenizeRequest(_ChatTemplate):  # POST /tokenize (vLLM's): a prompt, or a chat's as /v1/chat makes it
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template's)
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict | None = None
 
     @model_validator(mode="after")
     def _one_input(self):

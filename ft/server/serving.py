@@ -56,20 +56,22 @@ class ServerState:
             raise APIError(
                 400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt"
             )
-        limit = self.info.max_request_tokens
-        if len(ids) + max_tokens > limit:
+        context, total = self.info.max_model_len, len(ids) + max_tokens
+        if total > context:
             raise APIError(
                 400,
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} tokens "
-                f"exceeds this server's limit of {limit} tokens per request",
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the "
+                f"model's context of {context} tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        if kv_tokens(len(ids), max_tokens) > self.info.pool_tokens:  # a prompt alone (max_tokens 0)
+        kv, pool = kv_tokens(len(ids), max_tokens), self.info.pool_tokens
+        if kv > pool:  # every token but a generated last one is cached
             raise APIError(
                 400,
-                f"the prompt ({len(ids)} tokens) exceeds this server's KV cache of {self.info.pool_tokens}",
-                param="prompt",
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs {kv} tokens of KV cache, "
+                f"this server's holds {pool}",
+                param="max_tokens" if max_tokens else "prompt",
                 code="context_length_exceeded",
             )
 

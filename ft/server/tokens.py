@@ -18,7 +18,7 @@ async def tokenize(state: ServerState, request: Request) -> Response:
     text, special = req.prompt, req.add_special_tokens
     if req.messages is not None:
         messages = [m.for_template() for m in req.messages]
-        text = await state.chat_prompt(messages, req.add_generation_prompt, req.chat_template_kwargs or {})
+        text = await state.chat_prompt(messages, req.add_generation_prompt, req.template_kwargs())
     ids = await state.encode(text, special if special is not None else req.messages is None)
     return JSONResponse({"count": len(ids), "max_model_len": state.info.max_request_tokens, "tokens": ids})
 

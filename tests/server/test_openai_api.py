@@ -196,6 +196,9 @@ def test_tokenize_and_detokenize(server, llm, tok):
     assert r["max_model_len"] == server.client().models.list().data[0].model_extra["max_model_len"]
     messages = [{"role": "user", "content": "hello there"}]
     assert server.post("/tokenize", {"messages": messages}).json()["tokens"] == chat_ids(tok, messages)
+    with_tools = tok.apply_chat_template(messages, tools=[TOOL], tokenize=False, add_generation_prompt=True)
+    got = server.post("/tokenize", {"messages": messages, "tools": [TOOL]}).json()["tokens"]
+    assert got == tok.encode(with_tools, add_special_tokens=False)  # what the chat runs with tools
     back = server.post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"]
     assert back == tok.decode(r["tokens"], skip_special_tokens=False)
     for path, body, param in (
