@@ -86,26 +86,29 @@ def build_app(
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await create_completion(state, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(state, request)
-
-    @app.post("/tokenize")
-    async def tokenize_route(request: Request) -> Response:
-        return await tokenize(state, request)
-
-    @app.post("/detokenize")
-    async def detokenize_route(request: Request) -> Response:
-        return await detokenize(state, request)
+    posts = {
+        "/v1/completions": create_completion,
+        "/v1/chat/completions": create_chat_completion,
+        "/tokenize": tokenize,
+        "/detokenize": detokenize,
+    }
+    for path, handle in posts.items():
+        app.add_api_route(path, _post_route(state, handle), methods=["POST"])
 
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(APIKey, key=api_key)
     return app
+
+
+def _post_route(state: ServerState, handle):
+    """A POST route's endpoint: ``handle(state, request)`` (a closure: FastAPI reads an endpoint's
+    parameters as the request's)."""
+
+    async def route(request: Request) -> Response:
+        return await handle(state, request)
+
+    return route
 
 
 async def _send_error(send, e: APIError) -> None:
