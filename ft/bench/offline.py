@@ -455,7 +455,8 @@ def _floor(r: Report, length: int, seconds: float) -> str:
     floor = r.compute_floor_s.get(length)
     if not floor or not seconds:
         return ""
-    return f" (compute floor {1e3 * floor:,.1f} ms: {floor / seconds:.0%})"
+    shown = f"{1e3 * floor:,.1f} ms" if floor >= 1e-3 else f"{1e6 * floor:,.1f} us"
+    return f" (compute floor {shown}: {floor / seconds:.1%})"
 
 
 def as_dict(r: Report) -> dict:
