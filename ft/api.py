@@ -3,6 +3,7 @@
 from ft import LLM, SamplingParams
 with LLM(model="path/to/checkpoint", tp_size=2, device="cpu", dtype="float32") as llm:
     outs = llm.generate(["some text", [1, 2, 3]], SamplingParams(max_tokens=16, temperature=0.0))
+    reply = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))[0]
 """
 
 from __future__ import annotations
@@ -72,6 +73,31 @@ class LLM:
             for out in results:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return results
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """``generate`` on conversations (one, or a list of them) through the tokenizer's chat
+        template, as the server's chat endpoint builds their prompts (``chat_template_kwargs``:
+        e.g. ``tools`` or ``enable_thinking``)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this checkpoint's tokenizer has no chat template: use generate")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(
+                    list(c), tokenize=False, add_generation_prompt=add_generation_prompt,
+                    **(chat_template_kwargs or {}),
+                ),
+                add_special_tokens=False,
+            )
+            for c in conversations
+        ]  # fmt: skip
+        return self.generate(prompts, params)
 
     def shutdown(self) -> None:
         if self.engine is not None:

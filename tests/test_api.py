@@ -22,6 +22,31 @@ def test_string_prompts_and_text(tmp_path):
         assert by_text.token_ids[-1] == eos_token_id() and by_text.finish_reason == "stop"
 
 
+def test_chat_is_generate_on_the_templates_prompt(tmp_path):
+    """``LLM.chat``: one conversation or several, each through the chat template (its keyword
+    arguments too) as the server builds a chat's prompt, then generated as those ids are."""
+    write_checkpoint(tmp_path, "qwen3_moe", seed=4, vocab_size=VOCAB_SIZE, eos_token_id=eos_token_id())
+    write_tokenizer(tmp_path)
+    tok = build_tokenizer()
+    talk = [{"role": "user", "content": "hello there"}]
+    other = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why"}]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def ids(messages, **kw):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+        return tok.encode(text, add_special_tokens=False)
+
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False) as llm:
+        one = llm.chat(talk, params)
+        both = llm.chat([talk, other], params)
+        thinking = llm.chat(talk, params, chat_template_kwargs={"enable_thinking": True})[0]
+        want = llm.generate([ids(talk), ids(other)], params)
+    assert [o.prompt_token_ids for o in both] == [ids(talk), ids(other)]
+    assert [o.token_ids for o in both] == [w.token_ids for w in want]
+    assert one[0].token_ids == want[0].token_ids
+    assert thinking.prompt_token_ids == ids(talk, enable_thinking=True) != ids(talk)
+
+
 def test_no_tokenizer_needs_token_ids(tmp_path):
     write_checkpoint(tmp_path, "qwen3_moe", seed=3)
     with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False) as llm:
@@ -33,6 +58,12 @@ def test_no_tokenizer_needs_token_ids(tmp_path):
             assert "token ids" in str(e)
         else:
             raise AssertionError("a string prompt without a tokenizer must be refused")
+        try:
+            llm.chat([{"role": "user", "content": "hi"}])
+        except ValueError as e:
+            assert "chat template" in str(e)
+        else:
+            raise AssertionError("a chat without a tokenizer must be refused")
 
 
 def test_shutdown_frees_the_runner_without_the_cycle_collector(tmp_path):
