@@ -13,9 +13,21 @@ just before it and the stream reports that it stopped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ft.server.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
+
+
+def held_back(text: str, tags: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that begins one of ``tags``: what a stream holds back
+    until more text says whether it is one (stop strings here; tool-call and reasoning tags)."""
+    for k in range(min(len(text), max((len(t) for t in tags), default=1) - 1), 0, -1):
+        tail = text[-k:]
+        if any(t.startswith(tail) for t in tags):
+            return k
+    return 0
 
 
 class IncrementalDetokenizer:
@@ -67,7 +79,7 @@ class TextStream:
             self.text += self.detok.flush()
         if self.stop and self._cut():
             final = True
-        end = len(self.text) if final else len(self.text) - self._held_back()
+        end = len(self.text) if final else len(self.text) - held_back(self.text, self.stop)
         out = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return out
@@ -81,11 +93,3 @@ class TextStream:
             return True
         self._searched = max(0, len(self.text) - longest + 1)
         return False
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that begins some stop string."""
-        for k in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0

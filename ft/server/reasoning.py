@@ -12,20 +12,14 @@ same split as text arrives, holding back what may be the start of a tag.
 
 from __future__ import annotations
 
+from ft.server.detokenizer import held_back
+
 START, END = "<think>", "</think>"
 
 
 def thinks(prompt: str) -> bool:
     """Whether a chat prompt leaves the model inside its reasoning."""
     return prompt.rstrip().endswith(START)
-
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` could begin ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningStream:
@@ -51,7 +45,7 @@ class ReasoningStream:
         if self._state == "reasoning":
             end = self._text.find(END)
             if end < 0:
-                cut = len(self._text) - _held(self._text, END)
+                cut = len(self._text) - held_back(self._text, (END,))
                 reasoning, self._text = self._text[:cut], self._text[cut:]
                 return reasoning, ""
             reasoning, self._text = self._text[:end], self._text[end + len(END) :]

@@ -47,15 +47,18 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def check_prompt(self, ids: list[int], max_tokens: int) -> None:
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
+    def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.info.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise APIError(
-                400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt"
+                400, f"token ids {bad[:5]} in {param} are outside the vocabulary [0, {vocab})", param=param
             )
+
+    def check_prompt(self, ids: list[int], max_tokens: int) -> None:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        self.check_token_ids(ids, "prompt")
         context, total = self.info.max_model_len, len(ids) + max_tokens
         if total > context:
             raise APIError(

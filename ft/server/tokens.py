@@ -8,7 +8,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ft.server.protocol import APIError, DetokenizeRequest, TokenizeRequest, parse
+from ft.server.protocol import DetokenizeRequest, TokenizeRequest, parse
 from ft.server.serving import ServerState
 
 
@@ -26,9 +26,6 @@ async def tokenize(state: ServerState, request: Request) -> Response:
 async def detokenize(state: ServerState, request: Request) -> Response:
     req: DetokenizeRequest = parse(DetokenizeRequest, await request.body())  # type: ignore[assignment]
     state.check_model(req.model)
-    vocab = state.info.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+    state.check_token_ids(req.tokens, "tokens")
     tok = state.need_tokenizer("detokenizing")
     return JSONResponse({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})

@@ -18,6 +18,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from ft.server.detokenizer import held_back
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -50,14 +52,6 @@ def _call(body: str) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
-
-
-def _held(text: str) -> int:
-    """How many characters at the end of ``text`` could begin an opening tag."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ToolCallStream:
@@ -95,7 +89,7 @@ class ToolCallStream:
                 continue
             # released up to its last non-space character: trailing whitespace goes with what follows
             # it, or is dropped if a call does; a possible tag's start waits for the rest of it
-            head = self._text[: len(self._text) - _held(self._text)]
+            head = self._text[: len(self._text) - held_back(self._text, (OPEN,))]
             text = head.rstrip()
             content, self._text = content + text, self._text[len(text) :]
             return content, calls
