@@ -44,11 +44,16 @@ def _bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _is_bank(m: nn.Module) -> bool:
+    """An expert bank (bf16 or NVFP4): its experts are counted as routed, not as dense weights."""
+    return hasattr(m, "num_experts") and hasattr(m, "weight_bytes")
+
+
 def _dense_params(model: nn.Module):
     """(name, parameter) of the weights read whole: not an expert bank's, not a lookup table's."""
     skip = set()
     for m in model.modules():
-        if (hasattr(m, "num_experts") and hasattr(m, "weight_bytes")) or getattr(m, "lookup", False):
+        if _is_bank(m) or getattr(m, "lookup", False):
             skip.update(id(p) for p in m.parameters())
     return [(n, p) for n, p in model.named_parameters() if id(p) not in skip]
 
@@ -61,7 +66,7 @@ def decode_step_bytes(
     ``model`` may live on the meta device: only shapes are read. ``act_bytes`` is the KV dtype size.
     """
     dense = lm_head = experts_total = 0
-    banks = [m for m in model.modules() if hasattr(m, "num_experts") and hasattr(m, "weight_bytes")]
+    banks = [m for m in model.modules() if _is_bank(m)]
     for name, p in _dense_params(model):
         if name.startswith("lm_head"):
             lm_head += _bytes([p])
@@ -139,7 +144,7 @@ def prefill_flops(model: nn.Module, mc: ModelConfig, length: int) -> PrefillFlop
         lm_head = 2.0 * model.lm_head.weight.numel()
     experts = attention = recurrent = 0.0
     for m in model.modules():
-        if hasattr(m, "num_experts") and hasattr(m, "weight_bytes"):  # gate, up and down a routed pair
+        if _is_bank(m):  # gate, up and down a routed pair
             experts += 2.0 * 3 * m.hidden_size * m.local_inter * mc.num_experts_per_tok * length
         if hasattr(m, "cache_shape") and hasattr(m, "num_heads"):
             cap = getattr(m, "max_keys", None) or length
