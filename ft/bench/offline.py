@@ -177,8 +177,7 @@ def bench(
     rng = random.Random(seed)
     engine = LLMEngine(cfg)
     vocab = engine.model_config.vocab_size
-    blocks = engine.scheduler.blocks
-    pool = blocks.num_blocks * blocks.block_size
+    pool = engine.scheduler.blocks.num_tokens
     lengths = [kv_tokens(n, 1) for n in prefill_lens] + [kv_tokens(input_len, output_len + 1)]
     if with_census:  # its prompts decode CENSUS_TOKENS and a token per sequence of its batch
         lengths.append(kv_tokens(input_len, CENSUS_TOKENS + census_batch))

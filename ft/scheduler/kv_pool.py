@@ -11,6 +11,11 @@ class BlockAllocator:
         self._free: deque[int] = deque(range(num_blocks))
 
     @property
+    def num_tokens(self) -> int:
+        """The tokens the pool holds."""
+        return self.num_blocks * self.block_size
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 

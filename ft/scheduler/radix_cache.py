@@ -47,6 +47,7 @@ class RadixCache:
         self._snapshotted: set[Node] = set()  # snapshot is not None
         self.num_nodes = 0
         self.num_evictable = 0  # nodes with ref 0
+        self.num_attached = 0  # snapshots attached so far (a hit on a hybrid model may have grown)
 
     def _keys(self, tokens: list[int], num_blocks: int):
         bs = self.block_size
@@ -62,6 +63,14 @@ class RadixCache:
             node.last_use = now
             path.append(node)
         return path
+
+    def extends(self, node: Node, key: tuple[int, ...] | None) -> bool:
+        """Whether a match that ended at ``node`` could now go further: ``key`` (the next block's
+        tokens; None: there is none to match) is cached below it, or the node was evicted since
+        (the match is shorter now, or a re-inserted copy may have grown)."""
+        if node.parent is not None and node.parent.children.get(node.key) is not node:
+            return True
+        return key is not None and key in node.children
 
     def acquire(self, nodes: list[Node]) -> None:
         for n in nodes:
@@ -119,6 +128,7 @@ class RadixCache:
     # ---- GDN state snapshots
     def attach_snapshot(self, node: Node, slot: int) -> None:
         node.snapshot = slot
+        self.num_attached += 1
         self._snapshotted.add(node)
 
     def take_snapshot_slot(self) -> int | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ft.sampling_params import SamplingParams
 from ft.scheduler.kv_pool import BlockAllocator
-from ft.scheduler.radix_cache import RadixCache
+from ft.scheduler.radix_cache import Node, RadixCache
 from ft.scheduler.request import Request, Status, kv_tokens
 from ft.scheduler.state_pool import SlotAllocator
 
@@ -50,6 +50,18 @@ class ScheduledSeq:
     # a sampling row of a request with a penalty: its prompt and output tokens so far (the
     # request's own lists, read before the step's token is added to them)
     seen: tuple[list[int], list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why the waiting head was last refused, and what changes it: more room, a smaller budget,
+    a longer cached prefix (``Scheduler.refused_again``)."""
+
+    req: Request
+    room: int  # blocks free or evictable after the refusal
+    budget: int  # the tokens the step had left for it
+    tail: Node | None  # the last cached block its tokens matched (the root: none; None: no cache look-up)
+    attached: int  # the cache's snapshots attached by then (on a hybrid model a hit ends at one)
 
 
 @dataclass
@@ -82,6 +94,7 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        self.refusal: Refusal | None = None
 
     # ---- requests in and out
     def add(self, req: Request) -> None:
@@ -98,8 +111,7 @@ class Scheduler:
         kv = kv_tokens(req.prompt_len, req.params.max_tokens)
         if self.blocks.blocks_for(kv) > self.blocks.num_blocks:
             raise ValueError(
-                f"request needs {kv} tokens of KV cache; the pool holds "
-                f"{self.blocks.num_blocks * self.blocks.block_size}"
+                f"request needs {kv} tokens of KV cache; the pool holds {self.blocks.num_tokens}"
             )
         req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self.requests[req.request_id] = req
@@ -142,14 +154,17 @@ class Scheduler:
             preempted.append(victim.request_id)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
             req = self.waiting[0]
-            if self.slots.num_free == 0:
+            if self.slots.num_free == 0 or self.refused_again(req, budget):
                 break
-            self._hit(req)
+            tail = self._hit(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 self._release(req)
                 req.num_computed_tokens = req.num_cached_tokens = 0
+                attached = self.cache.num_attached if self.cache is not None else 0
+                self.refusal = Refusal(req, self._room(), budget, tail, attached)
                 break
+            self.refusal = None
             self.prefix_hit_tokens += req.num_cached_tokens
             self.waiting.popleft()
             req.state_slot = self.slots.allocate()
@@ -162,8 +177,9 @@ class Scheduler:
     def schedule_ahead(self, batch: list[ScheduledSeq]) -> list[ScheduledSeq] | None:
         """The decode step after ``batch``, scheduled while ``batch`` still runs (its tokens not yet
         known here), or None when that step cannot be known now. It can when ``batch`` decodes
-        every running request and no waiting request could be admitted (none waits, or every
-        running place or state slot is taken: a loaded server's steady state), so the next
+        every running request and no waiting request could be admitted (none waits, every
+        running place or state slot is taken, or the head's refusal would repeat: a loaded
+        server's steady state), so the next
         ``schedule`` would build the same batch; when no request's token in flight is its last by
         length (a step for it would be wasted for sure); and when blocks for one more token each
         are free without preempting anyone. A request that ``batch`` ends frees its place one
@@ -172,6 +188,9 @@ class Scheduler:
         on the device. A request that ``batch`` ends (a stop token) had its step ahead run for
         nothing; the engine drops its result."""
         admits = self.waiting and len(self.running) < self.max_running and self.slots.num_free > 0
+        # the next ``schedule`` would leave the head its budget less a decode token a running request
+        left = self.max_batched_tokens - len(self.running)
+        admits = admits and not self.refused_again(self.waiting[0], left)
         if admits or len(batch) != len(self.running):
             return None
         for seq, req in zip(batch, self.running):
@@ -204,19 +223,43 @@ class Scheduler:
             history=req.tokens(max(0, start - HISTORY), start),
         )
 
-    def _hit(self, req: Request) -> None:
-        """Start ``req`` after the longest usable cached prefix of its tokens."""
+    def refused_again(self, req: Request, budget: int) -> bool:
+        """Whether admitting waiting ``req`` with ``budget`` tokens left would fail as it last did,
+        so its prefix match (16,384 blocks for a 262k prompt: ~7 ms) need not be redone each step:
+        it was refused and since then no blocks came free or evictable, the budget (so its chunk,
+        so the blocks it needs) did not shrink, and its tokens match no further in the cache (nor,
+        on a hybrid model, did a snapshot appear that a hit may end at). Others then only take
+        blocks, and a preempted request goes before it, so those tell every way it could fit."""
+        r = self.refusal
+        if r is None or r.req is not req or self._room() > r.room or budget < r.budget:
+            return False
+        if r.tail is None:
+            return True
+        if self.cache.num_attached != r.attached:
+            return False
+        bs, depth = self.blocks.block_size, r.tail.depth
+        key = tuple(req.tokens(depth * bs, (depth + 1) * bs)) if depth < (req.num_tokens - 1) // bs else None
+        return not self.cache.extends(r.tail, key)
+
+    def _room(self) -> int:
+        return self.blocks.num_free + (self.cache.num_evictable if self.cache is not None else 0)
+
+    def _hit(self, req: Request) -> Node | None:
+        """Start ``req`` after the longest usable cached prefix of its tokens; the last cached
+        block its tokens matched (the root: none; None when the cache was not asked)."""
         if self.cache is None or req.params.prompt_logprobs is not None:
-            return
+            return None
         nodes = self.cache.match(req.all_token_ids)[: (req.num_tokens - 1) // self.blocks.block_size]
+        tail = nodes[-1] if nodes else self.cache.root
         while self.hybrid and nodes and nodes[-1].snapshot is None:
             nodes.pop()
         if not nodes:
-            return
+            return tail
         self.cache.acquire(nodes)
         req.cache_nodes, req.block_ids = list(nodes), [n.block for n in nodes]
         req.num_computed_tokens = req.num_cached_tokens = len(nodes) * self.blocks.block_size
         req.restore_snapshot = nodes[-1].snapshot if self.hybrid else None
+        return tail
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.blocks.blocks_for(num_tokens) - len(req.block_ids)
