@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -30,19 +32,24 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def upload_lists(
-    fields: list[tuple[list, torch.dtype, tuple[int, ...]]], device: torch.device
+    fields: list[tuple[Sequence[int] | np.ndarray, torch.dtype, tuple[int, ...]]], device: torch.device
 ) -> list[torch.Tensor]:
-    """Host lists on ``device`` in one ``upload`` per dtype instead of one synchronous copy each:
-    ``(flat values, dtype, shape)`` -> a contiguous view of that shape into the uploaded buffer."""
-    flat: dict[torch.dtype, list] = {}
+    """Host lists or arrays on ``device`` in one ``upload`` per dtype instead of one synchronous
+    copy each: ``(values, dtype, shape)`` -> a contiguous view of that shape into the uploaded
+    buffer."""
+    flat: dict[torch.dtype, list[np.ndarray]] = {}
     for values, dtype, shape in fields:
-        assert len(values) == math.prod(shape), f"{len(values)} values do not fill a {shape} tensor"
-        flat.setdefault(dtype, []).extend(values)
-    buffers = {dtype: upload(torch.tensor(v, dtype=dtype), device) for dtype, v in flat.items()}
+        a = np.asarray(values, dtype=_NUMPY[dtype]).reshape(-1)
+        assert a.size == math.prod(shape), f"{a.size} values do not fill a {shape} tensor"
+        flat.setdefault(dtype, []).append(a)
+    buffers = {dt: upload(torch.from_numpy(np.concatenate(parts)), device) for dt, parts in flat.items()}
     offsets = dict.fromkeys(buffers, 0)
     out = []
-    for values, dtype, shape in fields:
-        start = offsets[dtype]
-        offsets[dtype] = start + len(values)
-        out.append(buffers[dtype][start : start + len(values)].view(shape))
+    for _, dtype, shape in fields:
+        start, n = offsets[dtype], math.prod(shape)
+        offsets[dtype] = start + n
+        out.append(buffers[dtype][start : start + n].view(shape))
     return out
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}

@@ -182,7 +182,7 @@ def test_schedule_ahead_only_when_the_next_batch_is_known(ckpt):
     assert seq.token_ids == [PENDING_TOKEN] and seq.start == req.num_tokens == batch[0].start + 1
     assert seq.output_index == len(req.output_token_ids) + 1 and seq.sample
     assert seq.history == req.all_token_ids[-len(seq.history) :]
-    assert len(seq.block_ids) * 4 >= req.num_tokens + 1
+    assert seq.num_blocks * 4 >= req.num_tokens + 1
     engine.add_request(PROMPTS[1], greedy(3), "waits")
     assert sched.schedule_ahead(batch) is None  # the next schedule would admit it
     sched.max_running = 1

@@ -5,16 +5,13 @@ scheduler that retries every step, and a blocked long prompt is matched once, no
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 
 from ft.sampling_params import SamplingParams
-from ft.scheduler.kv_pool import BlockAllocator
-from ft.scheduler.radix_cache import RadixCache
 from ft.scheduler.request import Request, Status
 from ft.scheduler.scheduler import Scheduler
-from ft.scheduler.state_pool import SlotAllocator
+from tests.scheduler_sim import make, run, step
 
 
 class AlwaysRetry(Scheduler):
@@ -29,60 +26,6 @@ class Counting(Scheduler):
         again = super().refused_again(req, budget)
         self.skips += again
         return again
-
-
-def make(cls, num_blocks: int, hybrid: bool, budget: int = 24, block_size: int = 4):
-    cache = RadixCache(block_size, num_snapshots=6 if hybrid else 0)
-    return cls(BlockAllocator(num_blocks, block_size), SlotAllocator(6), 6, budget, 256, cache, hybrid=hybrid)
-
-
-def step(sched: Scheduler, ahead: bool, state: dict) -> list:
-    """One engine step without a model (``LLMEngine.step``'s order): the batch scheduled ahead by
-    the last step, or a new one; with ``ahead``, the next one scheduled while it "runs"; then each
-    chunk computed and a decode's token drawn from (request, position)."""
-    seqs = state.pop("ahead", None) or sched.schedule().seqs
-    record = [(s.request_id, tuple(s.token_ids), s.start, tuple(s.block_ids), s.snapshot_to) for s in seqs]
-    nxt = sched.schedule_ahead(seqs) if ahead and seqs else None
-    if nxt is not None:
-        state["ahead"] = nxt
-    for seq in seqs:
-        req = sched.requests.get(seq.request_id)
-        if req is None:  # ended by the step before its step ahead
-            if seq.snapshot_to is not None:
-                sched.cache.give_back_snapshot(seq.snapshot_to)
-            continue
-        req.num_computed_tokens += len(seq.token_ids)
-        sched.cache_computed(req, seq)
-        if seq.sample:
-            req.output_token_ids.append(hash((req.request_id, req.num_tokens)) % 7)
-            if len(req.output_token_ids) >= req.params.max_tokens:
-                sched.finish(req, "length")
-    return record
-
-
-def workload(seed: int, n: int = 60) -> list[tuple[int, Request]]:
-    rng = random.Random(seed)
-    stems = [[rng.randrange(7) for _ in range(rng.randrange(4, 40))] for _ in range(4)]
-    reqs = []
-    for i in range(n):
-        tail = [rng.randrange(7) for _ in range(rng.randrange(0, 12))]
-        prompt = rng.choice(stems)[: rng.randrange(1, 40)] + tail
-        params = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True)
-        reqs.append((rng.randrange(0, 3 * n), Request(f"r{i}", prompt or [1], params)))
-    return sorted(reqs, key=lambda t: t[0])
-
-
-def run(sched: Scheduler, seed: int, ahead: bool = False, each_step=None) -> None:
-    pending, state = workload(seed), {}
-    for t in range(2000):
-        while pending and pending[0][0] <= t:
-            sched.add(pending.pop(0)[1])
-        record = step(sched, ahead, state)
-        if each_step is not None:
-            each_step(t, record, state)
-        if not sched.has_unfinished() and not pending:
-            return
-    raise AssertionError("the workload did not finish")
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
@@ -109,8 +52,8 @@ def test_a_step_ahead_beside_a_refused_head_is_the_batch_schedule_builds(hybrid,
             probe = copy.deepcopy(sched)
             probe.__class__ = AlwaysRetry
             head = probe.waiting[0]
-            built = [(s.request_id, s.start, s.block_ids) for s in probe.schedule().seqs]
-            assert built == [(s.request_id, s.start, s.block_ids) for s in state["ahead"]], f"step {t}"
+            built = [(s.request_id, s.start, s.num_blocks) for s in probe.schedule().seqs]
+            assert built == [(s.request_id, s.start, s.num_blocks) for s in state["ahead"]], f"step {t}"
             assert head.status is Status.WAITING
             checked.append(t)
 
@@ -119,34 +62,34 @@ def test_a_step_ahead_beside_a_refused_head_is_the_batch_schedule_builds(hybrid,
 
 
 def test_a_blocked_long_prompt_is_matched_once_until_room_comes():
-    sched = make(Scheduler, 40, hybrid=False, budget=256)
+    sched, state = make(Scheduler, 40, hybrid=False, budget=256), {}
     matches = []
     match = sched.cache.match
     sched.cache.match = lambda tokens: matches.append(len(tokens)) or match(tokens)
     decode = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     sched.add(Request("short", list(range(12)), decode))
-    step(sched, False, {})  # its prefill: 3 blocks, growing as it decodes
+    step(sched, False, state)  # its prefill: 3 blocks, growing as it decodes
     long = Request("long", [5] * 150, SamplingParams(max_tokens=1, temperature=0.0))
     sched.add(long)  # one 150-token chunk: 38 blocks of the 37 free
     for _ in range(5):
-        step(sched, False, {})
+        step(sched, False, state)
     assert sched.refusal is not None and sched.refusal.req is long
     assert matches == [12, 150]  # each once, not once a step
     sched.finish(sched.requests["short"], "abort")  # its blocks come free
-    step(sched, False, {})
+    step(sched, False, state)
     assert matches == [12, 150, 150] and long.num_computed_tokens == 150 and sched.refusal is None
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_what_may_let_the_head_in_brings_a_new_attempt(hybrid):
-    sched = make(Scheduler, 12, hybrid=hybrid, budget=64)
+    sched, state = make(Scheduler, 12, hybrid=hybrid, budget=64), {}
     shared = list(range(8))
     sched.add(Request("first", shared, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
     sched.add(Request("second", [6] * 30, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
-    step(sched, False, {})  # 2 + 8 blocks, the first's prompt cached (on a hybrid model its snapshot too)
+    step(sched, False, state)  # 2 + 8 blocks, the first's prompt cached (on a hybrid model its snapshot too)
     waiting = Request("third", shared + [3] * 14, SamplingParams(max_tokens=1))
     sched.add(waiting)  # its 22 tokens need 4 blocks past the 2 it hits: 2 are free
-    step(sched, False, {})
+    step(sched, False, state)
     refusal = sched.refusal
     assert refusal is not None and refusal.req is waiting and refusal.tail.depth == 2
     assert waiting.num_computed_tokens == 0 and sched.refused_again(waiting, refusal.budget)

@@ -39,6 +39,7 @@ class CudaGraphRunner:
         )
         self.ids, self.positions, self.slots, self.state_slots, self.history = self.wide.views()
         self.seq_lens, self.context_lens, self.block_tables = self.narrow.views()
+        self.table_width = 0  # the widest block table a step has written: zeros beyond
         self._host_rows(0, n)  # capture with padding rows only
         self.wide.upload(n)
         self.narrow.upload(n)
@@ -86,7 +87,7 @@ class CudaGraphRunner:
             len(seqs) <= self.max_bs
             and all(len(s.token_ids) == 1 and s.restore_from is None and s.snapshot_to is None for s in seqs)
             and all(not s.prompt_targets for s in seqs)
-            and max(len(s.block_ids) for s in seqs) <= self.max_blocks
+            and max(s.num_blocks for s in seqs) <= self.max_blocks
         )
 
     def _host_rows(self, first: int, rows: int) -> list:
@@ -104,14 +105,15 @@ class CudaGraphRunner:
         written over the uploaded ones before the replay)."""
         b = len(seqs)
         bs = next(s for s in self.sizes if s >= b)
-        bsz = self.runner.cfg.block_size
         ids, pos, slots, state, hist, lens, ctx, table = self._host_rows(b, bs)
-        table[:b] = 0
+        tables, width = self.runner.tables, max(s.num_blocks for s in seqs)
+        table[:b, :width] = tables.table(seqs, width)  # -1 past a row's blocks, as eager batches
+        table[:b, width : self.table_width] = 0  # what wider steps left there
+        self.table_width = max(self.table_width, width)
+        slots[:b] = tables.kv_slots(seqs)
         for i, s in enumerate(seqs):
             p = s.start
             ids[i], pos[i], ctx[i], lens[i], state[i] = s.token_ids[0], p, p, p + 1, s.state_slot
-            slots[i] = s.block_ids[p // bsz] * bsz + p % bsz
-            table[i, : len(s.block_ids)] = s.block_ids
             hist[i, : HISTORY - len(s.history)] = -1
             hist[i, HISTORY - len(s.history) :] = s.history
         self.wide.upload(bs)

@@ -19,6 +19,7 @@ from ft.attention import get_attention_backend
 from ft.config import EngineConfig
 from ft.distributed import TPInfo, broadcast_from_first, tp_context
 from ft.engine import allocator
+from ft.engine.block_tables import BlockTables
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.gdn import get_gdn_backend
 from ft.gdn.snapshots import SnapshotPoint, state_snapshots
@@ -273,6 +274,8 @@ class ModelRunner:
             m.conv_state = torch.zeros(rows, *conv, dtype=self.dtype, device=self.device)
             m.ssm_state = torch.zeros(rows, *ssm, dtype=torch.float32, device=self.device)
         self.snapshot_base = slots  # snapshot k lives in state row slots + k
+        max_len = min(self.cfg.max_model_len or self.mc.max_position_embeddings, num_blocks * bs)
+        self.tables = BlockTables(slots, cdiv(max_len, bs), bs)
         self.scratch_slot = slots - 1  # padded rows of a captured batch write here
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters() if not placed(p))
         return replace(plan, weight_bytes=weights)
@@ -293,16 +296,16 @@ class ModelRunner:
     # ---- one step
     def _batch(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch]:
         bs = self.cfg.block_size
-        ids, pos, slots, qlens, ctx = [], [], [], [], []
+        ids, pos, qlens, ctx = [], [], [], []
         for s in seqs:
             n = len(s.token_ids)
             ids += s.token_ids
             pos += range(s.start, s.start + n)
-            slots += [s.block_ids[p // bs] * bs + p % bs for p in range(s.start, s.start + n)]
             qlens.append(n)
             ctx.append(s.start)
-        width = max(len(s.block_ids) for s in seqs)
-        table = [b for s in seqs for b in s.block_ids + [-1] * (width - len(s.block_ids))]
+        slots = self.tables.kv_slots(seqs)
+        table = self.tables.table(seqs, max(s.num_blocks for s in seqs))
+        width = table.shape[1]
         history = [h for s in seqs for h in [-1] * (HISTORY - len(s.history)) + s.history]
         cu = [0]
         for q in qlens:
@@ -395,6 +398,7 @@ class ModelRunner:
         collected) samples for the same sequence, in the same order, taken on the device: the
         engine's decode ahead (``LLMEngine.step``); those sequences' ``token_ids`` hold
         ``PENDING_TOKEN``."""
+        self.tables.update(seqs)  # every batch, in launch order: the rows follow the scheduler's
         base = self.snapshot_base
         self._copy_states([(base + s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
         tokens = sum(len(s.token_ids) for s in seqs)

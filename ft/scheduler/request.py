@@ -32,6 +32,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV / state are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     block_ids: list[int] = field(default_factory=list)
+    blocks_sent: int = 0  # how many of block_ids the ranks have been sent (``ScheduledSeq.new_blocks``)
     state_slot: int | None = None
     logprobs: list[Logprobs] = field(default_factory=list)
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)

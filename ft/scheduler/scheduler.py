@@ -37,7 +37,10 @@ class ScheduledSeq:
     request_id: str
     token_ids: list[int]  # the tokens computed this step
     start: int  # position of token_ids[0]; tokens before it are cached
-    block_ids: list[int]
+    # the request's KV blocks from index ``blocks_from`` on: those the ranks have not been sent
+    # (all of them, from 0, when it is admitted); they keep its table (``ft.engine.block_tables``)
+    new_blocks: list[int]
+    blocks_from: int
     state_slot: int
     sample: bool  # this step reaches the last known token: sample the next one
     params: SamplingParams
@@ -50,6 +53,11 @@ class ScheduledSeq:
     # a sampling row of a request with a penalty: its prompt and output tokens so far (the
     # request's own lists, read before the step's token is added to them)
     seen: tuple[list[int], list[int]] | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        """The KV blocks the request holds in this step."""
+        return self.blocks_from + len(self.new_blocks)
 
 
 @dataclass(frozen=True)
@@ -210,11 +218,13 @@ class Scheduler:
 
     def _ahead(self, req: Request) -> ScheduledSeq:
         start = req.num_tokens  # the position of the token in flight
+        new, first = self._unsent_blocks(req)
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=[PENDING_TOKEN],
             start=start,
-            block_ids=list(req.block_ids),
+            new_blocks=new,
+            blocks_from=first,
             state_slot=req.state_slot,
             sample=True,
             params=req.params,
@@ -287,11 +297,13 @@ class Scheduler:
         restore, req.restore_snapshot = req.restore_snapshot, None
         sample = start + n == req.num_tokens
         seen = (req.prompt_token_ids, req.output_token_ids) if sample and req.params.penalises else None
+        new, first = self._unsent_blocks(req)
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=tokens,
             start=start,
-            block_ids=list(req.block_ids),
+            new_blocks=new,
+            blocks_from=first,
             state_slot=req.state_slot,
             sample=sample,
             params=req.params,
@@ -303,6 +315,13 @@ class Scheduler:
             snapshot_len=at if snapshot is not None else 0,
             seen=seen,
         )
+
+    @staticmethod
+    def _unsent_blocks(req: Request) -> tuple[list[int], int]:
+        """The blocks of ``req`` the ranks have not been sent, and the index of the first: what
+        its step now carries."""
+        first, req.blocks_sent = req.blocks_sent, len(req.block_ids)
+        return req.block_ids[first:], first
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -339,6 +358,7 @@ class Scheduler:
             self.cache.release(req.cache_nodes)
         self.blocks.free([b for b in req.block_ids if b not in held])
         req.block_ids, req.cache_nodes, req.cache_stopped, req.restore_snapshot = [], [], False, None
+        req.blocks_sent = 0
         if req.state_slot is not None:
             self.slots.free(req.state_slot)
             req.state_slot = None
