@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from ft.config import EngineConfig
 from ft.engine.engine import LLMEngine
+from ft.generation_config import FILE, describe, sampling_defaults
 from ft.sampling_params import RequestOutput, SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
@@ -33,8 +34,17 @@ def load_tokenizer(path: str | None):
 class LLM:
     def __init__(self, model: str | None = None, **options) -> None:
         self.config = EngineConfig(model=model, **options)
+        defaults = sampling_defaults(self.config.generation_config, self.config.model)
+        self.default_params = SamplingParams(**defaults)
+        if defaults and self.config.progress:
+            print(f"ft: sampling defaults from {FILE}: {describe(defaults)}", flush=True)
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
         self.engine = LLMEngine(self.config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without params: ft's defaults, with the checkpoint's
+        generation_config.json over them (``generation_config``, ``ft.generation_config``)."""
+        return self.default_params
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -50,7 +60,7 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = params or SamplingParams()
+        params = params or self.default_params
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")

@@ -41,6 +41,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=True,
         help="issue each decode step before the tokens of the one running are read (on)",
     )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for requests that leave them out: auto (the checkpoint's "
+        "generation_config.json), none (ft's own), or a directory holding one",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=1800.0)
     p.add_argument(
@@ -128,6 +134,7 @@ ENGINE_KEYS = (
     "enable_prefix_cache",
     "prefix_snapshot_slots",
     "decode_ahead",
+    "generation_config",
     "seed",
     "dist_timeout_s",
     "quantize_experts",

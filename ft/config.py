@@ -73,6 +73,9 @@ class EngineConfig:
     moe_staging_experts: int | None = None  # experts per prefill staging buffer (default ~256 MiB)
     dummy_routing_skew: float = 0.0  # dummy routers prefer experts with a Zipf-like popularity
     ple_backend: str = "device"  # device | pinned: where a PLE n-gram table lives
+    # sampling defaults for requests that leave them out (``ft.generation_config``): "auto" the
+    # checkpoint's generation_config.json, "none" ft's own, or a directory holding one
+    generation_config: str = "auto"
     seed: int = 0
     dist_timeout_s: float = 1800.0
     progress: bool = True
@@ -92,6 +95,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device: {self.device!r} (known: auto, cpu, cuda)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype: {self.dtype!r} (known: auto, {', '.join(DTYPES)})")
+        if self.generation_config not in ("auto", "none") and not os.path.isdir(self.generation_config):
+            raise ValueError(
+                f"EngineConfig.generation_config: {self.generation_config!r} (auto, none, or a directory)"
+            )
         if self.ple_backend not in ("device", "pinned"):
             raise ValueError(f"EngineConfig.ple_backend: {self.ple_backend!r} (known: device, pinned)")
         if self.quantize_experts not in (None, "nvfp4"):

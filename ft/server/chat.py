@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages through the tokenizer's chat template, then generation.
 
 ``logprobs: true`` with ``top_logprobs: k`` gives OpenAI's per-token entries (token, logprob,
-bytes, top_logprobs). Without ``max_tokens`` a chat may run to the end of the context. With
+bytes, top_logprobs). Without ``max_tokens`` a chat may run to the end of the context (or to the
+checkpoint's ``max_new_tokens``, ``ft.generation_config``). With
 ``tools`` the template shows the model the functions and the answer's calls come back as
 ``tool_calls`` (``tool_calls.py``: the Hermes format of Qwen's templates), finish reason
 ``tool_calls``; streamed, each call is one delta once its block is complete. With
@@ -33,7 +34,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     ids = await state.encode(prompt, req.add_special_tokens)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
-        max_tokens = max(1, state.info.max_request_tokens - len(ids))
+        max_tokens = state.chat_max_tokens(len(ids))
     state.check_prompt(ids, max_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     gen = state.generation("chatcmpl", [ids], state.sampling_params(req, max_tokens, logprobs), req)

@@ -55,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("ft serve: --max-waiting-requests must be at least 1", file=sys.stderr)
         return 2
     from ft.config import EngineConfig
+    from ft.generation_config import sampling_defaults
     from ft.server.engine_client import EngineClient, EngineDeadError
 
     try:
@@ -62,6 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             **engine_options(args),
             tokenizer=args.tokenizer,
         )
+        defaults = sampling_defaults(cfg.generation_config, cfg.model)
     except ValueError as e:
         print(f"ft serve: {e}", file=sys.stderr)
         return 2
@@ -74,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     client = EngineClient(cfg)
     try:
         client.spawn()  # the engine loads its model while this process sets up HTTP
-        return _serve(args, cfg, client, sock)
+        return _serve(args, cfg, client, sock, defaults)
     except EngineDeadError as e:
         print(f"ft serve: {e}", file=sys.stderr)
         return 1
@@ -87,9 +89,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("ft serve: stopped", flush=True)
 
 
-def _serve(args: argparse.Namespace, cfg, client, sock: socket.socket) -> int:
+def _serve(args: argparse.Namespace, cfg, client, sock: socket.socket, defaults: dict) -> int:
     import uvicorn
 
+    from ft.generation_config import FILE, describe
     from ft.server.app import DEFAULT_MAX_REQUEST_BYTES, Server, build_app
     from ft.server.metrics import Metrics
     from ft.server.serving import ServerState
@@ -99,7 +102,9 @@ def _serve(args: argparse.Namespace, cfg, client, sock: socket.socket) -> int:
     tokenizer = Tokenizer.load(cfg.tokenizer or cfg.model)
     metrics = Metrics(name, lambda: client.stats)
     client.on_first_token, client.on_token_gap = metrics.ttft.observe, metrics.itl.observe
-    state = ServerState(client, tokenizer, metrics, name, args.max_waiting_requests, args.reasoning_parser)
+    state = ServerState(
+        client, tokenizer, metrics, name, args.max_waiting_requests, args.reasoning_parser, defaults
+    )
     app = build_app(state, args.api_key, args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
     config = uvicorn.Config(
         app, log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=5
@@ -113,6 +118,12 @@ def _serve(args: argparse.Namespace, cfg, client, sock: socket.socket) -> int:
     client.on_fatal = on_fatal
     info = client.wait_ready()
     print(_plan(name, info), flush=True)
+    if defaults:
+        print(
+            f"ft serve: sampling defaults from {FILE}: {describe(defaults)} (a request's own values win; "
+            "--generation-config none for ft's)",
+            flush=True,
+        )
     if tokenizer is None:
         print("ft serve: no tokenizer files: prompts must be token ids, answers carry no text", flush=True)
     host, port = sock.getsockname()[:2]

@@ -9,7 +9,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +32,8 @@ class ServerState:
     model_name: str
     max_waiting: int | None = None
     reasoning_parser: str | None = None  # ``--reasoning-parser``: chat answers split their reasoning
+    # the checkpoint's sampling settings for fields a request leaves out (``ft.generation_config``)
+    defaults: dict = field(default_factory=dict)
 
     @property
     def info(self) -> EngineInfo:
@@ -98,6 +100,18 @@ class ServerState:
             raise APIError(400, str(e), param="messages") from None
 
     # ---- generation
+    def default(self, req, name: str):
+        """``req``'s field ``name``, or the checkpoint's default where the request left it out."""
+        if name in req.model_fields_set or name not in self.defaults:
+            return getattr(req, name)
+        return self.defaults[name]
+
+    def chat_max_tokens(self, prompt_len: int) -> int:
+        """A chat's max_tokens when it gives none: the rest of the context, or the checkpoint's
+        max_new_tokens if less."""
+        rest = max(1, self.info.max_request_tokens - prompt_len)
+        return min(rest, self.defaults.get("max_tokens", rest))
+
     def sampling_params(
         self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
@@ -112,9 +126,9 @@ class ServerState:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
+                temperature=self.default(req, "temperature"),
+                top_p=self.default(req, "top_p"),
+                top_k=self.default(req, "top_k"),
                 seed=req.seed,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
@@ -123,8 +137,8 @@ class ServerState:
                 min_tokens=req.min_tokens,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
-                min_p=req.min_p,
+                repetition_penalty=self.default(req, "repetition_penalty"),
+                min_p=self.default(req, "min_p"),
                 logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
             )
         except ValueError as e:
