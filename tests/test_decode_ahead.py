@@ -201,19 +201,21 @@ def test_decode_ahead_with_two_ranks_equals_step_by_step(ckpt, cpu_run):
     check_ahead_equals_step_by_step(ckpt, cpu_run, tp_size=2, device="cpu", dtype="float32")
 
 
-def test_penalties_keep_a_request_out_of_decode_ahead_and_bias_does_not(ckpt):
-    """A penalty counts the token in flight, which a step ahead does not know: such a request is
-    decoded step by step; a logit bias alone does not, and is decoded ahead. Same tokens either way."""
-    for params, taken in (
-        (greedy(10, frequency_penalty=1.0), False),
-        (greedy(10, logit_bias={3: 1.5}), True),
+def test_penalised_requests_are_decoded_ahead_with_the_same_tokens(ckpt):
+    """The sampler counts each drawn token on the device (``ft.layers.penalties``), so a step
+    ahead penalises the token in flight it never saw: penalised requests, greedy and seeded,
+    decode ahead and give the step-by-step tokens."""
+    for params in (
+        greedy(10, frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.3),
+        SamplingParams(max_tokens=10, temperature=1.0, seed=3, frequency_penalty=2.0, ignore_eos=True),
+        greedy(10, logit_bias={3: 1.5}),
     ):
         outs = {}
         for ahead in (False, True):
             engine = make_engine(ckpt, ahead)
             launches = counting(engine)
-            outs[ahead] = run(engine, {"r": (PROMPTS[0], params)})
-            assert (launches[0] > 0) == (ahead and taken)
+            outs[ahead] = run(engine, {"r": (PROMPTS[0], params), "s": (PROMPTS[1], params)})
+            assert (launches[0] > 0) == ahead
             engine.shutdown()
         assert outs[True] == outs[False]
 

@@ -228,7 +228,7 @@ def reference_process(logits: torch.Tensor, params: list[SamplingParams], seen: 
 
 
 def test_logits_processing_equals_the_token_by_token_reference():
-    from ft.layers.sampler import process
+    from ft.layers.penalties import PenaltyState, process
 
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(4, 40, generator=gen) * 3
@@ -241,7 +241,10 @@ def test_logits_processing_equals_the_token_by_token_reference():
         SamplingParams(frequency_penalty=1.1),
     ]
     seen = [None, ([1, 2, 5, 5, 30], [5, 7, 7, 7, 39]), None, ([0], [4, 4, 11])]
-    got = process(logits, params, seen)
+    state = PenaltyState(40, logits.device)
+    state.load([5, 2], ["b", "d"], [seen[1], seen[3]])
+    counts, in_prompt, _ = state.rows([5, 2], ["b", "d"])
+    got = process(logits, params, counts, in_prompt)
     torch.testing.assert_close(got, reference_process(logits, params, seen), rtol=0, atol=1e-6)
     assert torch.equal(got[2], logits[2])  # no processing: the logits as they were
 
@@ -279,3 +282,33 @@ def test_engine_penalties_follow_the_models_logprobs(tmp_path):
         before = out.token_ids[:i]
         score = {t: v + bias.get(t, 0.0) - 1.5 * before.count(t) - 0.7 * (t in before) for t, v in lp.items()}
         assert tok == max(score, key=score.get), i
+
+
+def test_counts_kept_between_steps_equal_counts_from_the_tokens():
+    """The sampler's per-slot counts, loaded once (``seen`` on a request's first step, again on
+    another slot after a preemption) and grown by each drawn token, choose what the tokens so far
+    choose; a row whose slot was loaded for another request is refused."""
+    gen = torch.Generator().manual_seed(7)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=0.7),
+        SamplingParams(temperature=0.0, presence_penalty=1.5),
+        SamplingParams(temperature=0.0),
+    ]
+    prompts, outputs, slots = [[1, 2, 3], [4, 4], [5]], [[], [], []], [4, 1, 7]
+    kept, moved = Sampler(torch.device("cpu"), 0), 0
+    for step in range(12):
+        if step == 6:
+            slots[1] = 9  # preempted and admitted again: its tokens sent once more
+        load = [step == 0, step in (0, 6), False]
+        seen = [(p, o) if go else None for p, o, go in zip(prompts, outputs, load)]
+        logits = torch.randn(3, 12, generator=gen)
+        rows = [(slot, f"r{i}") for i, slot in enumerate(slots)]
+        got = kept.tokens(logits, params, [step] * 3, seen, rows)
+        want = Sampler(torch.device("cpu"), 0).tokens(logits, params, [step] * 3, list(zip(prompts, outputs)))
+        assert got.tolist() == want.tolist(), step
+        moved += int((got != logits.argmax(-1))[:2].sum())
+        for o, t in zip(outputs, got.tolist()):
+            o.append(t)
+    assert moved > 3  # the penalties chose other tokens than the logits alone
+    with pytest.raises(RuntimeError, match="slot 4 holds 'r0'"):
+        kept.tokens(logits, params, [0] * 3, None, [(4, "other"), (9, "r1"), (7, "r2")])

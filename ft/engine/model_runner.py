@@ -426,7 +426,9 @@ class ModelRunner:
         params = [seqs[i].params for i in out.sampling]
         if params:
             index = [seqs[i].output_index for i in out.sampling]
-            out.draw = self.sampler.draw(sampled, params, index, [seqs[i].seen for i in out.sampling])
+            seen = [seqs[i].seen for i in out.sampling]
+            owners = [(seqs[i].state_slot, seqs[i].request_id) for i in out.sampling]
+            out.draw = self.sampler.draw(sampled, params, index, seen, owners)
             out.host = out.draw.to_host()  # pinned: on its way while the host goes on
             if sampled.is_cuda:
                 out.done = torch.cuda.Event()

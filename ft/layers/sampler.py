@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ft.layers.penalties import PenaltyState, process
 from ft.sampling_params import Logprobs, SamplingParams
 
 
@@ -152,55 +153,11 @@ def keep_threshold(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -
     return threshold.masked_fill(no_cut, float("-inf"))
 
 
-def process(logits: torch.Tensor, params: list[SamplingParams], seen: list) -> torch.Tensor:
-    """[B, V] fp32: the logits a token is chosen from, by each row's ``SamplingParams``: its
-    ``logit_bias`` added, then its repetition penalty on every token of ``seen[row]`` (prompt and
-    output ids), then its frequency and presence penalties on the output's. The ids go to the
-    device with every step (a long prompt's repetition penalty costs host time each step)."""
-    x = logits.to(torch.float32, copy=True)  # one copy, whatever the logits' dtype
-    device, vocab = x.device, x.shape[-1]
-    bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
-    if bias:
-        rows, toks, vals = zip(*bias)
-        at = _upload([list(rows), list(toks)], torch.int64, device)
-        x.index_put_((at[0], at[1]), _upload(list(vals), torch.float32, device), accumulate=True)
-    pen = [r for r, p in enumerate(params) if p.penalises]
-    if not pen:
-        return x
-    out_rows, out_ids, prompt_rows, prompt_ids = [], [], [], []
-    for i, r in enumerate(pen):
-        prompt, output = seen[r]
-        out_rows += [i] * len(output)
-        out_ids += output
-        if params[r].repetition_penalty != 1:
-            prompt_rows += [i] * len(prompt)
-            prompt_ids += prompt
-    n, m = len(out_ids), len(prompt_ids)
-    at = _upload(out_rows + prompt_rows + out_ids + prompt_ids, torch.int64, device)
-    counts = torch.zeros(len(pen), vocab, device=device)
-    counts.index_put_((at[:n], at[n + m : 2 * n + m]), torch.ones(n, device=device), accumulate=True)
-    in_prompt = torch.zeros(len(pen), vocab, dtype=torch.bool, device=device)
-    in_prompt[at[n : n + m], at[2 * n + m :]] = True
-    knobs = _upload(
-        [
-            [params[r].repetition_penalty, params[r].frequency_penalty, params[r].presence_penalty]
-            for r in pen
-        ],
-        torch.float32,
-        device,
-    )  # [R, 3]
-    rep, freq, pres = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]
-    rows = _upload(pen, torch.int64, device)
-    y = x.index_select(0, rows)
-    y = torch.where((counts > 0) | in_prompt, torch.where(y > 0, y / rep, y * rep), y)
-    y = y - freq * counts - pres * (counts > 0)
-    return x.index_copy_(0, rows, y)
-
-
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.penalties: PenaltyState | None = None  # made when a first request penalises
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
@@ -242,11 +199,12 @@ class Sampler:
         params: list[SamplingParams],
         output_index: list[int],
         seen: list | None = None,
+        rows: list[tuple[int, str]] | None = None,
     ) -> Draw:
         """The chosen tokens and the log-probs the rows ask for, left on the device (no host
         synchronisation: ``ModelRunner.launch`` copies them to the host behind an event). The
         log-probs are the model's, before any logits processing (``process``)."""
-        tokens = self.tokens(logits, params, output_index, seen)
+        tokens = self.tokens(logits, params, output_index, seen, rows)
         want = [p.logprobs for p in params if p.logprobs is not None]
         if not want:
             return Draw(tokens)
@@ -258,22 +216,52 @@ class Sampler:
         params: list[SamplingParams],
         output_index: list[int],
         seen: list | None = None,
+        rows: list[tuple[int, str]] | None = None,
     ) -> torch.Tensor:
-        """The chosen tokens [B], left on the device. ``seen``: each row's (prompt, output) token
-        ids so far where its params penalise (``ScheduledSeq.seen``), else None."""
+        """The chosen tokens [B], left on the device. ``rows``: each row's (state slot, request
+        id), whose penalty counts the sampler keeps (``PenaltyState``), loaded from ``seen``
+        (each row's (prompt, output) token ids so far, or None: ``ScheduledSeq.seen``) where
+        given; without ``rows``, each penalised row's ``seen`` alone."""
+        pen = [i for i, p in enumerate(params) if p.penalises]
+        counts = in_prompt = slots = None
+        if pen:
+            state, counts, in_prompt, slots = self._penalty_rows(
+                logits, pen, seen or [None] * len(params), rows
+            )
         if any(p.processes_logits for p in params):
-            logits = process(logits, params, seen or [None] * len(params))
+            logits = process(logits, params, counts, in_prompt)
         hot = [i for i, p in enumerate(params) if not p.greedy]
         if len(hot) == len(params):
-            return self.sample(logits, params, output_index)
-        tokens = logits.argmax(dim=-1)
-        if hot:
-            rows = _upload(hot, torch.int64, logits.device)
-            picked = self.sample(
-                logits.index_select(0, rows), [params[i] for i in hot], [output_index[i] for i in hot]
+            tokens = self.sample(logits, params, output_index)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if hot:
+                at = _upload(hot, torch.int64, logits.device)
+                picked = self.sample(
+                    logits.index_select(0, at), [params[i] for i in hot], [output_index[i] for i in hot]
+                )
+                tokens.index_copy_(0, at, picked)
+        if pen and rows is not None:  # each token counted as drawn: the next step's (ahead, too) sees it
+            state.count(
+                slots, tokens if len(pen) == len(params) else tokens[_upload(pen, torch.int64, tokens.device)]
             )
-            tokens.index_copy_(0, rows, picked)
         return tokens
+
+    def _penalty_rows(self, logits: torch.Tensor, pen: list[int], seen: list, rows) -> tuple:
+        """(state, counts, prompt marks [R, V], slots [R]) of the penalised rows ``pen``."""
+        vocab, device = logits.shape[-1], logits.device
+        if rows is None:  # a state of their own, from their tokens
+            state, slots, owners = PenaltyState(vocab, device), list(range(len(pen))), [str(i) for i in pen]
+            state.load(slots, owners, [seen[i] for i in pen])
+        else:
+            if self.penalties is None or self.penalties.vocab != vocab:
+                self.penalties = PenaltyState(vocab, device)
+            state = self.penalties
+            fresh = [i for i in pen if seen[i] is not None]
+            if fresh:
+                state.load([rows[i][0] for i in fresh], [rows[i][1] for i in fresh], [seen[i] for i in fresh])
+            slots, owners = [rows[i][0] for i in pen], [rows[i][1] for i in pen]
+        return state, *state.rows(slots, owners)
 
     @staticmethod
     def results(draw: Draw, params: list[SamplingParams]) -> list[SampleResult]:

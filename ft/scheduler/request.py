@@ -33,6 +33,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     block_ids: list[int] = field(default_factory=list)
     blocks_sent: int = 0  # how many of block_ids the ranks have been sent (``ScheduledSeq.new_blocks``)
+    penalties_sent: bool = (
+        False  # its tokens went to the sampler since it was admitted (``ScheduledSeq.seen``)
+    )
     state_slot: int | None = None
     logprobs: list[Logprobs] = field(default_factory=list)
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)

@@ -50,8 +50,9 @@ class ScheduledSeq:
     restore_from: int | None = None  # copy this GDN snapshot into the state slot before running
     snapshot_to: int | None = None  # save the GDN state after ``snapshot_len`` tokens into this snapshot
     snapshot_len: int = 0
-    # a sampling row of a request with a penalty: its prompt and output tokens so far (the
-    # request's own lists, read before the step's token is added to them)
+    # the first sampling row of a request with a penalty since it was admitted: its prompt and
+    # output tokens so far (the request's own lists), from which the sampler keeps its counts
+    # (``ft.layers.penalties.PenaltyState``)
     seen: tuple[list[int], list[int]] | None = None
 
     @property
@@ -209,7 +210,6 @@ class Scheduler:
                 or req.num_computed_tokens != seq.start
                 or len(req.output_token_ids) + 2 > req.params.max_tokens
                 or req.num_tokens + 2 > self.max_model_len
-                or req.params.penalises  # its penalties count the token in flight
             ):
                 return None
         if not all(self._grow(req, req.num_tokens + 1) for req in self.running):
@@ -296,7 +296,9 @@ class Scheduler:
             snapshot = self.cache.take_snapshot_slot() if at > 0 else None
         restore, req.restore_snapshot = req.restore_snapshot, None
         sample = start + n == req.num_tokens
-        seen = (req.prompt_token_ids, req.output_token_ids) if sample and req.params.penalises else None
+        seen = None
+        if sample and req.params.penalises and not req.penalties_sent:  # the sampler keeps them from here
+            seen, req.penalties_sent = (req.prompt_token_ids, req.output_token_ids), True
         new, first = self._unsent_blocks(req)
         return ScheduledSeq(
             request_id=req.request_id,
@@ -358,7 +360,7 @@ class Scheduler:
             self.cache.release(req.cache_nodes)
         self.blocks.free([b for b in req.block_ids if b not in held])
         req.block_ids, req.cache_nodes, req.cache_stopped, req.restore_snapshot = [], [], False, None
-        req.blocks_sent = 0
+        req.blocks_sent, req.penalties_sent = 0, False
         if req.state_slot is not None:
             self.slots.free(req.state_slot)
             req.state_slot = None
