@@ -73,7 +73,7 @@ def check_folded_router() -> None:
     programs in a random order, the ticket counters zero after."""
     from ft.layers import triton_gemv
     from ft.layers.norm import FoldedNorm, RMSNorm
-    from ft.moe.kernels import triton_moe_gemv
+    from ft.moe.kernels import int_dot
     from ft.moe.kernels.triton_router_gemv import launch_router_topk
     from ft.moe.router import route
     from tests.gpu.test_moe_gemv import quantize_blocks_ref
@@ -98,7 +98,7 @@ def check_folded_router() -> None:
         w = (torch.randn(e + gate, h, generator=gen) * h**-0.5).half()
         a_ref, h_ref = norm_ref(x, r, norm.weight.data, norm.eps, zc)
         folded = FoldedNorm(norm, x, r)
-        blocks = triton_moe_gemv.empty_blocks(x)
+        blocks = int_dot.empty_blocks(x)
         with programs_shuffled(t * e + h):
             weights, ids, shared = launch_router_topk(x, w, k, True, gate, blocks=blocks, norm=folded)
         assert torch.equal(folded.h, h_ref), (e, t, h)

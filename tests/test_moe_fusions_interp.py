@@ -318,7 +318,7 @@ def check_moe_gemv_int_dot() -> None:
     makes them, bit for bit, with a block of zeros, one clamped and one spanning 2^40; an input at
     least 2^-7 of its block's largest held exactly, the rest to 2^-15 of it; the call within one
     bf16 step of the words with block sums, with a K tail."""
-    from ft.moe.kernels import triton_moe_gemv
+    from ft.moe.kernels import int_dot, triton_moe_gemv
     from tests.gpu.test_moe_gemv import quantize_blocks_ref
     from tests.nvfp4.test_w4a16_gpu import random_bank
 
@@ -330,7 +330,7 @@ def check_moe_gemv_int_dot() -> None:
         x[0, :16] = torch.tensor([2.0**-100, -(2.0**-120)] + [0.0] * 14)
         x[1, :16] = 0.0
         x[1, 16:32] = torch.logspace(-20, 20, 16, base=2)
-        blocks = triton_moe_gemv.quantize_blocks(x)
+        blocks = int_dot.quantize_blocks(x)
         for got, want in zip(blocks, quantize_blocks_ref(x)):
             assert torch.equal(got, want), h
         # an input at least 2^-7 of its block's largest is held exactly: x times 2^(14 - E) is an integer
@@ -544,10 +544,10 @@ def check_fused_router() -> None:
         assert torch.equal(ids, ref_ids), (e, t)
         torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-6)
         if h % 16 == 0 and t <= 2:  # the int16 blocks for the MoE GEMV, over every split
-            from ft.moe.kernels import triton_moe_gemv
+            from ft.moe.kernels import int_dot
             from tests.gpu.test_moe_gemv import quantize_blocks_ref
 
-            blocks = triton_moe_gemv.empty_blocks(x)
+            blocks = int_dot.empty_blocks(x)
             again = launch_router_topk(x, w, k, renormalize, gate, blocks=blocks)
             assert torch.equal(again[1], ids), (e, t)
             for got, want in zip(blocks, quantize_blocks_ref(x)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ft.moe.kernels.triton_moe_gemv import _dp2a, _int8_codes
+from ft.moe.kernels.int_dot import _dp2a, _int8_codes
 
 
 @triton.jit

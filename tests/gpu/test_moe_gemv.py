@@ -92,7 +92,7 @@ def test_nvfp4_codes_as_words_equal_bytes(t, h, words, monkeypatch):
 
 
 def quantize_blocks_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``triton_moe_gemv.quantize_blocks`` in torch: each 16-wide block times 2^(14 - E), E its
+    """``int_dot.quantize_blocks`` in torch: each 16-wide block times 2^(14 - E), E its
     largest magnitude's exponent clamped to [-96, 127], to the nearest integer (halves away from
     zero); the factor 2^(E - 29)."""
     t, k = x.shape
@@ -140,13 +140,13 @@ def test_nvfp4_integer_products(t, h, shared, monkeypatch):
     and within bf16 error of the torch reference, with the bf16 shared pair too; H = 2048 whole
     steps, 2880 five steps of 512 and a tail of 320."""
     pytest.importorskip("triton")
-    from ft.moe.kernels import triton_moe_gemv
+    from ft.moe.kernels import int_dot, triton_moe_gemv
 
     x, w13, w2, weights, ids = problem("nvfp4", t, 64, 256, h, 8, seed=h + t + 7)
     x[0, :16] = torch.tensor([2.0**-100, -(2.0**-120)] + [0.0] * 14)  # a block clamped to 2^-96
     x[0, 16:32] = 0.0
     x[-1, 32:48] = torch.logspace(-8, 6, 16, base=2)  # a block spanning 2^14: its small inputs rounded
-    for got, want in zip(triton_moe_gemv.quantize_blocks(x), quantize_blocks_ref(x)):
+    for got, want in zip(int_dot.quantize_blocks(x), quantize_blocks_ref(x)):
         assert torch.equal(got, want)
     pair = None
     if shared:

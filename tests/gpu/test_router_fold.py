@@ -99,7 +99,7 @@ def test_fused_router_leaves_the_int16_blocks_on_x(t, h):
     (``triton_moe_gemv.FP4_INT_DOT``) as ``quantize_blocks`` makes them and the torch rule, bit
     for bit, over every split; left on x once (``take_blocks``)."""
     pytest.importorskip("triton")
-    from ft.moe.kernels import triton_moe_gemv
+    from ft.moe.kernels import int_dot
     from ft.moe.kernels.triton_router_gemv import router_topk
     from tests.gpu.test_moe_gemv import quantize_blocks_ref
 
@@ -108,12 +108,12 @@ def test_fused_router_leaves_the_int16_blocks_on_x(t, h):
     x[0, 16:32] = 0.0
     w = (torch.randn(513, h, generator=g, device="cuda") * h**-0.5).to(torch.bfloat16)
     plain = router_topk(x, w, 10, True, True)
-    assert getattr(x, triton_moe_gemv.BLOCKS_ATTR, None) is None
+    assert getattr(x, int_dot.BLOCKS_ATTR, None) is None
     routed = router_topk(x, w, 10, True, True, blocks=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, routed))
-    blocks = triton_moe_gemv.take_blocks(x)
-    assert blocks is not None and triton_moe_gemv.take_blocks(x) is None
-    for got, launch, ref in zip(blocks, triton_moe_gemv.quantize_blocks(x), quantize_blocks_ref(x)):
+    blocks = int_dot.take_blocks(x)
+    assert blocks is not None and int_dot.take_blocks(x) is None
+    for got, launch, ref in zip(blocks, int_dot.quantize_blocks(x), quantize_blocks_ref(x)):
         assert torch.equal(got, launch) and torch.equal(got, ref)
 
 
@@ -127,7 +127,7 @@ def test_moe_block_takes_the_routers_int16_blocks(t, monkeypatch):
     pytest.importorskip("triton")
     from ft.distributed import TPInfo, tp_context
     from ft.moe.block import SparseMoeBlock
-    from ft.moe.kernels import triton_moe_gemv
+    from ft.moe.kernels import int_dot, triton_moe_gemv
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # the bank picks its kernel for the default dtype
@@ -149,11 +149,11 @@ def test_moe_block_takes_the_routers_int16_blocks(t, monkeypatch):
     assert block._int_blocks(x)
     own = block(x.clone())  # a fresh x each call: nothing left on it
     launches = []
-    quantize = triton_moe_gemv.quantize_blocks
-    monkeypatch.setattr(triton_moe_gemv, "quantize_blocks", lambda v: launches.append(v) or quantize(v))
+    quantize = int_dot.quantize_blocks
+    monkeypatch.setattr(int_dot, "quantize_blocks", lambda v: launches.append(v) or quantize(v))
     routed = block(x.clone())
     assert not launches, "the MoE GEMV quantised x although the router had"
-    monkeypatch.setattr(triton_moe_gemv, "take_blocks", lambda v: None)
+    monkeypatch.setattr(int_dot, "take_blocks", lambda v: None)
     apart = block(x.clone())
     assert len(launches) == 1 and torch.equal(routed, apart) and torch.equal(routed, own)
 
@@ -281,7 +281,7 @@ def test_folded_router_equals_the_norm_then_the_router(t, h, blocks):
     (k+1)-th logits are apart, the weights and gate logit to bf16 rounding; graphed likewise."""
     pytest.importorskip("triton")
     from ft.layers.norm import FoldedNorm, RMSNorm
-    from ft.moe.kernels import triton_moe_gemv
+    from ft.moe.kernels import int_dot
     from ft.moe.kernels.triton_router_gemv import router_topk
     from tests.gpu.test_moe_gemv import quantize_blocks_ref
 
@@ -306,7 +306,7 @@ def test_folded_router_equals_the_norm_then_the_router(t, h, blocks):
     assert torch.equal(ids[apart], ref_ids[apart])
     torch.testing.assert_close(weights[apart], ref_w[apart], atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(gate, ref_gate, atol=2e-2, rtol=2e-2)
-    made = triton_moe_gemv.take_blocks(folded.a)
+    made = int_dot.take_blocks(folded.a)
     assert (made is not None) == blocks
     if blocks:
         for got, want in zip(made, quantize_blocks_ref(folded.a)):

@@ -32,7 +32,7 @@ import triton.language as tl
 from ft.layers import triton_gemv
 from ft.layers.norm import FoldedNorm
 from ft.layers.pdl import pdl_args, wait_for_previous
-from ft.moe.kernels import triton_moe_gemv, triton_router
+from ft.moe.kernels import int_dot, triton_router
 from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K, softmax_topk_rows
 
 # On from 2026-12-01 (FT_FUSED_ROUTER=0 turns it off for a process and the ranks it spawns), one
@@ -67,7 +67,7 @@ def _router_topk_kernel(
             k_lo = tl.program_id(1) * K_SPLIT
             k_hi = tl.minimum(K, k_lo + K_SPLIT)
             for k0 in range(k_lo, k_hi, BLOCK_K):
-                triton_moe_gemv.quantize_range(x, xq, xf, M, k0, k_hi, s_xm, s_qt, s_ft, T_P, BLOCK_K)
+                int_dot.quantize_range(x, xq, xf, M, k0, k_hi, s_xm, s_qt, s_ft, T_P, BLOCK_K)
     if last:
         m = tl.arange(0, M_P)
         inv = tl.rsqrt(squares / K + eps)  # with NORM: the norm's 1 / rms [M_P, 1], applied to the products
@@ -98,7 +98,7 @@ def _router_topk_kernel(
             if BLOCKS:  # and its int16 blocks, read back from a (this program's own stores)
                 tl.debug_barrier()
                 for k0 in range(lo, hi, 16):
-                    triton_moe_gemv.quantize_range(a, xq, xf, M, k0, hi, s_am, s_qt, s_ft, T_P, 16)
+                    int_dot.quantize_range(a, xq, xf, M, k0, hi, s_am, s_qt, s_ft, T_P, 16)
 
 
 @triton.jit
@@ -142,8 +142,8 @@ def launch_router_topk(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [T, H], w [E (+ 1), H] (the shared gate's row last) -> (weights [T, k] fp32, ids [T, k]
     int64, largest first; the gate logit [T, 1] in x's dtype or None), over ``splits`` K splits
-    (0: ``triton_gemv.balanced_splits``). ``blocks``: buffers (``triton_moe_gemv.empty_blocks``)
-    the launch also fills with x's int16 blocks (``triton_moe_gemv.quantize_range``), for the MoE
+    (0: ``triton_gemv.balanced_splits``). ``blocks``: buffers (``int_dot.empty_blocks``)
+    the launch also fills with x's int16 blocks (``int_dot.quantize_range``), for the MoE
     GEMV's integer products. ``norm``: route ``rms_norm(x + norm.residual)`` instead of x, the norm
     folded into the GEMV, writing x + residual into ``norm.h``, the normed input into ``norm.a``
     and the blocks of that. Without the device check (the interpreter runs it)."""
@@ -193,10 +193,10 @@ def router_topk(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``launch_router_topk`` on CUDA tensors; graph-capturable (the grid comes from shapes). With
     ``blocks`` the routed input's int16 blocks are left on it for the MoE GEMV
-    (``triton_moe_gemv.BLOCKS_ATTR``): on x, or with ``norm`` on ``norm.a``."""
+    (``int_dot.BLOCKS_ATTR``): on x, or with ``norm`` on ``norm.a``."""
     assert x.is_cuda and w.device == x.device, "router_topk needs CUDA tensors on one device"
-    made = triton_moe_gemv.empty_blocks(x) if blocks else None
+    made = int_dot.empty_blocks(x) if blocks else None
     out = launch_router_topk(x, w, top_k, renormalize, shared_gate, blocks=made, norm=norm)
     if made is not None:
-        setattr(x if norm is None else norm.a, triton_moe_gemv.BLOCKS_ATTR, made)
+        setattr(x if norm is None else norm.a, int_dot.BLOCKS_ATTR, made)
     return out
