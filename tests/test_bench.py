@@ -201,7 +201,7 @@ def test_bench_offline_compare_hf_adds_a_transformers_row(tmp_path, capsys):
 def test_an_offloaded_prefill_reports_its_share_of_the_link():
     """The prefill line gives the bytes the prefill moved over PCIe, their rate over its wall time
     and that rate against the measured host-to-device copy rate (issue 8's prefill figure)."""
-    from ft.bench.offline import Report, format_report
+    from ft.bench.report import Report, format_report
 
     moe = dict(backend="offload", slots_per_layer=393, experts_per_layer=512, residency=0.77, policy="lru",
                prefetch=True, routing_skew=0.0, h2d_gb_s=55.0)  # fmt: skip
@@ -215,7 +215,7 @@ def test_an_offloaded_prefill_reports_its_share_of_the_link():
 
 def test_prefill_runs_are_each_printed_beside_the_middle_one():
     """With --prefill-runs the line reports the middle run and lists every run's rate and share."""
-    from ft.bench.offline import Report, format_report
+    from ft.bench.report import Report, format_report
 
     moe = dict(backend="offload", slots_per_layer=393, experts_per_layer=512, residency=0.77, policy="lru",
                prefetch=True, routing_skew=0.0, h2d_gb_s=50.0)  # fmt: skip
@@ -267,7 +267,7 @@ def test_the_device_peak_is_reported_against_the_plan():
     """On CUDA the report ends its MoE lines with the device's peak against what the plan allowed,
     the part of that kept for activations and the prefill chunk: the figures that say whether the
     reserve could have gone to the expert cache."""
-    from ft.bench.offline import Report, format_report
+    from ft.bench.report import Report, format_report
 
     memory = dict(peak_gib=121.5, peak_allocated_gib=118.25, plan_gib=130.69, reserve_gib=6.95,
                   prefill_chunk=16384)  # fmt: skip
