@@ -37,8 +37,8 @@ class PenaltyState:
 
     def _grow(self, rows: int) -> None:
         have = self.counts.shape[0]
-        if rows > have:  # slots are few and reused: this happens a handful of times at most
-            more = rows - have
+        if rows > have:  # doubling: a few times at most (slots are few, taken from 0 up, reused)
+            more = max(rows, 2 * have, 8) - have
             self.counts = torch.cat([self.counts, self.counts.new_zeros(more, self.vocab)])
             self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros(more, self.vocab)])
 
