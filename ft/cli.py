@@ -15,7 +15,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", dest="config_file", help="a config.json (with --load-format dummy)")
     p.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--memory-ratio", type=float, default=0.90)
-    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument(
+        "--max-running-requests", type=int, default=None,
+        help="requests decoded at once, each with a GDN state slot (default 64; when the experts "
+        "stream, as many as fit 1/32 of the GPU in state rows, at most 64)",
+    )  # fmt: skip
     p.add_argument(
         "--chunked-prefill-size", dest="max_num_batched_tokens", type=int, default=None,
         help="tokens a prefill chunk takes (default 8192; with offloaded experts up to 32768, as the "

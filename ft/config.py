@@ -42,7 +42,8 @@ class EngineConfig:
     block_size: int = 16
     num_tokens: int | None = None  # KV pool size in tokens
     memory_ratio: float = 0.90
-    max_running_requests: int = 64  # also the number of GDN state slots
+    # also the number of GDN state slots; None: 64, fewer when the experts stream (sizing.default_running)
+    max_running_requests: int | None = None
     # the chunked-prefill size; None: 8192, or up to 32768 when the experts stream
     # (``ft.moe.backends.sizing.prefill_chunk``: each chunk streams every host expert once)
     max_num_batched_tokens: int | None = None
@@ -121,7 +122,7 @@ class EngineConfig:
             ("block_size", self.block_size >= 1),
             ("num_tokens", self.num_tokens is None or self.num_tokens >= self.block_size),
             ("memory_ratio", 0.0 < self.memory_ratio <= 1.0),
-            ("max_running_requests", self.max_running_requests >= 1),
+            ("max_running_requests", self.max_running_requests is None or self.max_running_requests >= 1),
             ("prefix_snapshot_slots", self.prefix_snapshot_slots is None or self.prefix_snapshot_slots >= 1),
             (
                 "max_num_batched_tokens",

@@ -370,7 +370,7 @@ def cmd_offline(args) -> int:
         raise SystemExit(f"--census-batch must be at least 1, got {args.census_batch}")
     if args.prefill_runs < 1:
         raise SystemExit(f"--prefill-runs must be at least 1, got {args.prefill_runs}")
-    running = max(sizes + [args.max_running_requests, args.census_batch if args.census else 1])
+    running = max(sizes + [args.max_running_requests or 1, args.census_batch if args.census else 1])
     options = engine_options(args) | {"max_running_requests": running}
     # the engine loads with the first variant and switches in place to the others
     options |= {"dummy_routing_skew": skews[0], "expert_cache_policy": policies[0]}

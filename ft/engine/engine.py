@@ -104,7 +104,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             BlockAllocator(plan.num_blocks, cfg.block_size),
             SlotAllocator(plan.num_slots),
-            cfg.max_running_requests,
+            plan.num_slots,
             plan.prefill_chunk,
             max_len,
             cache=cache,

@@ -31,7 +31,7 @@ from ft.models.registry import model_class
 from ft.moe.backends import banks_on
 from ft.moe.backends.placement import placed
 from ft.moe.backends.runtime import MoePlan, MoeRuntime
-from ft.moe.backends.sizing import device_budget, prefill_chunk
+from ft.moe.backends.sizing import DEFAULT_RUNNING, default_running, device_budget, device_cap, prefill_chunk
 from ft.sampling_params import Logprobs
 from ft.scheduler.scheduler import HISTORY, ScheduledSeq
 from ft.utils import cdiv, upload, upload_lists
@@ -143,7 +143,7 @@ class ModelRunner:
         self.gdn = get_gdn_backend(cfg.gdn_backend, self.device.type)
         self.sampler = Sampler(self.device, cfg.seed)
         self.plan = self._allocate_pools(pools)
-        self.plan = replace(self.plan, moe=self.moe.allocate(self.model))
+        self.plan = replace(self.plan, moe=self.moe.allocate(self.model, self.plan.num_slots))
         if cfg.progress or self.moe.offloads:
             rows = self.plan.state_rows if self.plan.has_gdn else 0
             print(
@@ -151,7 +151,7 @@ class ModelRunner:
                 flush=True,
             )
         self.graphs = None
-        max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests, self.moe.max_graph_batch())
+        max_bs = min(cfg.cuda_graph_max_bs, self.plan.num_slots, self.moe.max_graph_batch())
         if self.device.type == "cuda" and not cfg.disable_cuda_graph and max_bs >= 1:
             self.graphs = self._decode_graphs(max_bs)
             self.moe.discard_uses()
@@ -241,21 +241,38 @@ class ModelRunner:
                 total += math.prod(shape) * size
         return total
 
+    def _max_running(self, row: int) -> int:
+        """``--max-running-requests``, or its default (``sizing.default_running``) for GDN state rows
+        of ``row`` bytes (0: none), said when it is below the usual."""
+        if self.cfg.max_running_requests is not None:
+            return self.cfg.max_running_requests
+        cfg = self.cfg
+        cap = device_cap(cfg, self.device) if self.device.type == "cuda" and self.moe.streams else None
+        snapshots_follow = bool(row) and cfg.enable_prefix_cache and cfg.prefix_snapshot_slots is None
+        running = default_running(cap, row, 2 if snapshots_follow else 1)
+        if running < DEFAULT_RUNNING and self.tp.is_first:
+            print(
+                f"ft: at most {running} running requests (the experts stream, and each request's GDN "
+                f"state, {row / 2**20:,.0f} MiB, comes out of their cache; --max-running-requests N)",
+                flush=True,
+            )
+        return running
+
     def _plan_pools(self) -> PoolPlan:
         """The KV and state pools' sizes, decided once, before the experts are placed and loaded."""
         # the layers that own caches, found once (copies between state rows walk them every step)
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "cache_shape")]
         self.gdn_layers = gdn = [m for m in self.model.modules() if hasattr(m, "state_shapes")]
         num_blocks = max(1, self._pool_tokens() // self.cfg.block_size)
-        slots = self.cfg.max_running_requests + 1  # the last slot is scratch for padded rows
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        shapes = [m.state_shapes() for m in gdn]
+        row = sum(math.prod(conv) * size + math.prod(ssm) * 4 for conv, ssm in shapes)  # a GDN state row
+        running = self._max_running(row)
+        slots = running + 1  # the last slot is scratch for padded rows
         snaps = 0
         if gdn and self.cfg.enable_prefix_cache:
-            snaps = self.cfg.prefix_snapshot_slots or self.cfg.max_running_requests
-        size = torch.tensor([], dtype=self.dtype).element_size()
-        state_bytes = sum(
-            (slots + snaps) * (math.prod(conv) * size + math.prod(ssm) * 4)
-            for conv, ssm in (m.state_shapes() for m in gdn)
-        )
+            snaps = self.cfg.prefix_snapshot_slots or running
+        state_bytes = (slots + snaps) * row
         kv_bytes = num_blocks * self.cfg.block_size * self._kv_bytes_per_token()
         chunk = prefill_chunk(self.cfg, self.mc, self.device, self.moe.streams)
         return PoolPlan(num_blocks, slots - 1, 0, kv_bytes, state_bytes, snaps, bool(gdn), None, chunk)

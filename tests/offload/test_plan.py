@@ -119,3 +119,33 @@ def test_prefill_chunk_grows_when_experts_stream_as_far_as_the_reserve_allows(mc
     assert sizing.grown_chunk(1 << 40, per_token) == 32768 and sizing.grown_chunk(0, per_token) == 8192
     assert sizing.grown_chunk(32768 * per_token, per_token) == 32768
     assert sizing.grown_chunk(32768 * per_token - 1, per_token) == 16384
+
+
+def test_running_requests_default_leaves_the_expert_cache_its_room(mc, monkeypatch, capsys):
+    """Not given, --max-running-requests is 64, or, when the experts stream on a hybrid model, the
+    most (a power of two from 4) whose GDN state rows, a slot and a snapshot each, fit 1/32 of the
+    device: the 80B's ~72 MiB rows give 8 under --max-gpu-memory 48GiB and 16 on a 141 GB H200."""
+    from types import SimpleNamespace
+
+    import ft.engine.model_runner as model_runner
+    from ft.engine.model_runner import build_model
+
+    model = build_model(mc, TPInfo(0, 1), "meta", torch.bfloat16)
+    shapes = [m.state_shapes() for m in model.modules() if hasattr(m, "state_shapes")]
+    row = sum(2 * conv[0] * conv[1] + 4 * ssm[0] * ssm[1] * ssm[2] for conv, ssm in shapes)
+    assert len(shapes) == 36 and 70 * 2**20 < row < 75 * 2**20
+    assert sizing.default_running(48 * GiB, row, 2) == 8
+    assert sizing.default_running(141 * 10**9, row, 2) == 16
+    assert sizing.default_running(141 * 10**9, row, 1) == 32  # no snapshot a request
+    assert sizing.default_running(None, row, 2) == sizing.default_running(10**15, row, 2) == 64
+    assert sizing.default_running(48 * GiB, 0, 2) == 64  # no GDN state
+    assert sizing.default_running(GiB, row, 2) == 4  # never fewer
+    runner = SimpleNamespace(device=CUDA, moe=SimpleNamespace(streams=True), tp=TPInfo(0, 1))
+    monkeypatch.setattr(model_runner, "device_cap", lambda cfg, device: 48 * GiB)
+    for options, want in (({}, 8), ({"max_running_requests": 32}, 32), ({"prefix_snapshot_slots": 4}, 16)):
+        runner.cfg = EngineConfig(config_file=NEXT_80B, load_format="dummy", **options)
+        assert model_runner.ModelRunner._max_running(runner, row) == want
+    assert "at most 16 running requests" in capsys.readouterr().out
+    runner.moe.streams = False  # resident experts: the usual 64
+    runner.cfg = EngineConfig(config_file=NEXT_80B, load_format="dummy")
+    assert model_runner.ModelRunner._max_running(runner, row) == 64

@@ -145,7 +145,7 @@ class MoeRuntime:
             self.stores.append(store)
 
     # ---- after the pools
-    def allocate(self, model: torch.nn.Module) -> MoePlan:
+    def allocate(self, model: torch.nn.Module, max_running: int) -> MoePlan:
         blocks = moe_blocks(model)
         if not blocks:
             return self.plan
@@ -197,7 +197,7 @@ class MoeRuntime:
         if self.name == "offload" and (self.stores[0].pinned or self.device.type == "cpu"):
             k, stage_tokens = self.mc.num_experts_per_tok, self._stage_tokens()
             self.reads = host_reads.HostReads(self.backends, k, self.device, self.bank.format, stage_tokens)
-        unattended = [n for n in range(1, cfg.max_running_requests + 1) if self.runs_unattended(n)]
+        unattended = [n for n in range(1, max_running + 1) if self.runs_unattended(n)]
         self.plan = MoePlan(
             self.name,
             len(blocks),
