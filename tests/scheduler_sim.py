@@ -86,12 +86,15 @@ def workload(seed: int, n: int = 60) -> list[tuple[int, Request]]:
     return sorted(reqs, key=lambda t: t[0])
 
 
-def run(sched: Scheduler, seed: int, ahead: bool = False, each_step=None) -> None:
-    """``workload(seed)`` through ``sched`` to the end; ``each_step(t, record, state)`` after each step."""
+def run(sched: Scheduler, seed: int, ahead: bool = False, each_step=None, before_step=None) -> None:
+    """``workload(seed)`` through ``sched`` to the end; ``before_step(t, state)`` once the step's
+    arrivals are added, ``each_step(t, record, state)`` after it."""
     pending, state = workload(seed), {}
     for t in range(2000):
         while pending and pending[0][0] <= t:
             sched.add(pending.pop(0)[1])
+        if before_step is not None:
+            before_step(t, state)
         record = step(sched, ahead, state)
         if each_step is not None:
             each_step(t, record, state)

@@ -1,6 +1,7 @@
 """A waiting head refused for want of KV blocks is not matched against the prefix cache again
-until something it needs changed (``Scheduler.refused_again``): the batches equal those of a
-scheduler that retries every step, and a blocked long prompt is matched once, not every step."""
+until something it needs changed (``Scheduler.refused_again``): each step it skips is one a
+retrying scheduler would refuse too, a blocked long prompt is matched once, not every step, and
+its cached prefix stays as recent as retries kept it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import copy
 import pytest
 
 from ft.sampling_params import SamplingParams
+from ft.scheduler.kv_pool import BlockAllocator
+from ft.scheduler.radix_cache import RadixCache
 from ft.scheduler.request import Request, Status
 from ft.scheduler.scheduler import Scheduler
+from ft.scheduler.state_pool import SlotAllocator
 from tests.scheduler_sim import make, run, step
 
 
@@ -29,15 +33,24 @@ class Counting(Scheduler):
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
-@pytest.mark.parametrize("seed", range(4))
-def test_batches_equal_a_scheduler_that_retries_every_step(hybrid, seed):
-    """A retry that fails again changes nothing but its prefix's last use, and the refused head's
-    prefix is all the cache has left to evict: the same batches, block for block."""
-    records = []
-    run(make(AlwaysRetry, 20, hybrid), seed, each_step=lambda t, r, _: records.append(r))
-    sched = make(Counting, 20, hybrid)
-    run(sched, seed, each_step=lambda t, r, _: r == records[t] or pytest.fail(f"step {t}: {r}, {records[t]}"))
-    assert sched.skips > 100
+@pytest.mark.parametrize(
+    "blocks, budget, seed", [(20, 8, 0), (20, 16, 1), (20, 24, 2), (28, 24, 2), (40, 64, 5)]
+)
+def test_each_skipped_attempt_is_one_a_retry_would_refuse(hybrid, blocks, budget, seed):
+    """From the state of every step, a scheduler that retries the head builds the same batch. (Runs
+    of the two apart drift: a failed retry evicts what it can before it gives up.)"""
+    sched, want = make(Counting, blocks, hybrid, budget=budget), []
+
+    def before(t, state):
+        probe = copy.deepcopy(sched)
+        probe.__class__ = AlwaysRetry
+        want.append([(s.request_id, s.start, len(s.token_ids)) for s in probe.schedule().seqs])
+
+    def after(t, record, state):
+        assert [(r[0], r[2], len(r[1])) for r in record] == want[-1], f"step {t}"
+
+    run(sched, seed, each_step=after, before_step=before)
+    assert sched.skips > 20
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
@@ -108,3 +121,44 @@ def test_what_may_let_the_head_in_brings_a_new_attempt(hybrid):
     if hybrid:  # a snapshot on its path: the hit may now end further on
         sched.cache.attach_snapshot(refusal.tail.parent, sched.cache.take_snapshot_slot())
         assert not sched.refused_again(waiting, refusal.budget)
+
+
+def test_a_snapshot_dropped_from_the_heads_prefix_brings_a_new_attempt():
+    """On a hybrid model a hit ends at a snapshot: one taken off the head's prefix (for a chunk
+    that gave it back unused) makes its hit shorter, which may let a budget-bound chunk fit."""
+    blocks, slots = BlockAllocator(9, 4), SlotAllocator(4)
+    sched, state = Scheduler(blocks, slots, 4, 16, 256, RadixCache(4, num_snapshots=2), hybrid=True), {}
+    prefix = list(range(8))
+    sched.add(Request("a", prefix + [50], SamplingParams(max_tokens=1, temperature=0.0)))
+    step(sched, False, state)  # its prefix cached, a snapshot at its end
+    node = sched.cache.match(prefix)[-1]
+    sched.add(Request("d", [60] * 13, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
+    step(sched, False, state)
+    head = Request("h", prefix + [70] * 20, SamplingParams(max_tokens=1, temperature=0.0))
+    sched.add(head)
+    step(sched, False, state)
+    assert sched.refusal is not None and sched.refusal.req is head and node.snapshot is not None
+    sched.cache.give_back_snapshot(sched.cache.take_snapshot_slot())  # node's, taken and unused
+    assert node.snapshot is None and not sched.refused_again(head, sched.max_batched_tokens - 1)
+    assert [s.request_id for s in sched.schedule().seqs] == ["d", "h"]
+
+
+def test_a_refused_heads_prefix_stays_recent():
+    """Skipping the match leaves the head's cached prefix as recent as a retry would (matched,
+    and the blocks it held released after), so growth evicts other cached blocks before it."""
+    sched, state = make(Scheduler, 40, hybrid=False, budget=256), {}
+    prefix = list(range(16))
+    sched.add(Request("p", prefix, SamplingParams(max_tokens=1, temperature=0.0)))
+    step(sched, False, state)  # cached, unreferenced
+    sched.add(Request("run", [5] * 100, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
+    step(sched, False, state)
+    head = Request("h", prefix + [3] * 100, SamplingParams(max_tokens=1, temperature=0.0))
+    sched.add(head)
+    step(sched, False, state)
+    assert sched.refusal is not None and sched.refusal.held == 4
+    path = [sched.refusal.matched]
+    while path[-1].parent is not sched.cache.root:
+        path.append(path[-1].parent)
+    before = [n.last_use for n in path]
+    assert sched.refused_again(head, sched.refusal.budget)
+    assert all(n.last_use > b for n, b in zip(path, before))

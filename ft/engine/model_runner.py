@@ -294,6 +294,7 @@ class ModelRunner:
         max_len = min(self.cfg.max_model_len or self.mc.max_position_embeddings, num_blocks * bs)
         self.tables = BlockTables(slots, cdiv(max_len, bs), bs)
         self.scratch_slot = slots - 1  # padded rows of a captured batch write here
+        self.sampler.num_slots = slots
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters() if not placed(p))
         return replace(plan, weight_bytes=weights)
 

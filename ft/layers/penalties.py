@@ -29,16 +29,16 @@ def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
 class PenaltyState:
     """Output-token counts (fp32) and prompt-token marks (bool), a row per state slot."""
 
-    def __init__(self, vocab: int, device: torch.device) -> None:
+    def __init__(self, vocab: int, device: torch.device, rows: int = 0) -> None:
         self.vocab, self.device = vocab, device
-        self.counts = torch.zeros(0, vocab, device=device)
-        self.in_prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(rows, vocab, device=device)
+        self.in_prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         self.owners: dict[int, str] = {}  # slot -> the request its row was built for
 
     def _grow(self, rows: int) -> None:
         have = self.counts.shape[0]
-        if rows > have:  # doubling: a few times at most (slots are few, taken from 0 up, reused)
-            more = max(rows, 2 * have, 8) - have
+        if rows > have:  # only where the slots were not known up front (``Sampler.num_slots``)
+            more = rows - have
             self.counts = torch.cat([self.counts, self.counts.new_zeros(more, self.vocab)])
             self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros(more, self.vocab)])
 

@@ -158,6 +158,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.penalties: PenaltyState | None = None  # made when a first request penalises
+        self.num_slots = 0  # the state slots a row's penalties are kept for (the runner's pool)
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
@@ -255,7 +256,7 @@ class Sampler:
             state.load(slots, owners, [seen[i] for i in pen])
         else:
             if self.penalties is None or self.penalties.vocab != vocab:
-                self.penalties = PenaltyState(vocab, device)
+                self.penalties = PenaltyState(vocab, device, self.num_slots)
             state = self.penalties
             fresh = [i for i in pen if seen[i] is not None]
             if fresh:

@@ -47,7 +47,9 @@ class RadixCache:
         self._snapshotted: set[Node] = set()  # snapshot is not None
         self.num_nodes = 0
         self.num_evictable = 0  # nodes with ref 0
-        self.num_attached = 0  # snapshots attached so far (a hit on a hybrid model may have grown)
+        # snapshots attached or dropped so far: on a hybrid model a hit ends at a snapshot, so a
+        # refused request's hit may have grown or shrunk since (``Scheduler.refused_again``)
+        self.snapshot_changes = 0
 
     def _keys(self, tokens: list[int], num_blocks: int):
         bs = self.block_size
@@ -71,6 +73,15 @@ class RadixCache:
         if node.parent is not None and node.parent.children.get(node.key) is not node:
             return True
         return key is not None and key in node.children
+
+    def touch(self, last: Node, held: int) -> None:
+        """The recency a match of a path ending at ``last``, then the release of its first
+        ``held`` nodes, would leave (a refused request not matched again keeps its prefix as
+        recent as its retries kept it, so eviction takes the same blocks)."""
+        matched, released = next(self._clock), next(self._clock)
+        while last is not self.root and last is not None:
+            last.last_use = released if last.depth <= held else matched
+            last = last.parent
 
     def acquire(self, nodes: list[Node]) -> None:
         for n in nodes:
@@ -118,6 +129,7 @@ class RadixCache:
             self.num_evictable -= 1
             freed.append(n.block)
             if n.snapshot is not None:
+                self.snapshot_changes += 1
                 self._snapshotted.discard(n)
                 self._free_snapshots.append(n.snapshot)
             if parent is not self.root and parent.ref == 0 and not parent.children:
@@ -128,7 +140,7 @@ class RadixCache:
     # ---- GDN state snapshots
     def attach_snapshot(self, node: Node, slot: int) -> None:
         node.snapshot = slot
-        self.num_attached += 1
+        self.snapshot_changes += 1
         self._snapshotted.add(node)
 
     def take_snapshot_slot(self) -> int | None:
@@ -139,6 +151,7 @@ class RadixCache:
             if not held:
                 return None
             victim = min(held, key=lambda n: (n.last_use, -n.depth))
+            self.snapshot_changes += 1
             self._snapshotted.discard(victim)
             self._free_snapshots.append(victim.snapshot)
             victim.snapshot = None

@@ -70,7 +70,9 @@ class Refusal:
     room: int  # blocks free or evictable after the refusal
     budget: int  # the tokens the step had left for it
     tail: Node | None  # the last cached block its tokens matched (the root: none; None: no cache look-up)
-    attached: int  # the cache's snapshots attached by then (on a hybrid model a hit ends at one)
+    snapshots: int  # the cache's snapshot changes by then (on a hybrid model a hit ends at one)
+    matched: Node | None = None  # the match's last node (it may pass ``tail`` by the last block)
+    held: int = 0  # blocks of the hit it held until refused
 
 
 @dataclass
@@ -136,6 +138,8 @@ class Scheduler:
         self._release(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         del self.requests[req.request_id]
+        if self.refusal is not None and self.refusal.req is req:
+            self.refusal = None  # nothing of it kept alive
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -165,13 +169,14 @@ class Scheduler:
             req = self.waiting[0]
             if self.slots.num_free == 0 or self.refused_again(req, budget):
                 break
-            tail = self._hit(req)
+            tail, matched = self._hit(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
+                held = len(req.cache_nodes)
                 self._release(req)
                 req.num_computed_tokens = req.num_cached_tokens = 0
-                attached = self.cache.num_attached if self.cache is not None else 0
-                self.refusal = Refusal(req, self._room(), budget, tail, attached)
+                changes = self.cache.snapshot_changes if self.cache is not None else 0
+                self.refusal = Refusal(req, self._room(), budget, tail, changes, matched, held)
                 break
             self.refusal = None
             self.prefix_hit_tokens += req.num_cached_tokens
@@ -245,31 +250,36 @@ class Scheduler:
             return False
         if r.tail is None:
             return True
-        if self.cache.num_attached != r.attached:
+        if self.cache.snapshot_changes != r.snapshots:
             return False
         bs, depth = self.blocks.block_size, r.tail.depth
         key = tuple(req.tokens(depth * bs, (depth + 1) * bs)) if depth < (req.num_tokens - 1) // bs else None
-        return not self.cache.extends(r.tail, key)
+        if self.cache.extends(r.tail, key):
+            return False
+        self.cache.touch(r.matched, r.held)  # as recent as a retry would leave it
+        return True
 
     def _room(self) -> int:
         return self.blocks.num_free + (self.cache.num_evictable if self.cache is not None else 0)
 
-    def _hit(self, req: Request) -> Node | None:
+    def _hit(self, req: Request) -> tuple[Node | None, Node | None]:
         """Start ``req`` after the longest usable cached prefix of its tokens; the last cached
-        block its tokens matched (the root: none; None when the cache was not asked)."""
+        block of it its tokens matched (the root: none; None when the cache was not asked), and
+        the last the match walked (it may take one more: the whole last block)."""
         if self.cache is None or req.params.prompt_logprobs is not None:
-            return None
-        nodes = self.cache.match(req.all_token_ids)[: (req.num_tokens - 1) // self.blocks.block_size]
-        tail = nodes[-1] if nodes else self.cache.root
+            return None, None
+        path = self.cache.match(req.all_token_ids)
+        nodes = path[: (req.num_tokens - 1) // self.blocks.block_size]
+        tail, matched = nodes[-1] if nodes else self.cache.root, path[-1] if path else self.cache.root
         while self.hybrid and nodes and nodes[-1].snapshot is None:
             nodes.pop()
         if not nodes:
-            return tail
+            return tail, matched
         self.cache.acquire(nodes)
         req.cache_nodes, req.block_ids = list(nodes), [n.block for n in nodes]
         req.num_computed_tokens = req.num_cached_tokens = len(nodes) * self.blocks.block_size
         req.restore_snapshot = nodes[-1].snapshot if self.hybrid else None
-        return tail
+        return tail, matched
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.blocks.blocks_for(num_tokens) - len(req.block_ids)
