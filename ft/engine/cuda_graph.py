@@ -139,6 +139,7 @@ class Packed:
         for w in widths.values():
             self.offsets.append(at)
             at += n * w
+        self.uploaded: torch.cuda.Event | None = None  # the last upload's copy, once it has read the host
 
     def _views(self, buf, rows: int):
         return [
@@ -151,10 +152,17 @@ class Packed:
         return self._views(self.device, self.n)
 
     def host_views(self, rows: int) -> list:
-        """numpy views of the host twin's first ``rows`` rows of every field, to fill."""
+        """numpy views of the host twin's first ``rows`` rows of every field, to fill: once the
+        last upload has read them (a step issued ahead fills them while the step before may still
+        be queued behind the one running)."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
         return self._views(self.host_np, rows)
 
     def upload(self, rows: int) -> None:
         last, w = self.offsets[-1], list(self.widths.values())[-1]
         end = last + rows * w
         self.device[:end].copy_(self.host[:end], non_blocking=True)
+        if self.device.is_cuda:
+            self.uploaded = torch.cuda.Event()
+            self.uploaded.record()
