@@ -10,7 +10,6 @@ expert cache.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -20,6 +19,7 @@ from ft.config import EngineConfig
 from ft.distributed import TPInfo, broadcast_from_first, tp_context
 from ft.engine import allocator
 from ft.engine.block_tables import BlockTables
+from ft.engine.pools import CacheLayers, PoolPlan, allocate_pools, plan_pools
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.gdn import get_gdn_backend
 from ft.gdn.snapshots import SnapshotPoint, state_snapshots
@@ -30,8 +30,7 @@ from ft.models.loader import load_weights
 from ft.models.registry import model_class
 from ft.moe.backends import banks_on
 from ft.moe.backends.placement import placed
-from ft.moe.backends.runtime import MoePlan, MoeRuntime
-from ft.moe.backends.sizing import DEFAULT_RUNNING, default_running, device_budget, device_cap, prefill_chunk
+from ft.moe.backends.runtime import MoeRuntime
 from ft.sampling_params import Logprobs
 from ft.scheduler.scheduler import HISTORY, ScheduledSeq
 from ft.utils import cdiv, upload, upload_lists
@@ -61,24 +60,6 @@ class Launched:
     draw: Draw | None = None  # their tokens (and log-probs), on the device
     host: Draw | None = None  # the same, copied to the host once ``done`` has passed
     done: torch.cuda.Event | None = None
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    num_blocks: int
-    num_slots: int
-    weight_bytes: int
-    kv_bytes: int
-    state_bytes: int
-    num_snapshots: int = 0  # GDN state snapshots for the prefix cache
-    has_gdn: bool = False
-    moe: MoePlan | None = None
-    prefill_chunk: int = 8192  # tokens a prefill chunk takes (``sizing.prefill_chunk``)
-
-    @property
-    def state_rows(self) -> int:
-        """GDN state rows: one a request slot, the scratch slot, then one a prefix snapshot."""
-        return self.num_slots + 1 + self.num_snapshots
 
 
 def effective_model_config(cfg: EngineConfig, mc: ModelConfig) -> ModelConfig:
@@ -220,78 +201,17 @@ class ModelRunner:
             allocator.cap(None, self.device)
 
     # ---- pools
-    def _pool_tokens(self) -> int:
-        if self.cfg.num_tokens is not None:
-            return self.cfg.num_tokens
-        if self.device.type == "cuda":
-            per_token = max(1, self._kv_bytes_per_token())
-            tokens = max(self.cfg.block_size, int(device_budget(self.cfg, self.device) * 0.9) // per_token)
-            if self.moe.offloads:  # the expert cache gets the rest: one full context by default
-                tokens = min(tokens, self.cfg.max_model_len or self.mc.max_position_embeddings)
-            return tokens
-        return 64 * 1024
-
-    def _kv_bytes_per_token(self) -> int:
-        size = torch.tensor([], dtype=self.dtype).element_size()
-        total = 0
-        for m in self.attention_layers:
-            h, d = m.cache_shape()
-            total += 2 * h * d * size
-            for shape in getattr(m, "extra_paged_caches", dict)().values():
-                total += math.prod(shape) * size
-        return total
-
-    def _max_running(self, row: int) -> int:
-        """``--max-running-requests``, or its default (``sizing.default_running``) for GDN state rows
-        of ``row`` bytes (0: none), said when it is below the usual."""
-        if self.cfg.max_running_requests is not None:
-            return self.cfg.max_running_requests
-        cfg = self.cfg
-        cap = device_cap(cfg, self.device) if self.device.type == "cuda" and self.moe.streams else None
-        snapshots_follow = bool(row) and cfg.enable_prefix_cache and cfg.prefix_snapshot_slots is None
-        running = default_running(cap, row, 2 if snapshots_follow else 1)
-        if running < DEFAULT_RUNNING and self.tp.is_first:
-            print(
-                f"ft: at most {running} running requests (the experts stream, and each request's GDN "
-                f"state, {row / 2**20:,.0f} MiB, comes out of their cache; --max-running-requests N)",
-                flush=True,
-            )
-        return running
-
     def _plan_pools(self) -> PoolPlan:
         """The KV and state pools' sizes, decided once, before the experts are placed and loaded."""
-        # the layers that own caches, found once (copies between state rows walk them every step)
-        self.attention_layers = [m for m in self.model.modules() if hasattr(m, "cache_shape")]
-        self.gdn_layers = gdn = [m for m in self.model.modules() if hasattr(m, "state_shapes")]
-        num_blocks = max(1, self._pool_tokens() // self.cfg.block_size)
-        size = torch.tensor([], dtype=self.dtype).element_size()
-        shapes = [m.state_shapes() for m in gdn]
-        row = sum(math.prod(conv) * size + math.prod(ssm) * 4 for conv, ssm in shapes)  # a GDN state row
-        running = self._max_running(row)
-        slots = running + 1  # the last slot is scratch for padded rows
-        snaps = 0
-        if gdn and self.cfg.enable_prefix_cache:
-            snaps = self.cfg.prefix_snapshot_slots or running
-        state_bytes = (slots + snaps) * row
-        kv_bytes = num_blocks * self.cfg.block_size * self._kv_bytes_per_token()
-        chunk = prefill_chunk(self.cfg, self.mc, self.device, self.moe.streams)
-        return PoolPlan(num_blocks, slots - 1, 0, kv_bytes, state_bytes, snaps, bool(gdn), None, chunk)
+        self.layers = CacheLayers.of(self.model)  # found once: state copies walk them every step
+        self.attention_layers, self.gdn_layers = self.layers.attention, self.layers.gdn
+        return plan_pools(self.cfg, self.mc, self.layers, self.device, self.dtype, self.moe, self.tp.is_first)
 
     def _allocate_pools(self, plan: PoolPlan) -> PoolPlan:
-        bs, num_blocks, slots = self.cfg.block_size, plan.num_blocks, plan.num_slots + 1
-        rows = plan.state_rows
-        for m in self.attention_layers:
-            h, d = m.cache_shape()
-            m.kv_cache = torch.zeros(2, num_blocks, bs, h, d, dtype=self.dtype, device=self.device)
-            # per-token caches beside k/v (e.g. an indexer's keys), paged like them: [blocks, bs, *shape]
-            for name, shape in getattr(m, "extra_paged_caches", dict)().items():
-                setattr(m, name, torch.zeros(num_blocks, bs, *shape, dtype=self.dtype, device=self.device))
-        for m in self.gdn_layers:
-            conv, ssm = m.state_shapes()
-            m.conv_state = torch.zeros(rows, *conv, dtype=self.dtype, device=self.device)
-            m.ssm_state = torch.zeros(rows, *ssm, dtype=torch.float32, device=self.device)
+        allocate_pools(plan, self.cfg, self.layers, self.device, self.dtype)
+        slots, bs = plan.num_slots + 1, self.cfg.block_size
         self.snapshot_base = slots  # snapshot k lives in state row slots + k
-        max_len = min(self.cfg.max_model_len or self.mc.max_position_embeddings, num_blocks * bs)
+        max_len = min(self.cfg.max_model_len or self.mc.max_position_embeddings, plan.num_blocks * bs)
         self.tables = BlockTables(slots, cdiv(max_len, bs), bs)
         self.scratch_slot = slots - 1  # padded rows of a captured batch write here
         self.sampler.num_slots = slots

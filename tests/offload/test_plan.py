@@ -125,9 +125,7 @@ def test_running_requests_default_leaves_the_expert_cache_its_room(mc, monkeypat
     """Not given, --max-running-requests is 64, or, when the experts stream on a hybrid model, the
     most (a power of two from 4) whose GDN state rows, a slot and a snapshot each, fit 1/32 of the
     device: the 80B's ~72 MiB rows give 8 under --max-gpu-memory 48GiB and 16 on a 141 GB H200."""
-    from types import SimpleNamespace
-
-    import ft.engine.model_runner as model_runner
+    import ft.engine.pools as pools
     from ft.engine.model_runner import build_model
 
     model = build_model(mc, TPInfo(0, 1), "meta", torch.bfloat16)
@@ -140,12 +138,11 @@ def test_running_requests_default_leaves_the_expert_cache_its_room(mc, monkeypat
     assert sizing.default_running(None, row, 2) == sizing.default_running(10**15, row, 2) == 64
     assert sizing.default_running(48 * GiB, 0, 2) == 64  # no GDN state
     assert sizing.default_running(GiB, row, 2) == 4  # never fewer
-    runner = SimpleNamespace(device=CUDA, moe=SimpleNamespace(streams=True), tp=TPInfo(0, 1))
-    monkeypatch.setattr(model_runner, "device_cap", lambda cfg, device: 48 * GiB)
+    monkeypatch.setattr(pools, "device_cap", lambda cfg, device: 48 * GiB)
     for options, want in (({}, 8), ({"max_running_requests": 32}, 32), ({"prefix_snapshot_slots": 4}, 16)):
-        runner.cfg = EngineConfig(config_file=NEXT_80B, load_format="dummy", **options)
-        assert model_runner.ModelRunner._max_running(runner, row) == want
+        cfg = EngineConfig(config_file=NEXT_80B, load_format="dummy", **options)
+        assert pools.max_running(cfg, CUDA, True, row, say=True) == want
     assert "at most 16 running requests" in capsys.readouterr().out
-    runner.moe.streams = False  # resident experts: the usual 64
-    runner.cfg = EngineConfig(config_file=NEXT_80B, load_format="dummy")
-    assert model_runner.ModelRunner._max_running(runner, row) == 64
+    cfg = EngineConfig(config_file=NEXT_80B, load_format="dummy")
+    assert pools.max_running(cfg, CUDA, False, row, say=True) == 64  # resident experts: the usual 64
+    assert pools.state_row_bytes(pools.CacheLayers.of(model), torch.bfloat16) == row
