@@ -161,4 +161,6 @@ def test_a_refused_heads_prefix_stays_recent():
         path.append(path[-1].parent)
     before = [n.last_use for n in path]
     assert sched.refused_again(head, sched.refusal.budget)
+    assert [n.last_use for n in path] == before  # the check alone changes nothing
+    assert sched._still_refused(head, sched.refusal.budget)
     assert all(n.last_use > b for n, b in zip(path, before))

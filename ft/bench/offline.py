@@ -33,6 +33,7 @@ from ft.bench.report import Report, Row, as_dict, format_report
 from ft.bench.roofline import decode_step_bytes, measure_bandwidth, measure_matmul_rate, prefill_flops
 from ft.config import EngineConfig
 from ft.engine.engine import LLMEngine
+from ft.moe.backends.sizing import DEFAULT_RUNNING
 from ft.sampling_params import SamplingParams
 from ft.scheduler.request import kv_tokens
 
@@ -370,7 +371,10 @@ def cmd_offline(args) -> int:
         raise SystemExit(f"--census-batch must be at least 1, got {args.census_batch}")
     if args.prefill_runs < 1:
         raise SystemExit(f"--prefill-runs must be at least 1, got {args.prefill_runs}")
-    running = max(sizes + [args.max_running_requests or 1, args.census_batch if args.census else 1])
+    # not given: 64 running requests, as every row before 2026-12-05 ran (not the engine's default,
+    # fewer when the experts stream), so rows stay comparable
+    given = args.max_running_requests or DEFAULT_RUNNING
+    running = max(sizes + [given, args.census_batch if args.census else 1])
     options = engine_options(args) | {"max_running_requests": running}
     # the engine loads with the first variant and switches in place to the others
     options |= {"dummy_routing_skew": skews[0], "expert_cache_policy": policies[0]}

@@ -139,7 +139,9 @@ class Packed:
         for w in widths.values():
             self.offsets.append(at)
             at += n * w
-        self.uploaded: torch.cuda.Event | None = None  # the last upload's copy, once it has read the host
+        # recorded after each upload's copy: the host twin is not refilled before it has been read
+        self.uploaded = torch.cuda.Event() if self.device.is_cuda else None
+        self.recorded = False
 
     def _views(self, buf, rows: int):
         return [
@@ -155,7 +157,7 @@ class Packed:
         """numpy views of the host twin's first ``rows`` rows of every field, to fill: once the
         last upload has read them (a step issued ahead fills them while the step before may still
         be queued behind the one running)."""
-        if self.uploaded is not None:
+        if self.recorded:
             self.uploaded.synchronize()
         return self._views(self.host_np, rows)
 
@@ -163,6 +165,6 @@ class Packed:
         last, w = self.offsets[-1], list(self.widths.values())[-1]
         end = last + rows * w
         self.device[:end].copy_(self.host[:end], non_blocking=True)
-        if self.device.is_cuda:
-            self.uploaded = torch.cuda.Event()
+        if self.uploaded is not None:
             self.uploaded.record()
+            self.recorded = True

@@ -91,8 +91,10 @@ def max_running(cfg: EngineConfig, device: torch.device, streams: bool, row: int
     if cfg.max_running_requests is not None:
         return cfg.max_running_requests
     cap = device_cap(cfg, device) if device.type == "cuda" and streams else None
-    snapshots_follow = bool(row) and cfg.enable_prefix_cache and cfg.prefix_snapshot_slots is None
-    running = default_running(cap, row, 2 if snapshots_follow else 1)
+    snapshots = bool(row) and cfg.enable_prefix_cache
+    follow = snapshots and cfg.prefix_snapshot_slots is None  # a snapshot a request
+    fixed = 1 + ((cfg.prefix_snapshot_slots or 0) if snapshots else 0)  # the scratch row, given snapshots
+    running = default_running(cap, row, fixed, 2 if follow else 1)
     if running < DEFAULT_RUNNING and say:
         print(
             f"ft: at most {running} running requests (the experts stream, and each request's GDN "

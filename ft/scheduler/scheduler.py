@@ -167,7 +167,7 @@ class Scheduler:
             preempted.append(victim.request_id)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
             req = self.waiting[0]
-            if self.slots.num_free == 0 or self.refused_again(req, budget):
+            if self.slots.num_free == 0 or self._still_refused(req, budget):
                 break
             tail, matched = self._hit(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -204,7 +204,7 @@ class Scheduler:
         admits = self.waiting and len(self.running) < self.max_running and self.slots.num_free > 0
         # the next ``schedule`` would leave the head its budget less a decode token a running request
         left = self.max_batched_tokens - len(self.running)
-        admits = admits and not self.refused_again(self.waiting[0], left)
+        admits = admits and not self._still_refused(self.waiting[0], left)
         if admits or len(batch) != len(self.running):
             return None
         for seq, req in zip(batch, self.running):
@@ -254,9 +254,15 @@ class Scheduler:
             return False
         bs, depth = self.blocks.block_size, r.tail.depth
         key = tuple(req.tokens(depth * bs, (depth + 1) * bs)) if depth < (req.num_tokens - 1) // bs else None
-        if self.cache.extends(r.tail, key):
+        return not self.cache.extends(r.tail, key)
+
+    def _still_refused(self, req: Request, budget: int) -> bool:
+        """``refused_again``, and if so the head's cached prefix left as recent as the retry it
+        skips would leave it (matched, its held blocks released), so growth evicts others first."""
+        if not self.refused_again(req, budget):
             return False
-        self.cache.touch(r.matched, r.held)  # as recent as a retry would leave it
+        if self.refusal.tail is not None:
+            self.cache.touch(self.refusal.matched, self.refusal.held)
         return True
 
     def _room(self) -> int:

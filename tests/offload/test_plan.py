@@ -132,17 +132,25 @@ def test_running_requests_default_leaves_the_expert_cache_its_room(mc, monkeypat
     shapes = [m.state_shapes() for m in model.modules() if hasattr(m, "state_shapes")]
     row = sum(2 * conv[0] * conv[1] + 4 * ssm[0] * ssm[1] * ssm[2] for conv, ssm in shapes)
     assert len(shapes) == 36 and 70 * 2**20 < row < 75 * 2**20
-    assert sizing.default_running(48 * GiB, row, 2) == 8
-    assert sizing.default_running(141 * 10**9, row, 2) == 16
-    assert sizing.default_running(141 * 10**9, row, 1) == 32  # no snapshot a request
-    assert sizing.default_running(None, row, 2) == sizing.default_running(10**15, row, 2) == 64
-    assert sizing.default_running(48 * GiB, 0, 2) == 64  # no GDN state
-    assert sizing.default_running(GiB, row, 2) == 4  # never fewer
+    assert (
+        sizing.default_running(48 * GiB, row, 1, 2) == 8
+    )  # the scratch row, a slot and a snapshot a request
+    assert sizing.default_running(141 * 10**9, row, 1, 2) == 16
+    assert sizing.default_running(141 * 10**9, row, 1, 1) == 32  # no snapshot a request
+    assert sizing.default_running(141 * 10**9, row, 33, 1) == 16  # 32 snapshots given
+    assert sizing.default_running(None, row, 1, 2) == sizing.default_running(10**15, row, 1, 2) == 64
+    assert sizing.default_running(48 * GiB, 0, 1, 2) == 64  # no GDN state
+    assert sizing.default_running(GiB, row, 1, 2) == sizing.default_running(48 * GiB, row, 65, 1) == 4
     monkeypatch.setattr(pools, "device_cap", lambda cfg, device: 48 * GiB)
-    for options, want in (({}, 8), ({"max_running_requests": 32}, 32), ({"prefix_snapshot_slots": 4}, 16)):
+    cases = ({}, 8), ({"max_running_requests": 32}, 32), ({"prefix_snapshot_slots": 4}, 8)
+    cases += (
+        ({"prefix_snapshot_slots": 64}, 4),
+        ({"prefix_snapshot_slots": 64, "enable_prefix_cache": False}, 16),
+    )
+    for options, want in cases:
         cfg = EngineConfig(config_file=NEXT_80B, load_format="dummy", **options)
         assert pools.max_running(cfg, CUDA, True, row, say=True) == want
-    assert "at most 16 running requests" in capsys.readouterr().out
+    assert "at most 8 running requests" in capsys.readouterr().out
     cfg = EngineConfig(config_file=NEXT_80B, load_format="dummy")
     assert pools.max_running(cfg, CUDA, False, row, say=True) == 64  # resident experts: the usual 64
     assert pools.state_row_bytes(pools.CacheLayers.of(model), torch.bfloat16) == row

@@ -10,7 +10,7 @@ The runner calls it in this order:
                                              (``placement``), so loading fills it directly; a
                                              lean store's slots are sized and allocated here
     load weights / dummy weights; KV and state pools (planned before attach_stores)
-    rt.allocate(model)                       sizes the slot cache from what is left (or
+    rt.allocate(model, max_running)          sizes the slot cache from what is left (or
                                              --expert-cache-fraction), allocates slots and
                                              staging, gives every MoE block its backend
     rt.describe(kv_tokens)                   the plan line each rank prints

@@ -48,17 +48,18 @@ DEFAULT_RUNNING = 64  # --max-running-requests when not given ...
 STATE_SHARE = 32  # ... or, when the experts stream, what GDN state rows fit 1 / STATE_SHARE of the cap
 
 
-def default_running(cap: int | None, row_bytes: int, rows_per_request: int) -> int:
+def default_running(cap: int | None, row_bytes: int, fixed_rows: int, rows_per_request: int) -> int:
     """``--max-running-requests`` when not given: ``DEFAULT_RUNNING``; with the experts streaming
     (``cap``: the device's, else None) on a hybrid model (``row_bytes``: a GDN state row, 0
-    without), the most, a power of two from 4 up to the default, whose rows (``rows_per_request``:
-    its slot, and its prefix snapshot by default) fit ``cap / STATE_SHARE``. Every row comes out of
-    the expert cache: on the 80B a row is ~72 MB, so 64 requests' 129 rows took 9.3 GiB, a third
-    of the cache under --max-gpu-memory 48GiB; there the default is now 8 (1.2 GiB), on a 141 GB
-    H200 16."""
+    without), the most, a power of two from 4 up to the default, whose rows fit ``cap /
+    STATE_SHARE`` beside ``fixed_rows`` (the scratch row, and the prefix snapshots when their
+    count is given), ``rows_per_request`` a request (its slot, and its snapshot when their count
+    follows). Every row comes out of the expert cache: on the 80B a row is ~72 MB, so 64
+    requests' 129 rows took 9.3 GiB, a third of the cache under --max-gpu-memory 48GiB; there the
+    default is now 8 (1.2 GiB), on a 141 GB H200 16."""
     if cap is None or row_bytes == 0:
         return DEFAULT_RUNNING
-    fit = cap // STATE_SHARE // (row_bytes * rows_per_request)
+    fit = (cap // STATE_SHARE // row_bytes - fixed_rows) // rows_per_request
     n = 4
     while n * 2 <= min(fit, DEFAULT_RUNNING):
         n *= 2
