@@ -137,6 +137,15 @@ class OneShotAllReduce:
 _ONE_SHOT: dict = {}  # process group -> OneShotAllReduce, for groups set up with one
 
 
+def min_over_ranks(values: list[int], tp: TPInfo, device: torch.device) -> list[int]:
+    """Each value's least over the tensor-parallel ranks (every rank calls it; one rank: as given)."""
+    if tp.size == 1 or tp.group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
+    return t.tolist()
+
+
 def broadcast_from_first(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """``x`` of the first rank, on every rank of ``tp`` (in place; a no-op on one rank)."""
     if tp.size > 1:

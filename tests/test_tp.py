@@ -92,3 +92,29 @@ def test_all_reduce_recording_notes_only_real_reduces_and_does_not_nest():
         with pytest.raises(RuntimeError, match="do not nest"), recording_all_reduces():
             pass
     assert calls == []
+
+
+def _agree(rank: int, init: str, out) -> None:
+    from ft.distributed import init_process_group, min_over_ranks
+
+    tp = init_process_group(rank, 3, init, torch.device("cpu"), 60)
+    out.put((rank, min_over_ranks([1000 - 7 * rank, 4 + rank], tp, torch.device("cpu"))))
+
+
+def test_ranks_agree_on_the_least_pool(tmp_path):
+    """Each rank sizes its pools from what its own device has left; the scheduler hands them all
+    the same block and slot ids, so they take the least of any rank (``pools.plan_pools``)."""
+    import torch.multiprocessing as mp
+
+    from ft.distributed import min_over_ranks
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_agree, args=(r, f"file://{tmp_path}/rdv", out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {r: [986, 4] for r in range(3)}
+    assert min_over_ranks([5, 6], TPInfo(0, 1), torch.device("cpu")) == [5, 6]  # one rank: as given

@@ -205,7 +205,7 @@ class ModelRunner:
         """The KV and state pools' sizes, decided once, before the experts are placed and loaded."""
         self.layers = CacheLayers.of(self.model)  # found once: state copies walk them every step
         self.attention_layers, self.gdn_layers = self.layers.attention, self.layers.gdn
-        return plan_pools(self.cfg, self.mc, self.layers, self.device, self.dtype, self.moe, self.tp.is_first)
+        return plan_pools(self.cfg, self.mc, self.layers, self.device, self.dtype, self.moe, self.tp)
 
     def _allocate_pools(self, plan: PoolPlan) -> PoolPlan:
         allocate_pools(plan, self.cfg, self.layers, self.device, self.dtype)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ft.config import EngineConfig
+from ft.distributed import TPInfo, min_over_ranks
 from ft.moe.backends.runtime import MoePlan
 from ft.moe.backends.sizing import DEFAULT_RUNNING, default_running, device_budget, device_cap, prefill_chunk
 
@@ -104,12 +105,15 @@ def max_running(cfg: EngineConfig, device: torch.device, streams: bool, row: int
     return running
 
 
-def plan_pools(cfg: EngineConfig, mc, layers: CacheLayers, device, dtype, moe, say: bool) -> PoolPlan:
-    """The pools' sizes for a rank whose MoE runtime is ``moe`` (weights not counted yet)."""
+def plan_pools(cfg: EngineConfig, mc, layers: CacheLayers, device, dtype, moe, tp: TPInfo) -> PoolPlan:
+    """The pools' sizes for a rank whose MoE runtime is ``moe`` (weights not counted yet), the
+    same on every rank: each takes the least any rank can hold (its budget is what its own GPU
+    has left), since the scheduler hands every rank the same block and slot ids."""
     per_token = kv_bytes_per_token(layers, dtype)
     num_blocks = max(1, pool_tokens(cfg, mc, device, moe.offloads, per_token) // cfg.block_size)
     row = state_row_bytes(layers, dtype)
-    running = max_running(cfg, device, moe.streams, row, say)
+    running = max_running(cfg, device, moe.streams, row, tp.is_first)
+    num_blocks, running = min_over_ranks([num_blocks, running], tp, device)
     snaps = (cfg.prefix_snapshot_slots or running) if layers.gdn and cfg.enable_prefix_cache else 0
     state_bytes = (running + 1 + snaps) * row  # a slot a request, the scratch slot, the snapshots
     kv_bytes = num_blocks * cfg.block_size * per_token
