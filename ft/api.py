@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ft.config import EngineConfig
 from ft.engine.engine import LLMEngine
-from ft.generation_config import FILE, describe, sampling_defaults
+from ft.generation_config import describe, sampling_defaults
 from ft.sampling_params import RequestOutput, SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
@@ -37,7 +37,7 @@ class LLM:
         defaults = sampling_defaults(self.config.generation_config, self.config.model)
         self.default_params = SamplingParams(**defaults)
         if defaults and self.config.progress:
-            print(f"ft: sampling defaults from {FILE}: {describe(defaults)}", flush=True)
+            print(f"ft: {describe(defaults)}", flush=True)
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
         self.engine = LLMEngine(self.config)
 

@@ -63,5 +63,5 @@ def sampling_defaults(source: str, model: str | None) -> dict[str, float | int]:
 
 
 def describe(defaults: dict[str, float | int]) -> str:
-    """``temperature=0.7 top_k=20 ...``, for the start-up line."""
-    return " ".join(f"{k}={v}" for k, v in sorted(defaults.items()))
+    """The start-up line: ``sampling defaults from generation_config.json: temperature=0.7 ...``."""
+    return f"sampling defaults from {FILE}: " + " ".join(f"{k}={v}" for k, v in sorted(defaults.items()))

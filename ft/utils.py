@@ -31,6 +31,13 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
+def upload_values(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without a stream sync: made pinned on CUDA, copied
+    asynchronously."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def upload_lists(
     fields: list[tuple[Sequence[int] | np.ndarray, torch.dtype, tuple[int, ...]]], device: torch.device
 ) -> list[torch.Tensor]:

@@ -104,7 +104,7 @@ def test_what_may_let_the_head_in_brings_a_new_attempt(hybrid):
     sched.add(waiting)  # its 22 tokens need 4 blocks past the 2 it hits: 2 are free
     step(sched, False, state)
     refusal = sched.refusal
-    assert refusal is not None and refusal.req is waiting and refusal.tail.depth == 2
+    assert refusal is not None and refusal.req is waiting and refusal.matched.depth == 2
     assert waiting.num_computed_tokens == 0 and sched.refused_again(waiting, refusal.budget)
     assert not sched.refused_again(waiting, refusal.budget - 1)  # a smaller chunk may fit
     blocks = sched.blocks.allocate(1)
@@ -114,12 +114,12 @@ def test_what_may_let_the_head_in_brings_a_new_attempt(hybrid):
     sched.blocks.free([sched.requests["second"].block_ids.pop()])  # more
     assert not sched.refused_again(waiting, refusal.budget)
     sched.requests["second"].block_ids.append(sched.blocks.allocate(1)[0])
-    node = sched.cache.insert(refusal.tail, (3, 3, 3, 3), block=999)  # its next block, cached since
+    node = sched.cache.insert(refusal.matched, (3, 3, 3, 3), block=999)  # its next block, cached since
     assert not sched.refused_again(waiting, refusal.budget)
     sched.cache.release([node])
     assert sched.cache.evict(1) == [999] and sched.refused_again(waiting, refusal.budget)
     if hybrid:  # a snapshot on its path: the hit may now end further on
-        sched.cache.attach_snapshot(refusal.tail.parent, sched.cache.take_snapshot_slot())
+        sched.cache.attach_snapshot(refusal.matched.parent, sched.cache.take_snapshot_slot())
         assert not sched.refused_again(waiting, refusal.budget)
 
 

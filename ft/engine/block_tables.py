@@ -44,13 +44,10 @@ class BlockTables:
     def kv_slots(self, seqs) -> np.ndarray:
         """The KV cache slot (block · block_size + offset) of every token the batch computes, in
         order [T]."""
-        bs = self.block_size
-        if all(len(s.token_ids) == 1 for s in seqs):  # decode: one position a row
-            pos = np.fromiter((s.start for s in seqs), np.int64, len(seqs))
-            slots = np.fromiter((s.state_slot for s in seqs), np.int64, len(seqs))
-            return self.rows[slots, pos // bs].astype(np.int64) * bs + pos % bs
-        parts = []
-        for s in seqs:
-            pos = np.arange(s.start, s.start + len(s.token_ids))
-            parts.append(self.rows[s.state_slot, pos // bs].astype(np.int64) * bs + pos % bs)
-        return np.concatenate(parts)
+        bs, b = self.block_size, len(seqs)
+        counts = np.fromiter((len(s.token_ids) for s in seqs), np.int64, b)
+        starts = np.fromiter((s.start for s in seqs), np.int64, b)
+        first = np.cumsum(counts) - counts  # each sequence's first token in the batch
+        pos = np.repeat(starts - first, counts) + np.arange(int(counts.sum()))  # [T] positions
+        slots = np.repeat(np.fromiter((s.state_slot for s in seqs), np.int64, b), counts)
+        return self.rows[slots, pos // bs].astype(np.int64) * bs + pos % bs

@@ -140,8 +140,8 @@ class Packed:
             self.offsets.append(at)
             at += n * w
         # recorded after each upload's copy: the host twin is not refilled before it has been read
+        # (waiting on it before its first record returns at once)
         self.uploaded = torch.cuda.Event() if self.device.is_cuda else None
-        self.recorded = False
 
     def _views(self, buf, rows: int):
         return [
@@ -157,7 +157,7 @@ class Packed:
         """numpy views of the host twin's first ``rows`` rows of every field, to fill: once the
         last upload has read them (a step issued ahead fills them while the step before may still
         be queued behind the one running)."""
-        if self.recorded:
+        if self.uploaded is not None:
             self.uploaded.synchronize()
         return self._views(self.host_np, rows)
 
@@ -167,4 +167,3 @@ class Packed:
         self.device[:end].copy_(self.host[:end], non_blocking=True)
         if self.uploaded is not None:
             self.uploaded.record()
-            self.recorded = True

@@ -266,12 +266,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        free = s.blocks.num_free + (s.cache.num_evictable if s.cache is not None else 0)
         return EngineStats(
             len(s.running),
             len(s.waiting),
             s.blocks.num_blocks,
-            free,
+            s.room,
             s.blocks.block_size,
             self.prompt_tokens,
             self.generation_tokens,

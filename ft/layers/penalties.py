@@ -18,12 +18,7 @@ from __future__ import annotations
 import torch
 
 from ft.sampling_params import SamplingParams
-
-
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` without a stream sync: pinned, copied asynchronously."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
+from ft.utils import upload_values
 
 
 class PenaltyState:
@@ -46,7 +41,7 @@ class PenaltyState:
         """Rows ``slots`` rebuilt for requests ``owners`` from their (prompt, output so far) token ids."""
         self._grow(max(slots) + 1)
         self.owners.update(zip(slots, owners))
-        rows = _upload(slots, torch.int64, self.device)
+        rows = upload_values(slots, torch.int64, self.device)
         self.counts.index_fill_(0, rows, 0.0)
         self.in_prompt.index_fill_(0, rows, False)
         out_rows = [r for r, (_, output) in zip(slots, seen) for _ in output]
@@ -54,7 +49,7 @@ class PenaltyState:
         out_ids = [t for _, output in seen for t in output]
         prompt_ids = [t for prompt, _ in seen for t in prompt]
         n, m = len(out_ids), len(prompt_ids)
-        at = _upload(out_rows + prompt_rows + out_ids + prompt_ids, torch.int64, self.device)
+        at = upload_values(out_rows + prompt_rows + out_ids + prompt_ids, torch.int64, self.device)
         self.counts.index_put_(
             (at[:n], at[n + m : 2 * n + m]), torch.ones(n, device=self.device), accumulate=True
         )
@@ -68,7 +63,7 @@ class PenaltyState:
                     f"penalties of request {owner!r}: slot {slot} holds {self.owners.get(slot)!r}'s (its "
                     "first sampling step after admission must send its tokens: ScheduledSeq.seen)"
                 )
-        at = _upload(slots, torch.int64, self.device)
+        at = upload_values(slots, torch.int64, self.device)
         return self.counts.index_select(0, at), self.in_prompt.index_select(0, at), at
 
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -92,12 +87,12 @@ def process(
     bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
     if bias:
         rows, toks, vals = zip(*bias)
-        at = _upload([list(rows), list(toks)], torch.int64, device)
-        x.index_put_((at[0], at[1]), _upload(list(vals), torch.float32, device), accumulate=True)
+        at = upload_values([list(rows), list(toks)], torch.int64, device)
+        x.index_put_((at[0], at[1]), upload_values(list(vals), torch.float32, device), accumulate=True)
     pen = [r for r, p in enumerate(params) if p.penalises]
     if not pen:
         return x
-    knobs = _upload(
+    knobs = upload_values(
         [
             [params[r].repetition_penalty, params[r].frequency_penalty, params[r].presence_penalty]
             for r in pen
@@ -106,7 +101,7 @@ def process(
         device,
     )  # [R, 3]
     rep, freq, pres = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]
-    rows = _upload(pen, torch.int64, device)
+    rows = upload_values(pen, torch.int64, device)
     y = x.index_select(0, rows)
     y = torch.where((counts > 0) | in_prompt, torch.where(y > 0, y / rep, y * rep), y)  # r = 1: y
     y = y - freq * counts - pres * (counts > 0)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ft.layers.penalties import PenaltyState, process
 from ft.sampling_params import Logprobs, SamplingParams
+from ft.utils import upload_values
 
 
 @dataclass
@@ -64,12 +65,6 @@ def logprob_rows(top_v: list, top_i: list, picked: list, chosen: list) -> list[L
     return rows
 
 
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` without a stream sync: pinned, copied asynchronously."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
-
-
 def _int64(c: int) -> int:
     """The signed int64 with the bits of ``c`` mod 2**64 (torch has no uint64 arithmetic)."""
     c %= 1 << 64
@@ -110,7 +105,9 @@ def seeded_exponential(
     token-``v`` element is mix64(key + (v + 1) * golden). The top 23 bits give u = (m + 0.5) / 2**23,
     exact in fp32 and strictly inside (0, 1), so E = -log u is finite and never zero.
     """
-    pairs = _upload([[_int64(s), i] for s, i in zip(seeds, output_index)], torch.int64, device)  # [R, 2]
+    pairs = upload_values(
+        [[_int64(s), i] for s, i in zip(seeds, output_index)], torch.int64, device
+    )  # [R, 2]
     key = mix64(mix64(pairs[:, 0]) + pairs[:, 1])  # [R]
     counter = torch.arange(1, vocab + 1, device=device) * _GOLDEN  # [V]
     bits = mix64(key[:, None] + counter)  # [R, V]
@@ -139,9 +136,9 @@ def keep_threshold(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -
     else:
         values = scaled.sort(dim=-1, descending=True).values
     device = scaled.device
-    k_index = _upload([min(k, width) - 1 for k in ks], torch.int64, device)[:, None]  # [R, 1]
-    p = _upload(top_p, torch.float32, device)[:, None]
-    no_cut = _upload([not c for c in cut], torch.bool, device)[:, None]
+    k_index = upload_values([min(k, width) - 1 for k in ks], torch.int64, device)[:, None]  # [R, 1]
+    p = upload_values(top_p, torch.float32, device)[:, None]
+    no_cut = upload_values([not c for c in cut], torch.bool, device)[:, None]
     kth = values.gather(1, k_index)  # [R, 1]
     # the survivors' normaliser counts the ties with the k-th value that fell outside the window
     lse = scaled.masked_fill(scaled < kth, float("-inf")).logsumexp(-1, keepdim=True)
@@ -165,13 +162,13 @@ class Sampler:
     ) -> torch.Tensor:
         """Tokens [R] for rows with temperature > 0, left on the device."""
         device, vocab = logits.device, logits.shape[-1]
-        temperature = _upload([p.temperature for p in params], torch.float32, device)
+        temperature = upload_values([p.temperature for p in params], torch.float32, device)
         scaled = logits.float() / temperature[:, None]  # [R, V]
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
             threshold = keep_threshold(scaled, [p.top_k for p in params], [p.top_p for p in params])
             scaled.masked_fill_(scaled < threshold, float("-inf"))
         if any(p.min_p > 0 for p in params):  # p / p_max >= min_p, in logits: s >= s_max + log(min_p)
-            floor = _upload(
+            floor = upload_values(
                 [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], torch.float32, device
             )
             scaled.masked_fill_(scaled < scaled.amax(-1, keepdim=True) + floor[:, None], float("-inf"))
@@ -182,7 +179,7 @@ class Sampler:
             noise.exponential_(1.0, generator=self.generator)
         if seeded:
             seeds, indices = [params[i].seed for i in seeded], [output_index[i] for i in seeded]
-            rows = _upload(seeded, torch.int64, device)
+            rows = upload_values(seeded, torch.int64, device)
             noise.index_copy_(0, rows, seeded_exponential(seeds, indices, vocab, device))
         return probs.div_(noise).argmax(-1)
 
@@ -237,14 +234,15 @@ class Sampler:
         else:
             tokens = logits.argmax(dim=-1)
             if hot:
-                at = _upload(hot, torch.int64, logits.device)
+                at = upload_values(hot, torch.int64, logits.device)
                 picked = self.sample(
                     logits.index_select(0, at), [params[i] for i in hot], [output_index[i] for i in hot]
                 )
                 tokens.index_copy_(0, at, picked)
         if pen and rows is not None:  # each token counted as drawn: the next step's (ahead, too) sees it
             state.count(
-                slots, tokens if len(pen) == len(params) else tokens[_upload(pen, torch.int64, tokens.device)]
+                slots,
+                tokens if len(pen) == len(params) else tokens[upload_values(pen, torch.int64, tokens.device)],
             )
         return tokens
 

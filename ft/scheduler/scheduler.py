@@ -69,10 +69,11 @@ class Refusal:
     req: Request
     room: int  # blocks free or evictable after the refusal
     budget: int  # the tokens the step had left for it
-    tail: Node | None  # the last cached block its tokens matched (the root: none; None: no cache look-up)
+    # the last cached block its tokens matched (the root: none; None: no cache look-up); it may
+    # be the whole last block, one past what a hit may take
+    matched: Node | None
     snapshots: int  # the cache's snapshot changes by then (on a hybrid model a hit ends at one)
-    matched: Node | None = None  # the match's last node (it may pass ``tail`` by the last block)
-    held: int = 0  # blocks of the hit it held until refused
+    held: int  # blocks of the hit it held until refused
 
 
 @dataclass
@@ -169,14 +170,14 @@ class Scheduler:
             req = self.waiting[0]
             if self.slots.num_free == 0 or self._still_refused(req, budget):
                 break
-            tail, matched = self._hit(req)
+            matched = self._hit(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 held = len(req.cache_nodes)
                 self._release(req)
                 req.num_computed_tokens = req.num_cached_tokens = 0
                 changes = self.cache.snapshot_changes if self.cache is not None else 0
-                self.refusal = Refusal(req, self._room(), budget, tail, changes, matched, held)
+                self.refusal = Refusal(req, self.room, budget, matched, changes, held)
                 break
             self.refusal = None
             self.prefix_hit_tokens += req.num_cached_tokens
@@ -246,46 +247,50 @@ class Scheduler:
         on a hybrid model, did a snapshot appear that a hit may end at). Others then only take
         blocks, and a preempted request goes before it, so those tell every way it could fit."""
         r = self.refusal
-        if r is None or r.req is not req or self._room() > r.room or budget < r.budget:
+        if r is None or r.req is not req or self.room > r.room or budget < r.budget:
             return False
-        if r.tail is None:
+        if r.matched is None:
             return True
         if self.cache.snapshot_changes != r.snapshots:
             return False
-        bs, depth = self.blocks.block_size, r.tail.depth
-        key = tuple(req.tokens(depth * bs, (depth + 1) * bs)) if depth < (req.num_tokens - 1) // bs else None
-        return not self.cache.extends(r.tail, key)
+        bs = self.blocks.block_size
+        limit = (req.num_tokens - 1) // bs
+        tail = r.matched if r.matched.depth <= limit else r.matched.parent  # the last a hit may take
+        depth = tail.depth
+        key = tuple(req.tokens(depth * bs, (depth + 1) * bs)) if depth < limit else None
+        return not self.cache.extends(tail, key)
 
     def _still_refused(self, req: Request, budget: int) -> bool:
         """``refused_again``, and if so the head's cached prefix left as recent as the retry it
         skips would leave it (matched, its held blocks released), so growth evicts others first."""
         if not self.refused_again(req, budget):
             return False
-        if self.refusal.tail is not None:
+        if self.refusal.matched is not None:
             self.cache.touch(self.refusal.matched, self.refusal.held)
         return True
 
-    def _room(self) -> int:
+    @property
+    def room(self) -> int:
+        """Blocks free, or cached and unreferenced (evicted on demand)."""
         return self.blocks.num_free + (self.cache.num_evictable if self.cache is not None else 0)
 
-    def _hit(self, req: Request) -> tuple[Node | None, Node | None]:
+    def _hit(self, req: Request) -> Node | None:
         """Start ``req`` after the longest usable cached prefix of its tokens; the last cached
-        block of it its tokens matched (the root: none; None when the cache was not asked), and
-        the last the match walked (it may take one more: the whole last block)."""
+        block its tokens matched (the root: none; None when the cache was not asked)."""
         if self.cache is None or req.params.prompt_logprobs is not None:
-            return None, None
+            return None
         path = self.cache.match(req.all_token_ids)
         nodes = path[: (req.num_tokens - 1) // self.blocks.block_size]
-        tail, matched = nodes[-1] if nodes else self.cache.root, path[-1] if path else self.cache.root
+        matched = path[-1] if path else self.cache.root
         while self.hybrid and nodes and nodes[-1].snapshot is None:
             nodes.pop()
         if not nodes:
-            return tail, matched
+            return matched
         self.cache.acquire(nodes)
         req.cache_nodes, req.block_ids = list(nodes), [n.block for n in nodes]
         req.num_computed_tokens = req.num_cached_tokens = len(nodes) * self.blocks.block_size
         req.restore_snapshot = nodes[-1].snapshot if self.hybrid else None
-        return tail, matched
+        return matched
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.blocks.blocks_for(num_tokens) - len(req.block_ids)

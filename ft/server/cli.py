@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, cfg, client, sock: socket.socket, defaults: dict) -> int:
     import uvicorn
 
-    from ft.generation_config import FILE, describe
+    from ft.generation_config import describe
     from ft.server.app import DEFAULT_MAX_REQUEST_BYTES, Server, build_app
     from ft.server.metrics import Metrics
     from ft.server.serving import ServerState
@@ -120,8 +120,7 @@ def _serve(args: argparse.Namespace, cfg, client, sock: socket.socket, defaults:
     print(_plan(name, info), flush=True)
     if defaults:
         print(
-            f"ft serve: sampling defaults from {FILE}: {describe(defaults)} (a request's own values win; "
-            "--generation-config none for ft's)",
+            f"ft serve: {describe(defaults)} (a request's own values win; --generation-config none for ft's)",
             flush=True,
         )
     if tokenizer is None:
