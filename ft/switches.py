@@ -33,6 +33,7 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.attention.triton_paged", "FUSED_DECODE", "FT_FUSED_ATTN_DECODE"),
     ("ft.attention.triton_paged", "GLUON_EXTEND", "FT_ATTN_GLUON_EXTEND"),
     ("ft.attention.gluon_extend_ws", "WS", "FT_ATTN_GLUON_EXTEND_WS"),
+    ("ft.attention.triton_paged", "MAX_SPLITS", "FT_ATTN_MAX_SPLITS"),  # an integer
     ("ft.moe.kernels.triton_w4a16", "LUT", "FT_W4A16_LUT"),
     ("ft.moe.kernels.triton_w4a16", "GLUON", "FT_W4A16_GLUON"),
     ("ft.moe.kernels.gluon_w4a16_rega", "REGA", "FT_W4A16_GLUON_REGA"),

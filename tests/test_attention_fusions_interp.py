@@ -144,7 +144,39 @@ def check_qwen3_30b() -> None:
     check_fused_decode(QWEN3_30B)
 
 
-CHECKS = ["check_qwen3_next", "check_qwen3_30b"]
+def check_many_splits() -> None:
+    """More KV splits than the combine loads at once (``COMBINE_CHUNK``): a sequence whose keys
+    fill three chunks of splits, one that fills a few splits of the first, padding rows of one key
+    and of none, with and without the gate; each against one split and the torch reference."""
+    from ft.attention import triton_paged
+    from ft.attention.torch_ref import causal_attention, gather_kv
+    from ft.layers.triton_rope import sigmoid_gate
+
+    gen = torch.Generator().manual_seed(3)
+    d, hq, hkv, dtype = 256, 4, 2, torch.float32  # 256-wide heads: 32-key tiles, the most splits
+    contexts = [2999, 40, 7]
+    batch, num_blocks = decode_batch(contexts, padding=1, gen=gen)
+    batch.seq_lens[-1] = 0  # a row with no keys at all (a graph's padding has one)
+    b, scale = len(contexts) + 1, d**-0.5
+    cache = torch.randn(2, num_blocks, PAGE, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(b, hq, d, generator=gen).to(dtype)
+    gate = torch.randn(b, hq, d, generator=gen).to(dtype)
+    tables, lens = batch.block_tables, batch.seq_lens
+    one = triton_paged.paged_decode(q, cache, tables, lens, scale, 1)
+    for splits in (128, 32):
+        for g in (None, gate):
+            got = triton_paged.paged_decode(q, cache, tables, lens, scale, splits, g)
+            want = one if g is None else sigmoid_gate(one, g)
+            case = f"{splits} splits, gate {g is not None}"
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5, msg=case)
+    assert torch.equal(one[-1], torch.zeros_like(one[-1])), "a row without keys gives zeros"
+    for i, c in enumerate(contexts):  # the new token at position c sees keys 0 .. c
+        keys, values = gather_kv(cache, tables[i], c + 1)
+        ref = causal_attention(q[i : i + 1], keys, values, c, scale)[0]
+        torch.testing.assert_close(one[i], ref, atol=2e-5, rtol=2e-5)
+
+
+CHECKS = ["check_qwen3_next", "check_qwen3_30b", "check_many_splits"]
 
 
 @pytest.mark.parametrize("check", CHECKS)

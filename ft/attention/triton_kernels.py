@@ -73,8 +73,10 @@ def decode_kernel(
     hk = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    per_split = _per_split(seq_len, SPLITS, BLOCK_N)
     start = split * per_split
+    if SPLITS > 1 and start >= seq_len:  # an empty split: the combine reads live splits only
+        return
     end = tl.minimum(start + per_split, seq_len)
     r = tl.arange(0, REP_P)
     d = tl.arange(0, D)
@@ -91,7 +93,7 @@ def decode_kernel(
             qb, k_cache, v_cache, block_tables + b * s_bt, hk, n, nmask, nmask[None, :], m_i, l_i, acc,
             qk_scale, s_cb, s_cs, s_ch, D, PAGE, PREC,
         )  # fmt: skip
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (or a padded row with seq_len 0)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a padded row with seq_len 0
     o = acc / l_safe[:, None]
     if SPLITS == 1:
         o = o.to(out.dtype.element_ty)
@@ -108,23 +110,50 @@ def decode_kernel(
 
 
 @triton.jit
+def _per_split(seq_len, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the keys each of a sequence's SPLITS splits takes, whole tiles: splits 0 .. live - 1 hold keys
+    return tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def combine_kernel(
-    part_o, part_lse, out, gate, s_ot, s_oh, s_gt, s_gh,
-    HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, GATE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    part_o, part_lse, seq_lens, out, gate, s_ot, s_oh, s_gt, s_gh,
+    HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, GATE: tl.constexpr,
+    CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    # the live splits' outputs weighted by exp2(lse - the largest lse), CHUNK splits at a time: with
+    # SPLITS <= CHUNK one load of them all, else a pass for the largest lse and one for the sums
     wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    sp = tl.arange(0, SPLITS)
+    seq_len = tl.load(seq_lens + b)
+    per_split = _per_split(seq_len, SPLITS, BLOCK_N)
+    live = tl.where(per_split > 0, tl.cdiv(seq_len, tl.maximum(per_split, 1)), 0)
+    sp = tl.arange(0, CHUNK)
     d = tl.arange(0, D)
     base = (b * HQ + h) * SPLITS
-    lse = tl.load(part_lse + base + sp)  # [SPLITS]
-    top = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits carry -inf: weight 0
-    o = tl.load(part_o + (base + sp)[:, None] * D + d[None, :])  # [SPLITS, D]
-    total = tl.sum(w, 0)
-    o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # padded rows (seq_len 0) -> 0
+    if SPLITS <= CHUNK:
+        lse = tl.load(part_lse + base + sp, mask=sp < live, other=float("-inf"))  # [CHUNK]
+        top = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # past the live splits: weight 0
+        o = tl.load(part_o + (base + sp)[:, None] * D + d[None, :], mask=(sp < live)[:, None], other=0.0)
+        total = tl.sum(w, 0)
+        o = tl.sum(o * w[:, None], 0)
+    else:
+        top = tl.full([CHUNK], float("-inf"), tl.float32)
+        for c in range(0, live, CHUNK):
+            top = tl.maximum(top, tl.load(part_lse + base + c + sp, mask=c + sp < live, other=float("-inf")))
+        top = tl.max(top, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        total = 0.0
+        o = tl.zeros([D], tl.float32)
+        for c in range(0, live, CHUNK):
+            m = c + sp < live
+            w = tl.exp2(tl.load(part_lse + base + c + sp, mask=m, other=float("-inf")) - top)
+            part = tl.load(part_o + (base + c + sp)[:, None] * D + d[None, :], mask=m[:, None], other=0.0)
+            total += tl.sum(w, 0)
+            o += tl.sum(part * w[:, None], 0)
+    o = o / tl.where(total > 0, total, 1.0)  # padded rows (seq_len 0) -> 0
     o = o.to(out.dtype.element_ty)
     if GATE:
         o = gate_rounded(o, tl.load(gate + b * s_gt + h * s_gh + d))

@@ -42,6 +42,15 @@ LOG2E = 1.4426950408889634
 # 456 -> 483 tok/s with the same greedy tokens (docs/benchmarks.md). FT_FUSED_ATTN_DECODE=0 turns
 # it off for a process and the ranks it spawns.
 FUSED_DECODE = os.environ.get("FT_FUSED_ATTN_DECODE", "1") != "0"
+# The most KV splits a decode launch takes. A batch of B sequences runs B x kv heads x splits
+# programs, so Qwen3-Next's batch 1 (2 kv heads, 1 a rank at TP=2) runs 64 (32) programs on an
+# H200's 132 SMs at 32 splits, each walking 1/32 of the context: at 128k-262k tokens (a 268-537 MB
+# read a layer) too few programs to draw HBM's bandwidth. The combine takes any count (COMBINE_CHUNK
+# splits a load, the splits past a sequence's keys neither written nor read); 32 is the count every
+# timing so far ran with, until a long-context decode times more (FT_ATTN_MAX_SPLITS=N, a power
+# of two, for a process and the ranks it spawns).
+MAX_SPLITS = int(os.environ.get("FT_ATTN_MAX_SPLITS", "32"))
+COMBINE_CHUNK = 32  # splits the combine loads at once ([CHUNK, head_dim] fp32 in registers)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -88,11 +97,12 @@ def _num_sms(index: int) -> int:
 
 
 def num_splits_for(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, block_n: int) -> int:
-    """Enough KV splits to fill the SMs twice, never more than the KV tiles a row can hold."""
+    """Enough KV splits to fill the SMs twice, never more than the KV tiles a row can hold or
+    ``MAX_SPLITS``."""
     programs = q.shape[0] * kv_cache.shape[3]
     want = triton.next_power_of_2(max(1, math.ceil(2 * _num_sms(q.device.index or 0) / programs)))
     tiles = triton.next_power_of_2(max(1, math.ceil(block_tables.shape[1] * kv_cache.shape[2] / block_n)))
-    return max(1, min(want, tiles, 32))
+    return max(1, min(want, tiles, MAX_SPLITS))
 
 
 def paged_decode(q, kv_cache, block_tables, seq_lens, scale: float, num_splits: int | None = None, gate=None):
@@ -123,8 +133,9 @@ def paged_decode(q, kv_cache, block_tables, seq_lens, scale: float, num_splits: 
     )  # fmt: skip
     if splits > 1:
         combine_kernel[(bsz, hq)](
-            part_o, part_lse, out, g, out.stride(0), out.stride(1), *g_strides, HQ=hq, D=d,
-            SPLITS=splits, GATE=gate is not None, num_warps=4, **pdl_args(out),
+            part_o, part_lse, seq_lens, out, g, out.stride(0), out.stride(1), *g_strides, HQ=hq, D=d,
+            SPLITS=splits, BLOCK_N=block_n, GATE=gate is not None, CHUNK=min(splits, COMBINE_CHUNK),
+            num_warps=4, **pdl_args(out),
         )  # fmt: skip
     return out
 

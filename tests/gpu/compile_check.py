@@ -143,10 +143,11 @@ def entries():
         yield f"attention decode, {splits} splits, gate {gate}", triton_kernels.decode_kernel, dec, {
             "REP": 8, "REP_P": 16, "D": 256, "PAGE": 16, "BLOCK_N": 32, "SPLITS": splits, "PREC": "tf32",
             "GATE": gate, "USE_PDL": 2}, 4, 2  # fmt: skip
-    for gate in (False, True):
-        yield f"attention combine, gate {gate}", triton_kernels.combine_kernel, {
-            "part_o": F32, "part_lse": F32, "out": BF, "gate": BF}, {
-            "HQ": 16, "D": 256, "SPLITS": 4, "GATE": gate, "USE_PDL": 2}, 4, 3  # fmt: skip
+    for gate, splits in itertools.product((False, True), (4, 128)):
+        yield f"attention combine, {splits} splits, gate {gate}", triton_kernels.combine_kernel, {
+            "part_o": F32, "part_lse": F32, "seq_lens": I32, "out": BF, "gate": BF}, {
+            "HQ": 16, "D": 256, "SPLITS": splits, "BLOCK_N": 32, "GATE": gate, "CHUNK": min(splits, 32),
+            "USE_PDL": 2}, 4, 3  # fmt: skip
 
     mma = {
         "a": BF,

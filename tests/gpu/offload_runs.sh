@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|rega|regarow|fold|foldrow|gluontiles|nvfp4profile|census|hostreads|hybrid
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|rega|regarow|fold|foldrow|gluontiles|nvfp4profile|census|hostreads|hybrid|splits
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -77,6 +77,10 @@
 #            with --moe-backend hybrid, batch 1 and 8 (~5 min); HYBRID_CPU=1 gives the host CPU a
 #            share of each prefill layer's streamed experts (FT_MOE_HYBRID_PREFILL_CPU, off by
 #            default since it measured slower: hybrid.py)
+#   splits   long-context decode with more KV splits (triton_paged.MAX_SPLITS, 32 as shipped: 64
+#            programs a layer at batch 1): the split-count GPU tests, then the 80B with NVFP4 experts
+#            resident decoding after a 131,072-token prompt at 32, 64, 128 and 256 splits, from one
+#            load (decode_variants.py --prompt; ~6 min). Not yet run (2026-12-05)
 #
 # Logs go to OUT_DIR; the last lines printed are the figures, for docs/benchmarks.md.
 set -uo pipefail
@@ -269,6 +273,15 @@ hybrid)
     --max-running-requests 8 --input-len 1024 --output-len 64 --prefill-lens 8000 --num-tokens 40000 \
     --output-json "$out/hybrid.json" >"$out/hybrid.log" 2>&1
   grep -E "^(single-stream|prefill|moe| +[0-9]+ )" "$out/hybrid.log"
+  ;;
+splits)
+  timeout 120 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_kernels.py -k "split_counts" \
+    >"$out/splits_tests.log" 2>&1
+  tail -n 2 "$out/splits_tests.log"
+  splits=ft.attention.triton_paged:MAX_SPLITS
+  timeout 420 python3 tests/gpu/decode_variants.py "$next" "$out/splits_decode.log" --nvfp4 --prompt=131072 \
+    "$splits=64" "$splits=128" "$splits=256" >"$out/splits_decode.out" 2>&1
+  grep -E "tok/s" "$out/splits_decode.log" | cut -c1-200
   ;;
 *)
   echo "unknown stage $stage" >&2

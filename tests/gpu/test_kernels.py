@@ -163,17 +163,18 @@ def test_attention_small_heads_and_dtypes(dtype, d, block_size):
 
 
 @gpu
-@pytest.mark.parametrize("num_splits", [1, 2, 16])
+@pytest.mark.parametrize("num_splits", [1, 2, 16, 128])
 def test_attention_decode_split_counts(num_splits):
     pytest.importorskip("triton")
     from ft.attention.torch_ref import TorchAttention
     from ft.attention.triton_paged import paged_decode
 
     torch.manual_seed(1)
-    batch, num_blocks = make_batch([(c, 1) for c in (0, 9, 64, 700)], 16)
+    # 128 splits of the 5,000-token row: 79 of 64 keys, three chunks of the combine's
+    batch, num_blocks = make_batch([(c, 1) for c in (0, 9, 64, 700, 4999)], 16)
     cache = torch.randn(2, num_blocks, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
-    q = torch.randn(4, 8, 128, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(4, 2, 128, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(5, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(5, 2, 128, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
     ref = TorchAttention().forward(q, k, v, cache, batch, 0.1)  # also writes the new k/v
     got = paged_decode(q, cache, batch.block_tables, batch.seq_lens, 0.1, num_splits=num_splits)
