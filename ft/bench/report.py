@@ -67,7 +67,7 @@ def format_report(r: Report) -> str:
         + (f", each after {r.ttft_idle_s:g} s idle" if r.ttft_idle_s else "")
         + _floor(r, r.ttft_input_len, r.ttft_ms / 1e3),
     ]
-    if any(r.ttft_prestaged_layers) and r.idle_hook_ms:  # offload.PRESTAGE: what each idle spell staged
+    if any(r.ttft_prestaged_layers) and r.idle_hook_ms:  # staging.PRESTAGE: what each idle spell staged
         host, copies = (statistics.median(v) for v in zip(*r.idle_hook_ms))
         lines.append(
             f"pre-staged while idle: {', '.join(map(str, r.ttft_prestaged_layers))} layers a TTFT run; "

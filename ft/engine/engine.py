@@ -50,7 +50,7 @@ class EngineStats:
     moe_copy_seconds: float = 0.0  # busy time of those host -> device copies
     moe_tokens: int = 0  # tokens through the MoE layers
     moe_cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU
-    moe_prestaged_layers: int = 0  # layers a batch computed from experts staged while idle (offload.PRESTAGE)
+    moe_prestaged_layers: int = 0  # layers a batch computed from experts staged while idle (staging.PRESTAGE)
 
     @property
     def kv_tokens_used(self) -> int:
@@ -142,11 +142,11 @@ class LLMEngine:
 
     @property
     def _prestages(self) -> bool:
-        """Whether an idle engine pre-stages experts for the next prefill (``offload.PRESTAGE``)."""
-        from ft.moe.backends import offload
+        """Whether an idle engine pre-stages experts for the next prefill (``staging.PRESTAGE``)."""
+        from ft.moe.backends import staging
 
         moe = self.plan.moe
-        return offload.PRESTAGE and moe is not None and moe.backend in ("offload", "hybrid")
+        return staging.PRESTAGE and moe is not None and moe.backend in ("offload", "hybrid")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -225,7 +225,7 @@ class LLMEngine:
     def idle(self) -> None:
         """The caller has nothing for the engine to run now (the serving loop before it waits for
         requests, ``LLM.generate`` before it returns): an offloading engine pre-stages experts for
-        the next prefill (``offload.PRESTAGE``). Not called from ``step``: the outputs of
+        the next prefill (``staging.PRESTAGE``). Not called from ``step``: the outputs of
         the step that finished the last request go out first, then the copies are issued."""
         if self._prestages and not self.has_unfinished_requests():
             self.executor.moe_idle()

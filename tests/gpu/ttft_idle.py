@@ -4,7 +4,7 @@
 
 Loads CONFIG (dummy weights, the offload backend at ``--memory-ratio`` RATIO, default 0.94, 8
 request slots, 40k KV tokens), warms up, then times rounds of five 1,024-token prompts -> one
-token, pre-staging (``offload.PRESTAGE``, read at each ``LLMEngine.idle``) off and on, rounds by
+token, pre-staging (``staging.PRESTAGE``, read at each ``LLMEngine.idle``) off and on, rounds by
 ROUNDS.
 Before each prompt the engine is idle for a second: ``engine.idle()`` (its host time), the
 device synchronised (when its copies landed), the rest of the second slept. Each prompt's line
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from ft.bench.offline import idle_for, run_batch  # noqa: E402
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
-from ft.moe.backends import offload  # noqa: E402
+from ft.moe.backends import staging  # noqa: E402
 from tests.gpu.profiling import log_medians, logger  # noqa: E402
 
 DEV = os.environ.get("DEV", "cuda")
@@ -52,13 +52,13 @@ def main() -> None:
     def run(n: int, seed: int) -> float:  # seconds to the prompt's one token
         return run_batch(engine, [[(i * 31 + seed * 7919) % vocab for i in range(n)]], 1)["wall"]
 
-    offload.PRESTAGE = False
+    staging.PRESTAGE = False
     run(32, 0)  # compiles
     run(PROMPT, 1)
     rows: dict[str, list[float]] = {}
     seed = 2
     for name in ROUNDS:
-        offload.PRESTAGE = name == "on"
+        staging.PRESTAGE = name == "on"
         if shared is not None:
             shared.prestaged.clear()  # the round before's, if any
         for _ in range(5):

@@ -183,7 +183,8 @@ def test_picked_experts_count_their_copy_once_and_their_uses_not_as_host_reads(m
     from ft.moe.backends.host_reads import HostReads
     from ft.moe.backends.host_store import HostStore
     from ft.moe.backends.layout import ExpertLayout, Part
-    from ft.moe.backends.offload import OffloadBackend, Shared
+    from ft.moe.backends.offload import OffloadBackend
+    from ft.moe.backends.staging import Shared
     from ft.moe.backends.transfer import Transfer
 
     cpu = torch.device("cpu")

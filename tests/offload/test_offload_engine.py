@@ -260,14 +260,14 @@ def test_bench_reads_the_moe_counters_twice_a_run(tmp_path):
 
 
 def test_prestaging_at_tp2_equals_tp1(tmp_path, monkeypatch):
-    """``offload.PRESTAGE`` with two ranks: the idle engine has every rank stage its own shard of
+    """``staging.PRESTAGE`` with two ranks: the idle engine has every rank stage its own shard of
     the first layers' experts, the next prompts' first layers compute them, and the outputs stay
     TP=1's resident ones (to fp32 rounding, as without pre-staging)."""
-    from ft.moe.backends import offload
+    from ft.moe.backends import staging
 
     write_checkpoint(tmp_path, "qwen3_next")
     want, _ = generate(tmp_path, moe_backend="gpu")
-    monkeypatch.setattr(offload, "PRESTAGE", True)
+    monkeypatch.setattr(staging, "PRESTAGE", True)
     monkeypatch.setenv("FT_MOE_PRESTAGE", "1")  # the ranks' processes read it
     options = dict(tp_size=2, device="cpu", dtype="float32", progress=False)
     with LLM(model=str(tmp_path), moe_backend="offload", expert_cache_fraction=0.25, **options) as llm:
@@ -277,15 +277,15 @@ def test_prestaging_at_tp2_equals_tp1(tmp_path, monkeypatch):
 
 
 def test_prestaging_waits_for_the_callers_idle_and_the_bench_reports_it(tmp_path, capsys, monkeypatch):
-    """``offload.PRESTAGE`` stages when the caller says the engine is idle (``LLMEngine.idle``: the
+    """``staging.PRESTAGE`` stages when the caller says the engine is idle (``LLMEngine.idle``: the
     serving loop once the outputs are out, ``LLM.generate`` before it returns), never inside the
     step that finished the last request, whose outputs it would hold back; ``ft bench offline
     --ttft-idle-s`` calls it before each idle TTFT run and reports what each run found staged."""
     from ft.bench.offline import run_batch
-    from ft.moe.backends import offload
+    from ft.moe.backends import staging
 
     write_checkpoint(tmp_path, "qwen3_next")
-    monkeypatch.setattr(offload, "PRESTAGE", True)
+    monkeypatch.setattr(staging, "PRESTAGE", True)
     with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False,
              moe_backend="offload", expert_cache_fraction=0.25) as llm:  # fmt: skip
         shared = llm.engine.executor.runner.moe.shared

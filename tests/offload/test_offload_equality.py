@@ -93,10 +93,10 @@ def test_a_long_batch_streams_the_next_layers_experts_ahead(
     stages its own before its mixer, through two or three staging buffers taken in turn (three
     groups of 2: with three buffers the whole layer ahead; six of 1: each buffer refilled once its
     group is read); results are unchanged."""
-    from ft.moe.backends import offload, sizing
+    from ft.moe.backends import sizing, staging
 
     monkeypatch.setattr(sizing, "STAGING_BUFFERS", buffers)
-    monkeypatch.setattr(offload, "AHEAD_GROUPS", max(ahead, 1))
+    monkeypatch.setattr(staging, "AHEAD_GROUPS", max(ahead, 1))
     options = dict(expert_cache_fraction=0.25, moe_staging_experts=rows, moe_prefill_hit_d2d=d2d)
     with engine(ckpt, moe_backend="offload", moe_stream_ahead=bool(ahead), **options) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
@@ -350,21 +350,21 @@ def test_cpu_share_balances_the_cpu_against_the_link():
     "case", ["1-slot-prefetch", "2-slots-lru-staging-2", "5-slots-lfu-d2d", "hybrid-2-slots"]
 )
 def test_routes_counted_on_the_device_equal_resident(ckpt, refs, case, monkeypatch):
-    """``offload.HostRoute`` from counts made on the device (every batch here, where the engine
+    """``host_route.HostRoute`` from counts made on the device (every batch here, where the engine
     does so from ``DEVICE_COUNTS_MIN_PAIRS`` pairs): the same experts, pair counts and guesses as
     the host's count of the copied ids, so the same outputs, prefill chunked or not; the ids reach
     the host only where a path asks for them (here the hybrid backend's CPU decode)."""
-    from ft.moe.backends import offload
+    from ft.moe.backends import host_route
 
-    monkeypatch.setattr(offload, "DEVICE_COUNTS_MIN_PAIRS", 0)
+    monkeypatch.setattr(host_route, "DEVICE_COUNTS_MIN_PAIRS", 0)
     copies = []
-    real = offload.HostRoute.ids_h.fget
+    real = host_route.HostRoute.ids_h.fget
 
     def counted(route):
         copies.append(route.copied is None)
         return real(route)
 
-    monkeypatch.setattr(offload.HostRoute, "ids_h", property(counted))
+    monkeypatch.setattr(host_route.HostRoute, "ids_h", property(counted))
     outs, _ = generate(ckpt, **CASES[case])
     assert_same(outs, refs[8192])
     outs, _ = generate(ckpt, max_num_batched_tokens=5, **CASES[case])
@@ -374,32 +374,32 @@ def test_routes_counted_on_the_device_equal_resident(ckpt, refs, case, monkeypat
 
 def test_host_route_counts_as_the_host_would(monkeypatch):
     """Both ways of reading a layer's routing give the same counts, guesses and experts."""
-    from ft.moe.backends import offload
+    from ft.moe.backends import host_route
 
     g = torch.Generator().manual_seed(0)
     ids, pred = torch.randint(0, 12, (40, 3), generator=g), torch.randint(0, 12, (40, 3), generator=g)
-    on_host = offload.host_route(ids, pred, 16)
-    monkeypatch.setattr(offload, "DEVICE_COUNTS_MIN_PAIRS", 0)
-    on_device = offload.host_route(ids, pred, 16)
+    on_host = host_route.host_route(ids, pred, 16)
+    monkeypatch.setattr(host_route, "DEVICE_COUNTS_MIN_PAIRS", 0)
+    on_device = host_route.host_route(ids, pred, 16)
     assert on_device.copied is None and on_host.copied is not None
     for a, b in ((on_host.counts, on_device.counts), (on_host.predicted, on_device.predicted)):
         assert a.tolist() == b.tolist() and len(a) == 16 and a.sum() == 120
     assert on_host.experts.tolist() == on_device.experts.tolist() == sorted(set(ids.reshape(-1).tolist()))
     assert on_device.predicted_experts.tolist() == sorted(set(pred.reshape(-1).tolist()))
     assert on_device.ids_h.tolist() == ids.tolist()
-    assert offload.host_route(ids, None, 16).predicted is None
+    assert host_route.host_route(ids, None, 16).predicted is None
 
 
 @pytest.mark.parametrize(
     "case", ["1-slot-prefetch", "2-slots-lru-staging-2", "5-slots-lfu-d2d", "hybrid-2-slots", "chunked"]
 )
 def test_prestaged_layers_equal_resident(ckpt, refs, case, monkeypatch):
-    """``offload.PRESTAGE``: an idle engine copies its first layers' host-only experts into
+    """``staging.PRESTAGE``: an idle engine copies its first layers' host-only experts into
     buffers of their own; the next prefill computes those there, streams the rest, and gives the
     resident backend's outputs, chunked or not."""
-    from ft.moe.backends import offload
+    from ft.moe.backends import staging
 
-    monkeypatch.setattr(offload, "PRESTAGE", True)
+    monkeypatch.setattr(staging, "PRESTAGE", True)
     options = (
         dict(CASES["2-slots-lru-staging-2"], max_num_batched_tokens=5) if case == "chunked" else CASES[case]
     )
@@ -419,9 +419,9 @@ def test_prestaged_layers_equal_resident(ckpt, refs, case, monkeypatch):
 def test_a_batch_drops_the_last_prestaged_layers_its_activations_need(ckpt, refs, monkeypatch):
     """Room for a batch's activations first: before a forward the pre-staged layers are kept from
     the first on while they fit beside them, the others dropped; outputs unchanged."""
-    from ft.moe.backends import offload
+    from ft.moe.backends import staging
 
-    monkeypatch.setattr(offload, "PRESTAGE", True)
+    monkeypatch.setattr(staging, "PRESTAGE", True)
     with engine(ckpt, **CASES["1-slot-prefetch"]) as llm:
         runner = llm.engine.executor.runner
         shared = runner.moe.shared
@@ -445,7 +445,7 @@ def test_an_idle_gpus_room_for_prestaged_layers(monkeypatch):
     count as room."""
     from types import SimpleNamespace
 
-    from ft.moe.backends import offload
+    from ft.moe.backends import staging
     from ft.moe.backends.runtime import MoeRuntime
 
     g = 2**30
@@ -456,7 +456,7 @@ def test_an_idle_gpus_room_for_prestaged_layers(monkeypatch):
         device=torch.device("cuda", 0), cfg=SimpleNamespace(max_gpu_memory_bytes=None, memory_ratio=0.9)
     )
     room = MoeRuntime._room_when_idle(fake, prestaged=3 * g)
-    assert room == 90 * g - 1 * g - (80 - 3) * g - offload.PRESTAGE_MARGIN
+    assert room == 90 * g - 1 * g - (80 - 3) * g - staging.PRESTAGE_MARGIN
 
 
 @pytest.mark.parametrize(
@@ -472,7 +472,7 @@ def test_an_idle_gpus_room_for_prestaged_layers(monkeypatch):
     ],
 )
 def test_prestage_rows_share_the_room_out_evenly(room, capacity, want):
-    from ft.moe.backends.offload import prestage_rows
+    from ft.moe.backends.staging import prestage_rows
 
     got = prestage_rows(room, capacity)
     assert got == want
@@ -481,10 +481,10 @@ def test_prestage_rows_share_the_room_out_evenly(room, capacity, want):
 
 def test_an_idle_engine_spreads_its_prestaged_experts_over_the_layers(ckpt, monkeypatch):
     """A room too small for every layer's host-only experts gives each layer its share
-    (``offload.prestage_rows``), the layers' likeliest first."""
-    from ft.moe.backends import offload
+    (``staging.prestage_rows``), the layers' likeliest first."""
+    from ft.moe.backends import staging
 
-    monkeypatch.setattr(offload, "PRESTAGE", True)
+    monkeypatch.setattr(staging, "PRESTAGE", True)
     with engine(ckpt, **CASES["1-slot-prefetch"]) as llm:
         runtime = llm.engine.executor.runner.moe
         shared, backends = runtime.shared, runtime.backends
@@ -494,7 +494,7 @@ def test_an_idle_engine_spreads_its_prestaged_experts_over_the_layers(ckpt, monk
         shared.prestage_room = (sum(host_only) // 2) * each
         runtime.idle()
         rows = [len(shared.prestaged[b].experts) if b in shared.prestaged else 0 for b in backends]
-        assert rows == offload.prestage_rows(sum(host_only) // 2, host_only)
+        assert rows == staging.prestage_rows(sum(host_only) // 2, host_only)
         assert sum(rows) == sum(host_only) // 2 and max(rows) - min(rows) <= 1 and min(rows) > 0, rows
 
 

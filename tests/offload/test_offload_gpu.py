@@ -114,14 +114,14 @@ def test_memcpy_copies_the_rows_copy_would(monkeypatch):
 
 
 def test_fp32_prestaged_and_device_counted_prefills_equal_resident(ckpt, monkeypatch):
-    """``offload.PRESTAGE`` (an idle engine's first layers staged on their own stream, computed
-    by the next prefill) and ``offload.HostRoute``'s counts made on the device (every batch
+    """``staging.PRESTAGE`` (an idle engine's first layers staged on their own stream, computed
+    by the next prefill) and ``host_route.HostRoute``'s counts made on the device (every batch
     here): three rounds on one engine give the resident outputs exactly, and the later rounds'
     first layers compute what was staged."""
-    from ft.moe.backends import offload
+    from ft.moe.backends import host_route, staging
 
-    monkeypatch.setattr(offload, "PRESTAGE", True)
-    monkeypatch.setattr(offload, "DEVICE_COUNTS_MIN_PAIRS", 0)
+    monkeypatch.setattr(staging, "PRESTAGE", True)
+    monkeypatch.setattr(host_route, "DEVICE_COUNTS_MIN_PAIRS", 0)
     want, _ = generate(ckpt, dtype="float32", moe_backend="gpu")
     with LLM(model=str(ckpt), progress=False, device="cuda", dtype="float32", **OFFLOAD) as llm:
         for _ in range(3):
@@ -141,7 +141,7 @@ def test_prestaged_buffers_of_new_sizes_compile_no_new_alignment(tmp_path, monke
     add at most one variant after the first round. Before 53875c5 each new count compiled them
     again inside the prefill that met it; before e000ef9 a count of 1 or 16 and a slice at an odd
     pair did (an H200, 2026-12-03: compiled variants 5, 6, 6, 7, 9, 9 after six rounds)."""
-    from ft.moe.backends import offload
+    from ft.moe.backends import staging
     from ft.moe.backends.runtime import MoeRuntime
     from ft.moe.kernels import triton_moe
 
@@ -158,9 +158,9 @@ def test_prestaged_buffers_of_new_sizes_compile_no_new_alignment(tmp_path, monke
     def variants() -> int:  # compiled variants: the first item of each device's cache entry
         return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
 
-    monkeypatch.setattr(offload, "PRESTAGE", True)
+    monkeypatch.setattr(staging, "PRESTAGE", True)
     monkeypatch.setattr(MoeRuntime, "_room_when_idle", room)
-    monkeypatch.setattr(offload.Shared, "fit_prestaged", lambda shared, tokens: None)  # tiny batches
+    monkeypatch.setattr(staging.Shared, "fit_prestaged", lambda shared, tokens: None)  # tiny batches
     with LLM(model=str(tmp_path), progress=False, device="cuda", dtype="bfloat16", **OFFLOAD) as llm:
         shared = llm.engine.executor.runner.moe.shared
         counts = []

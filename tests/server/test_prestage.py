@@ -1,4 +1,4 @@
-"""Pre-staging while idle (``offload.PRESTAGE``) in a served engine: the serving loop tells the
+"""Pre-staging while idle (``staging.PRESTAGE``) in a served engine: the serving loop tells the
 engine it is idle once a request's outputs are out, the engine stages its first layers' host
 experts then, and the next request's prefill computes them there with the resident answers."""
 

@@ -20,8 +20,8 @@ import torch
 from ft.moe.backends.expert_cache import unique
 from ft.moe.backends.graph_split import split_point
 from ft.moe.backends.host_store import HostStore
-from ft.moe.backends.offload import Shared
 from ft.moe.backends.pairs import Pairs, run_pairs, upload_pairs
+from ft.moe.backends.staging import Shared
 from ft.moe.kernels.select import select_moe_kernel
 
 _CPU_KERNELS: dict[str, object] = {}

@@ -44,7 +44,8 @@ import torch
 
 from ft.moe.backends.cpu import CpuKernel, cpu_experts
 from ft.moe.backends.graph_split import capturing, split_point
-from ft.moe.backends.offload import HostRoute, OffloadBackend, decode_only
+from ft.moe.backends.host_route import HostRoute
+from ft.moe.backends.offload import OffloadBackend, decode_only
 from ft.moe.backends.pairs import Pairs, Terms, pair_terms
 from ft.utils import upload
 

@@ -32,7 +32,7 @@ Streaming ahead (``--moe-stream-ahead``, on; ``--no-moe-stream-ahead`` turns it 
 at least ``AHEAD_PAIRS`` (token, k) pairs per expert routes to nearly every expert of every
 layer, so the next layer's host-only experts are needed before its router says so. Once a layer
 has queued its last group, the staging buffers are filled with the next layer's first groups
-(``AHEAD_GROUPS``, each once this layer's group before it in that buffer has been read; the
+(``staging.AHEAD_GROUPS``, each once this layer's group before it in that buffer has been read; the
 host-only experts it is predicted to use most: the prefetch router's picks, else the policy's use
 counts), so the copy engine keeps streaming through that layer's attention or GDN
 mixer and its router instead of idling until the router's ids reach the host. The first MoE
@@ -44,14 +44,14 @@ CUDA graphs: the host work sits behind ``split_point`` (``graph_split.py``), so 
 step breaks at each MoE layer to make the batch's experts resident, then replays the kernel,
 which reads the device table. The engine graphs only batch sizes whose experts are sure to fit
 (``bs * k <= S``); larger decode batches run eagerly. Not here: which backend or how many slots
-(``runtime``), the CPU computation of misses (``hybrid``).
+(``runtime``), the CPU computation of misses (``hybrid``), the staging buffers and what the layers
+share (``staging``), the routing as the host reads it (``host_route``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -63,10 +63,11 @@ from ft.moe.backends.expert_cache import ExpertCache
 from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.host_prefetch import Spare, routes
 from ft.moe.backends.host_reads import HostReads, route_and_count, route_rows
+from ft.moe.backends.host_route import HostRoute, host_route
 from ft.moe.backends.host_store import HostStore
-from ft.moe.backends.layout import ExpertLayout
 from ft.moe.backends.pairs import Terms
 from ft.moe.backends.prefetch import Prefetch
+from ft.moe.backends.staging import Ahead, Prestaged, Shared
 from ft.moe.backends.transfer import Transfer
 
 try:  # a block's shared expert as one more GEMV pair (``triton_moe_gemv.SHARED_AS_PAIR``), on a GPU
@@ -75,11 +76,6 @@ except ImportError:  # no triton: the block never asks for it
     shared_pair_alone = None
 
 AHEAD_PAIRS = 3  # pairs per expert from which a batch stages the next layer's first groups early
-# groups staged ahead, at most one a staging buffer (0: one in each): 1 gained 2% on the 8k prefill
-# (554 -> 542 ms, 16 layers, one H200, 2026-12-01); 1 and 2 on that cut 438 / 437 ms, link busy
-# 84% / 85% (2026-12-02, no same-day row without); 2 with the first layer's own staging on the
-# full 80B bf16 at --memory-ratio 0.94: 8k prefill 9,114 -> 10,990 tok/s (61 -> 74% of the link)
-AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
 # A layer whose first groups were staged ahead computes its first group before its hits in place,
 # so the copy of the group after the staged ones (waiting for that buffer) overlaps the hits'
 # compute: where the staged groups' copies have landed when the layer's MoE starts, the link
@@ -88,194 +84,6 @@ AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
 # prefill on an H200, one machine, 413.4 -> 392.6 ms, the link busy 89 -> 98% of the profiled
 # time; a third staging buffer beside it moved nothing more (395.9 ms; docs/benchmarks.md).
 HITS_AFTER_AHEAD = os.environ.get("FT_MOE_HITS_AFTER_AHEAD", "1") != "0"
-# Pre-staging: when the engine falls idle (``MoeRuntime.idle``), MoE layers' host-only experts, the
-# policy's likeliest first, are copied into buffers of their own, on a stream of their own, in what
-# the plan leaves an idle engine (``MoeRuntime._room_when_idle``, kept as ``Shared.prestage_room``),
-# shared out evenly over the layers (``prestage_rows``), so that the next prefill computes them
-# where they are and every layer streams only the rest. A 1k prompt touches every expert of every
-# layer, and the full 80B's TTFT (561 ms on an H200, 2026-12-03) is the link's 0.54 s for its
-# misses; a request that finds the engine idle would skip the pre-staged experts' share of it.
-# Before a forward, layers are dropped, the last first, until the batch's activations fit beside the
-# rest (``Shared.fit_prestaged``); a pre-staged expert the batch does not route to costs its copy,
-# never a result. The hook is ``LLMEngine.idle``: the serving loop calls it once a step's outputs
-# are out and no request is left, ``LLM.generate`` before it returns, ``ft bench offline
-# --ttft-idle-s`` before each TTFT run. ON from 2026-12-03 (FT_MOE_PRESTAGE=0 turns it off for a
-# process and the ranks it spawns): the full 80B bf16 at 0.94 on an H200, ~5.7 GiB staged, TTFT of a
-# 1k prompt after 1 s idle 558 -> 448 ms (docs/benchmarks.md). The first layers in full instead
-# saved only ~60 ms (497 ms): the link idled while they computed from their buffers, only the next
-# layer's first groups streaming ahead. Before, with the hook inside the step that finished the last
-# request and the alignment kernels compiled for each new buffer size, it was a loss (569 -> 973
-# ms).
-PRESTAGE = os.environ.get("FT_MOE_PRESTAGE", "1") != "0"
-PRESTAGE_CPU_BYTES = 1 << 30  # the room on a CPU-only machine, where no plan measures one
-# of the room an idle GPU has, kept for the next batch's small tensors and for what the CUDA graphs'
-# private pools reserve beyond their live tensors (no other allocation can use it)
-PRESTAGE_MARGIN = 1 << 30
-# (token, k) pairs from which a batch's experts are counted on the device (``HostRoute``);
-# FT_MOE_DEVICE_COUNTS_MIN_PAIRS sets it for a process and the ranks it spawns (a number above any
-# batch's pairs turns the device's count off)
-DEVICE_COUNTS_MIN_PAIRS = int(os.environ.get("FT_MOE_DEVICE_COUNTS_MIN_PAIRS", "8192"))
-
-
-@dataclass
-class HostRoute:
-    """What the host reads of a layer's routing at the layer's one synchronisation: per expert,
-    the batch's (token, k) pairs (``counts``) and the prefetch router's picks (``predicted``;
-    None without prefetch). A batch of at least ``DEVICE_COUNTS_MIN_PAIRS`` pairs counts them on
-    the device and copies 2E counts instead of its [T, k] ids and the guess's: at 16k tokens
-    those are 2.6 MB a layer into pageable memory and then passes over every pair on the host,
-    and on an H200 (the 16-layer cut's 16k chunk, 2026-12-03, docs/benchmarks.md) the GPU sat
-    idle ~2.3 ms a layer between the router and the first kernel the host issued after reading
-    them, the link ~5.9 ms in the worst gap. Its ``ids_h`` is copied only for a path that still
-    groups pairs on the host (``pairs.DEVICE_PAIRS`` off, the hybrid backend's CPU share). The
-    same experts, counts and guesses either way; NOT yet timed on a GPU."""
-
-    counts: np.ndarray  # [E] int64
-    predicted: np.ndarray | None  # [E] int64
-    ids: torch.Tensor  # [T, k] on the device
-    copied: np.ndarray | None = None  # the ids on the host, once copied
-
-    @property
-    def experts(self) -> np.ndarray:
-        """The batch's distinct experts, ascending."""
-        return np.flatnonzero(self.counts)
-
-    @property
-    def predicted_experts(self) -> np.ndarray | None:
-        return None if self.predicted is None else np.flatnonzero(self.predicted)
-
-    @property
-    def ids_h(self) -> np.ndarray:
-        if self.copied is None:
-            self.copied = self.ids.cpu().numpy()
-        return self.copied
-
-
-def host_route(ids: torch.Tensor, pred: torch.Tensor | None, num_experts: int) -> HostRoute:
-    """``ids`` [T, k] (and ``pred``, the guess) read by the host: the layer's synchronisation."""
-    e, k = num_experts, ids.shape[1]
-    if ids.numel() < DEVICE_COUNTS_MIN_PAIRS:
-        both = ids if pred is None else torch.cat([ids, pred], dim=1)
-        h = both.cpu().numpy()
-        guess = None if pred is None else np.bincount(h[:, k:].reshape(-1), minlength=e)
-        return HostRoute(np.bincount(h[:, :k].reshape(-1), minlength=e), guess, ids, h[:, :k])
-    flat = ids.reshape(-1) if pred is None else torch.cat([ids.reshape(-1), pred.reshape(-1) + e])
-    flat = flat.long()
-    counts = torch.zeros(2 * e if pred is not None else e, dtype=torch.int64, device=ids.device)
-    counts = counts.scatter_add_(0, flat, torch.ones_like(flat)).cpu().numpy()  # (bincount syncs twice more)
-    return HostRoute(counts[:e], None if pred is None else counts[e:], ids)
-
-
-class Staging:
-    """``buffers`` device buffers of ``rows`` expert rows, shared by the layers of a rank (one runs
-    at a time) and taken in turn; ``free_after[b]``: the event after the last kernel that read
-    buffer b."""
-
-    def __init__(self, layout: ExpertLayout, rows: int, device: torch.device, buffers: int = 2) -> None:
-        self.rows = rows
-        self.blocks = [layout.allocate(rows, device, zero=False) for _ in range(buffers)]
-        self.tensors = [layout.views(b) for b in self.blocks]
-        self.free_after: list[torch.cuda.Event | None] = [None] * buffers
-
-    @property
-    def ahead(self) -> int:
-        """Groups a layer stages for the next before its router runs (``AHEAD_GROUPS``)."""
-        return min(len(self.blocks), AHEAD_GROUPS or len(self.blocks))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.blocks)
-
-
-@dataclass
-class Ahead:
-    """The first groups staged for ``backend`` before its router ran, each with its buffer and the
-    event its reader waits on."""
-
-    backend: OffloadBackend
-    groups: list[np.ndarray]
-    staged: list[tuple[int, torch.cuda.Event | None]]
-    before: torch.cuda.Event | None  # the copy stream just before them: the copies issued earlier
-
-    @property
-    def experts(self) -> np.ndarray:
-        return np.concatenate(self.groups)
-
-
-@dataclass
-class Prestaged:
-    """A layer's host-only ``experts`` (ascending) copied into a buffer of their own while the
-    engine was idle (``OffloadBackend.prestage``); ``ready``: the event its readers wait on."""
-
-    experts: np.ndarray
-    block: torch.Tensor
-    tensors: dict[str, torch.Tensor]
-    ready: torch.cuda.Event | None
-
-    @property
-    def nbytes(self) -> int:
-        return self.block.numel()
-
-
-@dataclass
-class Shared:
-    """What the offloading layers of one rank share: the copy engine, staging, the step count."""
-
-    transfer: Transfer
-    staging: Staging | None
-    hit_d2d: bool
-    maps: list  # every layer's SlotMap, to start a step on all of them at once
-    stream_ahead: bool = False  # --moe-stream-ahead
-    next_buf: int = 0  # the staging buffer the next group goes to (taken in turn)
-    ahead: Ahead | None = None  # the next layer's first group, staged early
-    ahead_used: int = 0  # groups staged ahead and then computed (tests read it)
-    step: int = 0
-    tokens: int = 0  # tokens through the first MoE layer (for bytes per token)
-    cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU (hybrid, cpu)
-    prestaged: dict = field(default_factory=dict)  # backend -> Prestaged, in layer order
-    # pre-staging's copies on a stream of their own (the same counts): a layer that waits for
-    # every copy issued before it (prefetches into its slots) does not wait for later layers'
-    prestage_transfer: Transfer | None = None
-    prestage_room: int = 0  # bytes pre-staged layers and a batch's activations share (set when idle)
-    activation_per_token: int = 0  # a batch's activations a token (``sizing.activation_bytes_per_token``)
-    prestage_used: int = 0  # pre-staged layers a batch then computed (tests read it)
-
-    def begin_step(self, num_tokens: int) -> None:
-        """A forward of ``num_tokens`` tokens starts: every layer's slot map pins for a new step."""
-        self.step += 1
-        self.tokens += num_tokens
-        for m in self.maps:
-            m.begin_step(self.step)
-
-    def fit_prestaged(self, num_tokens: int) -> None:
-        """Keep the pre-staged layers, the first ones first, that leave a batch of ``num_tokens``
-        room for its activations; drop the others (their buffers go back to the allocator, which
-        hands them out again once their copies have landed: ``OffloadBackend.prestage``)."""
-        room, kept = self.prestage_room - num_tokens * self.activation_per_token, 0
-        for backend, staged in list(self.prestaged.items()):
-            if kept + staged.nbytes <= room:
-                kept += staged.nbytes
-                continue
-            del self.prestaged[backend]
-
-
-def prestage_rows(room_rows: int, capacity: list[int]) -> list[int]:
-    """Rows each layer pre-stages from ``room_rows`` in all, at most ``capacity[i]`` in layer i, as
-    evenly as the capacities allow: a layer that cannot take its share leaves it to the others,
-    and what does not divide evenly goes to the first layers."""
-    rows, left = [0] * len(capacity), max(0, room_rows)
-    open_ = [i for i, cap in enumerate(capacity) if cap > 0]
-    while left > 0 and open_:
-        share = max(1, left // len(open_))
-        for i in list(open_):
-            take = min(share, capacity[i] - rows[i], left)
-            rows[i] += take
-            left -= take
-            if rows[i] == capacity[i]:
-                open_.remove(i)
-            if left == 0:
-                break
-    return rows
 
 
 def real_rows(num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -548,7 +356,7 @@ class OffloadBackend:
 
     def prestage(self, max_rows: int) -> None:
         """Copy up to ``max_rows`` of this layer's host-only experts, those its policy ranks first,
-        into a buffer of their own (``PRESTAGE``; ``prestage_capacity`` says how many it could)."""
+        into a buffer of their own (``staging.PRESTAGE``; ``prestage_capacity`` says how many it could)."""
         host_only = self._prestageable() if max_rows > 0 else []
         if len(host_only) == 0:
             return

@@ -33,7 +33,7 @@ from ft.config import EngineConfig
 from ft.distributed import TPInfo
 from ft.engine import allocator
 from ft.models.config import ModelConfig
-from ft.moe.backends import OFFLOADING, host_prefetch, host_reads, host_stage, offload, sizing
+from ft.moe.backends import OFFLOADING, host_prefetch, host_reads, host_stage, sizing, staging
 from ft.moe.backends.cpu import CpuBackend
 from ft.moe.backends.expert_cache import ExpertCache, SlotMap
 from ft.moe.backends.host_store import (
@@ -46,9 +46,10 @@ from ft.moe.backends.host_store import (
 )
 from ft.moe.backends.hybrid import HYBRID_MAX_TOKENS, HybridBackend
 from ft.moe.backends.layout import ExpertLayout
-from ft.moe.backends.offload import OffloadBackend, Shared, Staging
+from ft.moe.backends.offload import OffloadBackend
 from ft.moe.backends.placement import place
 from ft.moe.backends.prefetch import Prefetch
+from ft.moe.backends.staging import Shared, Staging
 from ft.moe.backends.transfer import Transfer
 
 
@@ -131,8 +132,8 @@ class MoeRuntime:
         hint = "; the cpu backend needs them all on the host (offload and hybrid do not)"
         check_host_memory((e - self.static) * per_expert, ranks, limit, hint if self.name == "cpu" else "")
         if self.static:
-            staging = sizing.staging_bytes(self.cfg, layouts[0], e)
-            slots = self._slots(layouts[0], len(blocks), e, staging, pool_bytes)
+            staged = sizing.staging_bytes(self.cfg, layouts[0], e)
+            slots = self._slots(layouts[0], len(blocks), e, staged, pool_bytes)
         pin = pin_available(self.device)
         for lay, b in zip(layouts, blocks):
             store = HostStore(lay, e, pin, self.static)
@@ -156,13 +157,13 @@ class MoeRuntime:
             self.plan = MoePlan("gpu", len(blocks), e, e, cache_bytes=bank_bytes)
             return self.plan
         cfg, layout = self.cfg, self.stores[0].layout
-        staging = None
+        buffers = None
         if self.name != "cpu":
-            staging = Staging(
+            buffers = Staging(
                 layout, sizing.staging_rows(cfg, layout, e), self.device, sizing.STAGING_BUFFERS
             )
             if not self.caches:  # a lean store's were allocated before loading
-                slots = self._slots(layout, len(blocks), e, staging.nbytes)
+                slots = self._slots(layout, len(blocks), e, buffers.nbytes)
                 policy = cfg.expert_cache_policy
                 spare = self._spare_rows()
                 self.caches = [
@@ -170,10 +171,10 @@ class MoeRuntime:
                 ]
         maps = [c.map for c in self.caches]
         self.shared = Shared(
-            Transfer(self.device), staging, cfg.moe_prefill_hit_d2d, maps, cfg.moe_stream_ahead
+            Transfer(self.device), buffers, cfg.moe_prefill_hit_d2d, maps, cfg.moe_stream_ahead
         )
         self.shared.activation_per_token = sizing.activation_bytes_per_token(self.mc, self.dtype.itemsize)
-        self.shared.prestage_room = offload.PRESTAGE_CPU_BYTES  # on a GPU measured when idle
+        self.shared.prestage_room = staging.PRESTAGE_CPU_BYTES  # on a GPU measured when idle
         for i, (block, store) in enumerate(zip(blocks, self.stores)):
             if self.name == "cpu":
                 backend = CpuBackend(store, self.shared, first=i == 0)
@@ -205,7 +206,7 @@ class MoeRuntime:
             slots=self.caches[0].map.num_slots if self.caches else 0,
             static=self.static,
             cache_bytes=sum(c.nbytes for c in self.caches),
-            staging_bytes=staging.nbytes if staging else 0,
+            staging_bytes=buffers.nbytes if buffers else 0,
             host_bytes=sum(s.nbytes for s in self.stores),
             pinned=self.stores[0].pinned,
             policy=cfg.expert_cache_policy,
@@ -244,11 +245,11 @@ class MoeRuntime:
             return 0
         return host_reads.HostReads.max_tokens(self.bank, self.device.type == "cuda")
 
-    def _slots(self, layout: ExpertLayout, layers: int, e: int, staging: int, pools: int = 0) -> int:
+    def _slots(self, layout: ExpertLayout, layers: int, e: int, staged: int, pools: int = 0) -> int:
         k = self.mc.num_experts_per_tok
-        staging += layers * self._spare_rows() * layout.expert_bytes  # held beside the slots
-        staging += self._stage_tokens() * k * layout.expert_bytes  # host staging's block
-        return sizing.cache_slots(self.cfg, self.device, layout, layers, e, k, staging, pools, self.static)
+        staged += layers * self._spare_rows() * layout.expert_bytes  # held beside the slots
+        staged += self._stage_tokens() * k * layout.expert_bytes  # host staging's block
+        return sizing.cache_slots(self.cfg, self.device, layout, layers, e, k, staged, pools, self.static)
 
     # ---- CUDA graphs
     @property
@@ -277,18 +278,18 @@ class MoeRuntime:
             self.reads.before_step()
 
     def idle(self) -> None:
-        """The engine has nothing to run: with ``offload.PRESTAGE``, copy MoE layers' host-only
+        """The engine has nothing to run: with ``staging.PRESTAGE``, copy MoE layers' host-only
         experts into buffers of their own, as many as ``prestage_room`` holds, shared out over the
-        layers by ``offload.prestage_rows`` (the layers already pre-staged count, and keep theirs)."""
+        layers by ``staging.prestage_rows`` (the layers already pre-staged count, and keep theirs)."""
         sh = self.shared
-        if not offload.PRESTAGE or sh is None or sh.staging is None or self.name == "cpu":
+        if not staging.PRESTAGE or sh is None or sh.staging is None or self.name == "cpu":
             return
         held = sum(p.nbytes for p in sh.prestaged.values())
         if self.device.type == "cuda":
             sh.prestage_room = self._room_when_idle(held)
         each = max(b.store.layout.expert_bytes for b in self.backends)  # the layers' experts alike
         capacity = [b.prestage_capacity() for b in self.backends]
-        rows = offload.prestage_rows((sh.prestage_room - held) // each, capacity)
+        rows = staging.prestage_rows((sh.prestage_room - held) // each, capacity)
         for backend, n in zip(self.backends, rows):
             try:
                 backend.prestage(n)
@@ -300,11 +301,11 @@ class MoeRuntime:
         """Bytes the plan (the cap x ``--memory-ratio``) leaves an idle engine for pre-staged
         layers, those it holds (``prestaged``) included: less what lies outside torch's allocator
         (the CUDA context), every live tensor but theirs (the CUDA graphs' pools among them) and
-        ``offload.PRESTAGE_MARGIN``. Blocks the allocator caches but no tensor holds count as
+        ``staging.PRESTAGE_MARGIN``. Blocks the allocator caches but no tensor holds count as
         room: a pre-staged buffer takes them before it asks the driver."""
         context, total = allocator.outside(self.device)
         live = torch.cuda.memory_allocated(self.device) - prestaged
-        return sizing.plan_bytes(self.cfg, self.device, total) - context - live - offload.PRESTAGE_MARGIN
+        return sizing.plan_bytes(self.cfg, self.device, total) - context - live - staging.PRESTAGE_MARGIN
 
     def after_step(self, tokens: int) -> None:
         """After each forward (``tokens``: its batch's): host reads' counting and promotions (their
