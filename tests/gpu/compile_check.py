@@ -34,6 +34,7 @@ from ft.gdn import triton_conv, triton_conv_proj, triton_decode, triton_decode_l
 from ft.layers import triton_gemv, triton_norm, triton_rope  # noqa: E402
 from ft.moe.backends import host_stage  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
+    moe_gemv_kernels,
     triton_combine,
     triton_moe,
     triton_moe_gemv,
@@ -94,11 +95,18 @@ def entries():
                   "USE_PDL": 2}  # fmt: skip
         for stages, host in ((1, False), (4, False), (4, True)):  # host: rows read from host memory
             tag = f"{name}, loop stages {stages}{', host rows' if host else ''}"
-            yield f"MoE GEMV gate/up {tag}", triton_moe_gemv._gate_up_kernel, ptrs, {
+            yield f"MoE GEMV gate/up {tag}", moe_gemv_kernels._gate_up_kernel, ptrs, {
                 **common, "LOOP_STAGES": stages, "HOST": host, "PLANES": False}, warps, 4  # fmt: skip
             pair = {**common, "LOOP_STAGES": stages, "HOST": host}
             ptrs_pair = {**ptrs, "ws": F32, "counters": I32}
-            yield f"MoE GEMV down by pair {tag}", triton_moe_gemv._down_pair_kernel, ptrs_pair, pair, warps, 4
+            yield (
+                f"MoE GEMV down by pair {tag}",
+                moe_gemv_kernels._down_pair_kernel,
+                ptrs_pair,
+                pair,
+                warps,
+                4,
+            )
             if is4 and stages == 4:  # codes read as words (FP4_PLANES), at their tiles, with a K tail too
                 bn, bk, pw, ps = triton_moe_gemv.NVFP4_PLANES
                 dn, dk, dw, ds = triton_moe_gemv.NVFP4_DOWN_PLANES
@@ -107,7 +115,7 @@ def entries():
                           "BLOCK_K": bk, "EVEN_K": even}  # fmt: skip
                     words = f"planes, even K {even}"
                     label = f"MoE GEMV gate/up {tag}, {words}"
-                    yield label, triton_moe_gemv._gate_up_kernel, ptrs, gu, pw, ps
+                    yield label, moe_gemv_kernels._gate_up_kernel, ptrs, gu, pw, ps
                     # host rows may pipeline more loads at the same tiles (``NVFP4_HOST_STAGES``)
                     extra = (2, 3) if host else ()
                     ib, ik, iw, i_s = triton_moe_gemv.NVFP4_INT  # integer products too (FP4_INT_DOT)
@@ -116,12 +124,12 @@ def entries():
                         consts = {**gu, "INT_DOT": True, "BLOCK_N": ib, "BLOCK_K": ik, "LOOP_STAGES": st,
                                   "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
                         label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
-                        yield label, triton_moe_gemv._gate_up_kernel, int_ptrs, consts, iw, st
+                        yield label, moe_gemv_kernels._gate_up_kernel, int_ptrs, consts, iw, st
                     for st in (ds, *extra):  # the down kernel on words
                         dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
                               "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
                         label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
-                        yield label, triton_moe_gemv._down_pair_kernel, ptrs_pair, dp, dw, st
+                        yield label, moe_gemv_kernels._down_pair_kernel, ptrs_pair, dp, dw, st
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):
