@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
-from ft.moe.backends import expert_cache, host_reads, offload, prefetch, transfer  # noqa: E402
+from ft.moe.backends import expert_cache, host_reads, offload, prefetch, slot_map, transfer  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from tests.gpu.profiling import critical_path, cut_config, log_parts, logger, time_steps  # noqa: E402
 
@@ -39,8 +39,8 @@ PARTS = [
     (offload.OffloadBackend, "_route"),  # reading the ids: waits for the segment
     (offload.OffloadBackend, "_make_resident"),
     (offload.OffloadBackend, "copy_in"),
-    (expert_cache.SlotMap, "ensure"),
-    (expert_cache.SlotMap, "prefetch"),
+    (slot_map.SlotMap, "ensure"),
+    (slot_map.SlotMap, "prefetch"),
     (prefetch.Prefetch, "start"),  # the next layer's prefetch, after the next segment's launch
     (host_reads.HostReads, "before_step"),  # host reads: every layer's routes (Tables.publish)
     (host_reads.HostReads, "after_step"),  # host reads: counting and promotions

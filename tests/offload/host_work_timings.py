@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from ft.moe.backends import host_reads
-from ft.moe.backends.expert_cache import ExpertCache, SlotMap
+from ft.moe.backends.expert_cache import ExpertCache
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.layout import ExpertLayout, Part
 from ft.moe.backends.offload import OffloadBackend
+from ft.moe.backends.slot_map import SlotMap
 from ft.moe.backends.staging import Shared
 from ft.moe.backends.transfer import Transfer
 

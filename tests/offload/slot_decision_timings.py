@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from ft.moe.backends.expert_cache import SlotMap
+from ft.moe.backends.slot_map import SlotMap
 
 
 def run(policy: str, experts: int, slots: int, tokens: int, k: int, steps: int = 300) -> str:

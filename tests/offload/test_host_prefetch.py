@@ -179,11 +179,12 @@ def test_picked_experts_count_their_copy_once_and_their_uses_not_as_host_reads(m
     copy moves the down projection alone, and each use of the pick still reads its gate/up rows."""
     import numpy as np
 
-    from ft.moe.backends.expert_cache import ExpertCache, SlotMap
+    from ft.moe.backends.expert_cache import ExpertCache
     from ft.moe.backends.host_reads import HostReads
     from ft.moe.backends.host_store import HostStore
     from ft.moe.backends.layout import ExpertLayout, Part
     from ft.moe.backends.offload import OffloadBackend
+    from ft.moe.backends.slot_map import SlotMap
     from ft.moe.backends.staging import Shared
     from ft.moe.backends.transfer import Transfer
 

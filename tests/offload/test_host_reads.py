@@ -16,10 +16,11 @@ import torch
 
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.moe.backends import host_reads
-from ft.moe.backends.expert_cache import ExpertCache, SlotMap, Tables
+from ft.moe.backends.expert_cache import ExpertCache, Tables
 from ft.moe.backends.host_reads import as_one_bank
 from ft.moe.backends.layout import ExpertLayout, Part
 from ft.moe.backends.runtime import moe_blocks
+from ft.moe.backends.slot_map import SlotMap
 from ft.moe.backends.transfer import Transfer, _runs
 from tests.offload.equality import PARAMS, PROMPTS, assert_same, engine, generate
 
@@ -342,7 +343,7 @@ def test_stacked_maps_classify_a_step_as_each_layers_own_call():
     """``StackedMaps.classify_step`` leaves every map exactly as ``SlotMap.classify(used,
     routes[used])`` layer by layer would (pins, recency, decayed counts, prefetch marks, counts),
     over steps with promotions and prefetches between them."""
-    from ft.moe.backends.expert_cache import StackedMaps
+    from ft.moe.backends.slot_map import StackedMaps
 
     rng = np.random.default_rng(3)
     e, s, layers = 16, 6, 3

@@ -10,9 +10,10 @@ import torch
 from ft.config import EngineConfig, parse_size
 from ft.distributed import TPInfo, tp_context
 from ft.models.dummy import skew_routers
-from ft.moe.backends.expert_cache import ExpertCache, SlotMap
+from ft.moe.backends.expert_cache import ExpertCache
 from ft.moe.backends.host_store import GiB, check_host_memory
 from ft.moe.backends.layout import ExpertLayout
+from ft.moe.backends.slot_map import SlotMap
 from ft.moe.backends.transfer import Transfer
 from ft.moe.banks import BF16ExpertBank
 from ft.moe.nvfp4_bank import NVFP4ExpertBank

@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ft.moe.backends.expert_cache import unique
 from ft.moe.backends.graph_split import split_point
 from ft.moe.backends.host_store import HostStore
 from ft.moe.backends.pairs import Pairs, run_pairs, upload_pairs
+from ft.moe.backends.slot_map import unique
 from ft.moe.backends.staging import Shared
 from ft.moe.kernels.select import select_moe_kernel
 

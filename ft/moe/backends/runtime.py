@@ -35,7 +35,7 @@ from ft.engine import allocator
 from ft.models.config import ModelConfig
 from ft.moe.backends import OFFLOADING, host_prefetch, host_reads, host_stage, sizing, staging
 from ft.moe.backends.cpu import CpuBackend
-from ft.moe.backends.expert_cache import ExpertCache, SlotMap
+from ft.moe.backends.expert_cache import ExpertCache
 from ft.moe.backends.host_store import (
     GiB,
     HostStore,
@@ -49,6 +49,7 @@ from ft.moe.backends.layout import ExpertLayout
 from ft.moe.backends.offload import OffloadBackend
 from ft.moe.backends.placement import place
 from ft.moe.backends.prefetch import Prefetch
+from ft.moe.backends.slot_map import SlotMap
 from ft.moe.backends.staging import Shared, Staging
 from ft.moe.backends.transfer import Transfer
 
