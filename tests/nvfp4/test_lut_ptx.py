@@ -1,4 +1,4 @@
-"""The NVFP4 table decode's inline PTX (``triton_w4a16.LUT_LO`` / ``LUT_HI``, the register-operand
+"""The NVFP4 table decode's inline PTX (``fp4_decode.LUT_LO`` / ``LUT_HI``, the register-operand
 Gluon kernel's ``LUT_PAIR``) run by a small emulator of the instructions it uses, on the CPU:
 every code byte and every E4M3 scale, bit for bit against E2M1 value x scale. On a GPU these
 strings run only inside the kernels, where a wrong selector shows as a wrong GEMM; here each is
@@ -100,9 +100,9 @@ def scale_pair(scale: float) -> int:
 def test_table_decode_of_a_word(name):
     """LUT_LO decodes bytes 0 and 1 of a packed word, LUT_HI bytes 2 and 3, each into its bf16 pair
     times the block's scale ($3): every byte value in every position, across the scales."""
-    from ft.moe.kernels import triton_w4a16
+    from ft.moe.kernels import fp4_decode
 
-    text = getattr(triton_w4a16, name).value
+    text = getattr(fp4_decode, name).value
     first = 0 if name == "LUT_LO" else 2
     gen = torch.Generator().manual_seed(0)
     for b in range(256):

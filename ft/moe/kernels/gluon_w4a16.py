@@ -9,7 +9,7 @@ loop is written out (Gluon: explicit layouts, shared memory and wgmma groups):
 
     step i:  wait for step i's copies (cp.async, STAGES slots, issued STAGES-1 steps ahead: the
              activations' two halves, the packed codes and the block scales), barrier
-             decode step i from shared memory by the PTX byte tables (``triton_w4a16.LUT_LO/HI``,
+             decode step i from shared memory by the PTX byte tables (``fp4_decode.LUT_LO/HI``,
              a thread one 16-input block: one scale) while step i-1's wgmmas run, store it to
              decoded buffer i % 2 (two buffers)
              fence, barrier, issue step i's wgmmas (async), wait until only they are in flight,
@@ -46,13 +46,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ft.layers.gluon_sync import cta_barrier
-from ft.moe.kernels import triton_moe, triton_w4a16
+from ft.moe.kernels import fp4_decode, triton_moe
+from ft.moe.kernels.fp4_decode import lut_scale
 from ft.moe.kernels.triton_moe import pair_tile, store_pairs
-from ft.moe.kernels.triton_w4a16 import lut_scale
 from ft.quant.nvfp4 import NVFP4Tensor
 
-LUT_LO = gl.constexpr(triton_w4a16.LUT_LO.value)
-LUT_HI = gl.constexpr(triton_w4a16.LUT_HI.value)
+LUT_LO = gl.constexpr(fp4_decode.LUT_LO.value)
+LUT_HI = gl.constexpr(fp4_decode.LUT_HI.value)
 STAGES = 3  # copy slots (activations, codes, scales; cp.async groups in flight: STAGES - 1)
 # its tiles, laid out as ``triton_moe.CONFIGS`` (it runs above ``triton_w4a16.GLUON_MIN_TOKENS``; a
 # config's last entry, stages, is unused): up to 2,048 tokens 64-row tiles at 4 warps (an expert
@@ -99,8 +99,8 @@ def copy_weights(codes_ptr, scale_ptr, nmask_c, nmask_s, live, k0, gc, gs, uc, u
 
 @gluon.jit
 def _decode(codes_s, scales_s, BLOCK_N: gl.constexpr, HK: gl.constexpr, P3: gl.constexpr, B2: gl.constexpr):
-    # a step's codes [BN, BK/2] and scales [BN, BK/16] from shared memory -> ``triton_w4a16.
-    # _decode_lut``'s halves (wa: inputs 8q + i, wb: 8q + 4 + i at position 4q + i), [BN, BK/2] bf16.
+    # a step's codes [BN, BK/2] and scales [BN, BK/16] from shared memory -> ``fp4_decode.
+    # decode_lut``'s halves (wa: inputs 8q + i, wb: 8q + 4 + i at position 4q + i), [BN, BK/2] bf16.
     # In P3 a thread holds one 16-input block's 8 bytes, so its scale is one element broadcast
     codes = codes_s.reshape([BLOCK_N, HK // 8, 8]).load(P3)
     s = lut_scale(scales_s.load(gl.SliceLayout(2, P3)))

@@ -49,9 +49,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ft.layers.gluon_sync import cta_barrier
 from ft.moe.kernels import triton_moe
+from ft.moe.kernels.fp4_decode import lut_asm, lut_scale
 from ft.moe.kernels.gluon_w4a16 import banks_fit, copy_weights, pair_rows, run, weight_ptrs
 from ft.moe.kernels.triton_moe import pair_tile
-from ft.moe.kernels.triton_w4a16 import lut_asm, lut_scale
 from ft.quant.nvfp4 import NVFP4Tensor
 
 REGA = os.environ.get("FT_W4A16_GLUON_REGA", "0") == "1"

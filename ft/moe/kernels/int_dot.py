@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ft.layers.pdl import pdl_args, wait_for_previous
-from ft.moe.kernels.triton_w4a16 import e4m3
+from ft.moe.kernels.fp4_decode import e4m3
 
 # the quantised inputs' block exponents are clamped to [MIN_EXP, 127] (a block of zeros, or of
 # values below 2^-96, then rounds to zeros) so that 2^(14 - E) and the factor 2^(E - 29) are normal

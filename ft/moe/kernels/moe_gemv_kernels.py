@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ft.layers.pdl import wait_for_previous
 from ft.moe.kernels import int_dot
-from ft.moe.kernels.triton_w4a16 import _decode_f32, e4m3
+from ft.moe.kernels.fp4_decode import decode_f32, e4m3
 
 # the words' factors (powers of two, exact): inputs · 2^64 keep every product e2m1 · 2^-126 · x · 2^64
 # normal, and the block's sum times scale · 2^40 is the byte-wise e2m1 · scale · 2^-22
@@ -43,7 +43,7 @@ def _rows(b, scale, n, k0, s_bn, s_sn, nmask, K, FP4: tl.constexpr, EVEN_K: tl.c
             smask = nmask[:, None] & (ks[None, :] < (K - k0) // 16)
         # fp32 straight from the codes: the products are exact in bf16 too, so skipping the
         # bf16 rounding the MMA path needs changes no bit
-        w = _decode_f32(
+        w = decode_f32(
             tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
         )
     else:

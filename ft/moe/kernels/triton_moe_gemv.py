@@ -4,7 +4,7 @@ token->expert sort, no 16-row MMA tiles, two launches.
 Same contract as ``triton_moe.fused_moe_triton`` and ``triton_w4a16.fused_moe_w4a16``, which
 dispatch here up to their ``GEMV_MAX_TOKENS``. With p = (t, j) a (token, top-k slot) pair and
 e = ids[t, j] its expert (for NVFP4, ``W = e2m1(code) · scale`` decoded in registers, from 32-bit
-words of eight codes by ``_code`` or byte-wise by ``triton_w4a16._decode``, and ``g`` the per-row
+words of eight codes by ``_code`` or byte-wise by ``fp4_decode.decode``, and ``g`` the per-row
 globals; for bf16, g = 1):
 
     act[p, n] = silu(g_gate[e, n] · x[t]·W_gate[e, n]) · (g_up[e, n] · x[t]·W_up[e, n])   # [T*k, I]
@@ -33,9 +33,10 @@ import triton
 from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args
 from ft.moe.kernels import int_dot
+from ft.moe.kernels.fp4_decode import UNFOLD
 from ft.moe.kernels.moe_gemv_kernels import _down_pair_kernel, _gate_up_kernel
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
-from ft.moe.kernels.triton_w4a16 import INTERPRETER, UNFOLD, check_operands
+from ft.moe.kernels.triton_w4a16 import INTERPRETER, check_operands
 from ft.quant.nvfp4 import NVFP4Tensor
 
 # (BLOCK_N weight rows per program, MAX_BLOCK_K input elements per step, NUM_WARPS, STAGES of

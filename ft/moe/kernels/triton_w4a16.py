@@ -9,14 +9,12 @@ padding, ``align_by_expert``, and table lookup, ``pick_config``, it reuses; its 
     y   = weights[t, k] · g_down · (act @ W_down.T)               # [T*k, H]
     out = sum_k y                                                 # [T, H]
 
-where ``W = e2m1(code) · scale`` is decoded tile by tile and the per-row fp32 globals ``g`` are
-applied to the accumulator, after the dot. The decoding uses integer ops only, no fp8 or fp4
-units: an E2M1 code's bits placed into an fp16 exponent/mantissa give ``value · 2^-14`` and an
-E4M3 byte's give ``scale · 2^-8``; their fp32 product ``value · scale · 2^-22`` has at most six
-significant bits, so it is exact in bf16, and the ``2^22`` is folded into the global. By default
-(``LUT``) the codes are decoded by PTX byte tables instead, to the same values at their true
-magnitudes (no fold), the activations read in that decode's order. Not here: fp16 activations
-(the folded magnitudes underflow fp16), W4A4, expert parallelism.
+where ``W = e2m1(code) · scale`` is decoded tile by tile (``fp4_decode``: integer ops only, the
+values · 2^-22 exactly in bf16, the ``2^22`` folded into the global) and the per-row fp32 globals
+``g`` are applied to the accumulator, after the dot. By default (``LUT``) the codes are decoded by
+PTX byte tables instead, to the same values at their true magnitudes (no fold), the activations
+read in that decode's order. Not here: fp16 activations (the folded magnitudes underflow fp16),
+W4A4, expert parallelism.
 """
 
 from __future__ import annotations
@@ -30,12 +28,10 @@ import triton.language as tl
 
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels import triton_moe
+from ft.moe.kernels.fp4_decode import UNFOLD, decode, decode_f32, decode_lut, lut_dots
 from ft.moe.kernels.into import Into
 from ft.moe.kernels.triton_moe import mma_path, pair_tile, store_pairs, tile_pairs
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
-
-UNFOLD = float(2**22)  # undoes the 2^-14 · 2^-8 of the fp16 bit placement
-
 
 # The W4A16 kernel's tiles, laid out as ``triton_moe.CONFIGS`` (token bound, gate/up config, down
 # config; first row whose bound >= T wins): the bf16 kernel's values, swept for a kernel its MMAs
@@ -47,7 +43,7 @@ CONFIGS = copy.deepcopy(triton_moe.BASE_CONFIGS)
 CONFIGS["default"][-1] = (1 << 62, (128, 128, 128, 8, 8, 3), (64, 128, 64, 8, 4, 3))
 CONFIGS = triton_moe.configs_from_env(CONFIGS, "FT_W4A16_PREFILL")  # its prefill rows for a process
 # ``LUT`` (on since 2026-12-04; FT_W4A16_LUT=0 turns it off): codes decoded by PRMT byte
-# tables in inline PTX (``_decode_lut``), ~2.4 instructions a weight where ``_decode`` takes ~14 at
+# tables in inline PTX (``decode_lut``), ~2.4 instructions a weight where ``decode`` takes ~14 at
 # the prefill tiles (SASS, sm_90), the kernel then bound by decoding (a 1k prompt's grouped GEMMs
 # were 52.6 of its 70.8 ms of kernels, 2026-12-01). Its K order within a step differs (two half-K
 # products), so its bits differ from the byte decode's; the same values. H200, 2026-12-04: 41%
@@ -84,109 +80,6 @@ GEMV_MAX_TOKENS = int(os.environ.get("FT_W4A16_GEMV_MAX_TOKENS", "16"))
 def takes_gemv(tokens: int, inter: int) -> bool:
     """Whether a call of ``tokens`` tokens (its batch's) takes the GEMV (any ``inter``, as timed)."""
     return 0 < tokens <= GEMV_MAX_TOKENS
-
-
-@triton.jit
-def _decode(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # packed uint8 [BN, BK/2] (element 2i in the low nibble), scale uint8 [BN, BK/16] (e4m3 bits)
-    # -> bf16 [BN, BK] holding e2m1 · scale · 2^-22, exactly (at most 6 significant bits)
-    return _decode_f32(packed, scale, BLOCK_N, BLOCK_K).to(tl.bfloat16)
-
-
-@triton.jit
-def _decode_f32(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # ``_decode`` in fp32, for callers that multiply in fp32 (the GEMV): the same values, one
-    # rounding to bf16 and one widening back fewer per element
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K])
-    s = tl.reshape(tl.broadcast_to(e4m3(scale)[:, :, None], [BLOCK_N, BLOCK_K // 16, 16]), [BLOCK_N, BLOCK_K])
-    return e2m1(codes) * s
-
-
-# ``LUT`` decode: per packed word (eight codes), PRMT byte tables give each value's bf16 bytes, its
-# sign ORed in, and one bf16x2 multiply by the block's scale, exact (value x scale has at most six
-# significant bits and lies in [2^-10, 2688]); half the word's codes a call ("lo": bytes 0-1). The
-# template's WORD is the register holding the codes, SHIFT brings the call's two bytes down into
-# sel, SIGNS picks their signs, SCALE0 and SCALE1 are the two bytes' scales.
-_LUT_ASM = """{
-.reg .b32 sel, x, sg, lo, hi, ta, tb, w0, w1;
-mov.b32 ta, 0xC0800000;
-mov.b32 tb, 0xC0804000;
-SHIFT
-and.b32 sel, sel, 0x7777;
-prmt.b32 lo, ta, tb, sel;
-mov.b32 ta, 0x3F3F3F00;
-mov.b32 tb, 0x40404040;
-prmt.b32 hi, ta, tb, sel;
-shl.b32 x, WORD, 4;
-prmt.b32 sg, x, WORD, SIGNS;
-and.b32 sg, sg, 0x80808080;
-or.b32 hi, hi, sg;
-prmt.b32 w0, lo, hi, 0x5140;
-prmt.b32 w1, lo, hi, 0x7362;
-mul.rn.bf16x2 $0, w0, SCALE0;
-mul.rn.bf16x2 $1, w1, SCALE1;
-}"""
-
-
-def lut_asm(shift: str, signs: str, word: str = "$2", scale0: str = "$3", scale1: str = "$3") -> str:
-    """The table decode's PTX (``_LUT_ASM``) with its placeholders filled in."""
-    text = _LUT_ASM
-    fill = (("SHIFT", shift), ("SIGNS", signs), ("WORD", word), ("SCALE0", scale0), ("SCALE1", scale1))
-    for key, value in fill:
-        text = text.replace(key, value)
-    return text
-
-
-LUT_LO = tl.constexpr(lut_asm("mov.b32 sel, $2;", "0x5140"))
-LUT_HI = tl.constexpr(lut_asm("shr.b32 sel, $2, 16;", "0x7362"))
-
-
-@triton.jit
-def _decode_lut(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    # packed uint8 [BN, BK/2], scale uint8 [BN, BK/16] (e4m3 bits) -> bf16 (wa, wb) [BN, BK/2] holding
-    # e2m1 · scale at their true magnitudes, wa's position 4q + i the code of input 8q + i and wb's
-    # that of input 8q + 4 + i (i < 4): the inputs the kernel's activations take in that order
-    s = lut_scale(scale)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, BLOCK_K // 2])
-    if ASM:
-        wa = tl.inline_asm_elementwise(LUT_LO, "=r,=r,r,r,r", [packed, s], tl.bfloat16, True, 4)
-        wb = tl.inline_asm_elementwise(LUT_HI, "=r,=r,r,r,r", [packed, s], tl.bfloat16, True, 4)
-    else:  # the interpreter: the same values by the fp16 placement, in the same order
-        halves = tl.permute(tl.reshape(packed, [BLOCK_N, BLOCK_K // 8, 2, 2]), [0, 1, 3, 2])
-        ha, hb = tl.split(halves)  # [BN, BK/8, 2]: bytes 4q, 4q + 1 and bytes 4q + 2, 4q + 3
-        sf = s.to(tl.float32)
-        wa = e2m1(tl.reshape(tl.join(ha & 0xF, ha >> 4), [BLOCK_N, BLOCK_K // 2])) * 16384.0 * sf
-        wb = e2m1(tl.reshape(tl.join(hb & 0xF, hb >> 4), [BLOCK_N, BLOCK_K // 2])) * 16384.0 * sf
-        wa, wb = wa.to(tl.bfloat16), wb.to(tl.bfloat16)
-    return wa, wb
-
-
-@triton.jit
-def lut_scale(scale):
-    # e4m3 bits (uint8, any shape) -> the block scale as bf16 at its true magnitude, the operand the
-    # table decode's bf16x2 multiply takes (exact: e4m3 has 4 significant bits)
-    return (e4m3(scale) * 256.0).to(tl.bfloat16)
-
-
-@triton.jit
-def e2m1(codes):
-    # 4-bit codes (uint8, any shape) -> fp32 e2m1 values · 2^-14: the code's 3 magnitude bits placed
-    # as an fp16's exponent and top mantissa bit, its sign bit as the fp16's
-    value = ((codes & 7).to(tl.int16) << 9) | ((codes & 8).to(tl.int16) << 12)
-    return value.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def e4m3(scale):
-    # e4m3 bits (uint8, any shape) -> fp32 values · 2^-8, placed in an fp16 the same way
-    s = ((scale & 0x7F).to(tl.int16) << 7) | ((scale & 0x80).to(tl.int16) << 8)
-    return s.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _lut_dots(a0, a1, wa, wb, acc):
-    # acc += a0 @ wa.T + a1 @ wb.T: the two halves of a K step
-    return tl.dot(a1, tl.trans(wb), tl.dot(a0, tl.trans(wa), acc))
 
 
 # a call's pair count, where its weights and row maps start (slices of a batch's): one variant for all
@@ -248,7 +141,7 @@ def _w4a16_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SWIGLU:
         acc_up = tl.zeros_like(acc)
-    if LUT:  # ``_decode_lut``: the activations read in its inputs' order, two half-K products a step
+    if LUT:  # ``decode_lut``: the activations read in its inputs' order, two half-K products a step
         kh = tl.arange(0, BLOCK_K // 2)
         ka = (kh // 4) * 8 + kh % 4  # wa's inputs; wb's are 4 further
         a_lut = a + a_rows[:, None].to(tl.int64) * s_am + ka[None, :]
@@ -267,17 +160,17 @@ def _w4a16_gemm_kernel(
             a0 = tl.load(a_lut, mask=m0, other=0.0)
             a1 = tl.load(a_lut + 4, mask=m1, other=0.0)
             codes, scales = tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0)
-            wa, wb = _decode_lut(codes, scales, BLOCK_N, BLOCK_K, ASM)
-            acc = _lut_dots(a0, a1, wa, wb, acc)
+            wa, wb = decode_lut(codes, scales, BLOCK_N, BLOCK_K, ASM)
+            acc = lut_dots(a0, a1, wa, wb, acc)
             if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
-                ua, ub = _decode_lut(
+                ua, ub = decode_lut(
                     tl.load(b_ptr + N * s_bn, mask=bmask, other=0),
                     tl.load(s_ptr + N * s_sn, mask=smask, other=0),
                     BLOCK_N,
                     BLOCK_K,
                     ASM,
                 )
-                acc_up = _lut_dots(a0, a1, ua, ub, acc_up)
+                acc_up = lut_dots(a0, a1, ua, ub, acc_up)
             a_lut += BLOCK_K
             b_ptr += BLOCK_K // 2
             s_ptr += BLOCK_K // 16
@@ -285,7 +178,7 @@ def _w4a16_gemm_kernel(
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 at = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
-                w = _decode(
+                w = decode(
                     tl.load(b_ptr, mask=nmask[:, None], other=0),
                     tl.load(s_ptr, mask=nmask[:, None], other=0),
                     BLOCK_N,
@@ -296,20 +189,20 @@ def _w4a16_gemm_kernel(
                 at = tl.load(a_ptr, mask=rmask[:, None] & (kk[None, :] < left), other=0.0)
                 bmask = nmask[:, None] & (kb[None, :] < left // 2)
                 smask = nmask[:, None] & (ks[None, :] < left // 16)
-                w = _decode(
+                w = decode(
                     tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
                 )
             acc = tl.dot(at, tl.trans(w), acc)
             if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
                 if EVEN_K:
-                    u = _decode(
+                    u = decode(
                         tl.load(b_ptr + N * s_bn, mask=nmask[:, None], other=0),
                         tl.load(s_ptr + N * s_sn, mask=nmask[:, None], other=0),
                         BLOCK_N,
                         BLOCK_K,
                     )
                 else:
-                    u = _decode(
+                    u = decode(
                         tl.load(b_ptr + N * s_bn, mask=bmask, other=0),
                         tl.load(s_ptr + N * s_sn, mask=smask, other=0),
                         BLOCK_N,
@@ -410,7 +303,7 @@ def _dequantize_kernel(
     smask = nmask[:, None] & (ks[None, :] < K // 16)
     scale = tl.load(scales + e * s_se + n[:, None].to(tl.int64) * s_sn + ks[None, :], mask=smask, other=0)
     g = tl.load(globals_ + e * s_ge + n, mask=nmask, other=0.0) * unfold
-    w = _decode_f32(packed, scale, BLOCK_N, BLOCK_K) * g[:, None]
+    w = decode_f32(packed, scale, BLOCK_N, BLOCK_K) * g[:, None]
     kk = k0 + tl.arange(0, BLOCK_K)
     o_ptr = out + e * s_oe + n[:, None].to(tl.int64) * s_on + kk[None, :]
     tl.store(o_ptr, w.to(tl.bfloat16), mask=nmask[:, None] & (kk[None, :] < K))
@@ -498,7 +391,7 @@ def fused_moe_w4a16(
         into.check(x, ids, takes_gemv(batch_tokens or len(ids), w2.weight.shape[-1] * 2))
     t = len(ids)
     if t > 0 and takes_gemv(batch_tokens or t, w2.weight.shape[-1] * 2):
-        from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports _decode from here
+        from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # it imports this module
 
         return fused_moe_gemv(x, w13, w2, weights, ids)
     assert x.is_cuda and w13.weight.device == x.device == w2.weight.device, (
