@@ -159,6 +159,10 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
+    def model_len(self, max_position_embeddings: int) -> int:
+        """The longest sequence served: --max-model-len, else the model's positions."""
+        return self.max_model_len or max_position_embeddings
+
     def torch_dtype(self, checkpoint_dtype: str) -> torch.dtype:
         if self.dtype != "auto":
             return DTYPES[self.dtype]

@@ -164,7 +164,7 @@ def check_align_by_expert() -> None:
     """Pairs sorted by expert and padded (``align_by_expert``), in one program and in the three
     launches, for expert counts that are not powers of two (a pre-staged buffer's rows): every pair
     once, each under its own expert's blocks."""
-    from ft.moe.kernels.triton_moe import align_by_expert
+    from ft.moe.kernels.align import align_by_expert
 
     gen = torch.Generator().manual_seed(9)
     for e, block_m, small in ((100, 16, 1024), (100, 32, 0), (13, 16, 0), (13, 16, 1024)):
@@ -585,20 +585,20 @@ def test_the_alignment_kernels_compile_once_for_banks_of_up_to_their_floor(monke
     size compiles nothing anew; on an H200 (2026-12-03) the first runs of each pre-staging round
     took 0.7-1.9 s against ~0.5 s while they compiled."""
     triton = pytest.importorskip("triton")
-    from ft.moe.kernels import triton_moe, triton_w4a16
+    from ft.moe.kernels import align, triton_moe, triton_w4a16
 
-    for fn in (triton_moe._align_kernel, triton_moe._runs_kernel, triton_moe._blocks_and_padding):
+    for fn in (align._align_kernel, align._runs_kernel, align._blocks_and_padding):
         constants = {p.name for p in fn.params if p.is_constexpr}
         assert "E" in fn.arg_names and "E" not in constants, fn.fn.__name__
-    for fn in (triton_moe._align_kernel, triton_moe._runs_kernel):
+    for fn in (align._align_kernel, align._runs_kernel):
         assert [p.name for p in fn.params if p.do_not_specialize] == ["N", "E"], fn.fn.__name__
-    for fn in (triton_moe._count_kernel, triton_moe._place_kernel):
+    for fn in (align._count_kernel, align._place_kernel):
         assert [p.name for p in fn.params if p.do_not_specialize] == ["N"], fn.fn.__name__
     for fn in (triton_moe._grouped_gemm_kernel, triton_w4a16._w4a16_gemm_kernel):
         assert [p.name for p in fn.params if p.do_not_specialize] == ["num_pairs"], fn.fn.__name__
     # the offload backend's calls take slices of a batch's pairs (``pairs.device_runs``): where
     # they start is not a reason to compile again
-    for fn in (triton_moe._align_kernel, triton_moe._count_kernel, triton_moe._place_kernel):
+    for fn in (align._align_kernel, align._count_kernel, align._place_kernel):
         assert [p.name for p in fn.params if p.do_not_specialize_on_alignment] == ["ids"], fn.fn.__name__
     for fn in (triton_moe._grouped_gemm_kernel, triton_w4a16._w4a16_gemm_kernel):
         unaligned = [p.name for p in fn.params if p.do_not_specialize_on_alignment]
@@ -611,12 +611,12 @@ def test_the_alignment_kernels_compile_once_for_banks_of_up_to_their_floor(monke
             return lambda *args, **kw: widths.append(kw.get("E_P"))
 
     for name in ("_align_kernel", "_count_kernel", "_runs_kernel", "_place_kernel"):
-        monkeypatch.setattr(triton_moe, name, Launch())
-    floor = triton_moe.ALIGN_MIN_EXPERTS
+        monkeypatch.setattr(align, name, Launch())
+    floor = align.ALIGN_MIN_EXPERTS
     for experts in (1, 9, 13, 100, floor, floor + 1, 4 * floor):
         for pairs in (1, 17, 4096):  # one program, then the three launches
             widths.clear()
-            triton_moe.align_by_expert(torch.zeros(pairs, 1, dtype=torch.int64), experts, 16)
+            align.align_by_expert(torch.zeros(pairs, 1, dtype=torch.int64), experts, 16)
             want = floor if experts <= floor else triton.next_power_of_2(experts)
             assert [w for w in widths if w is not None] == [want], (experts, pairs, widths)
 

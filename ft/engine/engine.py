@@ -99,7 +99,7 @@ class LLMEngine:
         self.executor = make_executor(cfg, self.model_config)
         plan = self.executor.plan
         self.plan = plan
-        max_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        max_len = cfg.model_len(self.model_config.max_position_embeddings)
         cache = RadixCache(cfg.block_size, plan.num_snapshots) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(
             BlockAllocator(plan.num_blocks, cfg.block_size),

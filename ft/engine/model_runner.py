@@ -147,7 +147,7 @@ class ModelRunner:
         from ft.engine.cuda_graph import CudaGraphRunner
         from ft.moe.backends.graph_split import SegmentedGraphRunner
 
-        max_len = self.cfg.max_model_len or self.mc.max_position_embeddings
+        max_len = self.cfg.model_len(self.mc.max_position_embeddings)
         graphs = SegmentedGraphRunner if self.moe.splits_graphs else CudaGraphRunner
         return graphs(self, max_bs, cdiv(max_len, self.cfg.block_size))
 
@@ -211,7 +211,7 @@ class ModelRunner:
         allocate_pools(plan, self.cfg, self.layers, self.device, self.dtype)
         slots, bs = plan.num_slots + 1, self.cfg.block_size
         self.snapshot_base = slots  # snapshot k lives in state row slots + k
-        max_len = min(self.cfg.max_model_len or self.mc.max_position_embeddings, plan.num_blocks * bs)
+        max_len = min(self.cfg.model_len(self.mc.max_position_embeddings), plan.num_blocks * bs)
         self.tables = BlockTables(slots, cdiv(max_len, bs), bs)
         self.scratch_slot = slots - 1  # padded rows of a captured batch write here
         self.sampler.num_slots = slots

@@ -82,7 +82,7 @@ def pool_tokens(cfg: EngineConfig, mc, device: torch.device, offloads: bool, per
         return 64 * 1024
     tokens = max(cfg.block_size, int(device_budget(cfg, device) * 0.9) // max(1, per_token))
     if offloads:  # the expert cache gets the rest: one full context by default
-        tokens = min(tokens, cfg.max_model_len or mc.max_position_embeddings)
+        tokens = min(tokens, cfg.model_len(mc.max_position_embeddings))
     return tokens
 
 

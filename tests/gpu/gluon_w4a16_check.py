@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ft.moe.kernels import gluon_w4a16, triton_moe, triton_w4a16  # noqa: E402
+from ft.moe.kernels.align import align_by_expert  # noqa: E402
 from tests.nvfp4.test_w4a16_gpu import random_bank, routing  # noqa: E402
 
 
@@ -56,14 +57,14 @@ def main() -> None:
     topk_w = weights.reshape(-1).float().contiguous()
     acts = {}
     for name, launch in (("triton", triton_w4a16._launch), ("gluon", gluon_w4a16.launch)):
-        align = triton_moe.align_by_expert(ids, e, up_cfg[0])
+        align = align_by_expert(ids, e, up_cfg[0])
         act = torch.zeros(pairs, inter, dtype=x.dtype, device=x.device)
         launch(x, w13, act, topk_w, align, pairs, inter, h, k, True, True, False, up_cfg)
         acts[name] = act
     report(f"gate/up {up_cfg}", acts["gluon"], acts["triton"])
     ys = {}
     for name, launch in (("triton", triton_w4a16._launch), ("gluon", gluon_w4a16.launch)):
-        align = triton_moe.align_by_expert(ids, e, down_cfg[0])
+        align = align_by_expert(ids, e, down_cfg[0])
         y = torch.zeros(pairs, h, dtype=x.dtype, device=x.device)
         launch(acts["triton"], w2, y, topk_w, align, pairs, h, inter, k, False, False, True, down_cfg)
         ys[name] = y

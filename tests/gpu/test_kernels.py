@@ -337,7 +337,7 @@ def test_moe_qwen3_30b(t):
 @pytest.mark.parametrize("e, block_m", [(64, 16), (100, 32)])
 def test_moe_align_covers_every_pair_once(small, e, block_m):
     pytest.importorskip("triton")
-    from ft.moe.kernels.triton_moe import align_by_expert
+    from ft.moe.kernels.align import align_by_expert
 
     ids = torch.rand(50, e, device="cuda").topk(6, dim=-1).indices
     sorted_ids, block_expert, num_padded = align_by_expert(ids, e, block_m, small=small)

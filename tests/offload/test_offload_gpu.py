@@ -136,14 +136,14 @@ def test_prestaged_buffers_of_new_sizes_compile_no_new_alignment(tmp_path, monke
     """A pre-staged buffer holds as many experts as its layer had room for, a count that changes
     by layer and from one idle to the next, and each call's pairs are a slice of the batch's
     starting anywhere. The pairs' alignment kernels take the count at run time (compiled for at
-    least ``triton_moe.ALIGN_MIN_EXPERTS``) and specialise on neither it, the pair count nor the
+    least ``align.ALIGN_MIN_EXPERTS``) and specialise on neither it, the pair count nor the
     slice's alignment, so bf16 prefills on rooms of 9 to 14 experts, shared out over the layers,
     add at most one variant after the first round. Before 53875c5 each new count compiled them
     again inside the prefill that met it; before e000ef9 a count of 1 or 16 and a slice at an odd
     pair did (an H200, 2026-12-03: compiled variants 5, 6, 6, 7, 9, 9 after six rounds)."""
     from ft.moe.backends import staging
     from ft.moe.backends.runtime import MoeRuntime
-    from ft.moe.kernels import triton_moe
+    from ft.moe.kernels import align
 
     write_checkpoint(tmp_path, "qwen3_moe", seed=4, num_experts=32, weight_scale=0.8)
     rows = iter(range(9, 15))  # the experts pre-staged over all layers after each round
@@ -151,7 +151,7 @@ def test_prestaged_buffers_of_new_sizes_compile_no_new_alignment(tmp_path, monke
     def room(runtime, held: int) -> int:
         return next(rows) * runtime.backends[0].store.layout.expert_bytes
 
-    fns = (triton_moe._align_kernel, triton_moe._runs_kernel)
+    fns = (align._align_kernel, align._runs_kernel)
     if not all(hasattr(fn, "device_caches") for fn in fns):
         pytest.skip("this Triton keeps no per-device kernel caches to count")
 
