@@ -1,7 +1,7 @@
 """Batch-1 decode with kernel switches turned on one at a time, on one loaded model (not a test):
 
     python tests/gpu/decode_variants.py CONFIG [OUT.log] [--nvfp4] [--max-gpu-memory=SIZE] [--layers=N]
-                                        [--prompt=TOKENS] [module:SWITCH[=0] ...]
+                                        [--prompt=TOKENS[,...]] [module:SWITCH[=0] ...]
 
 A switch is a module-level boolean (or an integer, given ``=N``) read when a kernel is launched or
 traced (by default every switch of ``ft.switches`` still off, but the tensor-parallel one, each
@@ -15,8 +15,9 @@ this).
 ``--nvfp4`` quantises the experts while loading (switches of the NVFP4 kernels);
 ``--max-gpu-memory=SIZE`` caps the GPU budget and offloads the experts that do not fit (e.g.
 ``ft.moe.backends.host_reads:ENABLED``, the offload backend's decode path).
-``--prompt=TOKENS`` decodes after a prompt of that many tokens instead of 1,024 (long-context
-decode, e.g. ``ft.attention.triton_paged:MAX_SPLITS=128``); its prompt time is then its chunks'.
+``--prompt=TOKENS[,TOKENS...]`` decodes after a prompt of each length instead of 1,024, a line each
+(long-context decode beside a short one, e.g. ``ft.attention.triton_paged:MAX_SPLITS=128``); the
+prompt time is then its chunks'.
 Loading a model once instead of once per variant saves most of a device run."""
 
 from __future__ import annotations
@@ -82,19 +83,19 @@ def main() -> None:
     if cut:  # the config's first LAYERS layers (e.g. a 16-layer Qwen3-Next whose experts offload)
         config = cut_config(config, cut)[0]
     offload = dict(max_gpu_memory=cap, moe_backend="offload") if cap else {}
-    length = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--prompt=")), 1024)
+    spec = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--prompt=")), "1024")
+    lengths = [int(n) for n in spec.split(",")]
     engine = LLMEngine(EngineConfig(
-        config_file=config, load_format="dummy", device="cuda", num_tokens=max(20000, length + 1024),
-        max_model_len=max(2048, length + 512),
+        config_file=config, load_format="dummy", device="cuda", num_tokens=max(20000, max(lengths) + 1024),
+        max_model_len=max(2048, max(lengths) + 512),
         max_running_requests=8, progress=False, enable_prefix_cache=False,
         quantize_experts="nvfp4" if "--nvfp4" in sys.argv else None, **offload,
     ))  # fmt: skip
     runner = engine.executor.runner
     vocab = engine.model_config.vocab_size
-    prompt = [(i * 7919 + 13) % vocab for i in range(length)]
     defaults = [getattr(mod, name) for mod, name, _ in switches]
     rows = [("defaults", [])] + [(s, [i]) for i, s in enumerate(specs)] + [("all of them", range(len(specs)))]
-    first = None
+    first: dict[int, list[int]] = {}
     for label, on in rows:
         set_row(switches, defaults, on)
         runner.graphs = None
@@ -102,29 +103,31 @@ def main() -> None:
         runner.graphs = runner._decode_graphs(
             min(8, runner.cfg.cuda_graph_max_bs, runner.moe.max_graph_batch())
         )
-        runner.moe.discard_uses()
-        tokens, rates = None, []
-        for _ in range(2):  # the first also compiles what the switches changed
-            engine.add_request(prompt, SamplingParams(max_tokens=257, temperature=0.0, ignore_eos=True))
-            torch.cuda.synchronize()
-            t_prompt = time.perf_counter()
-            while not any(o.token_ids for o in engine.step()):  # the prompt's chunks
-                pass
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            prompt_ms = 1e3 * (t0 - t_prompt)
-            before = engine.stats()
-            while engine.has_unfinished_requests():
-                outs = engine.step()
-            torch.cuda.synchronize()
-            rates.append(256 / (time.perf_counter() - t0))  # the first token came with the prompt
-            tokens = outs[0].token_ids
-        moe = moe_line(before, engine.stats()) if cap else ""
-        first = first or tokens
-        same = sum(a == b for a, b in zip(tokens, first)) / len(first)
-        log(f"{label:50}: {rates[-1]:7.1f} tok/s batch-1 decode (first run {rates[0]:.1f}), "
-            f"{length}-token prompt {prompt_ms:.1f} ms, greedy tokens as the first row's: {same:.0%}"
-            f"{moe}")  # fmt: skip
+        for length in lengths:
+            runner.moe.discard_uses()
+            prompt = [(i * 7919 + 13) % vocab for i in range(length)]
+            tokens, rates = None, []
+            for _ in range(2):  # the first also compiles what the switches changed
+                engine.add_request(prompt, SamplingParams(max_tokens=257, temperature=0.0, ignore_eos=True))
+                torch.cuda.synchronize()
+                t_prompt = time.perf_counter()
+                while not any(o.token_ids for o in engine.step()):  # the prompt's chunks
+                    pass
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                prompt_ms = 1e3 * (t0 - t_prompt)
+                before = engine.stats()
+                while engine.has_unfinished_requests():
+                    outs = engine.step()
+                torch.cuda.synchronize()
+                rates.append(256 / (time.perf_counter() - t0))  # the first token came with the prompt
+                tokens = outs[0].token_ids
+            moe = moe_line(before, engine.stats()) if cap else ""
+            first.setdefault(length, tokens)
+            same = sum(a == b for a, b in zip(tokens, first[length])) / len(first[length])
+            log(f"{label:50}: {rates[-1]:7.1f} tok/s batch-1 decode (first run {rates[0]:.1f}), "
+                f"{length}-token prompt {prompt_ms:.1f} ms, greedy tokens as the first row's: {same:.0%}"
+                f"{moe}")  # fmt: skip
     engine.shutdown()
 
 
