@@ -155,9 +155,9 @@ def check_many_splits() -> None:
     gen = torch.Generator().manual_seed(3)
     d, hq, hkv, dtype = 256, 4, 2, torch.float32  # 256-wide heads: 32-key tiles, the most splits
     contexts = [2999, 40, 7]
-    batch, num_blocks = decode_batch(contexts, padding=1, gen=gen)
-    batch.seq_lens[-1] = 0  # a row with no keys at all (a graph's padding has one)
-    b, scale = len(contexts) + 1, d**-0.5
+    batch, num_blocks = decode_batch(contexts, padding=2, gen=gen)  # padding rows see one key
+    batch.seq_lens[-1] = 0  # and a row with no keys at all
+    b, scale = len(contexts) + 2, d**-0.5
     cache = torch.randn(2, num_blocks, PAGE, hkv, d, generator=gen).to(dtype)
     q = torch.randn(b, hq, d, generator=gen).to(dtype)
     gate = torch.randn(b, hq, d, generator=gen).to(dtype)
@@ -170,7 +170,7 @@ def check_many_splits() -> None:
             case = f"{splits} splits, gate {g is not None}"
             torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5, msg=case)
     assert torch.equal(one[-1], torch.zeros_like(one[-1])), "a row without keys gives zeros"
-    for i, c in enumerate(contexts):  # the new token at position c sees keys 0 .. c
+    for i, c in enumerate(contexts + [0]):  # the new token at position c sees keys 0 .. c (padding: 0)
         keys, values = gather_kv(cache, tables[i], c + 1)
         ref = causal_attention(q[i : i + 1], keys, values, c, scale)[0]
         torch.testing.assert_close(one[i], ref, atol=2e-5, rtol=2e-5)
@@ -182,3 +182,18 @@ CHECKS = ["check_qwen3_next", "check_qwen3_30b", "check_many_splits"]
 @pytest.mark.parametrize("check", CHECKS)
 def test_fused_decode_under_the_interpreter(check):
     run_check("tests.test_attention_fusions_interp", check)
+
+
+def test_the_split_count_is_a_power_of_two_under_any_cap(monkeypatch):
+    """``FT_ATTN_MAX_SPLITS`` rounds down to a power of two (the kernels assert one): a batch-1
+    decode of 2 kv heads on 132 SMs over a wide table asks for 256 splits."""
+    from ft.attention import triton_paged
+
+    monkeypatch.setattr(triton_paged, "_num_sms", lambda index: 132)
+    q, cache = torch.empty(1, 16, 256), torch.empty(2, 1, 16, 2, 256)
+    table = torch.empty(1, 16384, dtype=torch.int32)  # 262,144 tokens of 16-token pages
+    got = {}
+    for cap in (1, 32, 48, 128, 1000):
+        monkeypatch.setattr(triton_paged, "MAX_SPLITS", cap)
+        got[cap] = triton_paged.num_splits_for(q, cache, table, 32)
+    assert got == {1: 1, 32: 32, 48: 32, 128: 128, 1000: 256}

@@ -47,8 +47,8 @@ FUSED_DECODE = os.environ.get("FT_FUSED_ATTN_DECODE", "1") != "0"
 # H200's 132 SMs at 32 splits, each walking 1/32 of the context: at 128k-262k tokens (a 268-537 MB
 # read a layer) too few programs to draw HBM's bandwidth. The combine takes any count (COMBINE_CHUNK
 # splits a load, the splits past a sequence's keys neither written nor read); 32 is the count every
-# timing so far ran with, until a long-context decode times more (FT_ATTN_MAX_SPLITS=N, a power
-# of two, for a process and the ranks it spawns).
+# timing so far ran with, until a long-context decode times more (FT_ATTN_MAX_SPLITS=N for a process
+# and the ranks it spawns; rounded down to a power of two).
 MAX_SPLITS = int(os.environ.get("FT_ATTN_MAX_SPLITS", "32"))
 COMBINE_CHUNK = 32  # splits the combine loads at once ([CHUNK, head_dim] fp32 in registers)
 
@@ -102,7 +102,8 @@ def num_splits_for(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     programs = q.shape[0] * kv_cache.shape[3]
     want = triton.next_power_of_2(max(1, math.ceil(2 * _num_sms(q.device.index or 0) / programs)))
     tiles = triton.next_power_of_2(max(1, math.ceil(block_tables.shape[1] * kv_cache.shape[2] / block_n)))
-    return max(1, min(want, tiles, MAX_SPLITS))
+    cap = 1 << (max(1, MAX_SPLITS).bit_length() - 1)  # a power of two, as the kernels need
+    return max(1, min(want, tiles, cap))
 
 
 def paged_decode(q, kv_cache, block_tables, seq_lens, scale: float, num_splits: int | None = None, gate=None):

@@ -6,12 +6,12 @@
 A switch is a module-level boolean (or an integer, given ``=N``) read when a kernel is launched or
 traced (by default every switch of ``ft.switches`` still off, but the tensor-parallel one, each
 turned on; ``=0`` turns one off instead). The first row runs the defaults, then each switch alone,
-then all of them together. For each row the decode graphs are captured again, then a 1,024-token
-prompt decodes 256 tokens: the same prompt in every row, with the prefix cache off so that each
-prompt step computes it whole. The line gives tokens per second over the decode, the prompt step's
-time (eager, host-bound at this size), and the greedy tokens' agreement with the first row (a switch
-that changes rounding changes tokens on a random-weight model: judge it by its accuracy test, not by
-this).
+then all of them together (when they name more than one switch). For each row the decode graphs are
+captured again, then a 1,024-token prompt decodes 256 tokens: the same prompt in every row, with the
+prefix cache off so that each prompt step computes it whole. The line gives tokens per second over
+the decode, the prompt step's time (eager, host-bound at this size), and the greedy tokens'
+agreement with the first row (a switch that changes rounding changes tokens on a random-weight
+model: judge it by its accuracy test, not by this).
 ``--nvfp4`` quantises the experts while loading (switches of the NVFP4 kernels);
 ``--max-gpu-memory=SIZE`` caps the GPU budget and offloads the experts that do not fit (e.g.
 ``ft.moe.backends.host_reads:ENABLED``, the offload backend's decode path).
@@ -94,7 +94,9 @@ def main() -> None:
     runner = engine.executor.runner
     vocab = engine.model_config.vocab_size
     defaults = [getattr(mod, name) for mod, name, _ in switches]
-    rows = [("defaults", [])] + [(s, [i]) for i, s in enumerate(specs)] + [("all of them", range(len(specs)))]
+    rows = [("defaults", [])] + [(s, [i]) for i, s in enumerate(specs)]
+    if len({(id(mod), name) for mod, name, _ in switches}) > 1:  # one switch's values: nothing to sum
+        rows.append(("all of them", range(len(specs))))
     first: dict[int, list[int]] = {}
     for label, on in rows:
         set_row(switches, defaults, on)

@@ -80,8 +80,8 @@
 #   splits   long-context decode with more KV splits (triton_paged.MAX_SPLITS, 32 as shipped: 64
 #            programs a layer at batch 1): the split-count GPU tests, then the 80B with NVFP4 experts
 #            resident decoding after a 1,024- and a 131,072-token prompt at 32, 64, 128 and 256 splits
-#            (short contexts must not lose), from one load (decode_variants.py --prompt; ~7 min). Not
-#            yet run (2026-12-05)
+#            (short contexts must not lose), from one load (decode_variants.py --prompt; ~5-6 min,
+#            its own call: 90 + 480 s of timeouts). Not yet run (2026-12-05)
 #
 # Logs go to OUT_DIR; the last lines printed are the figures, for docs/benchmarks.md.
 set -uo pipefail
@@ -276,11 +276,11 @@ hybrid)
   grep -E "^(single-stream|prefill|moe| +[0-9]+ )" "$out/hybrid.log"
   ;;
 splits)
-  timeout 120 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_kernels.py -k "split_counts" \
+  timeout 90 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_kernels.py -k "split_counts" \
     >"$out/splits_tests.log" 2>&1
   tail -n 2 "$out/splits_tests.log"
   splits=ft.attention.triton_paged:MAX_SPLITS
-  timeout 420 python3 tests/gpu/decode_variants.py "$next" "$out/splits_decode.log" --nvfp4 --prompt=1024,131072 \
+  timeout 480 python3 tests/gpu/decode_variants.py "$next" "$out/splits_decode.log" --nvfp4 --prompt=1024,131072 \
     "$splits=64" "$splits=128" "$splits=256" >"$out/splits_decode.out" 2>&1
   grep -E "tok/s" "$out/splits_decode.log" | cut -c1-200
   ;;

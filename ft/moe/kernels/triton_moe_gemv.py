@@ -4,8 +4,8 @@ token->expert sort, no 16-row MMA tiles, two launches.
 Same contract as ``triton_moe.fused_moe_triton`` and ``triton_w4a16.fused_moe_w4a16``, which
 dispatch here up to their ``GEMV_MAX_TOKENS``. With p = (t, j) a (token, top-k slot) pair and
 e = ids[t, j] its expert (for NVFP4, ``W = e2m1(code) · scale`` decoded in registers, from 32-bit
-words of eight codes by ``_code`` or byte-wise by ``fp4_decode.decode``, and ``g`` the per-row
-globals; for bf16, g = 1):
+words of eight codes by ``moe_gemv_kernels._code`` or byte-wise by ``fp4_decode.decode``, and
+``g`` the per-row globals; for bf16, g = 1):
 
     act[p, n] = silu(g_gate[e, n] · x[t]·W_gate[e, n]) · (g_up[e, n] · x[t]·W_up[e, n])   # [T*k, I]
     out[t, n] = sum_j weights[t, j] · g_down[e, n] · act[(t, j)]·W_down[e, n]              # [T, H]
@@ -115,8 +115,8 @@ PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "1") != "0"
 # last, so the sum does not depend on which program finishes last.
 #
 # The gate/up kernel's NVFP4 codes read as 32-bit words of eight and decoded in place
-# (``_fp4_words``, ``_code``): the code's magnitude bits placed into an fp32 (no fp16 step), the
-# inputs paired with each word's eight codes by reading them as bf16 pairs (no reshape of the
+# (``moe_gemv_kernels._fp4_words``, ``_code``): the code's magnitude bits placed into an fp32 (no
+# fp16 step), the inputs paired with each word's eight codes by reading them as bf16 pairs (no reshape of the
 # codes), a block's sixteen products summed first and its scale multiplied in once. An H200's
 # profile of the byte-wise decode (ncu, 2026-12-01, docs/benchmarks.md) has the gate/up kernel busy
 # issuing (60% of the SMs' throughput, 10% of DRAM's), its loop 470 SASS instructions for 32

@@ -2,7 +2,7 @@
 the products run as bf16 MMAs with fp32 accumulation (Hopper has no FP4 tensor cores).
 
 Same contract and structure as ``triton_moe.fused_moe_triton`` (whose token->expert sort and
-padding, ``align_by_expert``, and table lookup, ``pick_config``, it reuses; its tiles are its own,
+padding, ``align.align_by_expert``, and table lookup, ``pick_config``, it reuses; its tiles are its own,
 ``CONFIGS``):
 
     act = silu(g_gate · (x @ W_gate.T)) * (g_up · (x @ W_up.T))   # [T*k, I], SwiGLU fused
