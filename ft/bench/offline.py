@@ -20,7 +20,6 @@ from the start-up fill, so no row inherits the one before), one report each.
 from __future__ import annotations
 
 import gc
-import json
 import random
 import statistics
 import time
@@ -29,11 +28,10 @@ import torch
 
 from ft import switches as kernel_switches
 from ft.bench.census import CENSUS_TOKENS, census
-from ft.bench.report import Report, Row, as_dict, format_report
+from ft.bench.report import Report, Row
 from ft.bench.roofline import decode_step_bytes, measure_bandwidth, measure_matmul_rate, prefill_flops
 from ft.config import EngineConfig
 from ft.engine.engine import LLMEngine
-from ft.moe.backends.sizing import DEFAULT_RUNNING
 from ft.sampling_params import SamplingParams
 from ft.scheduler.request import kv_tokens
 
@@ -315,88 +313,3 @@ def bench_hf(cfg: EngineConfig, input_len: int, output_len: int) -> dict[str, fl
     ttft = min(timed(1) for _ in range(3))
     total = min(timed(output_len + 1) for _ in range(3))
     return {"single_stream_tok_s": output_len / (total - ttft), "ttft_ms": 1e3 * ttft}
-
-
-def add_offline_parser(bench_sub) -> None:
-    """``ft bench offline``: registered by ``ft.bench.cli``."""
-    from ft.cli import add_engine_args
-
-    p = bench_sub.add_parser("offline", help="throughput, latency and roofline ratio on this machine")
-    add_engine_args(p)
-    p.add_argument("--batch-sizes", default="1,8,16,64")
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--prefill-lens", default="8192,32768")
-    p.add_argument(
-        "--prefill-runs",
-        type=int,
-        default=1,
-        help="prefill each --prefill-lens length this many times after its warm-up (fresh prompts): every "
-        "run printed, the middle one reported",
-    )
-    p.add_argument("--compare-hf", action="store_true", help="add a row for transformers' generate")
-    p.add_argument(
-        "--census", action="store_true", help="count and time the kernels of a decode step and a prefill"
-    )
-    p.add_argument("--census-batch", type=int, default=1, help="sequences in the decode step --census counts")
-    p.add_argument(
-        "--expert-cache-policies",
-        default=None,
-        help="offload: measure each of these policies (e.g. lru,lfu) on the one loaded model",
-    )
-    p.add_argument(
-        "--dummy-routing-skews",
-        default=None,
-        help="with --load-format dummy: measure each routing skew (e.g. 0,1) on the one loaded model",
-    )
-    p.add_argument(
-        "--ttft-idle-s",
-        type=float,
-        default=0.0,
-        help="leave the engine idle this many seconds before each TTFT run (a request that finds it idle)",
-    )
-    p.add_argument("--output-json", default=None, help="the report; a list of them for several variants")
-    p.set_defaults(func=cmd_offline)
-
-
-def cmd_offline(args) -> int:
-    from ft.cli import engine_options
-
-    sizes = [int(s) for s in args.batch_sizes.split(",") if s]
-    prefill = [int(s) for s in args.prefill_lens.split(",") if s]
-    skews = [float(s) for s in (args.dummy_routing_skews or "").split(",") if s] or [args.dummy_routing_skew]
-    policies = [s for s in (args.expert_cache_policies or "").split(",") if s] or [args.expert_cache_policy]
-    variants = [(skew, policy) for skew in skews for policy in policies]
-    if args.census_batch < 1:
-        raise SystemExit(f"--census-batch must be at least 1, got {args.census_batch}")
-    if args.prefill_runs < 1:
-        raise SystemExit(f"--prefill-runs must be at least 1, got {args.prefill_runs}")
-    # not given: 64 running requests, as every row before 2026-12-05 ran (not the engine's default,
-    # fewer when the experts stream), so rows stay comparable
-    given = args.max_running_requests or DEFAULT_RUNNING
-    running = max(sizes + [given, args.census_batch if args.census else 1])
-    options = engine_options(args) | {"max_running_requests": running}
-    # the engine loads with the first variant and switches in place to the others
-    options |= {"dummy_routing_skew": skews[0], "expert_cache_policy": policies[0]}
-    census_len = args.input_len + CENSUS_TOKENS + args.census_batch if args.census else 0
-    longest = max([n + 1 for n in prefill] + [args.input_len + args.output_len + 1, census_len])
-    options["max_model_len"] = options.get("max_model_len") or longest
-    reports = bench(
-        EngineConfig(**options),
-        sizes,
-        args.input_len,
-        args.output_len,
-        prefill,
-        compare_hf=args.compare_hf,
-        with_census=args.census,
-        census_batch=args.census_batch,
-        variants=variants,
-        ttft_idle_s=args.ttft_idle_s,
-        prefill_runs=args.prefill_runs,
-    )
-    print("\n\n".join(format_report(r) for r in reports))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            dicts = [as_dict(r) for r in reports]
-            json.dump(dicts[0] if len(dicts) == 1 else dicts, f, indent=2)
-    return 0
