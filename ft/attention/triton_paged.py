@@ -43,13 +43,17 @@ LOG2E = 1.4426950408889634
 # it off for a process and the ranks it spawns.
 FUSED_DECODE = os.environ.get("FT_FUSED_ATTN_DECODE", "1") != "0"
 # The most KV splits a decode launch takes. A batch of B sequences runs B x kv heads x splits
-# programs, so Qwen3-Next's batch 1 (2 kv heads, 1 a rank at TP=2) runs 64 (32) programs on an
-# H200's 132 SMs at 32 splits, each walking 1/32 of the context: at 128k-262k tokens (a 268-537 MB
-# read a layer) too few programs to draw HBM's bandwidth. The combine takes any count (COMBINE_CHUNK
-# splits a load, the splits past a sequence's keys neither written nor read); 32 is the count every
-# timing so far ran with, until a long-context decode times more (FT_ATTN_MAX_SPLITS=N for a process
-# and the ranks it spawns; rounded down to a power of two).
-MAX_SPLITS = int(os.environ.get("FT_ATTN_MAX_SPLITS", "32"))
+# programs (splits: enough to fill the SMs twice), so Qwen3-Next's batch 1 (2 kv heads, 1 a rank at
+# TP=2) ran 64 programs on an H200's 132 SMs when this was 32, each walking 1/32 of the context: too
+# few to draw HBM's bandwidth at long contexts. The combine takes any count (COMBINE_CHUNK splits a
+# load, the splits past a sequence's keys neither written nor read). 128 since 2026-12-05: one
+# layer's decode attention at batch 1 (16 q / 2 kv heads of 256, a 262k-wide table, CUDA graph, an
+# H200; docs/benchmarks.md) at 32 / 64 / 128 / 256 splits took 6.6 / 6.6 / 6.7 / 6.6 us at 1k
+# tokens, 16.6 / 13.3 / 14.7 / 20.8 at 8k, 64.4 / 40.3 / 32.4 / 36.1 at 32k, 236.6 / 131.0 / 87.8 /
+# 82.8 at 131k and 462.4 / 250.9 / 160.9 / 145.1 at 262k (128: 3.3 TB/s). From batch 2 the SMs, not
+# the cap, set the count (batch 8 at 32k: 32 splits, 139 us; more were slower). FT_ATTN_MAX_SPLITS=N
+# sets it for a process and the ranks it spawns (rounded down to a power of two).
+MAX_SPLITS = int(os.environ.get("FT_ATTN_MAX_SPLITS", "128"))
 COMBINE_CHUNK = 32  # splits the combine loads at once ([CHUNK, head_dim] fp32 in registers)
 
 

@@ -303,8 +303,13 @@ def test_folded_router_equals_the_norm_then_the_router(t, h, blocks):
     torch.testing.assert_close(folded.a, a, atol=0, rtol=2**-7)  # at most one bf16 ulp
     logits = (a.float() @ w.float().T)[:, :512].sort(-1, descending=True).values
     apart = (logits[:, 9] - logits[:, 10]) > 0.02
-    assert torch.equal(ids[apart], ref_ids[apart])
-    torch.testing.assert_close(weights[apart], ref_w[apart], atol=1e-2, rtol=1e-2)
+    # the same experts where the k-th and (k+1)-th logits are apart; two near-tied picks inside the
+    # top k may swap places (an H200, 2026-12-05: experts 438 and 133 of a T=4 row), so each
+    # expert's weight is compared with the reference's for that expert
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(-1, order)[apart], ref_ids.gather(-1, ref_order)[apart])
+    by_expert, ref_by_expert = weights.gather(-1, order), ref_w.gather(-1, ref_order)
+    torch.testing.assert_close(by_expert[apart], ref_by_expert[apart], atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(gate, ref_gate, atol=2e-2, rtol=2e-2)
     made = int_dot.take_blocks(folded.a)
     assert (made is not None) == blocks
