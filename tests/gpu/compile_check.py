@@ -55,9 +55,13 @@ def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3) -> str:
         a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a in FLOATS else "i32") for a in fn.arg_names
     }
     # what a real launch tells Triton: pointers from torch are 16-byte aligned, and the row strides
-    # and widths of these models' tensors are multiples of 16 (so loads vectorise as they will)
+    # and widths of these models' tensors are multiples of 16 (so loads vectorise as they will), but
+    # for the arguments ptrs["_unaligned"] names (a bank whose K / 16 is not a multiple of 16)
+    unaligned = ptrs.get("_unaligned", ())
     aligned = [
-        i for i, a in enumerate(fn.arg_names) if a in ptrs or a.startswith("s_") or a in ("K", "K_SPLIT")
+        i
+        for i, a in enumerate(fn.arg_names)
+        if (a in ptrs or a.startswith("s_") or a in ("K", "K_SPLIT")) and a not in unaligned
     ]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned if sig[fn.arg_names[i]] != "constexpr"}
     source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
@@ -201,6 +205,10 @@ def entries():
             yield f"NVFP4 Gluon {label} {which}, T={t}", kernel, w4, consts, warps, 1
             into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
             yield f"NVFP4 Gluon {label} {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
+            if module is gluon_w4a16_rega:  # it takes scale rows of any multiple of 4 bytes (I = 192)
+                odd = w4 | {"_unaligned": ("s_se4", "s_sn4")}
+                tag = f"NVFP4 Gluon {label} {which}, scale rows in 4-byte steps, T={t}"
+                yield tag, kernel, odd, consts, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
     yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip
