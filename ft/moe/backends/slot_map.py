@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-POLICIES = ("lru", "lfu")
+from ft.config import CACHE_POLICIES as POLICIES
+
 LFU_HALF_LIFE = 64.0  # calls of ensure/prefetch on the layer
 
 
