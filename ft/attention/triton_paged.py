@@ -50,9 +50,10 @@ FUSED_DECODE = os.environ.get("FT_FUSED_ATTN_DECODE", "1") != "0"
 # layer's decode attention at batch 1 (16 q / 2 kv heads of 256, a 262k-wide table, CUDA graph, an
 # H200; docs/benchmarks.md) at 32 / 64 / 128 / 256 splits took 6.6 / 6.6 / 6.7 / 6.6 us at 1k
 # tokens, 16.6 / 13.3 / 14.7 / 20.8 at 8k, 64.4 / 40.3 / 32.4 / 36.1 at 32k, 236.6 / 131.0 / 87.8 /
-# 82.8 at 131k and 462.4 / 250.9 / 160.9 / 145.1 at 262k (128: 3.3 TB/s). From batch 2 the SMs, not
-# the cap, set the count (batch 8 at 32k: 32 splits, 139 us; more were slower). FT_ATTN_MAX_SPLITS=N
-# sets it for a process and the ranks it spawns (rounded down to a power of two).
+# 82.8 at 131k and 462.4 / 250.9 / 160.9 / 145.1 at 262k (128: 3.3 TB/s). The cap decides only where
+# a launch runs two programs a split or fewer (batch 1; batch 2 at TP=2); above, the SMs set as many
+# or fewer (batch 8 at 32k: 32 splits, 139 us; more were slower). FT_ATTN_MAX_SPLITS=N sets it for a
+# process and the ranks it spawns (rounded down to a power of two).
 MAX_SPLITS = int(os.environ.get("FT_ATTN_MAX_SPLITS", "128"))
 COMBINE_CHUNK = 32  # splits the combine loads at once ([CHUNK, head_dim] fp32 in registers)
 

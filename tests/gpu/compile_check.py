@@ -206,9 +206,9 @@ def entries():
             into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
             yield f"NVFP4 Gluon {label} {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
             if module is gluon_w4a16_rega:  # it takes scale rows of any multiple of 4 bytes (I = 192)
-                odd = w4 | {"_unaligned": ("s_se4", "s_sn4")}
+                odd = w4 | {"_unaligned": ("s_seu", "s_snu")}
                 tag = f"NVFP4 Gluon {label} {which}, scale rows in 4-byte steps, T={t}"
-                yield tag, kernel, odd, consts, warps, 1
+                yield tag, kernel, odd, consts | {"SCALE_UNIT": 4}, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
     yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip

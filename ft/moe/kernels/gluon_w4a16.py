@@ -113,10 +113,10 @@ def _decode(codes_s, scales_s, BLOCK_N: gl.constexpr, HK: gl.constexpr, P3: gl.c
 
 
 @gluon.jit
-def _operands(a, b, b_scale, sorted_ids, a_map, e, pid_m, pid_n, N, num_pairs, s_am, s_be, s_bn, s_se4, s_sn4,
-              TOPK: gl.constexpr, A_PER_TOKEN: gl.constexpr, A_MAP: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, IO: gl.constexpr, CODES: gl.constexpr,
-              SCALES: gl.constexpr):  # fmt: skip
+def _operands(a, b, b_scale, sorted_ids, a_map, e, pid_m, pid_n, N, num_pairs, s_am, s_be, s_bn, s_seu, s_snu,
+              SCALE_UNIT: gl.constexpr, TOPK: gl.constexpr, A_PER_TOKEN: gl.constexpr, A_MAP: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, IO: gl.constexpr,
+              CODES: gl.constexpr, SCALES: gl.constexpr):  # fmt: skip
     # the activations' pointers in the table decode's input order (``ka``), their rows' mask, and
     # ``weight_ptrs``: the pointers and masks of ``_issue_step``
     HK: gl.constexpr = BLOCK_K // 2
@@ -125,7 +125,7 @@ def _operands(a, b, b_scale, sorted_ids, a_map, e, pid_m, pid_n, N, num_pairs, s
     ka = (kh // 4) * 8 + kh % 4  # the table decode's inputs (wa's; wb's are 4 further)
     a_ptr0 = a + a_rows[:, None].to(gl.int64) * s_am + ka[None, :]
     codes_ptr, scale_ptr, nmask_c, nmask_s = weight_ptrs(
-        b, b_scale, e, pid_n, N, s_be, s_bn, s_se4, s_sn4, BLOCK_N, BLOCK_K, CODES, SCALES
+        b, b_scale, e, pid_n, N, s_be, s_bn, s_seu, s_snu, SCALE_UNIT, BLOCK_N, BLOCK_K, CODES, SCALES
     )
     return a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s
 
@@ -144,19 +144,20 @@ def pair_rows(sorted_ids, a_map, pid_m, num_pairs, TOPK: gl.constexpr, A_PER_TOK
 
 
 @gluon.jit
-def weight_ptrs(b, b_scale, e, pid_n, N, s_be, s_bn, s_se4, s_sn4, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr, CODES: gl.constexpr, SCALES: gl.constexpr):  # fmt: skip
+def weight_ptrs(b, b_scale, e, pid_n, N, s_be, s_bn, s_seu, s_snu, SCALE_UNIT: gl.constexpr,
+                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, CODES: gl.constexpr,
+                SCALES: gl.constexpr):  # fmt: skip
     # the gate rows' packed codes [BN, BK/2] and block scales [BN, BK/16] at k = 0 (the up rows sit N
     # rows below, same expert) in the copies' layouts, and which rows are features (< N). The scales'
-    # strides come in 4-byte words, so the compiler knows their rows' copies 4-byte aligned whatever
-    # K / 16 is (a byte stride not a multiple of 16 made them 1-byte cp.async copies, which do not
-    # exist: the register-operand kernel's banks with I = 192 or H = 320 failed to compile, an H200,
-    # 2026-12-05)
+    # strides come in units of SCALE_UNIT bytes (16, 8 or 4: ``run``), so the compiler knows their
+    # rows' copies that aligned whatever K / 16 is (a byte stride the launch could not show a multiple
+    # of 16 made them 1-byte cp.async copies, which do not exist: the register-operand kernel's banks
+    # with I = 192 or H = 320 failed to compile, an H200, 2026-12-05)
     n_c = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODES))
     codes_ptr = b + e * s_be + n_c[:, None].to(gl.int64) * s_bn
     codes_ptr += gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, CODES))[None, :]
     n_s = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALES))
-    scale_ptr = b_scale + e * (s_se4 * 4) + n_s[:, None].to(gl.int64) * (s_sn4 * 4)
+    scale_ptr = b_scale + e * (s_seu * SCALE_UNIT) + n_s[:, None].to(gl.int64) * (s_snu * SCALE_UNIT)
     scale_ptr += gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, SCALES))[None, :]
     return codes_ptr, scale_ptr, n_c < N, n_s < N
 
@@ -166,12 +167,13 @@ def weight_ptrs(b, b_scale, e, pid_n, N, s_be, s_bn, s_se4, s_sn4, BLOCK_N: gl.c
 @gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w", "a_map", "c_map"])
 def _w4a16_wgmma_kernel(
     a, b, b_scale, b_global, c, topk_w, sorted_ids, block_expert, num_padded,
-    EM, N, K, num_pairs, s_am, s_be, s_bn, s_se4, s_sn4, s_ge, s_cm, a_map, c_map,
+    EM, N, K, num_pairs, s_am, s_be, s_bn, s_seu, s_snu, s_ge, s_cm, a_map, c_map,
     TOPK: gl.constexpr, A_PER_TOKEN: gl.constexpr, SWIGLU: gl.constexpr, MUL_W: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     A_MAP: gl.constexpr, C_MAP: gl.constexpr, STAGES: gl.constexpr,
     MMA: gl.constexpr, IO: gl.constexpr, A_SMEM: gl.constexpr, B_SMEM: gl.constexpr,
     CODES: gl.constexpr, SCALES: gl.constexpr, PLAIN: gl.constexpr, P3: gl.constexpr, B2: gl.constexpr,
+    SCALE_UNIT: gl.constexpr = 16,
 ):  # fmt: skip
     HK: gl.constexpr = BLOCK_K // 2
     NB: gl.constexpr = BLOCK_K // 16  # scale blocks a step
@@ -181,10 +183,10 @@ def _w4a16_wgmma_kernel(
         return
     e = gl.load(block_expert + pid_m).to(gl.int64)
     a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s = _operands(
-        a, b, b_scale, sorted_ids, a_map, e, pid_m, pid_n, N, num_pairs, s_am, s_be, s_bn, s_se4, s_sn4, TOPK,
-        A_PER_TOKEN, A_MAP, BLOCK_M, BLOCK_N, BLOCK_K, IO, CODES, SCALES)  # fmt: skip
+        a, b, b_scale, sorted_ids, a_map, e, pid_m, pid_n, N, num_pairs, s_am, s_be, s_bn, s_seu, s_snu,
+        SCALE_UNIT, TOPK, A_PER_TOKEN, A_MAP, BLOCK_M, BLOCK_N, BLOCK_K, IO, CODES, SCALES)  # fmt: skip
     up_codes = N * s_bn
-    up_scales = N * (s_sn4 * 4)
+    up_scales = N * (s_snu * SCALE_UNIT)
 
     # STAGES steps of copies (activations, codes, scales), two decoded tiles of gate (and up)
     a0_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, HK], A_SMEM)
@@ -342,13 +344,15 @@ def run(kernel, lay: dict, stages: int, a, w: NVFP4Tensor, c, topk_w, align, num
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
     scale = w.weight_scale.view(torch.uint8)
-    assert scale.stride(0) % 4 == 0 and scale.stride(1) % 4 == 0, f"scale strides {scale.stride()}: not words"
+    unit = next((u for u in (16, 8, 4) if scale.stride(0) % u == 0 and scale.stride(1) % u == 0), 0)
+    assert unit, f"scale strides {scale.stride()}: not multiples of 4 bytes"
     kernel[grid](
         a, w.weight, scale, w.weight_scale_2, c, topk_w, sorted_ids, block_expert, num_padded,
-        em, n, k, num_pairs, a.stride(0), w.weight.stride(0), w.weight.stride(1), scale.stride(0) // 4,
-        scale.stride(1) // 4, w.weight_scale_2.stride(0), c.stride(0),
+        em, n, k, num_pairs, a.stride(0), w.weight.stride(0), w.weight.stride(1), scale.stride(0) // unit,
+        scale.stride(1) // unit, w.weight_scale_2.stride(0), c.stride(0),
         sorted_ids if a_map is None else a_map, sorted_ids if c_map is None else c_map,
         TOPK=topk, A_PER_TOKEN=a_per_token, SWIGLU=swiglu, MUL_W=mul_w, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, GROUP_M=group_m, A_MAP=a_map is not None, C_MAP=c_map is not None, STAGES=stages,
+        SCALE_UNIT=unit,
         **lay, num_warps=warps,
     )  # fmt: skip

@@ -110,12 +110,13 @@ def _decode(codes_s, scales_s, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COD
 @gluon.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w", "a_map", "c_map"])
 def _w4a16_rega_kernel(
     a, b, b_scale, b_global, c, topk_w, sorted_ids, block_expert, num_padded,
-    EM, N, K, num_pairs, s_am, s_be, s_bn, s_se4, s_sn4, s_ge, s_cm, a_map, c_map,
+    EM, N, K, num_pairs, s_am, s_be, s_bn, s_seu, s_snu, s_ge, s_cm, a_map, c_map,
     TOPK: gl.constexpr, A_PER_TOKEN: gl.constexpr, SWIGLU: gl.constexpr, MUL_W: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     A_MAP: gl.constexpr, C_MAP: gl.constexpr, STAGES: gl.constexpr,
     MMA: gl.constexpr, DOT_A: gl.constexpr, CODES: gl.constexpr, IO: gl.constexpr, CODES_IO: gl.constexpr,
     SCALES_IO: gl.constexpr, A_SMEM: gl.constexpr, PLAIN: gl.constexpr, CODES_SMEM: gl.constexpr,
+    SCALE_UNIT: gl.constexpr = 16,
 ):  # fmt: skip
     HK: gl.constexpr = BLOCK_K // 2
     NB: gl.constexpr = BLOCK_K // 16
@@ -130,10 +131,10 @@ def _w4a16_rega_kernel(
         a + a_rows[:, None].to(gl.int64) * s_am + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, IO))[None, :]
     )
     codes_ptr, scale_ptr, nmask_c, nmask_s = weight_ptrs(
-        b, b_scale, e, pid_n, N, s_be, s_bn, s_se4, s_sn4, BLOCK_N, BLOCK_K, CODES_IO, SCALES_IO
+        b, b_scale, e, pid_n, N, s_be, s_bn, s_seu, s_snu, SCALE_UNIT, BLOCK_N, BLOCK_K, CODES_IO, SCALES_IO
     )
     up_codes = N * s_bn
-    up_scales = N * (s_sn4 * 4)
+    up_scales = N * (s_snu * SCALE_UNIT)
 
     a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], A_SMEM)
     gc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HK], CODES_SMEM)
