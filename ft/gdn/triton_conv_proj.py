@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ft.gdn.triton_conv import conv_decode_channels, store_history
-from ft.layers import triton_gemv
+from ft.layers import gemv_tiles, triton_gemv
 from ft.layers.norm import FoldedNorm
 from ft.layers.pdl import pdl_args, wait_for_previous
 
@@ -42,13 +42,13 @@ def _proj_conv_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_P)
     if NORM:  # x + r normed first (``triton_gemv.launch_normed_gemv``)
-        acc, squares = triton_gemv.normed_gemv_tile(
+        acc, squares = gemv_tiles.normed_gemv_tile(
             x, r, nw, h, w, n, M, N, 0, K, s_xm, s_rm, s_hm, s_wn, tl.program_id(0) == 0, M_P, T_P, BLOCK_N,
             BLOCK_K, EVEN_K, ZERO_CENTERED,
         )  # fmt: skip
         acc = acc * tl.rsqrt(squares / K + eps)
     else:
-        acc = triton_gemv.gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
+        acc = gemv_tiles.gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
     tl.store(out + m[:, None].to(tl.int64) * s_om + n[None, :], acc.to(out.dtype.element_ty),
              mask=(m < M)[:, None] & (n < N)[None, :])  # fmt: skip
     if tl.program_id(0) * BLOCK_N < C:  # this program's conv channels, sequence by sequence
@@ -101,7 +101,7 @@ def launch_proj_conv(
         x, r, nw, h, w, out, conv_weight, conv_state, context_lens, state_slots, b, n, k, c,
         norm.eps if norm is not None else 0.0, x.stride(0), r.stride(0), h.stride(0), w.stride(0),
         out.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
-        M_P=triton_gemv.MAX_M, T_P=triton_gemv.norm_rows(b), BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+        M_P=triton_gemv.MAX_M, T_P=gemv_tiles.norm_rows(b), BLOCK_N=p.block_n, BLOCK_K=p.block_k,
         EVEN_K=p.even_k, NORM=norm is not None, ZERO_CENTERED=norm is not None and norm.zero_centered, KC=kc,
         KP=triton.next_power_of_2(kc), num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip

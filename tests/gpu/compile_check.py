@@ -31,7 +31,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from ft.attention import triton_kernels  # noqa: E402
 from ft.gdn import triton_conv, triton_conv_proj, triton_decode, triton_decode_layer  # noqa: E402
-from ft.layers import triton_gemv, triton_norm, triton_rope  # noqa: E402
+from ft.layers import gemv_tiles, triton_gemv, triton_norm, triton_rope  # noqa: E402
 from ft.moe.backends import host_stage  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
     moe_gemv_kernels,
@@ -258,7 +258,7 @@ def entries():
     for (bn, bk, warps, stages), t_p in itertools.product(
         (triton_gemv.NORMED_NARROW, triton_gemv.NORMED_WIDE), (1, 4)
     ):  # norm.FOLD_INPUT_NORM; fmt: skip
-        consts = {"M_P": 16, "T_P": triton_gemv.norm_rows(t_p), "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True,
+        consts = {"M_P": 16, "T_P": gemv_tiles.norm_rows(t_p), "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True,
                   "ZERO_CENTERED": True, "USE_PDL": 2}  # fmt: skip
         label = f"dense GEMV {bn} x {bk}, norm folded, {t_p} tokens"
         yield label, triton_gemv._normed_gemv_kernel, normed, consts, warps, stages
@@ -269,7 +269,7 @@ def entries():
         (normed_tiles, 1, True),
         (normed_tiles, 4, True),
     ):
-        consts = {"M_P": 16, "T_P": triton_gemv.norm_rows(t_p), "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True,
+        consts = {"M_P": 16, "T_P": gemv_tiles.norm_rows(t_p), "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True,
                   "NORM": norm, "ZERO_CENTERED": True, "KC": 4, "KP": 4, "USE_PDL": 2}  # fmt: skip
         label = f"GDN in_proj + decode conv, {t_p} tokens" + (", norm folded" if norm else "")
         yield label, triton_conv_proj._proj_conv_kernel, conv, consts, warps, stages
@@ -292,7 +292,7 @@ def entries():
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
                          "USE_PDL": 2, "BLOCKS": blocks, "NORM": norm, "ZERO_CENTERED": norm,
-                         "NORM_ROWS": triton_gemv.norm_rows(t_p)}, 4, 4  # fmt: skip
+                         "NORM_ROWS": gemv_tiles.norm_rows(t_p)}, 4, 4  # fmt: skip
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ denominator's sum order may differ). It resets both counters it used.
 The logits buffer is an output: the shared expert's gate logit (weight row E, last) is its
 [T, 1] column view, in x's dtype, as ``TopKRouter`` returns it. With a pre-norm folded in
 (``norm``, ``ft.layers.norm.FOLD_POST_NORM``) the logits are those of the normed input up to
-rounding: 1 / rms multiplies the products' sum (``triton_gemv.normed_split_k_sum``), not the
+rounding: 1 / rms multiplies the products' sum (``gemv_tiles.normed_split_k_sum``), not the
 inputs, so a near tie in the top k can fall the other way; the normed input the launch writes is
 the norm kernel's up to the order 1 / rms was summed in. Not here: more than ``MAX_TOKENS`` tokens
 (one program's registers hold every row's keys), fp32 activations.
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.layers import triton_gemv
+from ft.layers import gemv_tiles, triton_gemv
 from ft.layers.norm import FoldedNorm
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels import int_dot, triton_router
@@ -57,7 +57,7 @@ def _router_topk_kernel(
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    last, total, squares = triton_gemv.normed_split_k_sum(
+    last, total, squares = gemv_tiles.normed_split_k_sum(
         x, r, nw, h, w, ws, squares_ws, counters, n, M, N, K, K_SPLIT, s_xm, s_rm, s_hm, s_wn, M_P, NORM_ROWS,
         BLOCK_N, BLOCK_K, SPLITS, EVEN_K, NORM, ZERO_CENTERED,
     )  # fmt: skip
@@ -171,7 +171,7 @@ def launch_router_topk(
         x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), xq, xf, r, nw, hs, a,
         ws if norm is None else squares, t, n, e, h, p.k_split, slice_, 0.0 if norm is None else norm.eps,
         x.stride(0), w.stride(0), xq.stride(0), xf.stride(0), r.stride(0), hs.stride(0), a.stride(0),
-        BLOCKS=blocks is not None, NORM=norm is not None, NORM_ROWS=triton_gemv.norm_rows(t),
+        BLOCKS=blocks is not None, NORM=norm is not None, NORM_ROWS=gemv_tiles.norm_rows(t),
         ZERO_CENTERED=norm is not None and norm.zero_centered,
         M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
