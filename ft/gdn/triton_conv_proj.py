@@ -1,5 +1,5 @@
 """A decode batch's GDN input projection with the causal conv as the GEMV's epilogue, one launch
-where there were two (``CONV_IN_PROJ``, off until timed on a GPU).
+where there were two (``CONV_IN_PROJ``, on).
 
 The in_proj GEMV (``triton_gemv``: a program per BLOCK_N output columns, every row) stores its
 rows, then a program whose columns include conv channels (the first C, ``[q | k | v]`` heads
@@ -25,9 +25,11 @@ from ft.layers import gemv_tiles, triton_gemv
 from ft.layers.norm import FoldedNorm
 from ft.layers.pdl import pdl_args, wait_for_previous
 
-# Off until timed on a GPU (NOT yet run on one): FT_GDN_CONV_IN_PROJ=1 turns it on for a process and
-# the ranks it spawns.
-CONV_IN_PROJ = os.environ.get("FT_GDN_CONV_IN_PROJ", "0") == "1"
+# On from 2026-12-05 (FT_GDN_CONV_IN_PROJ=0 turns it off for a process and the ranks it spawns): the
+# 80B's batch-1 decode with NVFP4 experts on an H200, rows of one load in turn, 335.8 / 335.7 tok/s
+# off against 343.6 / 343.7 on (+2.3%), greedy tokens the same (docs/benchmarks.md, 2026-12-05
+# 04:10-04:35 UTC); its GPU tests (tests/gpu/test_gdn_decode.py, test_engine_cuda.py) passed.
+CONV_IN_PROJ = os.environ.get("FT_GDN_CONV_IN_PROJ", "1") != "0"
 
 
 @triton.jit
