@@ -26,8 +26,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_moe_gemv", "FP4_INT_DOT", "FT_MOE_GEMV_FP4_INT_DOT"),
     ("ft.moe.kernels.triton_moe_gemv", "HOST_TILES", "FT_MOE_GEMV_HOST_TILES"),
     ("ft.layers.triton_gemv", "SPLIT_K", "FT_GEMV_SPLIT_K"),
-    ("ft.layers.norm", "FOLD_INPUT_NORM", "FT_FOLD_INPUT_NORM"),
-    ("ft.layers.norm", "FOLD_POST_NORM", "FT_FOLD_POST_NORM"),
     ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
     ("ft.moe.kernels.triton_router", "KEYS32", "FT_ROUTER_KEYS32"),
     ("ft.attention.triton_paged", "FUSED_DECODE", "FT_FUSED_ATTN_DECODE"),

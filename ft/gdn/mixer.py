@@ -24,7 +24,7 @@ from ft.distributed import get_tp_info
 from ft.forward_context import get_forward_context
 from ft.gdn.snapshots import StateSnapshots, save_conv_snapshots
 from ft.layers.linear import RowParallelLinear, parts_param, split_part
-from ft.layers.norm import FoldedNorm, GatedRMSNorm
+from ft.layers.norm import GatedRMSNorm
 from ft.utils import div_even
 
 try:  # a decode batch's conv as the input projection's epilogue (``triton_conv_proj.CONV_IN_PROJ``)
@@ -42,11 +42,6 @@ class DepthwiseConv(nn.Module):
 
 
 class GatedDeltaNetMixer(nn.Module):
-    # the layer input goes only into ``project``'s in_proj: a folded pre-norm input
-    # (``ft.layers.norm.FoldedNorm``) is normed inside that GEMV (a ``project`` that reads x
-    # otherwise sets it False)
-    takes_folded_norm = True
-
     def __init__(
         self,
         hidden_size: int,
@@ -90,8 +85,6 @@ class GatedDeltaNetMixer(nn.Module):
         if not conv:
             return self.in_proj(x)
         batch = get_forward_context().batch
-        if isinstance(x, FoldedNorm) and x.a is not None:  # a reader computed it already
-            x = x.a
         return triton_conv_proj.launch_proj_conv(
             x,
             self.in_proj.weight,

@@ -7,9 +7,8 @@ first) reads them back and overwrites them with ``silu(conv)`` of each sequence'
 the history in ``conv_state[slot]`` (``triton_conv.conv_decode_channels``, the decode conv
 kernel's arithmetic: the same bits). A program owns its channels of every sequence's history, as
 the conv kernel's (sequence, channel block) programs own theirs, so no program waits for another.
-Rows are sequences of one token each (a decode batch), the input norm may be folded in
-(``FoldedNorm``, as ``launch_normed_gemv``). The census of issue 5's batch-1 step has 36 decode
-conv launches at 2.6 us each (94 of 3,052 us, docs/benchmarks.md 2026-12-04 05:19).
+Rows are sequences of one token each (a decode batch). The census of issue 5's batch-1 step has 36
+decode conv launches at 2.6 us each (94 of 3,052 us, docs/benchmarks.md 2026-12-04 05:19).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import triton.language as tl
 
 from ft.gdn.triton_conv import conv_decode_channels, store_history
 from ft.layers import gemv_tiles, triton_gemv
-from ft.layers.norm import FoldedNorm
 from ft.layers.pdl import pdl_args, wait_for_previous
 
 # On from 2026-12-05 (FT_GDN_CONV_IN_PROJ=0 turns it off for a process and the ranks it spawns): the
@@ -34,23 +32,14 @@ CONV_IN_PROJ = os.environ.get("FT_GDN_CONV_IN_PROJ", "1") != "0"
 
 @triton.jit
 def _proj_conv_kernel(
-    x, r, nw, h, w, out, conv_w, conv_state, context_lens, state_slots, M, N, K, C, eps,
-    s_xm, s_rm, s_hm, s_wn, s_om, s_wc, s_ss, s_sc,
-    M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, KC: tl.constexpr,
+    x, w, out, conv_w, conv_state, context_lens, state_slots, M, N, K, C, s_xm, s_wn, s_om, s_wc, s_ss, s_sc,
+    M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, KC: tl.constexpr,
     KP: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_P)
-    if NORM:  # x + r normed first (``triton_gemv.launch_normed_gemv``)
-        acc, squares = gemv_tiles.normed_gemv_tile(
-            x, r, nw, h, w, n, M, N, 0, K, s_xm, s_rm, s_hm, s_wn, tl.program_id(0) == 0, M_P, T_P, BLOCK_N,
-            BLOCK_K, EVEN_K, ZERO_CENTERED,
-        )  # fmt: skip
-        acc = acc * tl.rsqrt(squares / K + eps)
-    else:
-        acc = gemv_tiles.gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
+    acc = gemv_tiles.gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
     tl.store(out + m[:, None].to(tl.int64) * s_om + n[None, :], acc.to(out.dtype.element_ty),
              mask=(m < M)[:, None] & (n < N)[None, :])  # fmt: skip
     if tl.program_id(0) * BLOCK_N < C:  # this program's conv channels, sequence by sequence
@@ -72,20 +61,18 @@ takes = triton_gemv.takes  # the projections it runs are the GEMV's
 
 
 def launch_proj_conv(
-    x: torch.Tensor | FoldedNorm,
+    x: torch.Tensor,
     w: torch.Tensor,
     conv_weight: torch.Tensor,
     conv_state: torch.Tensor,
     context_lens: torch.Tensor,
     state_slots: torch.Tensor,
 ) -> torch.Tensor:
-    """x [B, K] (a token of each of B sequences; or a ``FoldedNorm``, normed inside), w [N, K] ->
-    [B, N] = x @ w.T with columns :C replaced by the decode conv's output (``causal_conv1d_silu``
-    of them), conv_weight [C, Kc], conv_state [slots, C, Kc-1] updated in place at the sequences'
-    ``state_slots`` (history read where ``context_lens`` > 0). Without the device check (the
-    interpreter runs it)."""
-    norm = x if isinstance(x, FoldedNorm) else None
-    x, w = triton_gemv.check_operands(x.x if norm is not None else x, w)
+    """x [B, K] (a token of each of B sequences), w [N, K] -> [B, N] = x @ w.T with columns :C
+    replaced by the decode conv's output (``causal_conv1d_silu`` of them), conv_weight [C, Kc],
+    conv_state [slots, C, Kc-1] updated in place at the sequences' ``state_slots`` (history read
+    where ``context_lens`` > 0). Without the device check (the interpreter runs it)."""
+    x, w = triton_gemv.check_operands(x, w)
     (b, k), n = x.shape, w.shape[0]
     c, kc = conv_weight.shape
     assert c <= n and conv_state.shape[1:] == (c, kc - 1), (
@@ -93,18 +80,12 @@ def launch_proj_conv(
     )
     assert conv_state.stride(-1) == 1 and conv_weight.stride(-1) == 1, "conv weight and state rows contiguous"
     assert context_lens.shape == state_slots.shape == (b,), "a context length and a state slot a sequence"
-    r, nw, h = x, x, x  # unread without a norm
-    if norm is not None:
-        r, nw, h = norm.residual, norm.weight, norm.h
-        triton_gemv.check_norm_operands(x, r, h, nw)
     out = torch.empty(b, n, dtype=x.dtype, device=x.device)
-    p = triton_gemv.plan(n, k, 1, triton_gemv.normed_config(n) if norm is not None else None)
+    p = triton_gemv.plan(n, k, 1)
     _proj_conv_kernel[(p.blocks,)](
-        x, r, nw, h, w, out, conv_weight, conv_state, context_lens, state_slots, b, n, k, c,
-        norm.eps if norm is not None else 0.0, x.stride(0), r.stride(0), h.stride(0), w.stride(0),
+        x, w, out, conv_weight, conv_state, context_lens, state_slots, b, n, k, c, x.stride(0), w.stride(0),
         out.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
-        M_P=triton_gemv.MAX_M, T_P=gemv_tiles.norm_rows(b), BLOCK_N=p.block_n, BLOCK_K=p.block_k,
-        EVEN_K=p.even_k, NORM=norm is not None, ZERO_CENTERED=norm is not None and norm.zero_centered, KC=kc,
+        M_P=triton_gemv.MAX_M, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_K=p.even_k, KC=kc,
         KP=triton.next_power_of_2(kc), num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip
     return out

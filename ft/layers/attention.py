@@ -97,11 +97,6 @@ class QKNormAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, d], bound by the runner
 
-    # the layer input goes only into qkv_proj (``attend`` ignores it here): a folded pre-norm input
-    # (``ft.layers.norm.FoldedNorm``) is normed inside that GEMV. Variants whose ``attend`` reads x
-    # set it False.
-    takes_folded_norm = True
-
     def cache_shape(self) -> tuple[int, int]:
         return self.num_kv_heads, self.head_dim
 

@@ -23,7 +23,6 @@ from torch import nn
 
 from ft.distributed import TPInfo, all_reduce, get_tp_info
 from ft.layers.loading import load_slice, new_param
-from ft.layers.norm import FoldedNorm
 from ft.models.checkpoint import CheckpointTensor
 from ft.utils import div_even
 
@@ -33,21 +32,9 @@ except ImportError:  # no triton (CPU-only installs)
     triton_gemv = None
 
 
-def dense(
-    x: torch.Tensor | FoldedNorm, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear``, or the Triton GEMV for a few rows on a GPU (``ft.layers.triton_gemv``). A
-    folded norm's input (``FoldedNorm``) is normed inside the GEMV when the GEMV takes it and no
-    reader has computed it yet; otherwise it is computed first (``FoldedNorm.tensor``)."""
-    takes_gemv = triton_gemv is not None and bias is None and triton_gemv.takes(x, weight)
-    if isinstance(x, FoldedNorm):
-        if takes_gemv and x.a is None and x.x.is_contiguous() and x.residual.is_contiguous():
-            assert x.device == weight.device, "the folded GEMV needs its operands on one device"
-            return triton_gemv.launch_normed_gemv(
-                x.x, x.residual, x.weight, x.eps, x.zero_centered, weight, x.h
-            )  # fmt: skip
-        x = x.tensor()
-    if takes_gemv:
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or the Triton GEMV for a few rows on a GPU (``ft.layers.triton_gemv``)."""
+    if triton_gemv is not None and bias is None and triton_gemv.takes(x, weight):
         return triton_gemv.gemv(x, weight)
     return F.linear(x, weight, bias)
 

@@ -28,12 +28,6 @@ stores before that thread's acq_rel (GPU scope) ticket; the ticket reaches the o
 through shared memory behind a barrier, and the last program reads the partials from L2 (.cg).
 The counters are one buffer per device (``tickets``): split launches on a device must not overlap
 (one stream; with PDL every kernel still waits for its predecessor's end first thing).
-
-With a pre-norm folded in (``launch_normed_gemv``, ``ft.layers.norm.FOLD_INPUT_NORM``, off) the
-GEMV reads x and the residual r instead of ``rms_norm(x + r)``: it forms h = x + r and h · w' (w'
-the norm's weight) as the norm kernel rounds them, takes h · w' as the MMA's operand, sums h² beside
-and multiplies each row's products by its 1 / rms at the end; program 0 stores h, the residual
-stream. The fused router does the same over its splits (``normed_split_k_sum``).
 """
 
 from __future__ import annotations
@@ -46,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.layers.gemv_tiles import gemv_tile, norm_rows, normed_gemv_tile, split_k_sum
+from ft.layers.gemv_tiles import gemv_tile, split_k_sum
 from ft.layers.pdl import pdl_args, wait_for_previous
 
 GEMV_MAX_TOKENS = 4  # M = 5 .. 16 not timed yet
@@ -55,13 +49,6 @@ MAX_M = 16  # rows of x one program pads to (one MMA tile)
 WIDE = (32, 256, 4, 3)  # in_proj 12352 x 2048 15.4 us, qkv 9216 x 2048 12.8 us at M=1
 NARROW = (16, 512, 4, 4)  # out_proj 2048 x 4096 8.8 us, shared expert 1024 x 2048 5.1 us at M=1
 WIDE_N = 4096  # output columns from which a projection takes WIDE
-# the normed GEMV's (``launch_normed_gemv``): its input tile is computed (h = x + r, the norm's
-# weight) and moved to the MMA operand through shared memory, so its tiles are its own. Compiled
-# for sm_90 (Triton 3.6): WIDE's 110 registers at one token, 144 at four, no spill (the plain
-# kernel 72); NARROW's (16, 512, 4, 4) 146 (it spilled before ``_pinned``), (16, 256, 4, 3) 96.
-# NOT yet timed: config_sweep.py normed_gemv.
-NORMED_WIDE = WIDE
-NORMED_NARROW = (16, 256, 4, 3)
 
 # OFF: timed no faster on an H200 (docs/benchmarks.md, 2026-12-01: the 80B's batch-1 decode with
 # NVFP4 experts 287.3 tok/s without, 285.9 with out_proj split). The fused router always splits.
@@ -77,17 +64,12 @@ def config(n: int) -> tuple[int, int, int, int]:
     return WIDE if n >= WIDE_N else NARROW
 
 
-def normed_config(n: int) -> tuple[int, int, int, int]:
-    """``config`` for a GEMV with a norm folded in (``NORMED_WIDE``, ``NORMED_NARROW``)."""
-    return NORMED_WIDE if n >= WIDE_N else NORMED_NARROW
-
-
-def takes(x, w: torch.Tensor) -> bool:
-    """Whether x @ w.T (x a tensor, or a norm's input folded: ``ft.layers.norm.FoldedNorm``) is a
-    product for the GEMV: at most ``GEMV_MAX_TOKENS`` rows of bf16/fp16 on a GPU, w of x's dtype."""
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x @ w.T is a product for the GEMV: at most ``GEMV_MAX_TOKENS`` rows of bf16/fp16 on
+    a GPU, w of x's dtype."""
     return (
         x.is_cuda
-        and len(x.shape) == 2
+        and x.dim() == 2
         and 0 < x.shape[0] <= GEMV_MAX_TOKENS
         and x.dtype == w.dtype
         and x.dtype in (torch.bfloat16, torch.float16)
@@ -104,23 +86,6 @@ def _gemv_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_P)
     acc = gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
-    o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]
-    tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
-
-
-@triton.jit
-def _normed_gemv_kernel(
-    x, r, nw, h, w, out, M, N, K, eps, s_xm, s_rm, s_hm, s_wn, s_om,
-    M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr, USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    wait_for_previous(USE_PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, M_P)
-    acc, squares = normed_gemv_tile(x, r, nw, h, w, n, M, N, 0, K, s_xm, s_rm, s_hm, s_wn,
-                                    tl.program_id(0) == 0, M_P, T_P, BLOCK_N, BLOCK_K, EVEN_K,
-                                    ZERO_CENTERED)  # fmt: skip
-    acc = acc * tl.rsqrt(squares / K + eps)  # the norm's 1 / rms [M_P, 1], applied to the products
     o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]
     tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
 
@@ -230,45 +195,6 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, splits: int = 0) -> torch.Tens
     _gemv_split_k_kernel[(p.blocks, p.splits)](
         x, w, out, ws, tickets(x.device), m, n, k, p.k_split, x.stride(0), w.stride(0), out.stride(0),
         SPLITS=p.splits, **common,
-    )  # fmt: skip
-    return out
-
-
-def check_norm_operands(x: torch.Tensor, residual: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor):
-    """A folded norm's operands beside x [M, K]: residual and h (the sum's buffer) of x's shape and
-    dtype with unit inner strides, the norm's weight [K]."""
-    assert residual.shape == x.shape == h.shape and residual.dtype == x.dtype == h.dtype, (
-        f"the folded norm's residual {tuple(residual.shape)} {residual.dtype} and h {tuple(h.shape)} "
-        f"{h.dtype} must match x {tuple(x.shape)} {x.dtype}"
-    )
-    assert norm_weight.shape == (x.shape[1],), (
-        f"norm weight {tuple(norm_weight.shape)} does not fit K={x.shape[1]}"
-    )
-    assert residual.stride(-1) == 1 and h.stride(-1) == 1, "the residual and h need unit inner strides"
-
-
-def launch_normed_gemv(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    zero_centered: bool,
-    w: torch.Tensor,
-    h: torch.Tensor,
-) -> torch.Tensor:
-    """``rms_norm(x + residual) @ w.T`` with the norm folded into the product (``normed_gemv_tile``):
-    x, residual [M, K], norm_weight [K], w [N, K] -> [M, N]; writes x + residual into h [M, K].
-    Without the device check (the interpreter runs it)."""
-    x, w = check_operands(x, w)
-    (m, k), n = x.shape, w.shape[0]
-    check_norm_operands(x, residual, h, norm_weight)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    p = plan(n, k, 1, normed_config(n))
-    _normed_gemv_kernel[(p.blocks,)](
-        x, residual, norm_weight, h, w, out, m, n, k, eps, x.stride(0), residual.stride(0), h.stride(0),
-        w.stride(0), out.stride(0), M_P=MAX_M, T_P=norm_rows(m), BLOCK_N=p.block_n,
-        BLOCK_K=p.block_k, EVEN_K=p.even_k, ZERO_CENTERED=zero_centered, num_warps=p.num_warps,
-        num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip
     return out
 

@@ -63,10 +63,8 @@ def rms_norm(
     eps: float,
     zero_centered: bool = False,
     residual: torch.Tensor | None = None,
-    res_out: torch.Tensor | None = None,
 ):
-    """x [..., D], weight [D] -> out [..., D]; with residual [..., D] -> (out, x + residual), the
-    sum written into ``res_out`` when given (contiguous, x's shape and dtype)."""
+    """x [..., D], weight [D] -> out [..., D]; with residual [..., D] -> (out, x + residual)."""
     d = x.shape[-1]
     assert x.is_cuda and weight.shape == (d,), f"weight {tuple(weight.shape)} does not fit x [..., {d}]"
     assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), (
@@ -77,13 +75,7 @@ def rms_norm(
     r2 = x2 if residual is None else residual.reshape(-1, d)
     r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if res_out is None:
-        res_out = out if residual is None else torch.empty_like(out)
-    else:
-        assert residual is not None and res_out.shape == x.shape and res_out.dtype == x.dtype, (
-            f"res_out {tuple(res_out.shape)} {res_out.dtype} needs a residual and x's shape and dtype"
-        )
-        res_out = res_out.view(out.shape)  # a contiguous tensor's view (view fails on others)
+    res_out = out if residual is None else torch.empty_like(out)
     block = triton.next_power_of_2(d)
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](

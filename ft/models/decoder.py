@@ -11,8 +11,6 @@ stream ``r`` apart from the sublayer output ``x`` that is not yet added to it:
     x    = mlp(a)                           # -> (x, r) to the next layer; the final norm adds it
 
 The sums are rounded as the unfused adds round them, so the numbers are those of the first form.
-With ``norm.FOLD_INPUT_NORM`` / ``FOLD_POST_NORM`` a decode batch's add and norm are instead handed
-on unevaluated (``FoldedNorm``) to a sublayer that takes one, whose first kernel computes them.
 
 Checkpoint-to-module mapping is data on the class: ``packed_modules`` names the checkpoint
 tensors that a fused module loads part by part; ``ignored_checkpoint_tensors`` are patterns the
@@ -24,9 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ft.layers import norm
 from ft.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ft.layers.norm import FoldedNorm, RMSNorm
+from ft.layers.norm import RMSNorm
 from ft.models.config import ModelConfig
 
 MIXER_NAMES = {"full_attention": "self_attn", "linear_attention": "linear_attn"}
@@ -46,36 +43,15 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H]: the previous layer's MLP output, or the embedding when ``residual`` is None
         (the first layer). Returns (this layer's MLP output, the residual stream it is not yet added to)."""
-        mixer = getattr(self, self.mixer_name)
-        looks_ahead = getattr(self.mlp, "looks_ahead", False)  # it reads the residual before the mixer
         if residual is None:
             a, residual = self.input_layernorm(x), x
-        elif norm.FOLD_INPUT_NORM and self._folds(x, mixer) and not looks_ahead:
-            a = FoldedNorm(self.input_layernorm, x, residual)
-            residual = a.h  # written by the mixer's first projection
         else:
             a, residual = self.input_layernorm(x, residual)
-        if looks_ahead:  # an MLP that can use its input's guess before the mixer runs
-            self.mlp.lookahead(residual, self.post_attention_layernorm)
-        x = mixer(positions, a)
-        if norm.FOLD_POST_NORM and self._folds(x, self.mlp):
-            a = FoldedNorm(self.post_attention_layernorm, x, residual)
-            residual = a.h  # written by the MLP's router
-        else:
-            a, residual = self.post_attention_layernorm(x, residual)
+        lookahead = getattr(self.mlp, "lookahead", None)
+        if lookahead is not None:  # an MLP that can use its input's guess before the mixer runs
+            lookahead(residual, self.post_attention_layernorm)
+        a, residual = self.post_attention_layernorm(getattr(self, self.mixer_name)(positions, a), residual)
         return self.mlp(a), residual
-
-    @staticmethod
-    def _folds(x: torch.Tensor, reader: nn.Module) -> bool:
-        """Whether the norm before ``reader`` may be left to it (``FoldedNorm``; its switch aside): a
-        bf16 decode batch on a GPU (in fp16 the operand h · w', unscaled by 1 / rms, could overflow),
-        and a reader that takes it."""
-        return (
-            x.is_cuda
-            and x.dtype == torch.bfloat16
-            and len(x) <= norm.FOLD_MAX_TOKENS
-            and getattr(reader, "takes_folded_norm", False)
-        )
 
 
 class DecoderModel(nn.Module):

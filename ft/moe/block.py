@@ -24,7 +24,6 @@ from torch import nn
 
 from ft.distributed import all_reduce, get_tp_info
 from ft.layers.linear import ColumnParallelLinear, RowParallelLinear
-from ft.layers.norm import FoldedNorm, unfolded
 from ft.moe.backends.gpu import ResidentBackend
 from ft.moe.banks import BF16ExpertBank
 from ft.moe.nvfp4_bank import NVFP4ExpertBank
@@ -67,9 +66,6 @@ class GatedMLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    # the router reads the block's input first: a folded pre-norm (``FoldedNorm``) is normed there
-    takes_folded_norm = True
-
     def __init__(
         self,
         hidden_size: int,
@@ -102,15 +98,9 @@ class SparseMoeBlock(nn.Module):
         if ahead is not None:
             ahead(self, residual, norm)
 
-    @property
-    def looks_ahead(self) -> bool:
-        """Whether ``lookahead`` does anything (its backend routes ahead of the mixer)."""
-        return hasattr(self.backend, "lookahead")
-
-    def forward(self, x: torch.Tensor | FoldedNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # shared_logit [T, 1] when there is a shared expert
         weights, ids, shared_logit = self.gate(x, blocks=self._int_blocks(x))
-        x = unfolded(x)  # made by the router, or computed now
         if self._shared_as_pair(x):  # one pair more per token in the routed GEMV's two launches
             mlp = self.shared_expert
             shared = (mlp.gate_up_proj.weight, mlp.down_proj.weight, shared_logit)

@@ -26,7 +26,6 @@ from torch import nn
 
 from ft.layers.linear import Part, PartsLoader, dense
 from ft.layers.loading import new_param
-from ft.layers.norm import FoldedNorm
 from ft.utils import round_up
 
 try:  # one fused kernel instead of softmax, top-k, sum and divide; used for tensors on a GPU
@@ -58,21 +57,14 @@ class TopKRouter(nn.Module):
         self._padded = padded  # not a parameter: the same storage, seen whole by the GEMM
 
     def forward(
-        self, x: torch.Tensor | FoldedNorm, blocks: bool = False
+        self, x: torch.Tensor, blocks: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int64, largest weight first;
         the shared expert's gate logit [T, 1], or None without a shared gate). ``blocks``: the
-        fused router also leaves x's int16 blocks on x for the MoE GEMV (``triton_router_gemv``).
-        A folded norm's input is normed inside the fused router (which makes ``x.a``, the blocks
-        on it), or computed first."""
+        fused router also leaves x's int16 blocks on x for the MoE GEMV (``triton_router_gemv``)."""
         fused = triton_router_gemv
-        args = (self.weight, self.top_k, self.renormalize, self.shared_gate, blocks)
-        if isinstance(x, FoldedNorm):
-            if fused is not None and x.a is None and fused.takes_fused(x.x, self.weight):
-                return fused.router_topk(x.x, *args, norm=x)
-            x = x.tensor()
         if fused is not None and fused.takes_fused(x, self.weight):  # a decode batch: one launch
-            return fused.router_topk(x, *args)
+            return fused.router_topk(x, self.weight, self.top_k, self.renormalize, self.shared_gate, blocks)
         e = self.weight.shape[0] - self.shared_gate
         # the padded storage for prefill-sized batches on a GPU, unless the parameter was given new
         # storage since; decode batches keep the parameter (at T = 1 the 520-row GEMV timed 23.3 us

@@ -27,7 +27,6 @@ from torch import nn
 from ft.distributed import all_reduce, get_tp_info
 from ft.layers.linear import Part, parts_param, split_part
 from ft.layers.loading import new_param
-from ft.layers.norm import unfolded
 from ft.models.checkpoint import CheckpointTensor
 from ft.utils import cdiv
 
@@ -115,7 +114,6 @@ class Fp8BlockLinear(nn.Module):
         return (self.weight.float() * self.weight_scale_inv[:, self.k_block]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = unfolded(x)  # a folded pre-norm (``ft.layers.norm.FoldedNorm``) is computed here
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
 
@@ -144,7 +142,6 @@ class Fp8BlockRowParallelLinear(Fp8BlockLinear):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the product, before the reduce (no bias)."""
-        x = unfolded(x)
         return F.linear(x, self.dequantized(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

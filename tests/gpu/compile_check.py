@@ -31,7 +31,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from ft.attention import triton_kernels  # noqa: E402
 from ft.gdn import triton_conv, triton_conv_proj, triton_decode, triton_decode_layer  # noqa: E402
-from ft.layers import gemv_tiles, triton_gemv, triton_norm, triton_rope  # noqa: E402
+from ft.layers import triton_gemv, triton_norm, triton_rope  # noqa: E402
 from ft.moe.backends import host_stage  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
     moe_gemv_kernels,
@@ -254,45 +254,39 @@ def entries():
         yield f"dense GEMV {bn} x {bk}", triton_gemv._gemv_kernel, gemv, consts, warps, stages
     split = {"M_P": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "USE_PDL": 2}
     yield "dense GEMV split over K", triton_gemv._gemv_split_k_kernel, gemv, split, 4, 4
-    normed = {**gemv, "r": BF, "nw": BF, "h": BF}
-    for (bn, bk, warps, stages), t_p in itertools.product(
-        (triton_gemv.NORMED_NARROW, triton_gemv.NORMED_WIDE), (1, 4)
-    ):  # norm.FOLD_INPUT_NORM; fmt: skip
-        consts = {"M_P": 16, "T_P": gemv_tiles.norm_rows(t_p), "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True,
-                  "ZERO_CENTERED": True, "USE_PDL": 2}  # fmt: skip
-        label = f"dense GEMV {bn} x {bk}, norm folded, {t_p} tokens"
-        yield label, triton_gemv._normed_gemv_kernel, normed, consts, warps, stages
-    conv = {**normed, "conv_w": BF, "conv_state": BF, "context_lens": I32, "state_slots": I64}
-    plain, normed_tiles = triton_gemv.WIDE, triton_gemv.NORMED_WIDE
-    for (bn, bk, warps, stages), t_p, norm in (
-        (plain, 1, False),
-        (normed_tiles, 1, True),
-        (normed_tiles, 4, True),
-    ):
-        consts = {"M_P": 16, "T_P": gemv_tiles.norm_rows(t_p), "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True,
-                  "NORM": norm, "ZERO_CENTERED": True, "KC": 4, "KP": 4, "USE_PDL": 2}  # fmt: skip
-        label = f"GDN in_proj + decode conv, {t_p} tokens" + (", norm folded" if norm else "")
-        yield label, triton_conv_proj._proj_conv_kernel, conv, consts, warps, stages
+    conv = {
+        "x": BF,
+        "w": BF,
+        "out": BF,
+        "conv_w": BF,
+        "conv_state": BF,
+        "context_lens": I32,
+        "state_slots": I64,
+    }
+    bn, bk, warps, stages = triton_gemv.WIDE
+    consts = {"M_P": 16, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "KC": 4, "KP": 4, "USE_PDL": 2}
+    yield (
+        "GDN in_proj + decode conv, 1 tokens",
+        triton_conv_proj._proj_conv_kernel,
+        conv,
+        consts,
+        warps,
+        stages,
+    )
     for keys32 in (False, True):  # int64 keys, int32 (``triton_router.KEYS32``)
         yield f"softmax top-k, int32 keys {keys32}", triton_router._softmax_topk_kernel, {
             "logits": BF, "weights": F32, "ids": I64}, {"K": 10, "K_P": 16, "E_P": 512, "RENORMALIZE": True,
             "KEYS32": keys32, "USE_PDL": 2}, 1, 3  # fmt: skip
         router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32,
-                  "xq": "*i16", "xf": F32, "r": BF, "nw": BF, "h": BF, "a": BF,
-                  "squares_ws": F32}  # fmt: skip
-        # blocks: x's int16 blocks too; norm: the post-attention norm folded in (``norm.FOLD_POST_NORM``)
-        for t_p, blocks, norm in ((1, False, False), (4, False, False), (1, True, False), (2, True, False),
-                                  (1, True, True), (4, False, True)):  # fmt: skip
-            label = (
-                f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}"
-                + (", int16 blocks" if blocks else "")
-                + (", norm folded" if norm else "")
+                  "xq": "*i16", "xf": F32}  # fmt: skip
+        for t_p, blocks in ((1, False), (4, False), (1, True), (2, True)):  # blocks: x's int16 blocks too
+            label = f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}" + (
+                ", int16 blocks" if blocks else ""
             )
             yield label, triton_router_gemv._router_topk_kernel, \
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
-                         "USE_PDL": 2, "BLOCKS": blocks, "NORM": norm, "ZERO_CENTERED": norm,
-                         "NORM_ROWS": gemv_tiles.norm_rows(t_p)}, 4, 4  # fmt: skip
+                         "USE_PDL": 2, "BLOCKS": blocks}, 4, 4  # fmt: skip
 
 
 def main() -> None:

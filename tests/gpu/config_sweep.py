@@ -1,6 +1,6 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
-    python tests/gpu/config_sweep.py [gemv] [normed_gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels]
+    python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels]
         [moe_gemv_planes] [moe_gemv_shared] [grouped] [grouped_w4a16] [grouped_w4a16_gluon]
         [grouped_w4a16_rega] [conv] [extend]
 
@@ -141,42 +141,6 @@ def sweep_gemv() -> None:
             print(f"  M={m} {name}: cuBLAS {times['cuBLAS'] or float('nan'):.1f} us", flush=True)
             del ws
     report("dense GEMV (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, NUM_STAGES)", shipped, rows)
-
-
-def norm_then_gemv(x, r, nw, w):
-    from ft.layers.triton_norm import rms_norm
-
-    return triton_gemv.launch_gemv(rms_norm(x, nw, 1e-6, True, r)[0], w)
-
-
-def sweep_normed_gemv() -> None:
-    """The GEMV with the input norm folded in (``launch_normed_gemv``, ``norm.FOLD_INPUT_NORM``: off until
-    timed) at the projections that read a layer's input (GDN in_proj, attention qkv), M = 1 and 4,
-    over its tiles, beside the fused norm then the shipped GEMV, the two launches it replaces."""
-    shapes = {"in_proj 12352x2048": (12352, 2048), "attn qkv 9216x2048": (9216, 2048)}
-    if DRY:
-        shapes = {"tiny 40x64": (40, 64)}
-    mod = triton_gemv
-    saved = mod.NORMED_WIDE, mod.NORMED_NARROW
-    configs = grid((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4))
-    rows, shipped = {}, {}
-    for m in (1, 4):
-        for name, (n, k) in shapes.items():
-            x, r = (torch.randn(m, k, device=DEV).to(DTYPE) for _ in range(2))
-            nw, h = (torch.rand(k, device=DEV) * 0.2).to(DTYPE), torch.empty(m, k, device=DEV, dtype=DTYPE)
-            ws = [(torch.randn(n, k, device=DEV) * k**-0.5).to(DTYPE) for _ in range(copies(n * k * 2))]
-            want = mod.launch_normed_gemv(x, r, nw, 1e-6, True, ws[0], h)
-            unfolded = [P(norm_then_gemv, x, r, nw, w) for w in ws]
-            times = {"rms_norm + GEMV": None if DRY else timer(unfolded)}
-            shipped[f"M={m} {name}"] = mod.normed_config(n)
-            for cfg in dict.fromkeys([shipped[f"M={m} {name}"], *configs]):
-                mod.NORMED_WIDE = mod.NORMED_NARROW = cfg
-                calls = [P(mod.launch_normed_gemv, x, r, nw, 1e-6, True, w, h) for w in ws]
-                times[cfg] = try_config(calls[0], want, calls, 2e-2)
-                mod.NORMED_WIDE, mod.NORMED_NARROW = saved
-            rows[f"M={m} {name}"] = times
-            del ws
-    report("dense GEMV with the norm folded (BLOCK_N, MAX_BLOCK_K, NUM_WARPS, NUM_STAGES)", shipped, rows)
 
 
 # ---------------------------------------------------------------- split-K GEMV and the fused router
@@ -775,8 +739,7 @@ def sweep_moe_gemv_stages() -> None:
     nvfp4_two_passes("NVFP4 MoE GEMV, loop stages", combos, set_combo, saved, label)
 
 
-SECTIONS = {"gemv": sweep_gemv, "normed_gemv": sweep_normed_gemv, "split_k": sweep_split_k,
-             "router": sweep_router, "moe_gemv": sweep_moe_gemv,
+SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router, "moe_gemv": sweep_moe_gemv,
             "moe_gemv_kernels": sweep_moe_gemv_kernels,
             "moe_gemv_planes": sweep_moe_gemv_planes, "moe_gemv_shared": sweep_moe_gemv_shared,
             "moe_gemv_int": sweep_moe_gemv_int, "moe_gemv_stages": sweep_moe_gemv_stages,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|rega|regarow|fold|foldrow|gluontiles|nvfp4profile|census|hostreads|hybrid|splits
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|rega|regarow|gluontiles|nvfp4profile|census|hostreads|hybrid|splits
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -53,12 +53,6 @@
 #            1k-16k with the one-partition kernel and with it, its tiles at 8k (config_sweep.py
 #            grouped_w4a16_rega; ~6 min)
 #   regarow  issue 5's 8k / 16k resident prefill row with it off and on (~5 min)
-#   fold     the pre-norms folded into the mixer's first GEMV and the fused router (norm.FOLD_INPUT_NORM,
-#            FOLD_POST_NORM) and the GDN decode conv as in_proj's epilogue (triton_conv_proj.CONV_IN_PROJ),
-#            all off and NOT yet run: their GPU tests, the normed GEMV's tiles beside the norm + GEMV it
-#            replaces (config_sweep.py normed_gemv; ~3 min)
-#   foldrow  issue 5's batch-1 decode (the 80B, NVFP4 experts resident) with each of the three on and
-#            all, from one load (decode_variants.py; ~5 min)
 #   gluontiles  the Gluon W4A16 kernel's prefill tiles at 8k and 16k (config_sweep.py
 #            grouped_w4a16_gluon): tiles of fewer registers fit two or three programs an SM, one's
 #            decode beside another's wgmmas (the shipped 128 x 128 runs one, ~3 min). If one wins:
@@ -217,20 +211,6 @@ regarow)
       >"$out/rega_row_$on.log" 2>&1
     echo "FT_W4A16_GLUON_REGA=$on: $(grep -E '^(single|prefill)' "$out/rega_row_$on.log" | tr '\n' ' ')"
   done
-  ;;
-fold)
-  timeout 300 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_gemv.py tests/gpu/test_router_fold.py \
-    tests/gpu/test_gdn_decode.py tests/gpu/test_engine_cuda.py -k "normed or folded or projection or CONV_IN" \
-    >"$out/fold_tests.log" 2>&1
-  tail -n 3 "$out/fold_tests.log"
-  timeout 150 python3 tests/gpu/config_sweep.py normed_gemv >"$out/fold_tiles.log" 2>&1
-  grep -E "^(==|  )" "$out/fold_tiles.log" | cut -c1-220
-  ;;
-foldrow)
-  timeout 400 python3 tests/gpu/decode_variants.py "$next" "$out/fold_decode.log" --nvfp4 \
-    ft.layers.norm:FOLD_INPUT_NORM ft.layers.norm:FOLD_POST_NORM ft.gdn.triton_conv_proj:CONV_IN_PROJ \
-    >"$out/fold_decode.out" 2>&1
-  grep -E "tok/s" "$out/fold_decode.log" | cut -c1-200
   ;;
 gluontiles)
   FT_SWEEP_GROUPED_T=8192,16384 timeout 400 python3 tests/gpu/config_sweep.py grouped_w4a16_gluon \

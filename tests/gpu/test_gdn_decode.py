@@ -389,17 +389,15 @@ def test_conv_decode_in_one_launch_equals_two(n, monkeypatch):
 
 
 @pytest.mark.parametrize("b", [1, 3, 4])
-@pytest.mark.parametrize("folded", [False, True])
-def test_projection_with_the_conv_equals_the_gemv_then_the_conv(b, folded):
+def test_projection_with_the_conv_equals_the_gemv_then_the_conv(b):
     """``triton_conv_proj.launch_proj_conv`` (``CONV_IN_PROJ``) at Qwen3-Next's in_proj (12352 x 2048,
-    8192 conv channels, Kc 4): the GEMV (normed or not) then ``causal_conv1d_silu``'s decode kernel,
-    bit for bit in the outputs and the histories, some sequences without context; in a CUDA graph
-    with new inputs likewise."""
+    8192 conv channels, Kc 4): the GEMV then ``causal_conv1d_silu``'s decode kernel, bit for bit in
+    the outputs and the histories, some sequences without context; in a CUDA graph with new inputs
+    likewise."""
     pytest.importorskip("triton")
     from ft.gdn import triton_conv_proj
     from ft.gdn.triton_conv import causal_conv1d_silu
     from ft.layers import triton_gemv
-    from ft.layers.norm import FoldedNorm, RMSNorm
 
     g = torch.Generator(device="cuda").manual_seed(b)
     n, k, c, kc = 12352, 2048, 8192, 4
@@ -408,22 +406,13 @@ def test_projection_with_the_conv_equals_the_gemv_then_the_conv(b, folded):
     conv_w = torch.randn(c, kc, generator=g, device="cuda").to(torch.bfloat16)
     state = torch.randn(b + 2, c, kc - 1, generator=g, device="cuda").to(torch.bfloat16)
     batch = make_batch([(0 if i == 0 else 5 + i, 1) for i in range(b)], [b + 1 - i for i in range(b)], "cuda")
-    norm = RMSNorm(k, 1e-6, zero_centered=True).cuda()
-    norm.weight.data = (torch.rand(k, generator=g, device="cuda") * 0.2).to(torch.bfloat16)
-    r = torch.randn(b, k, generator=g, device="cuda").to(torch.bfloat16)
 
     def separate(x, st):
-        h = torch.empty_like(x)
-        y = (
-            triton_gemv.launch_normed_gemv(x, r, norm.weight, 1e-6, True, w, h)
-            if folded
-            else triton_gemv.gemv(x, w)
-        )
+        y = triton_gemv.gemv(x, w)
         return torch.cat([causal_conv1d_silu(y[:, :c], conv_w, st, batch, 1), y[:, c:]], dim=1)
 
     def fused(x, st):
-        pre = FoldedNorm(norm, x, r) if folded else x
-        return triton_conv_proj.launch_proj_conv(pre, w, conv_w, st, batch.context_lens, batch.state_slots)
+        return triton_conv_proj.launch_proj_conv(x, w, conv_w, st, batch.context_lens, batch.state_slots)
 
     want_state, got_state = state.clone(), state.clone()
     assert torch.equal(fused(x, got_state), separate(x, want_state))

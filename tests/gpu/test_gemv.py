@@ -119,36 +119,3 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph(n, k, monkeypatch)
     x.copy_(x2)
     graph.replay()
     assert torch.equal(out, triton_gemv.gemv(x2, w))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 4])
-@pytest.mark.parametrize("n,k", [(12352, 2048), (9216, 2048), (1024, 2048), (70, 300)])
-@pytest.mark.parametrize("zero_centered", [True, False])
-def test_normed_gemv_equals_the_norm_then_the_gemv(m, n, k, dtype, zero_centered):
-    """``launch_normed_gemv`` (``norm.FOLD_INPUT_NORM``): h = x + r the fused norm's bits, the product
-    within a rounding of the input of the norm then the GEMV, and of the fp32 reference; graphed
-    with new inputs, the same bits as eagerly."""
-    pytest.importorskip("triton")
-    from ft.layers.triton_gemv import gemv, launch_normed_gemv
-    from ft.layers.triton_norm import rms_norm
-
-    x, w = operands(m, n, k, seed=m + n + k, dtype=dtype)
-    r, _ = operands(m, 1, k, seed=m + n + k + 1, dtype=dtype)
-    nw = (torch.rand(k, device="cuda") * 0.5 + (0.0 if zero_centered else 0.75)).to(dtype)
-    h = torch.empty_like(x)
-    got = launch_normed_gemv(x, r, nw, 1e-6, zero_centered, w, h)
-    a, h_ref = rms_norm(x, nw, 1e-6, zero_centered, r)
-    assert torch.equal(h, h_ref)
-    assert rel_err(got, gemv(a, w)) < 6e-3
-    hf = h_ref.float()
-    wf = nw.float() + 1 if zero_centered else nw.float()
-    assert rel_err(got, (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * wf) @ w.float().T) < 6e-3
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = launch_normed_gemv(x, r, nw, 1e-6, zero_centered, w, h)
-    x2, _ = operands(m, n, k, seed=7, dtype=dtype)
-    x.copy_(x2)
-    graph.replay()
-    h2 = torch.empty_like(h)
-    assert torch.equal(out, launch_normed_gemv(x2, r, nw, 1e-6, zero_centered, w, h2)) and torch.equal(h, h2)

@@ -100,7 +100,6 @@ class QSAAttention(QKNormAttention):
     # the selection reads host-side sequence lengths and the torch reference attention loops over
     # sequences: a decode step with QSA layers cannot be captured in a CUDA graph yet
     graph_safe = False
-    takes_folded_norm = False  # the indexer reads the layer input itself
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(

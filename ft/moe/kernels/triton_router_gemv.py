@@ -13,12 +13,8 @@ and runs ``triton_router.softmax_topk_rows`` on all T rows at once: the same ids
 denominator's sum order may differ). It resets both counters it used.
 
 The logits buffer is an output: the shared expert's gate logit (weight row E, last) is its
-[T, 1] column view, in x's dtype, as ``TopKRouter`` returns it. With a pre-norm folded in
-(``norm``, ``ft.layers.norm.FOLD_POST_NORM``) the logits are those of the normed input up to
-rounding: 1 / rms multiplies the products' sum (``gemv_tiles.normed_split_k_sum``), not the
-inputs, so a near tie in the top k can fall the other way; the normed input the launch writes is
-the norm kernel's up to the order 1 / rms was summed in. Not here: more than ``MAX_TOKENS`` tokens
-(one program's registers hold every row's keys), fp32 activations.
+[T, 1] column view, in x's dtype, as ``TopKRouter`` returns it. Not here: more than
+``MAX_TOKENS`` tokens (one program's registers hold every row's keys), fp32 activations.
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ import triton
 import triton.language as tl
 
 from ft.layers import gemv_tiles, triton_gemv
-from ft.layers.norm import FoldedNorm
 from ft.layers.pdl import pdl_args, wait_for_previous
 from ft.moe.kernels import int_dot, triton_router
 from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K, softmax_topk_rows
@@ -47,22 +42,18 @@ MAX_TOKENS = 4  # the epilogue's program holds T x E_P keys (int64, or int32 wit
 
 @triton.jit
 def _router_topk_kernel(
-    x, w, logits, weights, ids, ws, counters, xq, xf, r, nw, h, a, squares_ws, M, N, E, K, K_SPLIT, SLICE,
-    eps, s_xm, s_wn, s_qt, s_ft, s_rm, s_hm, s_am,
+    x, w, logits, weights, ids, ws, counters, xq, xf, M, N, E, K, K_SPLIT, s_xm, s_wn, s_qt, s_ft,
     M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
     E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    BLOCKS: tl.constexpr = False, NORM: tl.constexpr = False, ZERO_CENTERED: tl.constexpr = False,
-    NORM_ROWS: tl.constexpr = 2,
+    BLOCKS: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    last, total, squares = gemv_tiles.normed_split_k_sum(
-        x, r, nw, h, w, ws, squares_ws, counters, n, M, N, K, K_SPLIT, s_xm, s_rm, s_hm, s_wn, M_P, NORM_ROWS,
-        BLOCK_N, BLOCK_K, SPLITS, EVEN_K, NORM, ZERO_CENTERED,
-    )  # fmt: skip
-    if BLOCKS and not NORM:  # noqa: SIM102 (static) the first column block of each split quantises
-        # the inputs it read, x's int16 blocks for the MoE GEMV
+    last, total = gemv_tiles.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
+                                         BLOCK_N, BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
+    if BLOCKS:  # noqa: SIM102 (static: compiled only with blocks) the first column block of each split
+        # quantises the inputs it read, x's int16 blocks for the MoE GEMV
         if tl.program_id(0) == 0:
             k_lo = tl.program_id(1) * K_SPLIT
             k_hi = tl.minimum(K, k_lo + K_SPLIT)
@@ -70,9 +61,6 @@ def _router_topk_kernel(
                 int_dot.quantize_range(x, xq, xf, M, k0, k_hi, s_xm, s_qt, s_ft, T_P, BLOCK_K)
     if last:
         m = tl.arange(0, M_P)
-        inv = tl.rsqrt(squares / K + eps)  # with NORM: the norm's 1 / rms [M_P, 1], applied to the products
-        if NORM:
-            total = total * inv
         mask = (m < M)[:, None] & (n < N)[None, :]
         tl.store(logits + m[:, None] * N + n[None, :], total.to(logits.dtype.element_ty), mask=mask)
         tl.debug_barrier()  # every thread's logits before the launch ticket's release
@@ -90,32 +78,6 @@ def _router_topk_kernel(
             tl.store(weights + out, p, mask=(t < M) & (slot < TOP_K))
             tl.store(ids + out, picked_ids, mask=(t < M) & (slot < TOP_K))
             tl.store(counters + blocks, 0)
-        if NORM:  # the normed input itself for the MoE, this column block's SLICE of it
-            lo = tl.program_id(0) * SLICE
-            hi = tl.minimum(K, lo + SLICE)
-            for k0 in range(lo, hi, 16):
-                normed_slice(x, r, nw, a, inv, M, k0, hi, s_xm, s_rm, s_am, M_P, ZERO_CENTERED)
-            if BLOCKS:  # and its int16 blocks, read back from a (this program's own stores)
-                tl.debug_barrier()
-                for k0 in range(lo, hi, 16):
-                    int_dot.quantize_range(a, xq, xf, M, k0, hi, s_am, s_qt, s_ft, T_P, 16)
-
-
-@triton.jit
-def normed_slice(
-    x, r, nw, a, inv, M, k0, k_hi, s_xm, s_rm, s_am, M_P: tl.constexpr, ZERO_CENTERED: tl.constexpr
-):
-    # a[:, k0 : k0 + 16] = rms_norm(x + r) there, as triton_norm rounds it, given the rows' 1 / rms
-    # inv [M_P, 1] (summed in another order than the norm kernel's: an ulp apart at most)
-    m = tl.arange(0, M_P)[:, None].to(tl.int64)
-    k = k0 + tl.arange(0, 16)[None, :]
-    mask = (m < M) & (k < k_hi)
-    ht = tl.load(x + m * s_xm + k, mask=mask, other=0.0)
-    ht = (ht.to(tl.float32) + tl.load(r + m * s_rm + k, mask=mask, other=0.0).to(tl.float32)).to(ht.dtype)
-    wn = tl.load(nw + k, mask=k < k_hi, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        wn = wn + 1.0
-    tl.store(a + m * s_am + k, (ht.to(tl.float32) * inv * wn).to(a.dtype.element_ty), mask=mask)
 
 
 def takes_fused(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -138,15 +100,12 @@ def launch_router_topk(
     shared_gate: bool,
     splits: int = 0,
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
-    norm: FoldedNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [T, H], w [E (+ 1), H] (the shared gate's row last) -> (weights [T, k] fp32, ids [T, k]
     int64, largest first; the gate logit [T, 1] in x's dtype or None), over ``splits`` K splits
     (0: ``triton_gemv.balanced_splits``). ``blocks``: buffers (``int_dot.empty_blocks``)
     the launch also fills with x's int16 blocks (``int_dot.quantize_range``), for the MoE
-    GEMV's integer products. ``norm``: route ``rms_norm(x + norm.residual)`` instead of x, the norm
-    folded into the GEMV, writing x + residual into ``norm.h``, the normed input into ``norm.a``
-    and the blocks of that. Without the device check (the interpreter runs it)."""
+    GEMV's integer products. Without the device check (the interpreter runs it)."""
     x, w = triton_gemv.check_operands(x, w)
     (t, h), n = x.shape, w.shape[0]
     e = n - shared_gate
@@ -160,19 +119,9 @@ def launch_router_topk(
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     ws = torch.empty(p.splits, t, n, dtype=torch.float32, device=x.device)  # the partials
     xq, xf = blocks if blocks is not None else (x, x)  # unwritten without blocks
-    r, nw, hs, a = x, x, x, x  # unread without a norm
-    if norm is not None:
-        r, nw, hs, a = norm.residual, norm.weight, norm.h, torch.empty_like(x)
-        triton_gemv.check_norm_operands(x, r, hs, nw)
-        squares = torch.empty(p.blocks, p.splits, triton_gemv.MAX_M, dtype=torch.float32, device=x.device)
-        norm.a = a
-    slice_ = triton.cdiv(triton.cdiv(h, 16), p.blocks) * 16  # each column block's share of the normed input
     _router_topk_kernel[(p.blocks, p.splits)](
-        x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), xq, xf, r, nw, hs, a,
-        ws if norm is None else squares, t, n, e, h, p.k_split, slice_, 0.0 if norm is None else norm.eps,
-        x.stride(0), w.stride(0), xq.stride(0), xf.stride(0), r.stride(0), hs.stride(0), a.stride(0),
-        BLOCKS=blocks is not None, NORM=norm is not None, NORM_ROWS=gemv_tiles.norm_rows(t),
-        ZERO_CENTERED=norm is not None and norm.zero_centered,
+        x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), xq, xf, t, n, e, h, p.k_split,
+        x.stride(0), w.stride(0), xq.stride(0), xf.stride(0), BLOCKS=blocks is not None,
         M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
@@ -183,20 +132,13 @@ def launch_router_topk(
 
 
 def router_topk(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    shared_gate: bool,
-    blocks: bool = False,
-    norm: FoldedNorm | None = None,
+    x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, shared_gate: bool, blocks: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``launch_router_topk`` on CUDA tensors; graph-capturable (the grid comes from shapes). With
-    ``blocks`` the routed input's int16 blocks are left on it for the MoE GEMV
-    (``int_dot.BLOCKS_ATTR``): on x, or with ``norm`` on ``norm.a``."""
+    ``blocks`` x's int16 blocks are left on x for the MoE GEMV (``int_dot.BLOCKS_ATTR``)."""
     assert x.is_cuda and w.device == x.device, "router_topk needs CUDA tensors on one device"
     made = int_dot.empty_blocks(x) if blocks else None
-    out = launch_router_topk(x, w, top_k, renormalize, shared_gate, blocks=made, norm=norm)
+    out = launch_router_topk(x, w, top_k, renormalize, shared_gate, blocks=made)
     if made is not None:
-        setattr(x if norm is None else norm.a, int_dot.BLOCKS_ATTR, made)
+        setattr(x, int_dot.BLOCKS_ATTR, made)
     return out
