@@ -34,7 +34,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.attention.triton_paged", "MAX_SPLITS", "FT_ATTN_MAX_SPLITS"),  # an integer
     ("ft.moe.kernels.triton_w4a16", "LUT", "FT_W4A16_LUT"),
     ("ft.moe.kernels.triton_w4a16", "GLUON", "FT_W4A16_GLUON"),
-    ("ft.moe.kernels.gluon_w4a16_rega", "REGA", "FT_W4A16_GLUON_REGA"),
     ("ft.distributed", "SYMM_ALL_REDUCE", "FT_SYMM_ALL_REDUCE"),
     ("ft.moe.backends.host_reads", "ENABLED", "FT_MOE_HOST_READS"),
     ("ft.moe.backends.host_reads", "DEFERRED", "FT_MOE_HOST_READS_DEFERRED"),

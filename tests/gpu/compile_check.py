@@ -55,13 +55,9 @@ def build(fn, ptrs: dict, consts: dict, warps: int = 4, stages: int = 3) -> str:
         a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a in FLOATS else "i32") for a in fn.arg_names
     }
     # what a real launch tells Triton: pointers from torch are 16-byte aligned, and the row strides
-    # and widths of these models' tensors are multiples of 16 (so loads vectorise as they will), but
-    # for the arguments ptrs["_unaligned"] names (a bank whose K / 16 is not a multiple of 16)
-    unaligned = ptrs.get("_unaligned", ())
+    # and widths of these models' tensors are multiples of 16 (so loads vectorise as they will)
     aligned = [
-        i
-        for i, a in enumerate(fn.arg_names)
-        if (a in ptrs or a.startswith("s_") or a in ("K", "K_SPLIT")) and a not in unaligned
+        i for i, a in enumerate(fn.arg_names) if a in ptrs or a.startswith("s_") or a in ("K", "K_SPLIT")
     ]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned if sig[fn.arg_names[i]] != "constexpr"}
     source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
@@ -189,26 +185,18 @@ def entries():
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
                     yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages
-    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_rega  # Gluon (its own AST source)
+    from ft.moe.kernels import gluon_w4a16  # Gluon (its own AST source)
 
-    kinds = (  # the weights as wgmma's B operand, as its register A operand
-        (gluon_w4a16, "wgmma", gluon_w4a16._w4a16_wgmma_kernel),
-        (gluon_w4a16_rega, "register operand", gluon_w4a16_rega._w4a16_rega_kernel),
-    )
-    for module, label, kernel in kinds:
-        rows = [(t, cfg) for t, row in ((1024, 0), (8192, -1)) for cfg in module.CONFIGS["default"][row][1:]]
-        for (t, cfg), which, swiglu in zip(rows, ("gate/up", "down") * 2, (True, False) * 2):
-            bm, bn, bk, group_m, warps, _ = cfg
-            consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu, "BLOCK_M": bm,
-                      "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "A_MAP": False, "C_MAP": False,
-                      "STAGES": module.STAGES, **module.layouts(bm, bn, bk, warps)}  # fmt: skip
-            yield f"NVFP4 Gluon {label} {which}, T={t}", kernel, w4, consts, warps, 1
-            into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
-            yield f"NVFP4 Gluon {label} {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
-            if module is gluon_w4a16_rega:  # it takes scale rows of any multiple of 4 bytes (I = 192)
-                odd = w4 | {"_unaligned": ("s_seu", "s_snu")}
-                tag = f"NVFP4 Gluon {label} {which}, scale rows in 4-byte steps, T={t}"
-                yield tag, kernel, odd, consts | {"SCALE_UNIT": 4}, warps, 1
+    kernel = gluon_w4a16._w4a16_wgmma_kernel
+    rows = [(t, cfg) for t, row in ((1024, 0), (8192, -1)) for cfg in gluon_w4a16.CONFIGS["default"][row][1:]]
+    for (t, cfg), which, swiglu in zip(rows, ("gate/up", "down") * 2, (True, False) * 2):
+        bm, bn, bk, group_m, warps, _ = cfg
+        consts = {"TOPK": 10, "A_PER_TOKEN": swiglu, "SWIGLU": swiglu, "MUL_W": not swiglu, "BLOCK_M": bm,
+                  "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "A_MAP": False, "C_MAP": False,
+                  "STAGES": gluon_w4a16.STAGES, **gluon_w4a16.layouts(bm, bn, bk, warps)}  # fmt: skip
+        yield f"NVFP4 Gluon wgmma {which}, T={t}", kernel, w4, consts, warps, 1
+        into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
+        yield f"NVFP4 Gluon wgmma {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
     yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip

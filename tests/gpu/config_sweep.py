@@ -1,8 +1,7 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
     python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels]
-        [moe_gemv_planes] [moe_gemv_shared] [grouped] [grouped_w4a16] [grouped_w4a16_gluon]
-        [grouped_w4a16_rega] [conv] [extend]
+        [moe_gemv_planes] [moe_gemv_shared] [grouped] [grouped_w4a16] [grouped_w4a16_gluon] [conv] [extend]
 
 (all sections when none is named). Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b,
 FT_SWEEP_MOE=E,I,H,k (Qwen3-30B: 128,768,2048,8; also the router section's E, H, k),
@@ -429,43 +428,25 @@ def sweep_grouped_w4a16_gluon() -> None:
     gate/up at 128 x 64 x 64 and 8 warps 127 registers and 96 KB of shared memory, against the
     shipped 128 x 128's 255 and 139 KB), which would overlap one program's decode with another's
     wgmmas. The best goes to FT_W4A16_GLUON_TILES=UP/DOWN for an engine run before the table."""
+    if DRY:
+        print("== W4A16 grouped GEMM in Gluon: needs a Hopper GPU; skipped in a dry run")
+        return
+    from ft.moe.kernels import gluon_w4a16
+
     tiles = grid((4, 8), (64, 128), (64, 128))
     prefill = [(16 * w, bn, bk, 8, w, 3) for w, bn, bk in tiles]
-    gluon_rows("W4A16 grouped GEMM in Gluon", "gluon_w4a16", prefill)
-
-
-def sweep_grouped_w4a16_rega() -> None:
-    """The register-operand Gluon W4A16 kernel's prefill rows (``gluon_w4a16_rega.CONFIGS``, run with
-    ``GLUON`` and ``REGA`` on): BLOCK_M pairs (the wgmma's N, 64 or 128: gate and up accumulate
-    BLOCK_M / 2 registers each a thread), BLOCK_N features one or two row blocks of 16 a warp, K
-    steps of 64 or 128. The best goes to FT_W4A16_GLUON_REGA_TILES=UP/DOWN for an engine run."""
-    tiles = grid((64, 128), (4, 8), (1, 2), (64, 128))
-    prefill = [(bm, 16 * w * reps, bk, 8, w, 3) for bm, w, reps, bk in tiles]
-    gluon_rows("W4A16 grouped GEMM in Gluon, register operand", "gluon_w4a16_rega", prefill)
-
-
-def gluon_rows(title: str, name: str, prefill: list) -> None:
-    # a Gluon W4A16 kernel's rows (module ``ft.moe.kernels.<name>``), its switches on for the sweep
-    import importlib
-
-    if DRY:
-        print(f"== {title}: needs a Hopper GPU; skipped in a dry run")
-        return
-    module = importlib.import_module(f"ft.moe.kernels.{name}")
-    from ft.moe.kernels import gluon_w4a16_rega
-
-    saved = triton_w4a16.GLUON, gluon_w4a16_rega.REGA
-    triton_w4a16.GLUON, gluon_w4a16_rega.REGA = True, module is gluon_w4a16_rega
+    saved, triton_w4a16.GLUON = triton_w4a16.GLUON, True
     try:
         _, inter, h, _ = MOE_SHAPE  # one expert of the swept banks' shape (supports reads K and strides)
         gen = torch.Generator(device=DEV).manual_seed(0)
         one = (random_bank(1, 2 * inter, h, gen), random_bank(1, h, inter, gen))
-        assert module.supports(*one, torch.zeros(1, h, device=DEV, dtype=torch.bfloat16)), (
-            "these banks take another kernel"
+        assert gluon_w4a16.supports(*one, torch.zeros(1, h, device=DEV, dtype=torch.bfloat16)), (
+            "these banks take the Triton kernel"
         )
-        grouped_rows(title, module.CONFIGS, triton_w4a16.fused_moe_w4a16, "nvfp4", [], prefill)
+        fused = triton_w4a16.fused_moe_w4a16
+        grouped_rows("W4A16 grouped GEMM in Gluon", gluon_w4a16.CONFIGS, fused, "nvfp4", [], prefill)
     finally:
-        triton_w4a16.GLUON, gluon_w4a16_rega.REGA = saved
+        triton_w4a16.GLUON = saved
 
 
 def grouped_rows(title: str, configs: dict, fused: Callable, fmt: str, decode: list, prefill: list) -> None:
@@ -744,8 +725,7 @@ SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router
             "moe_gemv_planes": sweep_moe_gemv_planes, "moe_gemv_shared": sweep_moe_gemv_shared,
             "moe_gemv_int": sweep_moe_gemv_int, "moe_gemv_stages": sweep_moe_gemv_stages,
             "grouped": sweep_grouped, "grouped_w4a16": sweep_grouped_w4a16,
-            "grouped_w4a16_gluon": sweep_grouped_w4a16_gluon,
-            "grouped_w4a16_rega": sweep_grouped_w4a16_rega, "conv": sweep_conv,
+            "grouped_w4a16_gluon": sweep_grouped_w4a16_gluon, "conv": sweep_conv,
             "extend": sweep_extend}  # fmt: skip
 
 

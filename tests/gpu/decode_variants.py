@@ -41,7 +41,6 @@ from tests.gpu.profiling import cut_config, logger  # noqa: E402
 PREFILL_ONLY = (
     "ft.attention.gluon_extend_ws:WS",
     "ft.moe.kernels.triton_w4a16:GLUON",
-    "ft.moe.kernels.gluon_w4a16_rega:REGA",
 )
 
 

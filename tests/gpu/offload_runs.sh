@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|rega|regarow|gluontiles|nvfp4profile|census|hostreads|hybrid|splits
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid|splits
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -41,18 +41,13 @@
 #            bound by its compute (issue 8's 32k row at 80% of the link, target 85%; 2026-12-03),
 #            most of it these GEMMs and that attention. Then `FT_MOE_PREFILL=UP/DOWN
 #            FT_ATTN_EXTEND_TILES=BM,BN,W,S bash ... row` with the bests (~9 min)
-#   gluon    the Gluon W4A16 kernels (triton_w4a16.GLUON, off; gluon_w4a16_rega.REGA, the decoded weights
-#            as the wgmma's register operand, off and NOT yet run; a warp-specialised one measured
-#            26-48% slower on 2026-12-04 18:08 and was removed): their GPU tests (against the Triton
-#            kernel and the reference, and through Into), each launch beside the Triton kernel's at
-#            the same tiles (gluon_w4a16_check.py), then the MoE call at 1k to 16k tokens off, on
-#            and register-operand (w4a16_timings.py; GLUON_VARIANTS="0 rega" for fewer; ~3 min).
-#            2026-12-04, the one-partition kernel: 6 passed, bit for bit, 2-5% faster
-#   rega     the register-operand W4A16 kernel (gluon_w4a16_rega.REGA, off, not yet run): the Gluon
-#            tests (a wrong operand layout or register reuse shows as wrong values), the MoE call at
-#            1k-16k with the one-partition kernel and with it, its tiles at 8k (config_sweep.py
-#            grouped_w4a16_rega; ~6 min)
-#   regarow  issue 5's 8k / 16k resident prefill row with it off and on (~5 min)
+#   gluon    the Gluon W4A16 kernel (triton_w4a16.GLUON, off; a warp-specialised one measured 26-48%
+#            slower on 2026-12-04 18:08 and one with the decoded weights as the wgmma's register
+#            operand slower on 2026-12-05, both removed): its GPU tests (against the Triton kernel
+#            and the reference, and through Into), each launch beside the Triton kernel's at the
+#            same tiles (gluon_w4a16_check.py), then the MoE call at 1k to 16k tokens off and on
+#            (w4a16_timings.py; ~2 min). 2026-12-04, the one-partition kernel: 6 passed, bit for
+#            bit, 2-5% faster
 #   gluontiles  the Gluon W4A16 kernel's prefill tiles at 8k and 16k (config_sweep.py
 #            grouped_w4a16_gluon): tiles of fewer registers fit two or three programs an SM, one's
 #            decode beside another's wgmmas (the shipped 128 x 128 runs one, ~3 min). If one wins:
@@ -178,38 +173,11 @@ gluon)
   tail -n 3 "$out/gluon_tests.log"
   timeout 120 python3 tests/gpu/gluon_w4a16_check.py 4096 >"$out/gluon_check.log" 2>&1  # each launch apart
   grep -vE "^ft rank|[Ww]arn" "$out/gluon_check.log" | tail -n 8
-  # rega: the weights as the wgmma's register operand (gluon_w4a16_rega.REGA)
-  for on in ${GLUON_VARIANTS:-0 1 rega}; do
-    FT_W4A16_GLUON=$([ $on = 0 ] && echo 0 || echo 1) \
-      FT_W4A16_GLUON_REGA=$([ $on = rega ] && echo 1 || echo 0) \
-      FT_TIMINGS_T=1024,2048,4096,8192,16384 timeout 200 python3 tests/nvfp4/w4a16_timings.py \
+  for on in 0 1; do
+    FT_W4A16_GLUON=$on FT_TIMINGS_T=1024,2048,4096,8192,16384 timeout 200 python3 tests/nvfp4/w4a16_timings.py \
       >"$out/gluon_timings_$on.log" 2>&1
     echo "FT_W4A16_GLUON=$on:"
     grep -E "^T=" "$out/gluon_timings_$on.log" | cut -c1-200
-  done
-  ;;
-rega)
-  # the register-operand W4A16 kernel (gluon_w4a16_rega.REGA): its GPU tests, the MoE call against the
-  # one-partition kernel, its tiles at 8k
-  timeout 200 python3 -m pytest -q -m gpu -p no:xdist tests/nvfp4/test_w4a16_gpu.py -k gluon \
-    >"$out/rega_tests.log" 2>&1
-  tail -n 3 "$out/rega_tests.log"
-  for on in 0 1; do
-    FT_W4A16_GLUON=1 FT_W4A16_GLUON_REGA=$on FT_TIMINGS_T=1024,2048,4096,8192,16384 timeout 150 \
-      python3 tests/nvfp4/w4a16_timings.py >"$out/rega_timings_$on.log" 2>&1
-    echo "FT_W4A16_GLUON=1 FT_W4A16_GLUON_REGA=$on:"
-    grep -E "^T=" "$out/rega_timings_$on.log" | cut -c1-200
-  done
-  FT_SWEEP_GROUPED_T=8192 timeout 240 python3 tests/gpu/config_sweep.py grouped_w4a16_rega >"$out/regatiles.log" 2>&1
-  grep -E "^(==|  )" "$out/regatiles.log" | cut -c1-220
-  ;;
-regarow)
-  # issue 5's resident prefill row, NVFP4 experts, with the register-operand kernel off / on
-  for on in 0 1; do
-    FT_W4A16_GLUON=$on FT_W4A16_GLUON_REGA=$on timeout 270 "${bench[@]}" --quantize-experts nvfp4 --batch-sizes 1 \
-      --max-running-requests 8 --input-len 1024 --output-len 32 --prefill-lens 8000,16000 --num-tokens 40000 \
-      >"$out/rega_row_$on.log" 2>&1
-    echo "FT_W4A16_GLUON_REGA=$on: $(grep -E '^(single|prefill)' "$out/rega_row_$on.log" | tr '\n' ' ')"
   done
   ;;
 gluontiles)

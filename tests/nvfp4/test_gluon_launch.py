@@ -1,4 +1,4 @@
-"""The Gluon W4A16 kernels' launchers on the CPU, the kernels replaced by a recorder: each launch
+"""The Gluon W4A16 kernel's launcher on the CPU, the kernel replaced by a recorder: each launch
 passes exactly its kernel's parameters (positional then by name, none missing or extra), the grid
 its tiles need, its own copy slots and layouts, for gate/up and for down through row maps. On a
 GPU a mismatch would surface only when the kernel compiles there."""
@@ -21,18 +21,12 @@ class Recorder:
         return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
 
 
-@pytest.mark.parametrize("kind", ["wgmma", "register-operand"])
-def test_launch_passes_the_kernels_parameters(kind, monkeypatch):
-    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_rega
+def test_launch_passes_the_kernels_parameters(monkeypatch):
+    from ft.moe.kernels import gluon_w4a16
 
-    module, name = {
-        "wgmma": (gluon_w4a16, "_w4a16_wgmma_kernel"),
-        "register-operand": (gluon_w4a16_rega, "_w4a16_rega_kernel"),
-    }[kind]
-    recorder = Recorder(getattr(module, name))
-    monkeypatch.setattr(module, name, recorder)
-    launch = gluon_w4a16_rega.launch if kind == "register-operand" else gluon_w4a16.launch
-    configs = (gluon_w4a16_rega if kind == "register-operand" else gluon_w4a16).CONFIGS["default"]
+    recorder = Recorder(gluon_w4a16._w4a16_wgmma_kernel)
+    monkeypatch.setattr(gluon_w4a16, "_w4a16_wgmma_kernel", recorder)
+    launch, configs = gluon_w4a16.launch, gluon_w4a16.CONFIGS["default"]
     gen = torch.Generator().manual_seed(0)
     w13, w2 = random_bank(8, 512, 256, gen), random_bank(8, 256, 256, gen)
     em, pairs = 256, 200
@@ -62,17 +56,16 @@ def test_launch_passes_the_kernels_parameters(kind, monkeypatch):
             c_map=align[0],
         )
     params = recorder.kernel.arg_names
-    stages = gluon_w4a16_rega.STAGES if kind == "register-operand" else gluon_w4a16.STAGES
     tiles = [cfg for _, up, down in configs for cfg in (up, down)]
     assert len(recorder.calls) == len(tiles)
     for (grid, args, kwargs), cfg in zip(recorder.calls, tiles):
         named = {k for k in kwargs if k != "num_warps"}
-        assert named == set(params[len(args) :]), (kind, named ^ set(params[len(args) :]))
+        assert named == set(params[len(args) :]), named ^ set(params[len(args) :])
         assert grid == (triton.cdiv(em, cfg[0]) * triton.cdiv(256, cfg[1]),)
         assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["BLOCK_K"]) == cfg[:3] and kwargs[
             "num_warps"
         ] == cfg[4]
-        assert kwargs["STAGES"] == stages
+        assert kwargs["STAGES"] == gluon_w4a16.STAGES
     up, down = recorder.calls[0][2], recorder.calls[1][2]
     assert (up["A_MAP"], up["C_MAP"], up["SWIGLU"]) == (False, False, True)
     assert (down["A_MAP"], down["C_MAP"], down["SWIGLU"]) == (True, True, False)

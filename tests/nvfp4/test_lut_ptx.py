@@ -1,6 +1,6 @@
-"""The NVFP4 table decode's inline PTX (``fp4_decode.LUT_LO`` / ``LUT_HI``, the register-operand
-Gluon kernel's ``LUT_PAIR``) run by a small emulator of the instructions it uses, on the CPU:
-every code byte and every E4M3 scale, bit for bit against E2M1 value x scale. On a GPU these
+"""The NVFP4 table decode's inline PTX (``fp4_decode.LUT_LO`` / ``LUT_HI``) run by a small emulator
+of the instructions it uses, on the CPU: every code byte and every E4M3 scale, bit for bit against
+E2M1 value x scale. On a GPU these
 strings run only inside the kernels, where a wrong selector shows as a wrong GEMM; here each is
 checked alone."""
 
@@ -115,26 +115,12 @@ def test_table_decode_of_a_word(name):
             assert got == want, (name, hex(word), s, [hex(g) for g in got], [hex(w) for w in want])
 
 
-def test_register_operand_table_decode():
-    """LUT_PAIR: a byte of row g ($2, $3) and of row g + 8 ($4, $5), a register each, their scales
-    ($6, $7) -> the two bytes' bf16 pairs times their own scales."""
-    from ft.moe.kernels.gluon_w4a16_rega import LUT_PAIR
-
-    gen = torch.Generator().manual_seed(1)
-    for x in range(256):
-        y = int(torch.randint(0, 256, (1,), generator=gen))
-        sx, sy = (
-            E4M3[SCALES[int(torch.randint(0, len(SCALES), (1,), generator=gen))]].item() for _ in range(2)
-        )
-        got = run_ptx(LUT_PAIR.value, [x, x, y, y, scale_pair(sx), scale_pair(sy)], outputs=2)
-        assert got == [pair(x, sx), pair(y, sy)], (x, y, sx, sy)
-
-
 def test_emulator_catches_a_wrong_selector():
     """The check above fails for a table decode whose byte selector is wrong (bytes 1 and 0 swapped)."""
-    from ft.moe.kernels.gluon_w4a16_rega import LUT_PAIR
+    from ft.moe.kernels import fp4_decode
 
-    wrong = re.sub(r"prmt\.b32 w0, lo, hi, 0x5140", "prmt.b32 w0, lo, hi, 0x7362", LUT_PAIR.value)
-    assert wrong != LUT_PAIR.value
-    got = run_ptx(wrong, [0x21, 0x21, 0x43, 0x43, scale_pair(1.0), scale_pair(1.0)], outputs=2)
-    assert got != [pair(0x21, 1.0), pair(0x43, 1.0)]
+    text = fp4_decode.LUT_LO.value
+    wrong = re.sub(r"prmt\.b32 w0, lo, hi, 0x5140", "prmt.b32 w0, lo, hi, 0x7362", text)
+    assert wrong != text
+    assert run_ptx(text, [0x4321, scale_pair(1.0), 0], outputs=2) == [pair(0x21, 1.0), pair(0x43, 1.0)]
+    assert run_ptx(wrong, [0x4321, scale_pair(1.0), 0], outputs=2) != [pair(0x21, 1.0), pair(0x43, 1.0)]

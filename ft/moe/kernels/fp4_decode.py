@@ -37,8 +37,7 @@ def decode_f32(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 # ``LUT`` decode: per packed word (eight codes), PRMT byte tables give each value's bf16 bytes, its
 # sign ORed in, and one bf16x2 multiply by the block's scale, exact (value x scale has at most six
 # significant bits and lies in [2^-10, 2688]); half the word's codes a call ("lo": bytes 0-1). The
-# template's WORD is the register holding the codes, SHIFT brings the call's two bytes down into
-# sel, SIGNS picks their signs, SCALE0 and SCALE1 are the two bytes' scales.
+# template's SHIFT brings the call's two bytes down into sel, SIGNS picks their signs.
 _LUT_ASM = """{
 .reg .b32 sel, x, sg, lo, hi, ta, tb, w0, w1;
 mov.b32 ta, 0xC0800000;
@@ -49,28 +48,18 @@ prmt.b32 lo, ta, tb, sel;
 mov.b32 ta, 0x3F3F3F00;
 mov.b32 tb, 0x40404040;
 prmt.b32 hi, ta, tb, sel;
-shl.b32 x, WORD, 4;
-prmt.b32 sg, x, WORD, SIGNS;
+shl.b32 x, $2, 4;
+prmt.b32 sg, x, $2, SIGNS;
 and.b32 sg, sg, 0x80808080;
 or.b32 hi, hi, sg;
 prmt.b32 w0, lo, hi, 0x5140;
 prmt.b32 w1, lo, hi, 0x7362;
-mul.rn.bf16x2 $0, w0, SCALE0;
-mul.rn.bf16x2 $1, w1, SCALE1;
+mul.rn.bf16x2 $0, w0, $3;
+mul.rn.bf16x2 $1, w1, $3;
 }"""
 
-
-def lut_asm(shift: str, signs: str, word: str = "$2", scale0: str = "$3", scale1: str = "$3") -> str:
-    """The table decode's PTX (``_LUT_ASM``) with its placeholders filled in."""
-    text = _LUT_ASM
-    fill = (("SHIFT", shift), ("SIGNS", signs), ("WORD", word), ("SCALE0", scale0), ("SCALE1", scale1))
-    for key, value in fill:
-        text = text.replace(key, value)
-    return text
-
-
-LUT_LO = tl.constexpr(lut_asm("mov.b32 sel, $2;", "0x5140"))
-LUT_HI = tl.constexpr(lut_asm("shr.b32 sel, $2, 16;", "0x7362"))
+LUT_LO = tl.constexpr(_LUT_ASM.replace("SHIFT", "mov.b32 sel, $2;").replace("SIGNS", "0x5140"))
+LUT_HI = tl.constexpr(_LUT_ASM.replace("SHIFT", "shr.b32 sel, $2, 16;").replace("SIGNS", "0x7362"))
 
 
 @triton.jit

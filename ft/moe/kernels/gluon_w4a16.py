@@ -152,7 +152,7 @@ def weight_ptrs(b, b_scale, e, pid_n, N, s_be, s_bn, s_seu, s_snu, SCALE_UNIT: g
     # strides come in units of SCALE_UNIT bytes (16, 8 or 4: ``run``), so the compiler knows their
     # rows' copies that aligned whatever K / 16 is (a byte stride the launch could not show a multiple
     # of 16 made them 1-byte cp.async copies, which do not exist: the register-operand kernel's banks
-    # with I = 192 or H = 320 failed to compile, an H200, 2026-12-05)
+    # with I = 192 or H = 320 failed to compile, an H200, 2026-12-05; that kernel is removed)
     n_c = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODES))
     codes_ptr = b + e * s_be + n_c[:, None].to(gl.int64) * s_bn
     codes_ptr += gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, CODES))[None, :]

@@ -61,7 +61,7 @@ LUT = os.environ.get("FT_W4A16_LUT", "1") == "1"
 # its warps stalled on barriers and loads in turn), the 80B's resident 8k / 16k prefill +0.2% /
 # +0.7%. Off: not worth a second path until it overlaps more (warp specialisation measured 26-48%
 # slower and was removed, docs/benchmarks.md 2026-12-04 18:08; the decoded weights as the wgmma's
-# register operand: gluon_w4a16_rega, not yet run).
+# register operand slower at 1k-16k tokens, removed 2026-12-05).
 GLUON = os.environ.get("FT_W4A16_GLUON", "0") == "1"
 GLUON_MIN_TOKENS = int(os.environ.get("FT_W4A16_GLUON_MIN_TOKENS", "512"))
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"  # runs no PTX: its kernels take Triton twins
@@ -401,11 +401,8 @@ def fused_moe_w4a16(
     if t == 0:
         return torch.zeros_like(x) if into is None else into.out
     if GLUON and t > GLUON_MIN_TOKENS:
-        from ft.moe.kernels import gluon_w4a16, gluon_w4a16_rega  # Gluon: compiled only where it runs
+        from ft.moe.kernels import gluon_w4a16  # Gluon: compiled only where it runs
 
-        if gluon_w4a16_rega.REGA and gluon_w4a16_rega.supports(w13, w2, x):
-            rega = gluon_w4a16_rega
-            return mma_path(rega.launch, x, w13, w2, weights, ids, e, inter, into, rega.CONFIGS)
         if gluon_w4a16.supports(w13, w2, x):
             return mma_path(gluon_w4a16.launch, x, w13, w2, weights, ids, e, inter, into, gluon_w4a16.CONFIGS)
     return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, CONFIGS)
