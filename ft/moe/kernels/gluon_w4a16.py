@@ -149,7 +149,7 @@ def weight_ptrs(b, b_scale, e, pid_n, N, s_be, s_bn, s_seu, s_snu, SCALE_UNIT: g
                 SCALES: gl.constexpr):  # fmt: skip
     # the gate rows' packed codes [BN, BK/2] and block scales [BN, BK/16] at k = 0 (the up rows sit N
     # rows below, same expert) in the copies' layouts, and which rows are features (< N). The scales'
-    # strides come in units of SCALE_UNIT bytes (16, 8 or 4: ``run``), so the compiler knows their
+    # strides come in units of SCALE_UNIT bytes (16, 8 or 4: ``launch``), so the compiler knows their
     # rows' copies that aligned whatever K / 16 is (a byte stride the launch could not show a multiple
     # of 16 made them 1-byte cp.async copies, which do not exist: the register-operand kernel's banks
     # with I = 192 or H = 320 failed to compile, an H200, 2026-12-05; that kernel is removed)
@@ -276,26 +276,17 @@ def supports(w13: NVFP4Tensor, w2: NVFP4Tensor, x: torch.Tensor | None = None) -
     codes and scales 16-byte aligned (cp.async has no byte copies): the tensors' starts, expert
     strides and row strides (K/2 and K/16 bytes) multiples of 16, so K a multiple of 256. A TP=4
     shard of Qwen3-Next's experts (I = 128) takes the Triton kernel."""
-    return banks_fit(w13, w2, x, CONFIGS, STAGES, x_rows=16, scale_rows=16)
-
-
-def banks_fit(w13: NVFP4Tensor, w2: NVFP4Tensor, x: torch.Tensor | None, configs: dict, stages: int,
-              x_rows: int, scale_rows: int) -> bool:  # fmt: skip
-    """A Gluon W4A16 kernel's ``supports``: x's start 16-byte aligned and its row stride a multiple of
-    ``x_rows`` elements; each bank's K a multiple of every BLOCK_K of ``configs`` with at least
-    ``stages`` - 1 steps; codes and scales with 16-byte aligned starts, code strides multiples of 16
-    bytes and scale strides of ``scale_rows``."""
-    if x is not None and (x.data_ptr() % 16 or x.stride(0) % x_rows or x.stride(-1) != 1):
+    if x is not None and (x.data_ptr() % 16 or x.stride(0) % 16 or x.stride(-1) != 1):
         return False
     for w, which in ((w13, 0), (w2, 1)):
         k = 2 * w.weight.shape[-1]
-        for rows in configs.values():
+        for rows in CONFIGS.values():
             for row in rows:
                 bk = row[1 + which][2]
-                if k % bk or k // bk < stages - 1:
+                if k % bk or k // bk < STAGES - 1:
                     return False
-        for t, align in ((w.weight, 16), (w.weight_scale, scale_rows)):
-            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st % align for st in t.stride()[:-1]):
+        for t in (w.weight, w.weight_scale):
+            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st % 16 for st in t.stride()[:-1]):
                 return False
     return True
 
@@ -328,31 +319,21 @@ def launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_tok
            a_map=None, c_map=None):  # fmt: skip
     """``triton_w4a16._launch``'s contract (cfg = BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages;
     the copy slots are ``STAGES``, not the config's stages)."""
-    bm, bn, bk, _, warps, _ = cfg
-    run(_w4a16_wgmma_kernel, layouts(bm, bn, bk, warps), STAGES, a, w, c, topk_w, align, num_pairs, n, k,
-        topk, a_per_token, swiglu, mul_w, cfg, a_map, c_map)  # fmt: skip
-
-
-def run(kernel, lay: dict, stages: int, a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk,
-        a_per_token, swiglu, mul_w, cfg, a_map=None, c_map=None):  # fmt: skip
-    """Launch a Gluon W4A16 kernel (they share one signature) with its layouts ``lay`` and ``stages``
-    copy slots, under ``launch``'s contract."""
     sorted_ids, block_expert, num_padded = align
     bm, bn, bk, group_m, warps, _ = cfg
-    assert k % bk == 0 and k // bk >= stages - 1, f"K={k}: a multiple of {bk}, at least {stages - 1} steps"
+    assert k % bk == 0 and k // bk >= STAGES - 1, f"K={k}: a multiple of {bk}, at least {STAGES - 1} steps"
     assert a.dtype == torch.bfloat16 and a.stride(1) == 1, "bf16 activations, rows contiguous"
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
     scale = w.weight_scale.view(torch.uint8)
     unit = next((u for u in (16, 8, 4) if scale.stride(0) % u == 0 and scale.stride(1) % u == 0), 0)
     assert unit, f"scale strides {scale.stride()}: not multiples of 4 bytes"
-    kernel[grid](
+    _w4a16_wgmma_kernel[grid](
         a, w.weight, scale, w.weight_scale_2, c, topk_w, sorted_ids, block_expert, num_padded,
         em, n, k, num_pairs, a.stride(0), w.weight.stride(0), w.weight.stride(1), scale.stride(0) // unit,
         scale.stride(1) // unit, w.weight_scale_2.stride(0), c.stride(0),
         sorted_ids if a_map is None else a_map, sorted_ids if c_map is None else c_map,
         TOPK=topk, A_PER_TOKEN=a_per_token, SWIGLU=swiglu, MUL_W=mul_w, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_M=group_m, A_MAP=a_map is not None, C_MAP=c_map is not None, STAGES=stages,
-        SCALE_UNIT=unit,
-        **lay, num_warps=warps,
+        BLOCK_K=bk, GROUP_M=group_m, A_MAP=a_map is not None, C_MAP=c_map is not None, STAGES=STAGES,
+        SCALE_UNIT=unit, **layouts(bm, bn, bk, warps), num_warps=warps,
     )  # fmt: skip
