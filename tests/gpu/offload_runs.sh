@@ -24,7 +24,7 @@
 #            prompts of each (--prefill-runs 3: the 32k share spread 81-86% between loads, 2026-12-04;
 #            ~7 min)
 #   long     TTFT of a 262,143-token prompt (the headline command's context) on the full bf16 80B
-#            offloaded at --memory-ratio 0.94, --num-tokens 262144; never run yet (~6 min)
+#            offloaded at --memory-ratio 0.94, --num-tokens 262144; 2026-12-05: 24.60 s (~4.5 min)
 #   bench8k  the same 32k prefill in chunks of 8192 (the control; ~5 min)
 #   ttft     the full model in bf16 at --memory-ratio 0.94, TTFT of a 1k prompt after a second
 #            idle, pre-staging off, on, off, on (ROUNDS) from one load (ttft_idle.py: each prompt's
