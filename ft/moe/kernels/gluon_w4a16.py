@@ -54,6 +54,7 @@ from ft.quant.nvfp4 import NVFP4Tensor
 LUT_LO = gl.constexpr(fp4_decode.LUT_LO.value)
 LUT_HI = gl.constexpr(fp4_decode.LUT_HI.value)
 STAGES = 3  # copy slots (activations, codes, scales; cp.async groups in flight: STAGES - 1)
+SCALE_UNIT = gl.constexpr(16)  # the bytes a scale stride counts in (``supports``: multiples of 16)
 # its tiles, laid out as ``triton_moe.CONFIGS`` (it runs above ``triton_w4a16.GLUON_MIN_TOKENS``; a
 # config's last entry, stages, is unused): up to 2,048 tokens 64-row tiles at 4 warps (an expert
 # gets ~40 pairs of a 2k call: 128 rows would be mostly padding; gate/up 64 + 64 columns, 128
@@ -114,7 +115,7 @@ def _decode(codes_s, scales_s, BLOCK_N: gl.constexpr, HK: gl.constexpr, P3: gl.c
 
 @gluon.jit
 def _operands(a, b, b_scale, sorted_ids, a_map, e, pid_m, pid_n, N, num_pairs, s_am, s_be, s_bn, s_seu, s_snu,
-              SCALE_UNIT: gl.constexpr, TOPK: gl.constexpr, A_PER_TOKEN: gl.constexpr, A_MAP: gl.constexpr,
+              TOPK: gl.constexpr, A_PER_TOKEN: gl.constexpr, A_MAP: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, IO: gl.constexpr,
               CODES: gl.constexpr, SCALES: gl.constexpr):  # fmt: skip
     # the activations' pointers in the table decode's input order (``ka``), their rows' mask, and
@@ -125,7 +126,7 @@ def _operands(a, b, b_scale, sorted_ids, a_map, e, pid_m, pid_n, N, num_pairs, s
     ka = (kh // 4) * 8 + kh % 4  # the table decode's inputs (wa's; wb's are 4 further)
     a_ptr0 = a + a_rows[:, None].to(gl.int64) * s_am + ka[None, :]
     codes_ptr, scale_ptr, nmask_c, nmask_s = weight_ptrs(
-        b, b_scale, e, pid_n, N, s_be, s_bn, s_seu, s_snu, SCALE_UNIT, BLOCK_N, BLOCK_K, CODES, SCALES
+        b, b_scale, e, pid_n, N, s_be, s_bn, s_seu, s_snu, BLOCK_N, BLOCK_K, CODES, SCALES
     )
     return a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s
 
@@ -144,15 +145,13 @@ def pair_rows(sorted_ids, a_map, pid_m, num_pairs, TOPK: gl.constexpr, A_PER_TOK
 
 
 @gluon.jit
-def weight_ptrs(b, b_scale, e, pid_n, N, s_be, s_bn, s_seu, s_snu, SCALE_UNIT: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, CODES: gl.constexpr,
-                SCALES: gl.constexpr):  # fmt: skip
+def weight_ptrs(b, b_scale, e, pid_n, N, s_be, s_bn, s_seu, s_snu, BLOCK_N: gl.constexpr,
+                BLOCK_K: gl.constexpr, CODES: gl.constexpr, SCALES: gl.constexpr):  # fmt: skip
     # the gate rows' packed codes [BN, BK/2] and block scales [BN, BK/16] at k = 0 (the up rows sit N
     # rows below, same expert) in the copies' layouts, and which rows are features (< N). The scales'
-    # strides come in units of SCALE_UNIT bytes (16, 8 or 4: ``launch``), so the compiler knows their
-    # rows' copies that aligned whatever K / 16 is (a byte stride the launch could not show a multiple
-    # of 16 made them 1-byte cp.async copies, which do not exist: the register-operand kernel's banks
-    # with I = 192 or H = 320 failed to compile, an H200, 2026-12-05; that kernel is removed)
+    # strides come in units of ``SCALE_UNIT`` bytes, so the compiler knows their rows' copies 16-byte
+    # aligned (a byte stride a launch could not show a multiple of 16 made them 1-byte cp.async
+    # copies, which do not exist: a removed kernel's banks failed to compile so, an H200, 2026-12-05)
     n_c = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODES))
     codes_ptr = b + e * s_be + n_c[:, None].to(gl.int64) * s_bn
     codes_ptr += gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, CODES))[None, :]
@@ -173,7 +172,6 @@ def _w4a16_wgmma_kernel(
     A_MAP: gl.constexpr, C_MAP: gl.constexpr, STAGES: gl.constexpr,
     MMA: gl.constexpr, IO: gl.constexpr, A_SMEM: gl.constexpr, B_SMEM: gl.constexpr,
     CODES: gl.constexpr, SCALES: gl.constexpr, PLAIN: gl.constexpr, P3: gl.constexpr, B2: gl.constexpr,
-    SCALE_UNIT: gl.constexpr = 16,
 ):  # fmt: skip
     HK: gl.constexpr = BLOCK_K // 2
     NB: gl.constexpr = BLOCK_K // 16  # scale blocks a step
@@ -184,7 +182,7 @@ def _w4a16_wgmma_kernel(
     e = gl.load(block_expert + pid_m).to(gl.int64)
     a_ptr0, rmask, codes_ptr, scale_ptr, nmask_c, nmask_s = _operands(
         a, b, b_scale, sorted_ids, a_map, e, pid_m, pid_n, N, num_pairs, s_am, s_be, s_bn, s_seu, s_snu,
-        SCALE_UNIT, TOPK, A_PER_TOKEN, A_MAP, BLOCK_M, BLOCK_N, BLOCK_K, IO, CODES, SCALES)  # fmt: skip
+        TOPK, A_PER_TOKEN, A_MAP, BLOCK_M, BLOCK_N, BLOCK_K, IO, CODES, SCALES)  # fmt: skip
     up_codes = N * s_bn
     up_scales = N * (s_snu * SCALE_UNIT)
 
@@ -326,14 +324,16 @@ def launch(a, w: NVFP4Tensor, c, topk_w, align, num_pairs, n, k, topk, a_per_tok
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
     scale = w.weight_scale.view(torch.uint8)
-    unit = next((u for u in (16, 8, 4) if scale.stride(0) % u == 0 and scale.stride(1) % u == 0), 0)
-    assert unit, f"scale strides {scale.stride()}: not multiples of 4 bytes"
+    unit = SCALE_UNIT.value
+    assert scale.stride(0) % unit == 0 and scale.stride(1) % unit == 0, (
+        f"scale strides {scale.stride()}: not multiples of {unit} bytes (``supports``)"
+    )
     _w4a16_wgmma_kernel[grid](
         a, w.weight, scale, w.weight_scale_2, c, topk_w, sorted_ids, block_expert, num_padded,
-        em, n, k, num_pairs, a.stride(0), w.weight.stride(0), w.weight.stride(1), scale.stride(0) // unit,
-        scale.stride(1) // unit, w.weight_scale_2.stride(0), c.stride(0),
+        em, n, k, num_pairs, a.stride(0), w.weight.stride(0), w.weight.stride(1),
+        scale.stride(0) // unit, scale.stride(1) // unit, w.weight_scale_2.stride(0), c.stride(0),
         sorted_ids if a_map is None else a_map, sorted_ids if c_map is None else c_map,
         TOPK=topk, A_PER_TOKEN=a_per_token, SWIGLU=swiglu, MUL_W=mul_w, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, GROUP_M=group_m, A_MAP=a_map is not None, C_MAP=c_map is not None, STAGES=STAGES,
-        SCALE_UNIT=unit, **layouts(bm, bn, bk, warps), num_warps=warps,
+        **layouts(bm, bn, bk, warps), num_warps=warps,
     )  # fmt: skip
