@@ -243,7 +243,7 @@ def test_fused_attention_decode_step(monkeypatch, shape, dtype, splits, graph):
 def tiny_stack(dtype):
     """A Qwen3-Next-shaped DecoderModel (GDN, attention, GDN, attention) with dense MLPs."""
     from ft.distributed import TPInfo, tp_context
-    from ft.models.config import config_from_dict
+    from ft.models.config_json import config_from_dict
     from ft.models.decoder import DecoderLayer, DecoderModel
     from ft.models.qwen3_moe import attention
     from ft.models.qwen3_next import Qwen3NextGatedDeltaNet
@@ -361,8 +361,10 @@ def test_fused_attention_decode_changes_no_token(tmp_path, monkeypatch):
             monkeypatch.setattr(triton_paged, "FUSED_DECODE", fused)
             calls.clear()
             # a KV pool of its own size, not 90% of what the GPU has free: the kernel tests run in
-            # parallel (run_gpu_tests.sh), and a pool sized from free memory starves the others
-            kw = dict(progress=False, device="cuda", dtype="bfloat16", num_tokens=2048)
+            # parallel (run_gpu_tests.sh), and a pool sized from free memory starves the others. The
+            # backend named: "auto" weighs the model against the free memory, which the other workers
+            # can take down so far that it offloads (a MemoryError on 2026-12-05)
+            kw = dict(progress=False, device="cuda", dtype="bfloat16", num_tokens=2048, moe_backend="gpu")
             with LLM(model=str(tmp_path), **kw, **options) as llm:
                 runs.append(llm.generate(prompts, params))
             assert bool(calls) == fused, (options, fused, len(calls))

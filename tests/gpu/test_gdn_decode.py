@@ -321,7 +321,7 @@ def check_mixer(kind, fused_gdn, device="cuda", whole_step=False):
     """``whole_step``: decode steps take ``triton_decode_layer`` (conv, delta rule and norm in one
     launch) instead of ``gdn_recurrent`` between the conv and norm kernels."""
     import ft.gdn.fla_backend as fla_backend
-    from ft.gdn import triton_decode_layer
+    from ft.gdn import triton_conv_proj, triton_decode_layer
     from ft.gdn.torch_ref import TorchGDN
 
     ref_mixer, got_mixer = build_mixer(kind, device), build_mixer(kind, device)
@@ -329,15 +329,17 @@ def check_mixer(kind, fused_gdn, device="cuda", whole_step=False):
     module, name = (triton_decode_layer, "gdn_decode_layer") if whole_step else (fla_backend, "gdn_recurrent")
     decode = getattr(module, name)
     setattr(module, name, lambda *args: fused_calls.append(1) or decode(*args))
-    switch = triton_decode_layer.FUSED_DECODE
+    switches = triton_decode_layer.FUSED_DECODE, triton_conv_proj.CONV_IN_PROJ
     triton_decode_layer.FUSED_DECODE = whole_step
+    if whole_step:  # the whole step runs the conv itself: the mixer takes it only without the conv in in_proj
+        triton_conv_proj.CONV_IN_PROJ = False
     try:
         with torch.inference_mode():
             ref = run_mixer(ref_mixer, TorchGDN(), MIXER_STEPS, device)
             got = run_mixer(got_mixer, fused_gdn, MIXER_STEPS, device)
     finally:
         setattr(module, name, decode)
-        triton_decode_layer.FUSED_DECODE = switch
+        triton_decode_layer.FUSED_DECODE, triton_conv_proj.CONV_IN_PROJ = switches
     assert len(fused_calls) == len(MIXER_STEPS) - 1, "decode steps did not take the fused kernel"
     for step, (r, g) in enumerate(zip(ref, got)):
         assert g.shape == r.shape and g.dtype == r.dtype
