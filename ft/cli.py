@@ -182,7 +182,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from ft.models.config import load_model_config
+    from ft.models.config_json import load_model_config
     from ft.models.info import format_info
 
     sizes = [int(s) for s in str(args.tp_size).split(",")]

@@ -32,8 +32,9 @@ from ft.sampling_params import SamplingParams  # noqa: E402
 from ft.scheduler.kv_pool import BlockAllocator  # noqa: E402
 from ft.scheduler.radix_cache import RadixCache  # noqa: E402
 from ft.scheduler.request import Request  # noqa: E402
-from ft.scheduler.scheduler import ScheduledSeq, Scheduler  # noqa: E402
+from ft.scheduler.scheduler import Scheduler  # noqa: E402
 from ft.scheduler.state_pool import SlotAllocator  # noqa: E402
+from ft.scheduler.step import ScheduledSeq  # noqa: E402
 from tests.scheduler_sim import step  # noqa: E402
 
 

@@ -12,7 +12,7 @@ from ft.bench.roofline import decode_step_bytes
 from ft.cli import main
 from ft.distributed import TPInfo
 from ft.engine.model_runner import build_model
-from ft.models.config import load_model_config
+from ft.models.config_json import load_model_config
 from tests.checkpoints import write_checkpoint
 
 

@@ -18,8 +18,9 @@ from ft.sampling_params import SamplingParams
 from ft.scheduler.kv_pool import BlockAllocator
 from ft.scheduler.radix_cache import RadixCache
 from ft.scheduler.request import Request
-from ft.scheduler.scheduler import HISTORY, Scheduler
+from ft.scheduler.scheduler import Scheduler
 from ft.scheduler.state_pool import SlotAllocator
+from ft.scheduler.step import HISTORY
 from tests.scheduler_sim import launch, make, run
 
 

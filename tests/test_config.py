@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ft.models.config import load_model_config
+from ft.models.config_json import load_model_config
 
 SHARED = dict(  # what a tiny qwen3_moe and qwen3_next config have in common
     vocab_size=64,

@@ -10,7 +10,7 @@ import pytest
 from ft.config import EngineConfig
 from ft.engine.engine import LLMEngine
 from ft.sampling_params import SamplingParams
-from ft.scheduler.scheduler import PENDING_TOKEN
+from ft.scheduler.step import PENDING_TOKEN
 from tests.checkpoints import write_checkpoint
 
 PROMPTS = [[5, 17, 3, 88, 41, 9, 2, 60, 33], [30, 1, 64, 19], [2, 90, 45, 45, 45, 3, 11], [77, 6]]

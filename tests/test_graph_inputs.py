@@ -37,7 +37,7 @@ def test_only_expert_kernels_that_sync_block_graph_capture(tmp_path, model_type,
     ``num_experts`` attribute once turned graphs off on the GPU, decode 17x slower)."""
     from ft.distributed import TPInfo
     from ft.engine.model_runner import build_model, graph_blockers
-    from ft.models.config import load_model_config
+    from ft.models.config_json import load_model_config
     from ft.moe.banks import ExpertBank
     from tests.checkpoints import write_checkpoint
 

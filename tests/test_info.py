@@ -9,7 +9,7 @@ import resource
 import pytest
 
 from ft.cli import main
-from ft.models.config import load_model_config
+from ft.models.config_json import load_model_config
 from ft.models.info import footprint
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")

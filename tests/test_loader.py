@@ -14,7 +14,7 @@ from ft import LLM, SamplingParams
 from ft.distributed import TPInfo
 from ft.engine.model_runner import build_model
 from ft.models.checkpoint import CheckpointError
-from ft.models.config import load_model_config
+from ft.models.config_json import load_model_config
 from ft.models.loader import load_weights
 from tests.checkpoints import write_checkpoint
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from ft.distributed import TPInfo
 from ft.engine.model_runner import build_model
-from ft.models.config import load_model_config
+from ft.models.config_json import load_model_config
 from ft.models.loader import load_weights
 from tests.checkpoints import write_checkpoint
 

@@ -287,7 +287,7 @@ def bench_hf(cfg: EngineConfig, input_len: int, output_len: int) -> dict[str, fl
     """transformers' ``generate`` on the same config and device (random weights), batch 1."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ft.models.config import load_raw_config
+    from ft.models.config_json import load_raw_config
 
     raw = {k: v for k, v in load_raw_config(cfg.model_path).items() if v is not None}
     hf_config = AutoConfig.for_model(**raw)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
-from ft.scheduler.scheduler import HISTORY, ScheduledSeq
+from ft.scheduler.step import HISTORY, ScheduledSeq
 
 
 def graph_sizes(max_bs: int) -> list[int]:

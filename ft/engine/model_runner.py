@@ -32,7 +32,7 @@ from ft.moe.backends import banks_on
 from ft.moe.backends.placement import placed
 from ft.moe.backends.runtime import MoeRuntime
 from ft.sampling_params import Logprobs
-from ft.scheduler.scheduler import HISTORY, ScheduledSeq
+from ft.scheduler.step import HISTORY, ScheduledSeq
 from ft.utils import cdiv, upload, upload_lists
 
 # Prompt log-probs are computed this much of a batch at a time (each row's fp32 logits and

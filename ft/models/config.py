@@ -1,18 +1,16 @@
 """ModelConfig: the one frozen, typed view of a checkpoint's config.json that layers are built from.
 
-Known model types are parsed through transformers' config classes (so their defaults and the
-older top-level ``rope_theta`` / ``partial_rotary_factor`` fields both resolve); the result is
-flattened into plain numbers here. Layers never see the Hugging Face config object.
+The fields every family's layers read, as plain values checked once in ``__post_init__``;
+derived sizes are properties. Reading a checkpoint's config.json into one is
+``ft.models.config_json``. Layers never see the Hugging Face config object.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ft.quant.declaration import QuantDeclaration, parse_declaration
+from ft.quant.declaration import QuantDeclaration
 
 LAYER_TYPES = ("full_attention", "linear_attention")
 MLP_TYPES = ("moe", "dense")
@@ -102,7 +100,7 @@ class ModelConfig:
             self._check_qwen4_exp(bad)
 
     def _check_qwen4_exp(self, bad) -> None:
-        from ft.scheduler.scheduler import HISTORY  # the tokens before a chunk every rank sees
+        from ft.scheduler.step import HISTORY  # the tokens before a chunk every rank sees
 
         positive = ("qsa_block_size", "qsa_local_blocks", "qsa_index_heads", "qsa_index_head_dim", "hc_mult")
         for name in positive:
@@ -156,203 +154,3 @@ class ModelConfig:
 
     def summary(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "quantization"}
-
-
-def _rope(raw: dict[str, Any]) -> tuple[float, float]:
-    """(theta, partial factor) from either the ``rope_parameters`` form or the older top-level one."""
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"config field rope_type: {rope_type!r} is not supported (only 'default')")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    return float(theta), float(factor)
-
-
-def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
-    eos = raw.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
-def _mlp_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
-    if raw.get("num_experts", 0) <= 0:
-        return ("dense",) * n
-    step = raw.get("decoder_sparse_step", 1) or 1
-    dense = set(raw.get("mlp_only_layers") or [])
-    return tuple("moe" if i not in dense and (i + 1) % step == 0 else "dense" for i in range(n))
-
-
-def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
-    """Flatten a (transformers-normalised) config dict into a ModelConfig."""
-    model_type = raw.get("model_type")
-    if model_type not in PARSERS:
-        raise ValueError(
-            f"config field model_type: {model_type!r} is not supported (known: {sorted(PARSERS)})"
-        )
-    return PARSERS[model_type](raw)
-
-
-def _common(raw: dict[str, Any]) -> dict[str, Any]:
-    n = raw["num_hidden_layers"]
-    theta, factor = _rope(raw)
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    quant = parse_declaration(raw.get("quantization_config"), raw.get("hf_quant_config"))
-    return dict(
-        model_type=raw["model_type"],
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        num_layers=n,
-        mlp_types=_mlp_types(raw, n),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=raw.get("max_position_embeddings", 32768),
-        num_heads=raw["num_attention_heads"],
-        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-        head_dim=head_dim,
-        rope_theta=theta,
-        partial_rotary_factor=factor,
-        attention_bias=bool(raw.get("attention_bias", False)),
-        num_experts=raw.get("num_experts", 0),
-        num_experts_per_tok=raw.get("num_experts_per_tok", 0),
-        moe_intermediate_size=raw.get("moe_intermediate_size", 0),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-        intermediate_size=raw.get("intermediate_size", 0),
-        eos_token_ids=_eos(raw),
-        dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16").replace("torch.", ""),
-        expert_format=quant.format_of("model.layers.0.mlp.experts.0.gate_proj"),
-        quantization=quant,
-    )
-
-
-def _qwen3_moe(raw: dict[str, Any]) -> ModelConfig:
-    n = raw["num_hidden_layers"]
-    return ModelConfig(layer_types=("full_attention",) * n, **_common(raw))
-
-
-def _qwen3_next(raw: dict[str, Any]) -> ModelConfig:
-    return ModelConfig(
-        layer_types=tuple(raw["layer_types"]),
-        attn_output_gate=True,
-        zero_centered_norm=True,
-        linear_num_key_heads=raw["linear_num_key_heads"],
-        linear_num_value_heads=raw["linear_num_value_heads"],
-        linear_key_head_dim=raw["linear_key_head_dim"],
-        linear_value_head_dim=raw["linear_value_head_dim"],
-        linear_conv_kernel_dim=raw["linear_conv_kernel_dim"],
-        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0),
-        **_common(raw),
-    )
-
-
-PLE_PRIME_ESTIMATE = 2**21  # spec section 10: "primes near 2^21", for configs without a checkpoint
-
-
-def _checkpoint_tensor_shape(path: str | None, name: str) -> tuple[int, ...] | None:
-    """The shape of tensor ``name`` from the safetensors headers of checkpoint directory ``path``."""
-    if not path or not os.path.isdir(path):
-        return None
-    from safetensors import safe_open
-
-    for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
-        with safe_open(os.path.join(path, file), "pt") as f:
-            if name in f.keys():  # noqa: SIM118 - safe_open has no __contains__
-                return tuple(f.get_slice(name).get_shape())
-    return None
-
-
-QWEN4_EXP_REQUIRED = (
-    "layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-    "linear_value_head_dim", "linear_conv_kernel_dim", "qsa_block_size", "qsa_topk_blocks",
-    "qsa_local_blocks", "qsa_index_heads", "qsa_index_head_dim",
-)  # fmt: skip
-QWEN4_EXP_OPTIONAL = dict(
-    shared_expert_intermediate_size=0, hc_mult=1, hc_sinkhorn_iters=1, hc_eps=1e-6, ple_heads=0,
-    ple_head_dim=0, ple_pad_id=0,
-)  # fmt: skip
-
-
-def _qwen4_exp(raw: dict[str, Any]) -> ModelConfig:
-    for name in QWEN4_EXP_REQUIRED:
-        if name not in raw:
-            raise ValueError(f"config field {name}: required for qwen4_exp")
-    fields = {k: raw[k] for k in QWEN4_EXP_REQUIRED} | {
-        k: raw.get(k, v) for k, v in QWEN4_EXP_OPTIONAL.items()
-    }
-    ple_layers = tuple(raw.get("ple_layers") or ())
-    orders = tuple(raw.get("ple_ngram_orders") or ())
-    rows = 0
-    if ple_layers:
-        # The table has R = sum(primes) rows: a fact of the checkpoint, read from its header when
-        # there is one; a bare config gets the spec's estimate (or an explicit ple_table_rows).
-        shape = _checkpoint_tensor_shape(raw.get("_checkpoint_dir"), "model.ple.table")
-        count = len(ple_layers) * len(orders) * fields["ple_heads"]
-        rows = shape[0] if shape else raw.get("ple_table_rows") or count * PLE_PRIME_ESTIMATE
-    return ModelConfig(
-        **(fields | dict(layer_types=tuple(raw["layer_types"]), hc_eps=float(fields["hc_eps"]))),
-        zero_centered_norm=True,
-        attn_output_gate=True,
-        ple_layers=ple_layers,
-        ple_ngram_orders=orders,
-        ple_table_rows=rows,
-        **_common(raw),
-    )
-
-
-PARSERS = {"qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next, "qwen4_exp": _qwen4_exp}
-
-
-# Families whose contract is a spec of ours (shared/specs/), read exactly as written: transformers
-# ships an unrelated model under the name qwen4_exp (a multimodal config with other field names).
-SPEC_MODEL_TYPES = ("qwen4_exp",)
-
-
-def load_raw_config(path: str) -> dict[str, Any]:
-    """config.json of a checkpoint directory (or a config file), normalised by transformers if known."""
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"no config.json at {path}")
-    with open(file) as f:
-        raw = json.load(f)
-    generation = os.path.join(os.path.dirname(file), "generation_config.json")
-    if os.path.exists(generation):  # instruct models list extra stop ids (e.g. <|endoftext|>) here
-        with open(generation) as f:
-            extra = json.load(f).get("eos_token_id")
-        ids = (
-            [raw.get("eos_token_id")]
-            if not isinstance(raw.get("eos_token_id"), list)
-            else raw["eos_token_id"]
-        )
-        extra = extra if isinstance(extra, list) else [extra]
-        raw["eos_token_id"] = [i for i in dict.fromkeys(ids + extra) if i is not None] or None
-    modelopt = os.path.join(os.path.dirname(file), "hf_quant_config.json")
-    if os.path.exists(modelopt):
-        with open(modelopt) as f:
-            raw["hf_quant_config"] = json.load(f)
-    try:
-        from transformers import AutoConfig
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return raw
-    if raw.get("model_type") in CONFIG_MAPPING and raw.get("model_type") not in SPEC_MODEL_TYPES:
-        try:
-            hf = AutoConfig.for_model(**raw)
-        except Exception as e:  # transformers' own validation: keep its message, our error type
-            raise ValueError(f"{file}: {e}") from e
-        merged = hf.to_dict()
-        for alias, target in getattr(
-            hf, "attribute_map", {}
-        ).items():  # e.g. num_experts -> num_local_experts
-            merged[alias] = merged.get(target)
-        merged.setdefault("quantization_config", raw.get("quantization_config"))
-        merged["hf_quant_config"] = raw.get("hf_quant_config")
-        return merged
-    if os.path.isdir(path):
-        raw["_checkpoint_dir"] = path  # for facts only the tensors carry (qwen4_exp's PLE table rows)
-    return raw
-
-
-def load_model_config(path: str) -> ModelConfig:
-    return config_from_dict(load_raw_config(path))

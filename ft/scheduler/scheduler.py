@@ -1,12 +1,14 @@
 """Continuous batching with chunked prefill, admission against KV blocks and state slots, and
-preemption by recompute, and prefix caching (``radix_cache``).
+preemption by recompute, and prefix caching (``prefix``, over the tree of ``radix_cache``).
 
 Each ``schedule()`` builds one batch within ``max_num_batched_tokens``: running requests first
 (a decode token, or the next chunk of a prompt still being prefilled), then waiting requests in
 arrival order while blocks, slots and the token budget allow. When a running request needs a
 block and none is free, the most recently admitted request is preempted: its blocks and slot are
 freed and it goes back to the front of the queue, to be recomputed from its tokens. Nothing is
-dropped: a request that could never fit is refused when it is added.
+dropped: a request that could never fit is refused when it is added. A waiting head refused for
+want of blocks is not matched against the cache again until something it needs changed
+(``refusal``). What a batch carries to the ranks is ``step``.
 
 With a prefix cache, a newly admitted request starts after the longest cached prefix of its
 tokens (whole blocks, leaving at least one token to compute; on hybrid models only up to a block
@@ -18,72 +20,14 @@ GDN layers split their delta rule there (``ft.gdn.snapshots``), so a prompt is s
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
-from ft.sampling_params import SamplingParams
 from ft.scheduler.kv_pool import BlockAllocator
-from ft.scheduler.radix_cache import Node, RadixCache
+from ft.scheduler.prefix import insert_computed, take_hit
+from ft.scheduler.radix_cache import RadixCache
+from ft.scheduler.refusal import Refusal
 from ft.scheduler.request import Request, Status, kv_tokens
 from ft.scheduler.state_pool import SlotAllocator
-
-HISTORY = 8  # tokens before a chunk that every rank sees (n-gram embeddings need the last few)
-PENDING_TOKEN = -1  # a decode-ahead step's input: sampled by the step still running, read on the device
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """What every rank needs to run one sequence for one step (picklable, no tensors)."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens computed this step
-    start: int  # position of token_ids[0]; tokens before it are cached
-    # the request's KV blocks from index ``blocks_from`` on: those the ranks have not been sent
-    # (all of them, from 0, when it is admitted); they keep its table (``ft.engine.block_tables``)
-    new_blocks: list[int]
-    blocks_from: int
-    state_slot: int
-    sample: bool  # this step reaches the last known token: sample the next one
-    params: SamplingParams
-    output_index: int  # how many tokens the request has generated so far (seeds sampling)
-    prompt_targets: list[int] | None  # prompt tokens whose log-probs this chunk's logits give
-    history: list[int] = field(default_factory=list)  # up to HISTORY tokens before ``start``
-    restore_from: int | None = None  # copy this GDN snapshot into the state slot before running
-    snapshot_to: int | None = None  # save the GDN state after ``snapshot_len`` tokens into this snapshot
-    snapshot_len: int = 0
-    # the first sampling row of a request with a penalty since it was admitted: its prompt and
-    # output tokens so far (the request's own lists), from which the sampler keeps its counts
-    # (``ft.layers.penalties.PenaltyState``)
-    seen: tuple[list[int], list[int]] | None = None
-
-    @property
-    def num_blocks(self) -> int:
-        """The KV blocks the request holds in this step."""
-        return self.blocks_from + len(self.new_blocks)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why the waiting head was last refused, and what changes it: more room, a smaller budget,
-    a longer cached prefix (``Scheduler.refused_again``)."""
-
-    req: Request
-    room: int  # blocks free or evictable after the refusal
-    budget: int  # the tokens the step had left for it
-    # the last cached block its tokens matched (the root: none; None: no cache look-up); it may
-    # be the whole last block, one past what a hit may take
-    matched: Node | None
-    snapshots: int  # the cache's snapshot changes by then (on a hybrid model a hit ends at one)
-    held: int  # blocks of the hit it held until refused
-
-
-@dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq]
-    preempted: list[str]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+from ft.scheduler.step import HISTORY, PENDING_TOKEN, ScheduledSeq, SchedulerOutput
 
 
 class Scheduler:
@@ -170,7 +114,7 @@ class Scheduler:
             req = self.waiting[0]
             if self.slots.num_free == 0 or self._still_refused(req, budget):
                 break
-            matched = self._hit(req)
+            matched = take_hit(self.cache, req, self.blocks.block_size, self.hybrid)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 held = len(req.cache_nodes)
@@ -240,25 +184,10 @@ class Scheduler:
         )
 
     def refused_again(self, req: Request, budget: int) -> bool:
-        """Whether admitting waiting ``req`` with ``budget`` tokens left would fail as it last did,
-        so its prefix match (16,384 blocks for a 262k prompt: ~7 ms) need not be redone each step:
-        it was refused and since then no blocks came free or evictable, the budget (so its chunk,
-        so the blocks it needs) did not shrink, and its tokens match no further in the cache (nor,
-        on a hybrid model, did a snapshot appear that a hit may end at). Others then only take
-        blocks, and a preempted request goes before it, so those tell every way it could fit."""
+        """Whether admitting waiting ``req`` with ``budget`` tokens left would fail as it last did
+        (``Refusal.repeats``), so its prefix match need not be redone this step."""
         r = self.refusal
-        if r is None or r.req is not req or self.room > r.room or budget < r.budget:
-            return False
-        if r.matched is None:
-            return True
-        if self.cache.snapshot_changes != r.snapshots:
-            return False
-        bs = self.blocks.block_size
-        limit = (req.num_tokens - 1) // bs
-        tail = r.matched if r.matched.depth <= limit else r.matched.parent  # the last a hit may take
-        depth = tail.depth
-        key = tuple(req.tokens(depth * bs, (depth + 1) * bs)) if depth < limit else None
-        return not self.cache.extends(tail, key)
+        return r is not None and r.repeats(req, budget, self.room, self.cache, self.blocks.block_size)
 
     def _still_refused(self, req: Request, budget: int) -> bool:
         """``refused_again``, and if so the head's cached prefix left as recent as the retry it
@@ -273,24 +202,6 @@ class Scheduler:
     def room(self) -> int:
         """Blocks free, or cached and unreferenced (evicted on demand)."""
         return self.blocks.num_free + (self.cache.num_evictable if self.cache is not None else 0)
-
-    def _hit(self, req: Request) -> Node | None:
-        """Start ``req`` after the longest usable cached prefix of its tokens; the last cached
-        block its tokens matched (the root: none; None when the cache was not asked)."""
-        if self.cache is None or req.params.prompt_logprobs is not None:
-            return None
-        path = self.cache.match(req.all_token_ids)
-        nodes = path[: (req.num_tokens - 1) // self.blocks.block_size]
-        matched = path[-1] if path else self.cache.root
-        while self.hybrid and nodes and nodes[-1].snapshot is None:
-            nodes.pop()
-        if not nodes:
-            return matched
-        self.cache.acquire(nodes)
-        req.cache_nodes, req.block_ids = list(nodes), [n.block for n in nodes]
-        req.num_computed_tokens = req.num_cached_tokens = len(nodes) * self.blocks.block_size
-        req.restore_snapshot = nodes[-1].snapshot if self.hybrid else None
-        return matched
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.blocks.blocks_for(num_tokens) - len(req.block_ids)
@@ -356,24 +267,8 @@ class Scheduler:
 
     def cache_computed(self, req: Request, seq: ScheduledSeq) -> None:
         """After a step: enter the request's newly full blocks (and a state snapshot) into the cache."""
-        if self.cache is None:
-            return
-        bs = self.blocks.block_size
-        parent = req.cache_nodes[-1] if req.cache_nodes else self.cache.root
-        for i in range(len(req.cache_nodes), 0 if req.cache_stopped else req.num_computed_tokens // bs):
-            node = self.cache.insert(parent, tuple(req.tokens(i * bs, (i + 1) * bs)), req.block_ids[i])
-            if node is None:
-                req.cache_stopped = True
-                break
-            req.cache_nodes.append(node)
-            parent = node
-        if seq.snapshot_to is not None:
-            depth = (seq.start + seq.snapshot_len) // bs
-            node = req.cache_nodes[depth - 1] if len(req.cache_nodes) >= depth else None
-            if node is not None and node.snapshot is None:
-                self.cache.attach_snapshot(node, seq.snapshot_to)
-            else:
-                self.cache.give_back_snapshot(seq.snapshot_to)
+        if self.cache is not None:
+            insert_computed(self.cache, req, seq, self.blocks.block_size)
 
     def _release(self, req: Request) -> None:
         held = {n.block for n in req.cache_nodes}

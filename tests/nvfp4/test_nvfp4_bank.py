@@ -15,7 +15,7 @@ from ft.config import EngineConfig
 from ft.distributed import TPInfo, tp_context
 from ft.engine.model_runner import build_model
 from ft.models.checkpoint import CheckpointError
-from ft.models.config import config_from_dict, load_model_config, load_raw_config
+from ft.models.config_json import config_from_dict, load_model_config, load_raw_config
 from ft.models.info import expert_bytes, footprint
 from ft.models.loader import load_weights
 from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref

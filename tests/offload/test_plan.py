@@ -12,7 +12,7 @@ import ft.moe.backends.runtime as runtime
 import ft.moe.backends.sizing as sizing
 from ft.config import EngineConfig
 from ft.distributed import TPInfo, tp_context
-from ft.models.config import load_model_config
+from ft.models.config_json import load_model_config
 from ft.moe.backends.host_store import host_experts
 from ft.moe.backends.layout import ExpertLayout
 from ft.moe.banks import BF16ExpertBank

@@ -16,7 +16,7 @@ from ft.distributed import TPInfo, tp_context
 from ft.engine.model_runner import build_model
 from ft.layers.linear import heads_part
 from ft.models.checkpoint import CheckpointTensor
-from ft.models.config import config_from_dict
+from ft.models.config_json import config_from_dict
 from ft.quant import nvfp4
 from ft.quant.declaration import parse_declaration
 from ft.quant.dense import dense_quant_mode

@@ -7,7 +7,7 @@ import os
 import resource
 
 from ft.cli import main
-from ft.models.config import load_model_config
+from ft.models.config_json import load_model_config
 from ft.models.info import footprint
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "qwen4_exp_flash_next.json")

@@ -14,7 +14,7 @@ from ft.distributed import TPInfo, tp_context
 from ft.engine.model_runner import build_model
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.layers.attention import QKNormAttention
-from ft.models.config import config_from_dict, load_model_config
+from ft.models.config_json import config_from_dict, load_model_config
 from ft.models.qwen4_exp.ple import PLETable
 from ft.models.qwen4_exp.qsa import QSAAttention, select_blocks
 from tests.qwen4_exp.conftest import PROMPTS, generate, greedy, prompt_gaps

@@ -1,0 +1,55 @@
+"""The scheduler's side of the prefix cache (the tree itself is ``radix_cache``): where a newly
+admitted request starts, and what of a step enters the cache.
+
+A newly admitted request starts after the longest cached prefix of its tokens (whole blocks,
+leaving at least one token to compute; on hybrid models only up to a block that has a GDN state
+snapshot); one asking for prompt log-probs computes its whole prompt. After each step the
+request's newly full blocks enter the cache, and the GDN state snapshot its chunk saved is
+attached to the cached block it ends at, or given back when that block is not cached or already
+has one.
+"""
+
+from __future__ import annotations
+
+from ft.scheduler.radix_cache import Node, RadixCache
+from ft.scheduler.request import Request
+from ft.scheduler.step import ScheduledSeq
+
+
+def take_hit(cache: RadixCache | None, req: Request, block_size: int, hybrid: bool) -> Node | None:
+    """Start ``req`` after the longest usable cached prefix of its tokens; the last cached
+    block its tokens matched (the root: none; None when the cache was not asked)."""
+    if cache is None or req.params.prompt_logprobs is not None:
+        return None
+    path = cache.match(req.all_token_ids)
+    nodes = path[: (req.num_tokens - 1) // block_size]
+    matched = path[-1] if path else cache.root
+    while hybrid and nodes and nodes[-1].snapshot is None:
+        nodes.pop()
+    if not nodes:
+        return matched
+    cache.acquire(nodes)
+    req.cache_nodes, req.block_ids = list(nodes), [n.block for n in nodes]
+    req.num_computed_tokens = req.num_cached_tokens = len(nodes) * block_size
+    req.restore_snapshot = nodes[-1].snapshot if hybrid else None
+    return matched
+
+
+def insert_computed(cache: RadixCache, req: Request, seq: ScheduledSeq, block_size: int) -> None:
+    """After ``seq``'s step: enter the request's newly full blocks (and a state snapshot) into the cache."""
+    bs = block_size
+    parent = req.cache_nodes[-1] if req.cache_nodes else cache.root
+    for i in range(len(req.cache_nodes), 0 if req.cache_stopped else req.num_computed_tokens // bs):
+        node = cache.insert(parent, tuple(req.tokens(i * bs, (i + 1) * bs)), req.block_ids[i])
+        if node is None:
+            req.cache_stopped = True
+            break
+        req.cache_nodes.append(node)
+        parent = node
+    if seq.snapshot_to is not None:
+        depth = (seq.start + seq.snapshot_len) // bs
+        node = req.cache_nodes[depth - 1] if len(req.cache_nodes) >= depth else None
+        if node is not None and node.snapshot is None:
+            cache.attach_snapshot(node, seq.snapshot_to)
+        else:
+            cache.give_back_snapshot(seq.snapshot_to)
