@@ -47,7 +47,7 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.backends.pairs", "DEVICE_PAIRS", "FT_MOE_DEVICE_PAIRS"),
     ("ft.moe.backends.pairs", "DIRECT_TERMS", "FT_MOE_DIRECT_TERMS"),
     ("ft.moe.backends.transfer", "MEMCPY", "FT_MOE_MEMCPY"),
-    ("ft.moe.backends.offload", "HITS_AFTER_AHEAD", "FT_MOE_HITS_AFTER_AHEAD"),
+    ("ft.moe.backends.streaming", "HITS_AFTER_AHEAD", "FT_MOE_HITS_AFTER_AHEAD"),
     ("ft.moe.backends.staging", "PRESTAGE", "FT_MOE_PRESTAGE"),
     ("ft.moe.backends.host_route", "DEVICE_COUNTS_MIN_PAIRS", "FT_MOE_DEVICE_COUNTS_MIN_PAIRS"),  # an integer
     ("ft.engine.allocator", "EXPANDABLE", "FT_EXPANDABLE_SEGMENTS"),

@@ -19,14 +19,13 @@ import pickle
 import random
 import sys
 import time
-import types
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from ft.engine.batch_inputs import batch_inputs as runner_inputs  # noqa: E402
 from ft.engine.block_tables import BlockTables  # noqa: E402
-from ft.engine.model_runner import ModelRunner  # noqa: E402
 from ft.layers.sampler import Sampler  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
 from ft.scheduler.kv_pool import BlockAllocator  # noqa: E402
@@ -91,10 +90,8 @@ def batch_inputs(b: int, ctx: int) -> tuple[float, float, int, int]:
         ScheduledSeq(f"r{i}", [5], ctx - 1, full[i], 0, i, True, p, 3, None, history=[1] * 8)
         for i in range(b)
     ]
-    runner = types.SimpleNamespace(cfg=types.SimpleNamespace(block_size=16), device=torch.device("cpu"),
-                                   snapshot_base=0, gdn_layers=[], tables=tables)  # fmt: skip
     before = timed(lambda: rebuilt(seqs, full, 16), 10)
-    now = timed(lambda: (tables.update(seqs), ModelRunner._batch(runner, seqs)), 10)
+    now = timed(lambda: (tables.update(seqs), runner_inputs(seqs, tables, 0, False, torch.device("cpu"))), 10)
     return before, now, len(pickle.dumps(old)), len(pickle.dumps(seqs))
 
 

@@ -59,9 +59,10 @@ def test_prompt_logprobs_in_slices_equal_one_shot(ckpt, alone, monkeypatch):
     """The runner computes prompt log-probs a few rows at a time (``PROMPT_LOGPROB_BYTES``: 3 rows
     here) inside a whole chunk: every prompt position still gets the log-probs of one shot, no
     logits call takes more than 3 rows, and each prompt is still one forward."""
-    from ft.engine import model_runner
+    from ft.engine import prompt_logprobs
 
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_BYTES", 3 * 8 * 96)  # tests/checkpoints.py: 96 tokens
+    # tests/checkpoints.py: 96 tokens
+    monkeypatch.setattr(prompt_logprobs, "PROMPT_LOGPROB_BYTES", 3 * 8 * 96)
     calls, compute = [], None
 
     def spy(self, hidden):

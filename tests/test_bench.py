@@ -11,7 +11,7 @@ import torch
 from ft.bench.roofline import decode_step_bytes
 from ft.cli import main
 from ft.distributed import TPInfo
-from ft.engine.model_runner import build_model
+from ft.engine.build import build_model
 from ft.models.config_json import load_model_config
 from tests.checkpoints import write_checkpoint
 

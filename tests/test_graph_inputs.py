@@ -36,7 +36,8 @@ def test_only_expert_kernels_that_sync_block_graph_capture(tmp_path, model_type,
     their kernel is graph-safe nothing else in the model does (a router that grew a
     ``num_experts`` attribute once turned graphs off on the GPU, decode 17x slower)."""
     from ft.distributed import TPInfo
-    from ft.engine.model_runner import build_model, graph_blockers
+    from ft.engine.build import build_model
+    from ft.engine.model_runner import graph_blockers
     from ft.models.config_json import load_model_config
     from ft.moe.banks import ExpertBank
     from tests.checkpoints import write_checkpoint

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from ft import LLM, SamplingParams
 from ft.distributed import TPInfo
-from ft.engine.model_runner import build_model
+from ft.engine.build import build_model
 from ft.models.checkpoint import CheckpointError
 from ft.models.config_json import load_model_config
 from ft.models.loader import load_weights

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ft.distributed import TPInfo, tp_context
-from ft.engine.model_runner import build_model
+from ft.engine.build import build_model
 from ft.models.checkpoint import CheckpointError
 from ft.models.config_json import load_model_config
 from ft.models.loader import load_weights

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ft.distributed import TPInfo
-from ft.engine.model_runner import build_model
+from ft.engine.build import build_model
 from ft.models.config_json import load_model_config
 from ft.models.loader import load_weights
 from tests.checkpoints import write_checkpoint

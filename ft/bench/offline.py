@@ -142,7 +142,7 @@ def bench(
         return [rng.randrange(vocab) for _ in range(n)]
 
     from ft.distributed import TPInfo
-    from ft.engine.model_runner import build_model
+    from ft.engine.build import build_model
 
     dtype = cfg.torch_dtype(engine.model_config.dtype)
     meta = build_model(engine.model_config, TPInfo(0, cfg.tp_size), "meta", dtype)

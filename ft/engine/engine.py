@@ -11,8 +11,8 @@ import itertools
 from dataclasses import dataclass, replace
 
 from ft.config import EngineConfig
+from ft.engine.build import effective_model_config
 from ft.engine.executor import make_executor
-from ft.engine.model_runner import effective_model_config
 from ft.models.config import ModelConfig
 from ft.models.config_json import load_model_config
 from ft.sampling_params import RequestOutput, SamplingParams

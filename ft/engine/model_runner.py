@@ -1,11 +1,12 @@
 """ModelRunner: one per rank. Builds and loads the model, owns the KV and state pools, and runs
 one scheduled batch: tensors in, sampled tokens (on the first rank) out.
 
-This is the only place that turns scheduler output into tensors on the device. Where the routed
-experts live is the MoE runtime's business (``ft.moe.backends.runtime``): the runner asks it
-where to build the banks, lets it place them in a host store before loading (telling it what the
-pools, planned first, will take), and hands it what memory is left after the pools for its
-expert cache.
+Where the routed experts live is the MoE runtime's business (``ft.moe.backends.runtime``): the
+runner asks it where to build the banks, lets it place them in a host store before loading
+(telling it what the pools, planned first, will take), and hands it what memory is left after the
+pools for its expert cache. Not here: building the model (``build``), turning scheduler output
+into tensors on the device (``batch_inputs``), prompt log-probs (``prompt_logprobs``), the pools'
+sizes (``pools``).
 """
 
 from __future__ import annotations
@@ -16,29 +17,24 @@ import torch
 
 from ft.attention import get_attention_backend
 from ft.config import EngineConfig
-from ft.distributed import TPInfo, broadcast_from_first, tp_context
+from ft.distributed import TPInfo, broadcast_from_first
 from ft.engine import allocator
+from ft.engine.batch_inputs import batch_inputs
 from ft.engine.block_tables import BlockTables
+from ft.engine.build import build_model, effective_model_config
 from ft.engine.pools import CacheLayers, PoolPlan, allocate_pools, plan_pools
-from ft.forward_context import ForwardBatch, ForwardContext, forward_context
+from ft.engine.prompt_logprobs import prompt_logprobs
+from ft.forward_context import ForwardContext, forward_context
 from ft.gdn import get_gdn_backend
-from ft.gdn.snapshots import SnapshotPoint, state_snapshots
-from ft.layers.sampler import Draw, Sampler, SampleResult, logprob_rows, top_parts
+from ft.layers.sampler import Draw, Sampler, SampleResult, logprob_rows
 from ft.models.config import ModelConfig
 from ft.models.dummy import init_dummy_weights, skew_routers
 from ft.models.loader import load_weights
-from ft.models.registry import model_class
-from ft.moe.backends import banks_on
 from ft.moe.backends.placement import placed
 from ft.moe.backends.runtime import MoeRuntime
 from ft.sampling_params import Logprobs
-from ft.scheduler.step import HISTORY, ScheduledSeq
+from ft.scheduler.step import ScheduledSeq
 from ft.utils import cdiv, upload, upload_lists
-
-# Prompt log-probs are computed this much of a batch at a time (each row's fp32 logits and
-# log-softmax, 8 bytes a vocabulary entry: ~880 rows of Qwen3's 151,936), so a chunk of any length
-# asks no more of the activation reserve for them (a 16k chunk's at once would take 19 GB)
-PROMPT_LOGPROB_BYTES = 1 << 30
 
 
 @dataclass
@@ -60,34 +56,6 @@ class Launched:
     draw: Draw | None = None  # their tokens (and log-probs), on the device
     host: Draw | None = None  # the same, copied to the host once ``done`` has passed
     done: torch.cuda.Event | None = None
-
-
-def effective_model_config(cfg: EngineConfig, mc: ModelConfig) -> ModelConfig:
-    """The checkpoint's config as this engine builds it (``--quantize-experts`` changes the banks,
-    ``--ple-backend pinned`` moves the n-gram table to host memory)."""
-    if cfg.quantize_experts:  # the bank quantises whatever the checkpoint stores in bf16
-        mc = replace(mc, expert_format=cfg.quantize_experts)
-    if cfg.ple_backend == "pinned" and mc.ple_layers:
-        mc = replace(mc, ple_on_host=True)
-    return mc
-
-
-def build_model(
-    mc: ModelConfig,
-    tp: TPInfo,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    bank_device: torch.device | str | None = None,
-) -> torch.nn.Module:
-    """The model for this rank, parameters allocated (uninitialised) on ``device``; expert banks'
-    on ``bank_device`` when given (``meta``: left for a host store to adopt)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with tp_context(tp), torch.device(device), banks_on(bank_device):
-            return model_class(mc)(mc)
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def graph_blockers(model: torch.nn.Module, kernels: dict[str, object]) -> list[str]:
@@ -232,97 +200,22 @@ class ModelRunner:
             m.ssm_state[dst] = m.ssm_state[src]
 
     # ---- one step
-    def _batch(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch]:
-        bs = self.cfg.block_size
-        ids, pos, qlens, ctx = [], [], [], []
-        for s in seqs:
-            n = len(s.token_ids)
-            ids += s.token_ids
-            pos += range(s.start, s.start + n)
-            qlens.append(n)
-            ctx.append(s.start)
-        slots = self.tables.kv_slots(seqs)
-        table = self.tables.table(seqs, max(s.num_blocks for s in seqs))
-        width = table.shape[1]
-        history = [h for s in seqs for h in [-1] * (HISTORY - len(s.history)) + s.history]
-        cu = [0]
-        for q in qlens:
-            cu.append(cu[-1] + q)
-        i64, i32, t, b = torch.int64, torch.int32, len(ids), len(seqs)
-        fields = upload_lists(
-            [
-                (ids, i64, (t,)),
-                (pos, i64, (t,)),
-                (slots, i64, (t,)),
-                ([s.state_slot for s in seqs], i64, (b,)),
-                (history, i64, (b, HISTORY)),
-                (cu, i32, (b + 1,)),
-                (ctx, i32, (b,)),
-                ([c + q for c, q in zip(ctx, qlens)], i32, (b,)),
-                (table, i32, (b, width)),
-            ],
-            self.device,
-        )
-        ids_t, positions, slot_mapping, state_slots, prev, cu_t, ctx_t, seq_lens, tables = fields
-        batch = ForwardBatch(
-            positions=positions,
-            cu_seqlens=cu_t,
-            context_lens=ctx_t,
-            seq_lens=seq_lens,
-            block_tables=tables,
-            slot_mapping=slot_mapping,
-            state_slots=state_slots,
-            prev_token_ids=prev,
-            block_size=bs,
-            query_lens_cpu=qlens,
-            context_lens_cpu=ctx,
-        )
-        points = [
-            SnapshotPoint(i, s.snapshot_len, s.state_slot, self.snapshot_base + s.snapshot_to)
-            for i, s in enumerate(seqs)
-            if s.snapshot_to is not None
-        ]
-        if points and self.gdn_layers:
-            batch.snapshots = state_snapshots(batch, points)
-        return ids_t, batch
-
     def _forward(
         self, seqs: list[ScheduledSeq], ids_now: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[tuple | None]]:
         """The logits of each sequence's last row [S, V], and each sequence's prompt log-probs
-        (``_prompt_logprobs``). ``ids_now``: the input ids [T] already on the device (decode
+        (``prompt_logprobs``). ``ids_now``: the input ids [T] already on the device (decode
         ahead), in place of the sequences' own."""
         if self.graphs is not None and self.graphs.can_run(seqs):
             return self.graphs.run(seqs, ids_now), [None] * len(seqs)
-        ids, batch = self._batch(seqs)
+        ids, batch = batch_inputs(seqs, self.tables, self.snapshot_base, bool(self.gdn_layers), self.device)
         if ids_now is not None:
             ids.copy_(ids_now)
         with forward_context(ForwardContext(batch, self.attention, self.gdn)):
             hidden = self.model(ids, batch.positions)
         last = hidden.index_select(0, batch.cu_seqlens[1:].long() - 1)  # no host-to-device copy
-        return self.model.compute_logits(last), self._prompt_logprobs(hidden, seqs)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> list[tuple | None]:
-        """For each sequence with prompt targets, ``top_parts`` of the log-probs of its first rows,
-        one a target, on the first rank (the others None); the logits a slice of
-        ``PROMPT_LOGPROB_BYTES`` at a time on every rank (the vocabulary-parallel head gathers)."""
-        step = max(1, PROMPT_LOGPROB_BYTES // (8 * self.mc.vocab_size))
-        out, start = [], 0
-        for s in seqs:
-            n, parts = len(s.prompt_targets or ()), None
-            if n:  # a pageable list would block the host until the forward has run
-                targets = upload(torch.tensor(s.prompt_targets, dtype=torch.int64), hidden.device)
-                slices = []
-                for i in range(0, n, step):
-                    logits = self.model.compute_logits(hidden[start + i : start + min(i + step, n)])
-                    if self.tp.is_first:
-                        lp = torch.log_softmax(logits, dim=-1)
-                        slices.append(top_parts(lp, s.params.prompt_logprobs, targets[i : i + step]))
-                if slices:
-                    parts = (*(torch.cat(t) for t in zip(*slices)), targets)
-            out.append(parts)
-            start += len(s.token_ids)
-        return out
+        prompt = prompt_logprobs(self.model, hidden, seqs, self.mc.vocab_size, self.tp.is_first)
+        return self.model.compute_logits(last), prompt
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult] | None:

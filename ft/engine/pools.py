@@ -19,7 +19,7 @@ import torch
 
 from ft.config import EngineConfig
 from ft.distributed import TPInfo, min_over_ranks
-from ft.moe.backends.runtime import MoePlan
+from ft.moe.backends.report import MoePlan
 from ft.moe.backends.sizing import DEFAULT_RUNNING, default_running, device_budget, device_cap, prefill_chunk
 
 

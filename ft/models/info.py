@@ -38,7 +38,7 @@ def param_kind(name: str) -> str:
 def footprint(
     mc: ModelConfig, tp_size: int, rank: int = 0, dtype: torch.dtype | None = None
 ) -> RankFootprint:
-    from ft.engine.model_runner import build_model
+    from ft.engine.build import build_model
 
     dtype = dtype or DTYPES.get(mc.dtype, torch.bfloat16)
     model = build_model(mc, TPInfo(rank, tp_size), "meta", dtype)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from ft.cli import build_parser, engine_options, main
 from ft.config import EngineConfig
 from ft.distributed import TPInfo, tp_context
-from ft.engine.model_runner import build_model
+from ft.engine.build import build_model
 from ft.models.checkpoint import CheckpointError
 from ft.models.config_json import config_from_dict, load_model_config, load_raw_config
 from ft.models.info import expert_bytes, footprint

@@ -110,13 +110,13 @@ def test_a_long_batch_streams_the_next_layers_experts_ahead(
 @pytest.mark.parametrize("after", [True, False])
 @pytest.mark.parametrize("d2d", [False, True])
 def test_hits_after_the_first_group_staged_ahead(ckpt, refs, d2d, after, monkeypatch):
-    """``offload.HITS_AFTER_AHEAD`` (on by default): a layer with groups staged ahead computes its
+    """``streaming.HITS_AFTER_AHEAD`` (on by default): a layer with groups staged ahead computes its
     first group, then its hits in place (with --moe-prefill-hit-d2d there are none), then the
     rest; a layer without (streaming ahead off), or every layer with the switch off, its hits
     first. The outputs stay the resident backend's."""
-    from ft.moe.backends import offload, pairs
+    from ft.moe.backends import pairs, streaming
 
-    monkeypatch.setattr(offload, "HITS_AFTER_AHEAD", after)
+    monkeypatch.setattr(streaming, "HITS_AFTER_AHEAD", after)
     real, order = pairs.Terms.run, []
 
     def spy(terms, bank, tensors, x, tok, *rest):
@@ -170,7 +170,7 @@ def test_a_streamed_layer_uploads_its_pairs_once(ckpt, refs, monkeypatch):
     pairs and weight rows from one upload of the layer's, in order, empty runs included."""
     import numpy as np
 
-    from ft.moe.backends import offload, pairs
+    from ft.moe.backends import pairs, streaming
 
     runs = [
         (np.array([3, 1]), np.array([0, 0])),
@@ -183,15 +183,11 @@ def test_a_streamed_layer_uploads_its_pairs_once(ckpt, refs, monkeypatch):
         ([1, 0], [3, 1], [0, 0], [3, 1]), ([], [], [], []), ([3], [7], [2], [7])
     ]  # fmt: skip
     uploads, streamed = [], []
-    real_upload, real_stream = pairs.upload, offload.OffloadBackend._stream
+    real_upload, real_stream = pairs.upload, streaming.stream
     monkeypatch.setattr(
         pairs, "upload", lambda t, device: (uploads.append(len(t)), real_upload(t, device))[1]
     )
-    monkeypatch.setattr(
-        offload.OffloadBackend,
-        "_stream",
-        lambda self, *a, **kw: (streamed.append(1), real_stream(self, *a, **kw))[1],
-    )
+    monkeypatch.setattr(streaming, "stream", lambda *a, **kw: (streamed.append(1), real_stream(*a, **kw))[1])
     options = dict(moe_backend="offload", expert_cache_fraction=0.25, moe_staging_experts=2)
     with engine(ckpt, **options) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
@@ -440,22 +436,20 @@ def test_a_batch_drops_the_last_prestaged_layers_its_activations_need(ckpt, refs
 
 
 def test_an_idle_gpus_room_for_prestaged_layers(monkeypatch):
-    """``MoeRuntime._room_when_idle``: the plan (cap x ratio) less the CUDA context, the live
+    """``prestage.room_when_idle``: the plan (cap x ratio) less the CUDA context, the live
     tensors other than the pre-staged buffers, and the margin; the allocator's cached blocks
     count as room."""
     from types import SimpleNamespace
 
     from ft.moe.backends import staging
-    from ft.moe.backends.runtime import MoeRuntime
+    from ft.moe.backends.prestage import room_when_idle
 
     g = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * g, 100 * g))  # 90 used
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 89 * g)  # 1 outside
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 80 * g)  # 9 cached
-    fake = SimpleNamespace(
-        device=torch.device("cuda", 0), cfg=SimpleNamespace(max_gpu_memory_bytes=None, memory_ratio=0.9)
-    )
-    room = MoeRuntime._room_when_idle(fake, prestaged=3 * g)
+    cfg = SimpleNamespace(max_gpu_memory_bytes=None, memory_ratio=0.9)
+    room = room_when_idle(cfg, torch.device("cuda", 0), prestaged=3 * g)
     assert room == 90 * g - 1 * g - (80 - 3) * g - staging.PRESTAGE_MARGIN
 
 

@@ -67,11 +67,17 @@ ckpt = family_checkpoints(seed=31, weight_scale=0.8)
 
 @pytest.mark.parametrize(
     "switch",
-    [None, "pairs:DEVICE_PAIRS=0", "offload:HITS_AFTER_AHEAD=0", "pairs:DIRECT_TERMS=0", "transfer:MEMCPY=0"],
+    [
+        None,
+        "pairs:DEVICE_PAIRS=0",
+        "streaming:HITS_AFTER_AHEAD=0",
+        "pairs:DIRECT_TERMS=0",
+        "transfer:MEMCPY=0",
+    ],
 )
 def test_fp32_offload_equals_resident_exactly(ckpt, monkeypatch, switch):
     """Also with a prefill switch flipped: ``pairs.DEVICE_PAIRS`` off (the streamed layers' pairs
-    grouped on the host: the same runs), ``offload.HITS_AFTER_AHEAD`` off (the hits before the
+    grouped on the host: the same runs), ``streaming.HITS_AFTER_AHEAD`` off (the hits before the
     first group staged ahead) and ``pairs.DIRECT_TERMS`` off (each streamed call's tokens
     gathered, its terms scattered) and ``transfer.MEMCPY`` off (each run of rows copied by
     ``Tensor.copy_`` instead of cudaMemcpyAsync through ctypes)."""
@@ -141,15 +147,14 @@ def test_prestaged_buffers_of_new_sizes_compile_no_new_alignment(tmp_path, monke
     add at most one variant after the first round. Before 53875c5 each new count compiled them
     again inside the prefill that met it; before e000ef9 a count of 1 or 16 and a slice at an odd
     pair did (an H200, 2026-12-03: compiled variants 5, 6, 6, 7, 9, 9 after six rounds)."""
-    from ft.moe.backends import staging
-    from ft.moe.backends.runtime import MoeRuntime
+    from ft.moe.backends import prestage, staging
     from ft.moe.kernels import align
 
     write_checkpoint(tmp_path, "qwen3_moe", seed=4, num_experts=32, weight_scale=0.8)
     rows = iter(range(9, 15))  # the experts pre-staged over all layers after each round
 
-    def room(runtime, held: int) -> int:
-        return next(rows) * runtime.backends[0].store.layout.expert_bytes
+    def room(cfg, device, held: int) -> int:  # asked once the engine is idle: ``llm`` is built
+        return next(rows) * llm.engine.executor.runner.moe.backends[0].store.layout.expert_bytes
 
     fns = (align._align_kernel, align._runs_kernel)
     if not all(hasattr(fn, "device_caches") for fn in fns):
@@ -159,7 +164,7 @@ def test_prestaged_buffers_of_new_sizes_compile_no_new_alignment(tmp_path, monke
         return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
 
     monkeypatch.setattr(staging, "PRESTAGE", True)
-    monkeypatch.setattr(MoeRuntime, "_room_when_idle", room)
+    monkeypatch.setattr(prestage, "room_when_idle", room)
     monkeypatch.setattr(staging.Shared, "fit_prestaged", lambda shared, tokens: None)  # tiny batches
     with LLM(model=str(tmp_path), progress=False, device="cuda", dtype="bfloat16", **OFFLOAD) as llm:
         shared = llm.engine.executor.runner.moe.shared

@@ -126,7 +126,7 @@ def test_running_requests_default_leaves_the_expert_cache_its_room(mc, monkeypat
     most (a power of two from 4) whose GDN state rows, a slot and a snapshot each, fit 1/32 of the
     device: the 80B's ~72 MiB rows give 8 under --max-gpu-memory 48GiB and 16 on a 141 GB H200."""
     import ft.engine.pools as pools
-    from ft.engine.model_runner import build_model
+    from ft.engine.build import build_model
 
     model = build_model(mc, TPInfo(0, 1), "meta", torch.bfloat16)
     shapes = [m.state_shapes() for m in model.modules() if hasattr(m, "state_shapes")]

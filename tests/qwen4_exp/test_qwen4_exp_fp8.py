@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ft.distributed import TPInfo, tp_context
-from ft.engine.model_runner import build_model
+from ft.engine.build import build_model
 from ft.layers.linear import heads_part
 from ft.models.checkpoint import CheckpointTensor
 from ft.models.config_json import config_from_dict

@@ -11,7 +11,7 @@ import torch
 
 from ft.attention.torch_ref import TorchAttention
 from ft.distributed import TPInfo, tp_context
-from ft.engine.model_runner import build_model
+from ft.engine.build import build_model
 from ft.forward_context import ForwardBatch, ForwardContext, forward_context
 from ft.layers.attention import QKNormAttention
 from ft.models.config_json import config_from_dict, load_model_config

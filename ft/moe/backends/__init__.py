@@ -9,9 +9,9 @@ the format (bf16, NVFP4) and the kernel; the backend keeps the placement:
 - ``gpu``      every expert resident on the device, the kernel reads the bank (``gpu.py``).
 - ``offload``  experts in a pinned host store, a per-layer GPU slot cache with an LRU or
                frequency-aware policy, misses copied over PCIe on a side stream, the next
-               layer's experts prefetched from its router, prefill streamed through
-               staging buffers taken in turn (``offload.py``). When the host cannot hold every
-               expert, some live on the GPU only (a lean store, ``placement.py``).
+               layer's experts prefetched from its router (``offload.py``), prefill streamed
+               through staging buffers taken in turn (``streaming.py``). When the host cannot
+               hold every expert, some live on the GPU only (a lean store, ``placement.py``).
 - ``hybrid``   as offload, but at small decode batches the misses are computed on the CPU from
                the host store while the hits run on the GPU (``hybrid.py``).
 - ``cpu``      every routed expert computed on the CPU from the host store (``cpu.py``).

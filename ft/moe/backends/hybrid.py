@@ -47,6 +47,7 @@ from ft.moe.backends.graph_split import capturing, split_point
 from ft.moe.backends.host_route import HostRoute
 from ft.moe.backends.offload import OffloadBackend, decode_only
 from ft.moe.backends.pairs import Pairs, Terms, pair_terms
+from ft.moe.backends.streaming import take_ahead
 from ft.utils import upload
 
 HYBRID_MAX_TOKENS = 16
@@ -129,7 +130,7 @@ class HybridBackend(OffloadBackend):
     def __call__(self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not (capturing() or (decode_only() and len(x) <= HYBRID_MAX_TOKENS)):
             return super().__call__(bank, x, weights, ids)
-        self._take_ahead()  # nothing is staged for a batch this small; drop a stale group
+        take_ahead(self)  # nothing is staged for a batch this small; drop a stale group
         pred = self._predict(x)
         y_cpu = torch.empty_like(x)  # [T, H] the misses' sum, filled on the host
         split_point(lambda: self._split_work(bank, x, weights, ids, pred, y_cpu))

@@ -21,20 +21,30 @@ in their cache slots only and the host stores the other E - R. The static expert
 straight into their slots, so the caches must exist before loading: S is then decided and the
 caches allocated in ``attach_stores``, the pools the runner planned (``pool_bytes``) subtracted
 in advance, and ``allocate`` reuses them.
+
+Not here: building the backends and filling their caches (``wiring``), what an idle engine
+pre-stages (``prestage``), the plan, its line and the counters (``report``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from ft.config import EngineConfig
 from ft.distributed import TPInfo
-from ft.engine import allocator
 from ft.models.config import ModelConfig
-from ft.moe.backends import OFFLOADING, host_prefetch, host_reads, host_stage, sizing, staging
-from ft.moe.backends.cpu import CpuBackend
+from ft.moe.backends import (
+    OFFLOADING,
+    host_prefetch,
+    host_reads,
+    host_stage,
+    prestage,
+    sizing,
+    staging,
+    wiring,
+)
 from ft.moe.backends.expert_cache import ExpertCache
 from ft.moe.backends.host_store import (
     GiB,
@@ -44,11 +54,10 @@ from ft.moe.backends.host_store import (
     local_ranks,
     pin_available,
 )
-from ft.moe.backends.hybrid import HYBRID_MAX_TOKENS, HybridBackend
+from ft.moe.backends.hybrid import HYBRID_MAX_TOKENS
 from ft.moe.backends.layout import ExpertLayout
-from ft.moe.backends.offload import OffloadBackend
 from ft.moe.backends.placement import place
-from ft.moe.backends.prefetch import Prefetch
+from ft.moe.backends.report import MoePlan, counters, describe
 from ft.moe.backends.slot_map import SlotMap
 from ft.moe.backends.staging import Shared, Staging
 from ft.moe.backends.transfer import Transfer
@@ -56,24 +65,6 @@ from ft.moe.backends.transfer import Transfer
 
 def moe_blocks(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "backend")]
-
-
-@dataclass(frozen=True)
-class MoePlan:
-    backend: str
-    layers: int = 0
-    experts: int = 0  # per layer
-    slots: int = 0  # cache slots per layer
-    static: int = 0  # of which hold an expert with no host copy, for the whole run (lean store)
-    cache_bytes: int = 0  # this rank's slots and tables, all layers
-    staging_bytes: int = 0
-    host_bytes: int = 0  # this rank's host store
-    pinned: bool = False
-    policy: str = "lru"
-    prefetch: bool = False
-    # the largest decode batch (tokens) that runs without the host mid-step, None: any
-    # (``MoeRuntime.runs_unattended``, as the switches stood at start-up)
-    unattended_tokens: int | None = None
 
 
 class MoeRuntime:
@@ -176,26 +167,8 @@ class MoeRuntime:
         )
         self.shared.activation_per_token = sizing.activation_bytes_per_token(self.mc, self.dtype.itemsize)
         self.shared.prestage_room = staging.PRESTAGE_CPU_BYTES  # on a GPU measured when idle
-        for i, (block, store) in enumerate(zip(blocks, self.stores)):
-            if self.name == "cpu":
-                backend = CpuBackend(store, self.shared, first=i == 0)
-            else:
-                cls = HybridBackend if self.name == "hybrid" else OffloadBackend
-                backend = cls(store, self.caches[i], self.shared, first=i == 0)
-            block.backend = backend
-            self.backends.append(backend)
-        if self.streams:  # streaming ahead (offload, hybrid): the next layer's first group
-            for backend, nxt in zip(self.backends, self.backends[1:]):
-                backend.next = nxt
-        for backend in self.backends:  # fill every cache at start-up: copies on the side stream
-            if getattr(backend, "cache", None) is not None:
-                backend.copy_in(backend.map.warm())
-                backend.cache.publish()
-        self.shared.transfer.wait()  # the main stream reads no slot before its copy lands
-        self.shared.transfer.reset_counts()  # bytes streamed per token count requests' traffic only
-        if cfg.moe_prefetch and self.name != "cpu":
-            for backend, nxt, block in zip(self.backends, self.backends[1:], blocks[1:]):
-                backend.prefetch = Prefetch(block.gate, nxt)  # the next MoE layer's router
+        prefetch = cfg.moe_prefetch and self.name != "cpu"
+        self.backends = wiring.build(self.name, blocks, self.stores, self.caches, self.shared, prefetch)
         if self.name == "offload" and (self.stores[0].pinned or self.device.type == "cpu"):
             k, stage_tokens = self.mc.num_experts_per_tok, self._stage_tokens()
             self.reads = host_reads.HostReads(self.backends, k, self.device, self.bank.format, stage_tokens)
@@ -211,7 +184,7 @@ class MoeRuntime:
             host_bytes=sum(s.nbytes for s in self.stores),
             pinned=self.stores[0].pinned,
             policy=cfg.expert_cache_policy,
-            prefetch=cfg.moe_prefetch and self.name != "cpu",
+            prefetch=prefetch,
             unattended_tokens=max(unattended, default=0),
         )
         return self.plan
@@ -280,33 +253,11 @@ class MoeRuntime:
 
     def idle(self) -> None:
         """The engine has nothing to run: with ``staging.PRESTAGE``, copy MoE layers' host-only
-        experts into buffers of their own, as many as ``prestage_room`` holds, shared out over the
-        layers by ``staging.prestage_rows`` (the layers already pre-staged count, and keep theirs)."""
+        experts into buffers of their own (``prestage.idle``)."""
         sh = self.shared
         if not staging.PRESTAGE or sh is None or sh.staging is None or self.name == "cpu":
             return
-        held = sum(p.nbytes for p in sh.prestaged.values())
-        if self.device.type == "cuda":
-            sh.prestage_room = self._room_when_idle(held)
-        each = max(b.store.layout.expert_bytes for b in self.backends)  # the layers' experts alike
-        capacity = [b.prestage_capacity() for b in self.backends]
-        rows = staging.prestage_rows((sh.prestage_room - held) // each, capacity)
-        for backend, n in zip(self.backends, rows):
-            try:
-                backend.prestage(n)
-            except torch.cuda.OutOfMemoryError:  # best effort: the room was measured, not reserved
-                break
-        sh.prestaged = {b: sh.prestaged[b] for b in self.backends if b in sh.prestaged}  # layer order
-
-    def _room_when_idle(self, prestaged: int) -> int:
-        """Bytes the plan (the cap x ``--memory-ratio``) leaves an idle engine for pre-staged
-        layers, those it holds (``prestaged``) included: less what lies outside torch's allocator
-        (the CUDA context), every live tensor but theirs (the CUDA graphs' pools among them) and
-        ``staging.PRESTAGE_MARGIN``. Blocks the allocator caches but no tensor holds count as
-        room: a pre-staged buffer takes them before it asks the driver."""
-        context, total = allocator.outside(self.device)
-        live = torch.cuda.memory_allocated(self.device) - prestaged
-        return sizing.plan_bytes(self.cfg, self.device, total) - context - live - staging.PRESTAGE_MARGIN
+        prestage.idle(self.cfg, self.device, sh, self.backends)
 
     def after_step(self, tokens: int) -> None:
         """After each forward (``tokens``: its batch's): host reads' counting and promotions (their
@@ -328,29 +279,9 @@ class MoeRuntime:
     def restart_caches(self) -> None:
         """Every expert cache back to its start-up fill (``SlotMap.restart``), copied in now, so
         that each variant ``ft bench offline`` measures on one loaded model starts from the same
-        contents instead of the previous variant's."""
-        if not self.caches:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # no kernel or copy still on a slot
-        self.shared.prestaged.clear()  # ranked by the variant before: the next stages its own
-        self.shared.ahead = None
-        if self.reads is not None:
-            self.reads.flush()
-            self.reads.discard()
-        for backend in self.backends:
-            cache = getattr(backend, "cache", None)
-            if cache is not None:
-                cache.copying.clear()
-                backend.copy_in(backend.map.restart())
-        self.shared.transfer.wait()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # landed, and not part of what is measured next
-        if self.reads is not None:
-            self.reads.tables.publish()  # every slot routed to now: its copy has landed
-        else:
-            for cache in self.caches:
-                cache.publish()
+        contents instead of the previous variant's (``wiring.restart``)."""
+        if self.caches:
+            wiring.restart(self.backends, self.caches, self.shared, self.reads, self.device)
 
     def set_policy(self, policy: str) -> None:
         for cache in self.caches:
@@ -359,70 +290,9 @@ class MoeRuntime:
 
     # ---- reporting
     def describe(self, kv_tokens: int, state_rows: int = 0, state_bytes: int = 0) -> str:
-        """The plan line: experts resident and where, the store, the KV pool and, for GDN models,
-        the state pool (one row a request slot and a prefix snapshot: ``--max-running-requests``
-        sizes both, and what they hold the expert cache does not get)."""
-        p, gib = self.plan, GiB
-        head = f"ft rank {self.tp.rank}/{self.tp.size}: moe {p.backend}"
-        pools = f"KV {kv_tokens} tokens"
-        if state_rows:
-            pools += f"; GDN states {state_bytes / gib:.2f} GiB in {state_rows} rows"
-        if not p.layers:
-            return f"{head} (no MoE layers); {pools}"
-        if p.backend == "gpu":
-            return (
-                f"{head}: {p.layers} layers x {p.experts}/{p.experts} experts resident, "
-                f"{p.cache_bytes / gib:.2f} GiB on {self.device}; {pools}"
-            )
-        if p.backend == "cpu":
-            return (
-                f"{head}: {p.layers} layers x {p.experts} experts computed on the CPU from a host store of "
-                f"{p.host_bytes / gib:.2f} GiB, none resident on {self.device}; {pools}"
-            )
-        extra = f"{p.policy}, prefetch {'on' if p.prefetch else 'off'}"
-        lean = f"; {p.static} static + {p.slots - p.static} dynamic slots" if p.static else ""
-        held = f" of {p.experts - p.static} experts a layer" if p.static else ""
-        return (
-            f"{head} ({extra}): {p.layers} layers x {p.slots}/{p.experts} experts resident "
-            f"({p.slots / p.experts:.0%}{lean}), expert cache {p.cache_bytes / gib:.2f} GiB + staging "
-            f"{p.staging_bytes / gib:.2f} GiB on {self.device}, host store {p.host_bytes / gib:.2f} GiB"
-            f"{held} {'pinned' if p.pinned else 'pageable'}; {pools}"
-        )
+        """The plan line this rank prints (``report.describe``)."""
+        return describe(self.plan, self.tp, self.device, kv_tokens, state_rows, state_bytes)
 
     def stats(self) -> dict:
         """This rank's counters (cumulative) for EngineStats, /metrics and ft bench."""
-        p = self.plan
-        out = {
-            "moe_backend": p.backend,
-            "moe_layers": p.layers,
-            "moe_experts": p.experts,
-            "moe_slots": p.slots,
-        }
-        sh = self.shared
-        if sh is None:
-            out["moe_resident"] = p.layers * p.experts if p.backend == "gpu" else 0
-            return out
-        sh.transfer.resolve()
-        if sh.prestage_transfer is not None:  # its copy time into the same counts
-            sh.prestage_transfer.resolve()
-        maps = [b.map for b in self.backends if b.map is not None]
-        tc = sh.transfer.counts
-        misses = sum(m.counts.misses for m in maps) + sum(
-            getattr(b, "experts_seen", 0) for b in self.backends
-        )
-        out |= {
-            "moe_resident": sum(m.num_resident for m in maps),
-            "moe_hits": sum(m.counts.hits for m in maps),
-            "moe_misses": misses,
-            "moe_evictions": sum(m.counts.evictions for m in maps),
-            "moe_prefetched": sum(m.counts.prefetched for m in maps),
-            "moe_prefetch_hits": sum(m.counts.prefetch_hits for m in maps),
-            "moe_bytes_h2d": tc.h2d_bytes,
-            "moe_bytes_host_read": self.reads.bytes_read if self.reads is not None else 0,
-            "moe_bytes_d2d": tc.d2d_bytes,
-            "moe_copy_seconds": tc.copy_seconds,
-            "moe_tokens": sh.tokens,
-            "moe_cpu_pairs": sh.cpu_pairs,
-            "moe_prestaged_layers": sh.prestage_used,
-        }
-        return out
+        return counters(self.plan, self.shared, self.backends, self.reads)

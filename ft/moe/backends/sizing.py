@@ -27,7 +27,7 @@ STAGING_BYTES = 256 << 20  # per staging buffer: enough to keep PCIe busy while 
 # Staging buffers a rank streams through (FT_MOE_STAGING_BUFFERS for a process and the ranks it
 # spawns): with streaming ahead each holds one of the next layer's first groups, so the link keeps
 # copying while that layer's mixer and router run, until every buffer is full. A third measured
-# nothing once a layer computes its first staged group before its hits (``offload.HITS_AFTER_AHEAD``):
+# nothing once a layer computes its first staged group before its hits (``streaming.HITS_AFTER_AHEAD``):
 # the 16-layer cut's 8k prefill on an H200, 2026-12-03, 392.6 ms with two, 395.9 with three,
 # the link busy 98% of the profiled time either way (docs/benchmarks.md). Two, for 256 MiB more
 # of expert cache.

@@ -8,8 +8,8 @@ the next one before that layer's router has run (streaming ahead, ``AHEAD_GROUPS
 ``Prestaged``: a layer's host-only experts copied while the engine was idle into a buffer of their
 own (``PRESTAGE``); ``prestage_rows`` shares the idle room out among the layers. ``Shared``: the
 copy engine, the staging buffers, the step count and the statistics the layers of a rank share.
-Not here: which experts a layer stages or when (``OffloadBackend``), how many rows the buffers
-get (``sizing``, ``MoeRuntime.allocate``).
+Not here: which experts a layer stages or when (``streaming``, ``prestage``), how many rows the
+buffers get (``sizing``, ``MoeRuntime.allocate``).
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ if TYPE_CHECKING:
 # 84% / 85% (2026-12-02, no same-day row without); 2 with the first layer's own staging on the
 # full 80B bf16 at --memory-ratio 0.94: 8k prefill 9,114 -> 10,990 tok/s (61 -> 74% of the link)
 AHEAD_GROUPS = max(0, int(os.environ.get("FT_MOE_AHEAD_GROUPS", "0")))
-# Pre-staging: when the engine falls idle (``MoeRuntime.idle``), MoE layers' host-only experts, the
-# policy's likeliest first, are copied into buffers of their own, on a stream of their own, in what
-# the plan leaves an idle engine (``MoeRuntime._room_when_idle``, kept as ``Shared.prestage_room``),
-# shared out evenly over the layers (``prestage_rows``), so that the next prefill computes them
-# where they are and every layer streams only the rest. A 1k prompt touches every expert of every
-# layer, and the full 80B's TTFT (561 ms on an H200, 2026-12-03) is the link's 0.54 s for its
-# misses; a request that finds the engine idle would skip the pre-staged experts' share of it.
+# Pre-staging (``prestage.py``): when the engine falls idle (``MoeRuntime.idle``), MoE layers'
+# host-only experts, the policy's likeliest first, are copied into buffers of their own, on a stream
+# of their own, in what the plan leaves an idle engine (``prestage.room_when_idle``, kept as
+# ``Shared.prestage_room``), shared out evenly over the layers (``prestage_rows``), so that the
+# next prefill computes them where they are and every layer streams only the rest. A 1k prompt
+# touches every expert of every layer, and the full 80B's TTFT (561 ms on an H200, 2026-12-03) is
+# the link's 0.54 s for its misses; a request that finds the engine idle would skip the pre-staged
+# experts' share of it.
 # Before a forward, layers are dropped, the last first, until the batch's activations fit beside the
 # rest (``Shared.fit_prestaged``); a pre-staged expert the batch does not route to costs its copy,
 # never a result. The hook is ``LLMEngine.idle``: the serving loop calls it once a step's outputs
@@ -96,7 +97,7 @@ class Ahead:
 @dataclass
 class Prestaged:
     """A layer's host-only ``experts`` (ascending) copied into a buffer of their own while the
-    engine was idle (``OffloadBackend.prestage``); ``ready``: the event its readers wait on."""
+    engine was idle (``prestage.copy``); ``ready``: the event its readers wait on."""
 
     experts: np.ndarray
     block: torch.Tensor
@@ -141,7 +142,7 @@ class Shared:
     def fit_prestaged(self, num_tokens: int) -> None:
         """Keep the pre-staged layers, the first ones first, that leave a batch of ``num_tokens``
         room for its activations; drop the others (their buffers go back to the allocator, which
-        hands them out again once their copies have landed: ``OffloadBackend.prestage``)."""
+        hands them out again once their copies have landed: ``prestage.copy``)."""
         room, kept = self.prestage_room - num_tokens * self.activation_per_token, 0
         for backend, staged in list(self.prestaged.items()):
             if kept + staged.nbytes <= room:
