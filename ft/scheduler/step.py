@@ -1,6 +1,6 @@
 """What the scheduler hands every rank for one step: a ``ScheduledSeq`` per sequence, gathered in
 a ``SchedulerOutput``. Plain picklable data, no tensors; the decisions that fill it live in
-``ft.scheduler.scheduler``, the tensors built from it in ``ft.engine.model_runner``.
+``ft.scheduler.scheduler``, the tensors built from it in ``ft.engine.batch_inputs``.
 """
 
 from __future__ import annotations

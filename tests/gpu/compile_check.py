@@ -97,6 +97,10 @@ def entries():
             tag = f"{name}, loop stages {stages}{', host rows' if host else ''}"
             yield f"MoE GEMV gate/up {tag}", moe_gemv_kernels._gate_up_kernel, ptrs, {
                 **common, "LOOP_STAGES": stages, "HOST": host, "PLANES": False}, warps, 4  # fmt: skip
+            if not is4 and not host and stages == 4:  # the 2 MB of an expert's bf16 down rows prefetched
+                pf = {**common, "LOOP_STAGES": 4, "PF_B_CHUNKS": 32}
+                label = f"MoE GEMV gate/up {tag}, down rows prefetched"
+                yield label, moe_gemv_kernels._gate_up_kernel, {**ptrs, "pf_b": U8}, pf, warps, 4
             pair = {**common, "LOOP_STAGES": stages, "HOST": host}
             ptrs_pair = {**ptrs, "ws": F32, "counters": I32}
             yield (
@@ -125,6 +129,11 @@ def entries():
                                   "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
                         label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
                         yield label, moe_gemv_kernels._gate_up_kernel, int_ptrs, consts, iw, st
+                    if not host and even:  # its experts' down rows prefetched (PREFETCH_DOWN): 512 + 64 KB
+                        pf = {**consts, "LOOP_STAGES": i_s, "PF_B_CHUNKS": 8, "PF_S_CHUNKS": 1}
+                        label = f"MoE GEMV gate/up {tag}, {words}, integer products, down rows prefetched"
+                        pf_ptrs = {**int_ptrs, "pf_b": U8, "pf_s": U8}
+                        yield label, moe_gemv_kernels._gate_up_kernel, pf_ptrs, pf, iw, i_s
                     for st in (ds, *extra):  # the down kernel on words
                         dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
                               "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip

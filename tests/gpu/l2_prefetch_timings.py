@@ -8,8 +8,13 @@ reads from L2. This times, in CUDA graphs, on a cold L2 (a 256 MB read first):
     flush; [prefetch F MB of W]; spin S µs; [traffic 24 MB]; GEMV over W
 
 for the 80B's in_proj (12352 x 2048, 50.6 MB) and out_proj (2048 x 4096, 16.8 MB), minus the same
-graph without the GEMV. The spin kernel (one program reading the global timer) stands for the
-latency-bound chain; the traffic (a 24 MB read) for the experts that chain reads.
+graph without the GEMV, at each prefetched size with and without an evict-last hint (the
+prefetch kernels are in both graphs). The spin kernel (one program reading the global timer)
+stands for the latency-bound chain; the traffic (a 24 MB read) for the experts that chain reads.
+Then the same for the MoE GEMV at one token (NVFP4, 512 experts of 2 x 512 x 2048, top-10, a bf16
+shared pair), its ten experts' codes and scales prefetched or not: whether L2 hits shorten the
+latency-bound kernels too (what a router that prefetched its picks would gain). The prefetch is
+``ft.layers.l2_prefetch.prefetch_l2``, the norms' (``l2_prefetch.MB``).
 
     python tests/gpu/l2_prefetch_timings.py
 """
@@ -17,35 +22,25 @@ latency-bound chain; the traffic (a 24 MB read) for the experts that chain reads
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from ft.layers import triton_gemv
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-# cp.async.bulk.prefetch.L2 (sm_90): one instruction a chunk; ``.L2::cache_hint`` with an
-# evict_last policy in HINT mode
-_BULK = tl.constexpr(
-    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }"
-)
-_BULK_LAST = tl.constexpr(
-    "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0;"
-    " createpolicy.fractional.L2::evict_last.b64 pol, 1.0;"
-    " @p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }"
-)
+from ft.layers import l2_prefetch, triton_gemv
+from ft.layers.l2_prefetch import CHUNK, prefetch_l2
+from ft.moe.kernels import triton_moe_gemv
 
 
 @triton.jit
-def _prefetch_kernel(base, nbytes, CHUNK: tl.constexpr, PER_PROG: tl.constexpr, HINT: tl.constexpr):
-    off = (tl.program_id(0) * PER_PROG + tl.arange(0, PER_PROG)).to(tl.int64) * CHUNK
-    size = tl.minimum(tl.maximum(nbytes - off, 0), CHUNK).to(tl.int32)
-    if HINT:
-        tl.inline_asm_elementwise(
-            _BULK_LAST, "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1
-        )
-    else:
-        tl.inline_asm_elementwise(_BULK, "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
+def _prefetch_kernel(base, nbytes, PER_PROG: tl.constexpr, HINT: tl.constexpr):
+    # program p: chunks [p * PER_PROG, (p + 1) * PER_PROG) of base
+    off = tl.program_id(0).to(tl.int64) * PER_PROG * CHUNK
+    prefetch_l2(base + off, nbytes - off, PER_PROG, HINT)
 
 
 @triton.jit
@@ -56,15 +51,12 @@ def _spin_kernel(ns):
         t = tl.extra.cuda.globaltimer()
 
 
-def prefetch(w: torch.Tensor, nbytes: int, hint: bool, chunk: int = 1 << 16) -> None:
+def prefetch(w: torch.Tensor, nbytes: int, hint: bool) -> None:
     nbytes = min(nbytes, w.numel() * w.element_size())
-    if nbytes <= 0:
-        return
-    per_prog = 32
-    grid = (triton.cdiv(triton.cdiv(nbytes, chunk), per_prog),)
-    _prefetch_kernel[grid](
-        w.view(torch.uint8), nbytes, CHUNK=chunk, PER_PROG=per_prog, HINT=hint, num_warps=1
-    )
+    if nbytes > 0:
+        per_prog = 32
+        grid = (triton.cdiv(triton.cdiv(nbytes, l2_prefetch.CHUNK_BYTES), per_prog),)
+        _prefetch_kernel[grid](w.view(torch.uint8), nbytes, PER_PROG=per_prog, HINT=hint, num_warps=1)
 
 
 def graph_us(fn, reps: int = 20, iters: int = 50) -> float:
@@ -87,6 +79,70 @@ def graph_us(fn, reps: int = 20, iters: int = 50) -> float:
 
 SIZES = [(0, False), (8, False), (16, False), (24, False), (32, False), (48, False), (16, True), (32, True),
          (48, True)]  # (MB prefetched, evict_last)  # fmt: skip
+YES = {True: "yes", False: "no"}
+
+
+def timed(body, *args) -> float:
+    """µs the last stage of ``body`` adds: the graph with it less the graph without."""
+    return graph_us(functools.partial(body, *args, True)) - graph_us(functools.partial(body, *args, False))
+
+
+def projections(cold, spins) -> list[tuple]:
+    dev = torch.device("cuda")
+    x, x4 = (torch.randn(1, k, dtype=torch.bfloat16, device=dev) for k in (2048, 4096))
+    shapes = {"in_proj": (torch.randn(12352, 2048, dtype=torch.bfloat16, device=dev) * 0.02, x),
+              "out_proj": (torch.randn(2048, 4096, dtype=torch.bfloat16, device=dev) * 0.02, x4)}  # fmt: skip
+    rows = []
+    for spin, with_traffic in spins:
+        for name, (w, xin) in shapes.items():
+
+            def body(mb, hint, last, w=w, xin=xin, spin=spin, with_traffic=with_traffic):
+                cold(with_traffic, lambda: prefetch(w, int(mb * (1 << 20)), hint), spin)
+                if last:
+                    triton_gemv.gemv(xin, w)
+
+            for mb, hint in SIZES:
+                if mb <= w.numel() * 2 / (1 << 20) + 1:
+                    rows.append((name, spin // 1000, with_traffic, mb, hint, timed(body, mb, hint)))
+                    print(*rows[-1], flush=True)
+    return rows
+
+
+def experts(cold, spins) -> list[tuple]:
+    """The MoE GEMV (gate/up + down, NVFP4, 512 experts of 2 x 512 x 2048, top-10, a bf16 shared
+    pair) at one token, its ten experts' codes and scales prefetched or not."""
+    from tests.gpu.config_sweep import moe_problem, shared_pair
+
+    problem = moe_problem(1)
+    banks, x, routes = problem
+    w13, w2 = banks["nvfp4"]
+    pair = shared_pair(problem)
+    weights, ids = routes[0]
+    rows = []
+    for spin, with_traffic in spins:
+        # "by gate/up": no prefetch before, the gate/up launch's own (triton_moe_gemv.PREFETCH_DOWN)
+        for parts in ((), ("gate/up",), ("gate/up", "down"), ("down by gate/up",)):
+            for hint in (False, True):
+                if hint and parts in ((), ("down by gate/up",)):
+                    continue
+
+                def warm(parts=parts, hint=hint):
+                    for e in ids[0].tolist():
+                        for name, bank in (("gate/up", w13), ("down", w2)):
+                            if name in parts:
+                                for t in (bank.weight[e], bank.weight_scale[e]):
+                                    prefetch(t, t.numel() * t.element_size(), hint)
+
+                def body(last, warm=warm, spin=spin, with_traffic=with_traffic):
+                    cold(with_traffic, warm, spin)
+                    if last:
+                        triton_moe_gemv.fused_moe_gemv(x, w13, w2, weights, ids, pair)
+
+                triton_moe_gemv.PREFETCH_DOWN = parts == ("down by gate/up",)
+                rows.append(("+".join(parts) or "none", spin // 1000, with_traffic, hint, timed(body)))
+                triton_moe_gemv.PREFETCH_DOWN = False
+                print(*rows[-1], flush=True)
+    return rows
 
 
 def main() -> None:
@@ -95,36 +151,26 @@ def main() -> None:
     flushed = torch.empty((), dtype=torch.int64, device=dev)
     traffic = torch.randn(12 << 20, dtype=torch.bfloat16, device=dev)  # 24 MB
     traffic_out = torch.empty((), dtype=torch.float32, device=dev)
-    x = torch.randn(1, 2048, dtype=torch.bfloat16, device=dev)
-    x4 = torch.randn(1, 4096, dtype=torch.bfloat16, device=dev)
-    shapes = {"in_proj": (torch.randn(12352, 2048, dtype=torch.bfloat16, device=dev) * 0.02, x),
-              "out_proj": (torch.randn(2048, 4096, dtype=torch.bfloat16, device=dev) * 0.02, x4)}  # fmt: skip
-    rows = []
-    for spin in (10_000, 25_000):
-        for with_traffic in (False, True):
 
-            def body(w, xin, mb, hint, gemv, spin=spin, with_traffic=with_traffic):
-                torch.sum(flush.view(torch.int64), dim=0, out=flushed)
-                prefetch(w, int(mb * (1 << 20)), hint)
-                _spin_kernel[(1,)](spin)
-                if with_traffic:
-                    torch.sum(traffic, dim=0, dtype=torch.float32, out=traffic_out)
-                if gemv:
-                    triton_gemv.gemv(xin, w)
+    def cold(with_traffic: bool, warm, spin_ns: int) -> None:
+        # an L2 of other data, the prefetches, the latency-bound stretch (with its own traffic)
+        torch.sum(flush.view(torch.int64), dim=0, out=flushed)
+        warm()
+        _spin_kernel[(1,)](spin_ns)
+        if with_traffic:
+            torch.sum(traffic, dim=0, dtype=torch.float32, out=traffic_out)
 
-            for name, (w, xin) in shapes.items():
-                base = graph_us(functools.partial(body, w, xin, 0, False, False))
-                for mb, hint in SIZES:
-                    if mb > w.numel() * 2 / (1 << 20) + 1:
-                        continue
-                    t = graph_us(functools.partial(body, w, xin, mb, hint, True)) - base
-                    rows.append((name, spin // 1000, with_traffic, mb, hint, t))
-                    print(*rows[-1], f"{t:.2f} us", flush=True)
+    spins = [(10_000, False), (10_000, True), (25_000, False), (25_000, True)]
+    moe = experts(cold, spins)
+    proj = projections(cold, spins)
     print("\n| weight | spin µs | 24 MB traffic | prefetched MB | evict_last | GEMV µs |")
     print("|---|---|---|---|---|---|")
-    for name, spin, traffic_on, mb, hint, t in rows:
-        yes = {True: "yes", False: "no"}
-        print(f"| {name} | {spin} | {yes[traffic_on]} | {mb} | {yes[hint]} | {t:.2f} |")
+    for name, spin, traffic_on, mb, hint, t in proj:
+        print(f"| {name} | {spin} | {YES[traffic_on]} | {mb} | {YES[hint]} | {t:.2f} |")
+    print("\n| experts prefetched | spin µs | 24 MB traffic | evict_last | MoE GEMV µs |")
+    print("|---|---|---|---|---|")
+    for parts, spin, traffic_on, hint, t in moe:
+        print(f"| {parts} | {spin} | {YES[traffic_on]} | {YES[hint]} | {t:.2f} |")
 
 
 if __name__ == "__main__":

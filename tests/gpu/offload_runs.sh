@@ -71,6 +71,11 @@
 #            decoding after a 1,024- and a 131,072-token prompt at 128 (the defaults' row), 32, 64
 #            and 256, from one load (decode_variants.py --prompt; ~5-6 min, its own call: 90 + 480 s
 #            of timeouts). Not yet run
+#   l2       weights prefetched into L2 ahead of the projection that reads them (ft.layers.l2_prefetch,
+#            off): the probe (l2_prefetch_timings.py: a GEMV and the MoE GEMV after a latency-bound
+#            stretch, cold against prefetched, ~1 min), its GPU tests, then the 80B with NVFP4 experts
+#            resident at MB 8, 16, 32, with gate/up prefetching the down rows (triton_moe_gemv.
+#            PREFETCH_DOWN), and all with evict-last lines (decode_variants.py; ~5 min). Not yet run
 #
 # Logs go to OUT_DIR; the last lines printed are the figures, for docs/benchmarks.md.
 set -uo pipefail
@@ -231,6 +236,17 @@ splits)
   timeout 480 python3 tests/gpu/decode_variants.py "$next" "$out/splits_decode.log" --nvfp4 --prompt=1024,131072 \
     "$splits=32" "$splits=64" "$splits=256" >"$out/splits_decode.out" 2>&1
   grep -E "tok/s" "$out/splits_decode.log" | cut -c1-200
+  ;;
+l2)
+  timeout 120 python3 tests/gpu/l2_prefetch_timings.py >"$out/l2_probe.log" 2>&1
+  grep -E "^\|" "$out/l2_probe.log"
+  timeout 80 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_kernels.py tests/gpu/test_moe_gemv.py \
+    -k "prefetch" >"$out/l2_test.log" 2>&1
+  tail -n 2 "$out/l2_test.log"
+  l2=ft.layers.l2_prefetch
+  timeout 300 python3 tests/gpu/decode_variants.py "$next" "$out/l2_decode.log" --nvfp4 "$l2:MB=8" "$l2:MB=16" \
+    "$l2:MB=32" ft.moe.kernels.triton_moe_gemv:PREFETCH_DOWN "$l2:EVICT_LAST" "$l2:MB=16" >"$out/l2_decode.out" 2>&1
+  grep -E "tok/s" "$out/l2_decode.log" | cut -c1-200
   ;;
 *)
   echo "unknown stage $stage" >&2

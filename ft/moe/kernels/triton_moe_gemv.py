@@ -30,7 +30,7 @@ import os
 import torch
 import triton
 
-from ft.layers import triton_gemv
+from ft.layers import l2_prefetch, triton_gemv
 from ft.layers.pdl import pdl_args
 from ft.moe.kernels import int_dot
 from ft.moe.kernels.fp4_decode import UNFOLD
@@ -173,6 +173,12 @@ NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "1
 # run_gpu_tests.sh kernels gave 558 passed and the offload NVFP4 tests 19 passed (2026-12-02 05:10).
 FP4_INT_DOT = os.environ.get("FT_MOE_GEMV_FP4_INT_DOT", "1") != "0"
 NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
+# The gate/up launch asks L2 for its experts' down rows (``ft.layers.l2_prefetch``), so the down
+# launch after it, bound by the latency of its loads (~9 us for ~8 MB a layer of the 80B, 2026-12-05
+# census), finds them there. Results unchanged. OFF until timed (tests/gpu/l2_prefetch_timings.py's
+# MoE rows, then decode_variants.py ...:PREFETCH_DOWN); FT_MOE_GEMV_PREFETCH_DOWN=1 turns it on.
+# Resident rows only: not with host reads or separate down ids.
+PREFETCH_DOWN = os.environ.get("FT_MOE_GEMV_PREFETCH_DOWN", "0") == "1"
 
 
 def _word_aligned(*codes: torch.Tensor, size: int = 4) -> bool:
@@ -193,6 +199,18 @@ def _bank(w) -> tuple:
 
 def _strides(b, scale, glob) -> tuple:
     return b.stride(0), b.stride(1), scale.stride(0), scale.stride(1), glob.stride(0)
+
+
+def _down_prefetch(b2: torch.Tensor, s2: torch.Tensor, fp4: bool) -> dict:
+    """The gate/up launch's arguments that prefetch its experts' down rows (``PREFETCH_DOWN``)."""
+    codes = l2_prefetch.rows_args(b2)
+    scales = l2_prefetch.rows_args(s2) if fp4 else None
+    if codes is None or (fp4 and scales is None):
+        return {}
+    args = dict(zip(("pf_b", "s_pfb", "pf_bytes_b", "PF_B_CHUNKS"), codes))
+    if scales is not None:
+        args |= dict(zip(("pf_s", "s_pfs", "pf_bytes_s", "PF_S_CHUNKS"), scales))
+    return args
 
 
 def _host_operands(w, host) -> tuple:
@@ -290,6 +308,7 @@ def launch_moe_gemv(
         BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
         BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
+        **(_down_prefetch(b2, s2, fp4) if PREFETCH_DOWN and host is None and down is None else {}),
     )  # fmt: skip
     if before_down is not None:
         before_down()
