@@ -72,10 +72,10 @@ def rms_norm(
     eps: float,
     zero_centered: bool = False,
     residual: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
+    prefetch: l2_prefetch.Target | None = None,
 ):
     """x [..., D], weight [D] -> out [..., D]; with residual [..., D] -> (out, x + residual).
-    ``prefetch``: a weight (uint8 view) to prefetch into L2 for later (``ft.layers.l2_prefetch``)."""
+    ``prefetch``: a weight to prefetch into L2 for later (``ft.layers.l2_prefetch``)."""
     d = x.shape[-1]
     assert x.is_cuda and weight.shape == (d,), f"weight {tuple(weight.shape)} does not fit x [..., {d}]"
     assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), (
@@ -88,6 +88,7 @@ def rms_norm(
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = out if residual is None else torch.empty_like(out)
     block = triton.next_power_of_2(d)
+    num_warps = min(16, max(1, block // 256))
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
             x2,
@@ -104,9 +105,9 @@ def rms_norm(
             ZERO_CENTERED=zero_centered,
             HAS_RES=residual is not None,
             BLOCK_D=block,
-            num_warps=min(16, max(1, block // 256)),
+            num_warps=num_warps,
             **pdl_args(x2),
-            **l2_prefetch.kernel_args(prefetch, x2.shape[0]),
+            **l2_prefetch.kernel_args(prefetch, x2.shape[0], 32 * num_warps),
         )
     if residual is None:
         return out.view(x.shape)

@@ -74,8 +74,9 @@
 #   l2       weights prefetched into L2 ahead of the projection that reads them (ft.layers.l2_prefetch,
 #            off): the probe (l2_prefetch_timings.py: a GEMV and the MoE GEMV after a latency-bound
 #            stretch, cold against prefetched, ~1 min), its GPU tests, then the 80B with NVFP4 experts
-#            resident at MB 8, 16, 32, with gate/up prefetching the down rows (triton_moe_gemv.
-#            PREFETCH_DOWN), and all with evict-last lines (decode_variants.py; ~5 min). Not yet run
+#            resident: the next layer's input projection at MB 8, 32, 16, this layer's output one at
+#            OUT_MB 16, gate/up prefetching the down rows (triton_moe_gemv.PREFETCH_DOWN), all of them
+#            with evict-last lines (decode_variants.py; ~5 min). Not yet run
 #
 # Logs go to OUT_DIR; the last lines printed are the figures, for docs/benchmarks.md.
 set -uo pipefail
@@ -244,8 +245,9 @@ l2)
     -k "prefetch" >"$out/l2_test.log" 2>&1
   tail -n 2 "$out/l2_test.log"
   l2=ft.layers.l2_prefetch
-  timeout 300 python3 tests/gpu/decode_variants.py "$next" "$out/l2_decode.log" --nvfp4 "$l2:MB=8" "$l2:MB=16" \
-    "$l2:MB=32" ft.moe.kernels.triton_moe_gemv:PREFETCH_DOWN "$l2:EVICT_LAST" "$l2:MB=16" >"$out/l2_decode.out" 2>&1
+  # EVICT_LAST alone prefetches nothing (a control row); "all of them": MB=16, OUT_MB=16, PREFETCH_DOWN, EVICT_LAST
+  timeout 300 python3 tests/gpu/decode_variants.py "$next" "$out/l2_decode.log" --nvfp4 "$l2:MB=8" "$l2:MB=32" \
+    "$l2:OUT_MB=16" ft.moe.kernels.triton_moe_gemv:PREFETCH_DOWN "$l2:EVICT_LAST" "$l2:MB=16" >"$out/l2_decode.out" 2>&1
   grep -E "tok/s" "$out/l2_decode.log" | cut -c1-200
   ;;
 *)

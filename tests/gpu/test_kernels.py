@@ -391,7 +391,9 @@ def test_rms_norm_prefetching_a_weight_changes_nothing(monkeypatch, evict_last):
     monkeypatch.setattr(l2_prefetch, "MB", 1)
     monkeypatch.setattr(l2_prefetch, "EVICT_LAST", evict_last)
     for rows, cols in ((2048, 1024), (100, 8)):  # 4 MB (1 of them asked for), 1,600 bytes (one short chunk)
-        target = torch.randn(rows, cols, device="cuda").to(torch.bfloat16).view(-1).view(torch.uint8)
+        view = torch.randn(rows, cols, device="cuda").to(torch.bfloat16).view(-1).view(torch.uint8)
+        target = l2_prefetch.Target(view, next_layer=True)
+        assert l2_prefetch.kernel_args(target, 2, 256)["PF_CHUNKS"] == 256  # it does prefetch
         got = rms_norm(x, w, 1e-6, True, residual=r, prefetch=target)
         torch.cuda.synchronize()
         assert all(torch.equal(g, e) for g, e in zip(got, want))

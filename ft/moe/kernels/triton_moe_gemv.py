@@ -201,10 +201,13 @@ def _strides(b, scale, glob) -> tuple:
     return b.stride(0), b.stride(1), scale.stride(0), scale.stride(1), glob.stride(0)
 
 
-def _down_prefetch(b2: torch.Tensor, s2: torch.Tensor, fp4: bool) -> dict:
-    """The gate/up launch's arguments that prefetch its experts' down rows (``PREFETCH_DOWN``)."""
-    codes = l2_prefetch.rows_args(b2)
-    scales = l2_prefetch.rows_args(s2) if fp4 else None
+def _down_prefetch(b2: torch.Tensor, s2: torch.Tensor, fp4: bool, threads: int) -> dict:
+    """The gate/up launch's arguments that prefetch its experts' down rows (``PREFETCH_DOWN``), from
+    programs of ``threads`` threads (none under the interpreter)."""
+    if INTERPRETER:
+        return {}
+    codes = l2_prefetch.rows_args(b2, threads)
+    scales = l2_prefetch.rows_args(s2, threads) if fp4 else None
     if codes is None or (fp4 and scales is None):
         return {}
     args = dict(zip(("pf_b", "s_pfb", "pf_bytes_b", "PF_B_CHUNKS"), codes))
@@ -300,6 +303,7 @@ def launch_moe_gemv(
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
     # unread without the integer products
     xq, xf = (blocks or int_dot.quantize_blocks(x)) if int_products else (x, x)
+    prefetch_down = PREFETCH_DOWN and host is None and down is None  # resident rows, gate/up's ids
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         x, xq, xf, b13, s13, g13, *h13, sb13, act, ids, inter, h,
         x.stride(0), xq.stride(0), xf.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0),
@@ -308,7 +312,7 @@ def launch_moe_gemv(
         BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
         BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
-        **(_down_prefetch(b2, s2, fp4) if PREFETCH_DOWN and host is None and down is None else {}),
+        **(_down_prefetch(b2, s2, fp4, 32 * num_warps) if prefetch_down else {}),
     )  # fmt: skip
     if before_down is not None:
         before_down()
