@@ -177,13 +177,13 @@ def test_kernel_under_the_interpreter(check):
 
 
 def test_codes_read_as_words_only_when_4_byte_aligned():
-    """``triton_moe_gemv._word_aligned``: the words' paths take a code tensor whose start and row
+    """``moe_gemv_operands.word_aligned``: the words' paths take a code tensor whose start and row
     strides are multiples of 4 bytes; a view off by a byte, or rows of an odd width, read bytes."""
     pytest.importorskip("triton")
-    from ft.moe.kernels.triton_moe_gemv import _word_aligned
+    from ft.moe.kernels.moe_gemv_operands import word_aligned
 
     flat = torch.zeros(4 * 8 * 1024 + 4, dtype=torch.uint8)
     whole = flat[: 4 * 8 * 1024].view(4, 8, 1024)
-    assert _word_aligned(whole)
-    assert not _word_aligned(whole, flat[1 : 1 + 4 * 8 * 1024].view(4, 8, 1024))  # a byte in
-    assert not _word_aligned(torch.zeros(4, 8, 1026, dtype=torch.uint8)[:, :, :1024])  # rows 1026 apart
+    assert word_aligned(whole)
+    assert not word_aligned(whole, flat[1 : 1 + 4 * 8 * 1024].view(4, 8, 1024))  # a byte in
+    assert not word_aligned(torch.zeros(4, 8, 1026, dtype=torch.uint8)[:, :, :1024])  # rows 1026 apart

@@ -271,6 +271,7 @@ def test_prefetched_down_rows_give_the_same_bits(fmt, t, inter, monkeypatch):
     in a CUDA graph, and leaves the ticket counters at zero."""
     from ft.layers import triton_gemv
     from ft.moe.kernels import triton_moe_gemv as mod
+    from ft.moe.kernels.moe_gemv_operands import bank, down_prefetch
 
     x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + 7)
     gen = torch.Generator(device="cuda").manual_seed(6)
@@ -279,7 +280,7 @@ def test_prefetched_down_rows_give_the_same_bits(fmt, t, inter, monkeypatch):
         (torch.randn(2048, inter, generator=gen, device="cuda") * inter**-0.5).to(torch.bfloat16),
         torch.randn(t, 1, generator=gen, device="cuda").to(torch.bfloat16),
     )
-    assert mod._down_prefetch(*mod._bank(w2)[:2], fmt == "nvfp4", 128)["PF_B_CHUNKS"] > 0  # it does prefetch
+    assert down_prefetch(*bank(w2)[:2], fmt == "nvfp4", 128)["PF_B_CHUNKS"] > 0  # it does prefetch
     for pair in (None, shared):
         monkeypatch.setattr(mod, "PREFETCH_DOWN", False)
         want = mod.fused_moe_gemv(x, w13, w2, weights, ids, pair)

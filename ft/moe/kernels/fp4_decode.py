@@ -7,7 +7,8 @@ kernel folds the ``2^22`` (``UNFOLD``) into the row's global. ``decode`` / ``dec
 tile at a time. The table decode (``decode_lut``, ``triton_w4a16.LUT``) gives the same values at
 their true magnitudes from PRMT byte tables in inline PTX (``LUT_LO`` / ``LUT_HI``), half a word's
 codes a call, with an interpreter twin. Not here: the kernels (``triton_w4a16``,
-``moe_gemv_kernels``, ``gluon_w4a16``), the format itself (``ft.quant.nvfp4``).
+``moe_gemv_kernels``, ``gluon_w4a16``), the MoE GEMV's codes read as 32-bit words (``fp4_words``),
+the format itself (``ft.quant.nvfp4``).
 """
 
 from __future__ import annotations

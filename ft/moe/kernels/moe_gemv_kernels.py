@@ -4,10 +4,10 @@
 ``_down_pair_kernel``: one program per (token, BLOCK_N rows of H, pair), the pair's weighted term
 into a workspace; the row block's last program (by ticket) sums them in pair order. An expert's rows
 are a slot's or, with ``HOST``, the host store's for a negative id (``_expert``); NVFP4 rows are
-decoded byte-wise (``_rows``), as 32-bit words of eight codes (``_fp4_words``, ``_code``) or as
-integer dot products (``int_dot``); a shared expert's bf16 rows run beside either format. The
-maths, the switches that pick among these and why each is on or off: ``triton_moe_gemv``. Not
-here: operand checks, tiles, launches.
+decoded byte-wise (``_rows``), as 32-bit words of eight codes (``fp4_words``) or as integer dot
+products (``int_dot``); a shared expert's bf16 rows run beside either format. The maths, the
+switches that pick among these and why each is on or off: ``triton_moe_gemv``. Not here: operand
+checks, tiles, launches, the operands as the kernels take them (``moe_gemv_operands``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,8 @@ import triton.language as tl
 from ft.layers.l2_prefetch import prefetch_l2
 from ft.layers.pdl import wait_for_previous
 from ft.moe.kernels import int_dot
-from ft.moe.kernels.fp4_decode import decode_f32, e4m3
-
-# the words' factors (powers of two, exact): inputs · 2^64 keep every product e2m1 · 2^-126 · x · 2^64
-# normal, and the block's sum times scale · 2^40 is the byte-wise e2m1 · scale · 2^-22
-SUMS_BY: tl.constexpr = tl.constexpr(2.0**48)
-INPUT_BY: tl.constexpr = tl.constexpr(2.0**64)
+from ft.moe.kernels.fp4_decode import decode_f32
+from ft.moe.kernels.fp4_words import INPUT_BY, code, fp4_words, gate_up_words, input_pair
 
 
 @triton.jit
@@ -84,69 +80,6 @@ def _inputs(a_row, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     if EVEN_K:
         return tl.load(a_row + k0 + kk).to(tl.float32)[None, :]
     return tl.load(a_row + k0 + kk, mask=kk < K - k0, other=0.0).to(tl.float32)[None, :]
-
-
-@triton.jit
-def _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):  # fmt: skip
-    # rows n, inputs k0 .. k0+BK of one NVFP4 expert (``FP4_PLANES``): (codes as [BN, BK/16, 2]
-    # 32-bit words, the two of each 16-wide block, code j of a word in its bits 4j..4j+3; the blocks'
-    # scales [BN, BK/16, 1] as fp32 times ``SUMS_BY`` · 2^-8, the 2^-8 ``e4m3``'s). One 3-d shape for
-    # codes, scales and inputs keeps them in one register layout.
-    kb = tl.arange(0, BLOCK_K // 16)[None, :, None]
-    half = tl.arange(0, 2)[None, None, :]
-    rows = n[:, None, None].to(tl.int64)
-    w_ptr = (b_e + rows * s_bn + k0 // 2).to(tl.pointer_type(tl.uint32)) + 2 * kb + half
-    s_ptr = s_e + rows * s_sn + k0 // 16 + kb
-    mask = nmask[:, None, None]
-    if not EVEN_K:  # K is a multiple of 16: whole blocks (both words, one scale) are in or out
-        mask = mask & (kb < (K - k0) // 16)
-    words = tl.load(w_ptr, mask=mask, other=0)
-    return words, e4m3(tl.load(s_ptr, mask=mask, other=0)) * SUMS_BY
-
-
-@triton.jit
-def _gate_up_words(b_e, s_e, n, N, k0, s_bn, s_sn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):  # fmt: skip
-    # ``_fp4_words`` of the gate rows n and of the up rows N below them
-    wg, sg = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
-    wu, su = _fp4_words(b_e, s_e, n + N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
-    return wg, sg, wu, su
-
-
-@triton.jit
-def _code(words, J: tl.constexpr):
-    # code J of each word as fp32 e2m1 · 2^-126: the three magnitude bits go to an fp32's lowest two
-    # exponent bits and top mantissa bit (subnormal for a zero exponent, which fp32 arithmetic on
-    # the GPU keeps: not flushed), the sign bit to the sign. Its four bits alone (q), one multiply
-    # writes two copies, at bits 22..25 and 28..31, without overlap or carries; the mask keeps the
-    # first's magnitude and the second's sign: three instructions a code
-    q = words & (15 << (4 * J))
-    if J < 6:
-        both = q * ((1 << (22 - 4 * J)) + (1 << (28 - 4 * J)))
-    else:  # the copies shifted right, then left: bits 24..27 or 28..31 to 22..25, and to 28..31
-        both = (q >> (4 * J - 22)) | (q << (28 - 4 * J))
-    return (both & 0x81C00000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _input_pair(
-    a_row, k0, Q: tl.constexpr, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, TIMES: tl.constexpr = 1.0
-):
-    # inputs 8w + 2Q and 8w + 2Q + 1 of each word w of a BK step (bf16 pairs read as 32-bit words)
-    # as fp32 [1, BK/16, 2] each, in the words' shape
-    kb = tl.arange(0, BLOCK_K // 16)[None, :, None]
-    half = tl.arange(0, 2)[None, None, :]
-    ptr = (a_row + k0).to(tl.pointer_type(tl.uint32)) + 8 * kb + 4 * half + Q
-    if EVEN_K:
-        pair = tl.load(ptr)
-    else:
-        pair = tl.load(ptr, mask=kb < (K - k0) // 16, other=0)
-    lo = (pair << 16).to(tl.float32, bitcast=True)
-    hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
-    if TIMES != 1.0:  # exact (a power of two)
-        lo, hi = lo * TIMES, hi * TIMES
-    return lo, hi
 
 
 @triton.jit
@@ -245,17 +178,17 @@ def _gate_up_kernel(
                 gate = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 up = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    wg, sg, wu, su = _gate_up_words(
+                    wg, sg, wu, su = gate_up_words(
                         b_e, s_e, n, N, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K
                     )
                     bg = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)  # the blocks' sums, unscaled
                     bu = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
                     for q in tl.static_range(4):
-                        lo, hi = _input_pair(x_row, k0, q, K, EVEN_K, BLOCK_K, INPUT_BY)
-                        bg += _code(wg, 2 * q) * lo  # e2m1 · x · 2^-62: normal
-                        bg += _code(wg, 2 * q + 1) * hi
-                        bu += _code(wu, 2 * q) * lo
-                        bu += _code(wu, 2 * q + 1) * hi
+                        lo, hi = input_pair(x_row, k0, q, K, EVEN_K, BLOCK_K, INPUT_BY)
+                        bg += code(wg, 2 * q) * lo  # e2m1 · x · 2^-62: normal
+                        bg += code(wg, 2 * q + 1) * hi
+                        bu += code(wu, 2 * q) * lo
+                        bu += code(wu, 2 * q + 1) * hi
                     gate += tl.sum(bg, axis=2, keep_dims=True) * sg  # scale · 2^40
                     up += tl.sum(bu, axis=2, keep_dims=True) * su
                 gate = tl.sum(gate, axis=2)
@@ -331,12 +264,12 @@ def _down_pair_kernel(
             if PLANES:  # codes as words, a block's scale once (``FP4_DOWN_PLANES``)
                 blocks = tl.zeros([BLOCK_N, BLOCK_K // 16, 1], tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
-                    wd, sd = _fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
+                    wd, sd = fp4_words(b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
                     bd = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
                     for q in tl.static_range(4):
-                        lo, hi = _input_pair(a_row, k0, q, K, EVEN_K, BLOCK_K, INPUT_BY)
-                        bd += _code(wd, 2 * q) * lo
-                        bd += _code(wd, 2 * q + 1) * hi
+                        lo, hi = input_pair(a_row, k0, q, K, EVEN_K, BLOCK_K, INPUT_BY)
+                        bd += code(wd, 2 * q) * lo
+                        bd += code(wd, 2 * q + 1) * hi
                     blocks += tl.sum(bd, axis=2, keep_dims=True) * sd
                 dot = tl.sum(tl.sum(blocks, axis=2), axis=1)
             else:

@@ -4,8 +4,8 @@ token->expert sort, no 16-row MMA tiles, two launches.
 Same contract as ``triton_moe.fused_moe_triton`` and ``triton_w4a16.fused_moe_w4a16``, which
 dispatch here up to their ``GEMV_MAX_TOKENS``. With p = (t, j) a (token, top-k slot) pair and
 e = ids[t, j] its expert (for NVFP4, ``W = e2m1(code) · scale`` decoded in registers, from 32-bit
-words of eight codes by ``moe_gemv_kernels._code`` or byte-wise by ``fp4_decode.decode``, and
-``g`` the per-row globals; for bf16, g = 1):
+words of eight codes by ``fp4_words.code`` or byte-wise by ``fp4_decode.decode``, and ``g`` the
+per-row globals; for bf16, g = 1):
 
     act[p, n] = silu(g_gate[e, n] · x[t]·W_gate[e, n]) · (g_up[e, n] · x[t]·W_up[e, n])   # [T*k, I]
     out[t, n] = sum_j weights[t, j] · g_down[e, n] · act[(t, j)]·W_down[e, n]              # [T, H]
@@ -19,8 +19,9 @@ As in the MMA paths, ``act`` is rounded to bf16 and so is each pair's weighted t
 sums a token's k terms in fp32 and rounds once: a batch computed a pair at a time (the offload backend's
 streaming, k = 1 per call) and summed in fp32 gives the same bits as one call, exactly for
 k = 2 and up to the fp32 order of the terms beyond. Not here: the kernels' code
-(``moe_gemv_kernels``), large T (an expert hit by many tokens is read once per token here, once
-per tile there), fp16 activations with NVFP4, W4A4.
+(``moe_gemv_kernels``, ``fp4_words``), the operands as they take them (``moe_gemv_operands``),
+large T (an expert hit by many tokens is read once per token here, once per tile there), fp16
+activations with NVFP4, W4A4.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ import os
 import torch
 import triton
 
-from ft.layers import l2_prefetch, triton_gemv
+from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args
 from ft.moe.kernels import int_dot
 from ft.moe.kernels.fp4_decode import UNFOLD
 from ft.moe.kernels.moe_gemv_kernels import _down_pair_kernel, _gate_up_kernel
+from ft.moe.kernels.moe_gemv_operands import bank, down_prefetch, host_operands, strides, word_aligned
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
 from ft.moe.kernels.triton_w4a16 import INTERPRETER, check_operands
 from ft.quant.nvfp4 import NVFP4Tensor
@@ -115,7 +117,7 @@ PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "1") != "0"
 # last, so the sum does not depend on which program finishes last.
 #
 # The gate/up kernel's NVFP4 codes read as 32-bit words of eight and decoded in place
-# (``moe_gemv_kernels._fp4_words``, ``_code``): the code's magnitude bits placed into an fp32 (no
+# (``fp4_words.fp4_words``, ``code``): the code's magnitude bits placed into an fp32 (no
 # fp16 step), the inputs paired with each word's eight codes by reading them as bf16 pairs (no reshape of the
 # codes), a block's sixteen products summed first and its scale multiplied in once. An H200's
 # profile of the byte-wise decode (ncu, 2026-12-01, docs/benchmarks.md) has the gate/up kernel busy
@@ -125,12 +127,12 @@ PIPELINE = os.environ.get("FT_MOE_GEMV_PIPELINE", "1") != "0"
 # a subnormal product, a few bits short: against sums of order 1e-2, nothing; one of 2^64 or more
 # overflows to inf, and a zero code's product is then NaN where the byte-wise sum stays finite);
 # the block's sum times scale · 2^40 is the byte-wise value · 2^-22. Each code is three
-# instructions (``_code``) and one multiply-add. The weights are the same values; the per-lane
+# instructions (``fp4_words.code``) and one multiply-add. The weights are the same values; the per-lane
 # partial sums run over other lanes, so their fp32 order, and a rounding, can differ (greedy
 # tokens of a random-weight 80B diverge: 2% agree). Under ncu gate/up went 23.8 -> 17.2 us; the
 # 80B's batch-1 decode with NVFP4 experts 248.5 -> 273.5 tok/s (H200, 2026-12-01). (The scale
 # multiplied per code instead, 20.5 us: removed 2026-12-04.) On; FT_MOE_GEMV_FP4_PLANES=0 reads
-# bytes, as does any code tensor not 4-byte aligned (``_word_aligned``).
+# bytes, as does any code tensor not 4-byte aligned (``moe_gemv_operands.word_aligned``).
 FP4_PLANES = os.environ.get("FT_MOE_GEMV_FP4_PLANES", "1") != "0"
 # its own gate/up tiles: the sweep's best at T=1 (one loop stage: 4,096 codes a program, four
 # steps of 512)
@@ -181,54 +183,6 @@ NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
 PREFETCH_DOWN = os.environ.get("FT_MOE_GEMV_PREFETCH_DOWN", "0") == "1"
 
 
-def _word_aligned(*codes: torch.Tensor, size: int = 4) -> bool:
-    """Whether NVFP4 code tensors [E, N, K/2] (slots, and a host store beside them) can be read as
-    words of ``size`` bytes: their start and row strides multiples of it (else the kernels read
-    bytes)."""
-    return all(
-        c.data_ptr() % size == 0 and c.stride(0) % size == 0 and c.stride(1) % size == 0 for c in codes
-    )
-
-
-def _bank(w) -> tuple:
-    """(codes or weights, scale bytes, globals, FP4) with the strides the kernels take."""
-    if isinstance(w, NVFP4Tensor):
-        return w.weight, w.weight_scale.view(torch.uint8), w.weight_scale_2, True
-    return w, w, w, False  # bf16: scale and global pointers are never read
-
-
-def _strides(b, scale, glob) -> tuple:
-    return b.stride(0), b.stride(1), scale.stride(0), scale.stride(1), glob.stride(0)
-
-
-def _down_prefetch(b2: torch.Tensor, s2: torch.Tensor, fp4: bool, threads: int) -> dict:
-    """The gate/up launch's arguments that prefetch its experts' down rows (``PREFETCH_DOWN``), from
-    programs of ``threads`` threads (none under the interpreter)."""
-    if INTERPRETER:
-        return {}
-    codes = l2_prefetch.rows_args(b2, threads)
-    scales = l2_prefetch.rows_args(s2, threads) if fp4 else None
-    if codes is None or (fp4 and scales is None):
-        return {}
-    args = dict(zip(("pf_b", "s_pfb", "pf_bytes_b", "PF_B_CHUNKS"), codes))
-    if scales is not None:
-        args |= dict(zip(("pf_s", "s_pfs", "pf_bytes_s", "PF_S_CHUNKS"), scales))
-    return args
-
-
-def _host_operands(w, host) -> tuple:
-    """The host store's (codes or weights, scales, globals) beside a slot tensor ``w``: same
-    layout, so the kernel indexes both with one set of strides."""
-    b, scale, glob, _ = _bank(w)
-    hb, hscale, hglob, _ = _bank(host)
-    for dev, hst in ((b, hb), (scale, hscale), (glob, hglob)):
-        assert dev.dtype == hst.dtype and dev.shape[1:] == hst.shape[1:] and dev.stride() == hst.stride(), (
-            f"host store {hst.dtype} {tuple(hst.shape)} strides {hst.stride()} is not laid out as the "
-            f"slots ({dev.dtype} {tuple(dev.shape)} strides {dev.stride()})"
-        )
-    return hb, hscale, hglob
-
-
 def launch_moe_gemv(
     x: torch.Tensor,
     w13,
@@ -266,12 +220,12 @@ def launch_moe_gemv(
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    b13, s13, g13, fp4 = _bank(w13)
-    b2, s2, g2, _ = _bank(w2)
+    b13, s13, g13, fp4 = bank(w13)
+    b2, s2, g2, _ = bank(w2)
     for step in (NVFP4_SHARED_BK, NVFP4_SHARED_BK_DOWN):
         assert step == 0 or (step >= 16 and step & (step - 1) == 0), f"shared step {step}: 0 or a power of 2"
-    h13 = (b13, s13, g13) if host is None else _host_operands(w13, host[0])  # unread without host
-    h2 = (b2, s2, g2) if host is None else _host_operands(w2, host[1])
+    h13 = (b13, s13, g13) if host is None else host_operands(w13, host[0])  # unread without host
+    h2 = (b2, s2, g2) if host is None else host_operands(w2, host[1])
     # host rows read over PCIe take their own tiles and stages (the same bits); rows on the device
     # (host staging's block, ``host_stage.py``) the resident ones
     over_pcie = host is not None and h13[0].device.type == "cpu"
@@ -286,9 +240,9 @@ def launch_moe_gemv(
     act = torch.empty(t * pairs, inter, dtype=x.dtype, device=x.device)  # [T*(k+shared), I]
     # the words read x as bf16 pairs: 4-byte aligned rows (any view the engine passes; else bytes)
     planes = (
-        fp4 and FP4_PLANES and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and _word_aligned(b13, *h13[:1])
+        fp4 and FP4_PLANES and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and word_aligned(b13, *h13[:1])
     )
-    int_products = planes and FP4_INT_DOT and _word_aligned(b13, *h13[:1], size=8)  # a block's codes: 8 bytes
+    int_products = planes and FP4_INT_DOT and word_aligned(b13, *h13[:1], size=8)  # a block's codes: 8 bytes
     block_n, max_block_k, num_warps, stages = (
         (NVFP4_INT if int_products else NVFP4_PLANES if planes else NVFP4)
         if fp4
@@ -306,20 +260,20 @@ def launch_moe_gemv(
     prefetch_down = PREFETCH_DOWN and host is None and down is None  # resident rows, gate/up's ids
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         x, xq, xf, b13, s13, g13, *h13, sb13, act, ids, inter, h,
-        x.stride(0), xq.stride(0), xf.stride(0), *_strides(b13, s13, g13), sb13.stride(0), act.stride(0),
+        x.stride(0), xq.stride(0), xf.stride(0), *strides(b13, s13, g13), sb13.stride(0), act.stride(0),
         ids.stride(0), ids.stride(1), UNFOLD,
         **flags, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER,
         BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
         BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
         num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
-        **(_down_prefetch(b2, s2, fp4, 32 * num_warps) if prefetch_down else {}),
+        **(down_prefetch(b2, s2, fp4, 32 * num_warps) if prefetch_down else {}),
     )  # fmt: skip
     if before_down is not None:
         before_down()
     ids = down_ids  # what the down kernel reads
     # words in the down kernel only beside words in gate/up (``FP4_PLANES=0``: bytes in both), codes
     # 4-byte aligned
-    down_planes = planes and FP4_DOWN_PLANES and _word_aligned(b2, *h2[:1])
+    down_planes = planes and FP4_DOWN_PLANES and word_aligned(b2, *h2[:1])
     down_n, down_k, down_warps, down_stages = NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
     if host_stages is not None:
         down_stages = host_stages[1]
@@ -329,7 +283,7 @@ def launch_moe_gemv(
     ws = torch.empty(t, pairs, h, dtype=torch.float32, device=x.device)  # the pairs' rounded terms
     _down_pair_kernel[(t, blocks, pairs)](
         act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, ws, triton_gemv.tickets(x.device), h, inter,
-        act.stride(0), *_strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
+        act.stride(0), *strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
         weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
         **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
         num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
