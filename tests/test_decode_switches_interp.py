@@ -159,8 +159,11 @@ def check_gdn_decode_layer() -> None:
     )
     for seed, (hk, hv, dk, dv, dtype, bv) in enumerate(cases):
         triton_decode_layer.BV = bv
-        with programs_shuffled(seed):
-            check_decode_layer(hk, hv, dk, dv, dtype, device="cpu", exact=True, seed=seed)
+        for convolved in (False, True):  # from the conv input; from the conv's output (conv in in_proj)
+            with programs_shuffled(seed):
+                check_decode_layer(
+                    hk, hv, dk, dv, dtype, device="cpu", exact=True, seed=seed, convolved=convolved
+                )
 
 
 CHECKS = [

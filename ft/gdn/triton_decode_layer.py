@@ -19,8 +19,9 @@ squares may differ. The output y [B, Hv·dv] is what the output projection reads
 
 Why it was tried: the census of a Qwen3-Next decode step (docs/benchmarks.md) has three kernels
 of ~2-4 us each in every one of its 36 GDN layers, each moving a few KB; one launch measured no
-faster (``FUSED_DECODE``, off). Not here: sequences of several tokens (prefill, snapshot tails),
-dk or dv above 256.
+faster (``FUSED_DECODE``, off). Given the conv's output (``convolved``: the conv ran in in_proj's
+epilogue) the launch starts after the conv. Not here: sequences of several tokens (prefill,
+snapshot tails), dk or dv above 256.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ from ft.utils import div_even
 # one program now walks (conv, q/k norms, state update, ticket, norm). A first version, a program
 # per (sequence, key head) holding its value heads' whole states, took ~18 us a layer against the
 # three kernels' ~8.6 (311.3 -> 280.6 tok/s): 16 programs at batch 1, 256 KB each through one SM.
+# Since the conv runs in in_proj's epilogue (``triton_conv_proj.CONV_IN_PROJ``, on from 2026-12-05)
+# the step starts after it (``CONV=False``: q, k, v read from the projection's output, no history
+# and no q/k ticket): the recurrence and the gated norm in one launch instead of two, the same
+# bits but the norm's sum order; compiled for sm_90 at 94 registers, not yet timed.
 FUSED_DECODE = os.environ.get("FT_GDN_FUSED_DECODE", "0") == "1"
 BV = 32  # state columns a program owns, as the recurrent kernel's: [dk, 32] fp32, dv / BV programs a head
 NUM_WARPS = 4
@@ -59,7 +64,7 @@ def _decode_layer_kernel(
     counters, s_xt, s_zt, s_zh, s_bt, s_bh, s_at, s_ah, s_wc, s_cs, s_cc, s_ss, s_sh, s_sk, s_yt, scale, eps,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
     KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DV_P: tl.constexpr, ROUND_MID: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, CONV: tl.constexpr = True,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     # program (sequence i_b, value head i_h, columns i_v · BV ..): its v channels' conv and history, its
@@ -82,21 +87,30 @@ def _decode_layer_kernel(
         return
     has_ctx = tl.load(context_lens + i_b) > 0
     x_row = qkv + i_b * s_xt  # [q (Hk·dk) | k (Hk·dk) | v (Hv·dv)]
-    hist = conv_state + slot * s_cs
     cq, ck, cv = i_hk * DK + kk, (HK + i_hk) * DK + kk, 2 * HK * DK + i_h * DV + vv
-    q_base, k_base, v_base = hist + cq[:, None] * s_cc, hist + ck[:, None] * s_cc, hist + cv[:, None] * s_cc
-    q, q_hist = conv_decode_channels(x_row, conv_w, q_base, cq, mk, has_ctx, s_wc, KC, KP)
-    k, k_hist = conv_decode_channels(x_row, conv_w, k_base, ck, mk, has_ctx, s_wc, KC, KP)
-    v, v_hist = conv_decode_channels(x_row, conv_w, v_base, cv, mv, has_ctx, s_wc, KC, KP)
-    # every thread's history loads are done before any column is overwritten, here or (after the
-    # ticket's release) by the program that shifts q's and k's
-    tl.debug_barrier()
-    store_history(v_base, v_hist, mv, KC, KP)
-    qk_counter = counters + i_b * HK + i_hk
-    if tl.atomic_add(qk_counter, 1, sem="acq_rel") == R * NV - 1:  # every reader of q's and k's is done
-        store_history(q_base, q_hist, mk, KC, KP)
-        store_history(k_base, k_hist, mk, KC, KP)
-        tl.store(qk_counter, 0)  # clean for the next call
+    if CONV:
+        hist = conv_state + slot * s_cs
+        q_base, k_base, v_base = (
+            hist + cq[:, None] * s_cc,
+            hist + ck[:, None] * s_cc,
+            hist + cv[:, None] * s_cc,
+        )
+        q, q_hist = conv_decode_channels(x_row, conv_w, q_base, cq, mk, has_ctx, s_wc, KC, KP)
+        k, k_hist = conv_decode_channels(x_row, conv_w, k_base, ck, mk, has_ctx, s_wc, KC, KP)
+        v, v_hist = conv_decode_channels(x_row, conv_w, v_base, cv, mv, has_ctx, s_wc, KC, KP)
+        # every thread's history loads are done before any column is overwritten, here or (after the
+        # ticket's release) by the program that shifts q's and k's
+        tl.debug_barrier()
+        store_history(v_base, v_hist, mv, KC, KP)
+        qk_counter = counters + i_b * HK + i_hk
+        if tl.atomic_add(qk_counter, 1, sem="acq_rel") == R * NV - 1:  # every reader of q's and k's is done
+            store_history(q_base, q_hist, mk, KC, KP)
+            store_history(k_base, k_hist, mk, KC, KP)
+            tl.store(qk_counter, 0)  # clean for the next call
+    else:  # qkv is the conv's output already (in_proj's epilogue, ``triton_conv_proj``)
+        q = tl.load(x_row + cq, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(x_row + ck, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(x_row + cv, mask=mv, other=0.0).to(tl.float32)
     # as the conv kernel stores them and the recurrent kernel reads them back
     q, k = qk_normed(q.to(dt).to(tl.float32), k.to(dt).to(tl.float32), scale)
     g, beta = gates(
@@ -143,24 +157,28 @@ def gdn_decode_layer(
     norm_weight: torch.Tensor,
     eps: float,
     batch: ForwardBatch,
+    convolved: bool = False,
 ) -> torch.Tensor:
     """One decode token per sequence: qkv [B, 2·Hk·dk + Hv·dv] (the conv input), z [B, Hv, dv], b and a
     [B, Hv] (any strides but the last), conv_weight [C, Kc], conv_state [slots, C, Kc-1] and
     ssm_state [slots, Hv, dk, dv] fp32 (both updated in place), norm_weight [dv]
-    -> y [B, Hv·dv] in qkv's dtype, the gated norm of the delta rule's output."""
+    -> y [B, Hv·dv] in qkv's dtype, the gated norm of the delta rule's output. ``convolved``: qkv is
+    the conv's output already (``triton_conv_proj.CONV_IN_PROJ``); the conv operands are not read."""
     n, width = qkv.shape
     hv, dk, dv = ssm_state.shape[1:]
-    kc = conv_weight.shape[-1]
     hk = div_even(width - hv * dv, 2 * dk, f"conv width {width} minus Hv·dv={hv * dv}, as q and k heads")
     assert hk > 0 and hv % hk == 0, f"value heads {hv} must be a multiple of key heads {hk}"
     assert fits(ssm_state), f"head dims dk={dk}, dv={dv}: {MAX_HEAD_DIM} at most"
     assert batch.state_slots.shape == (n,) and batch.context_lens.shape == (n,), (
         f"{n} tokens but {batch.state_slots.shape[0]} state slots: one decode token per sequence"
     )
-    assert conv_weight.shape == (width, kc) and conv_weight.stride(-1) == 1, (
+    if convolved:  # stand-ins for the pointers and strides the kernel does not read
+        conv_weight, conv_state = qkv[:, :1], qkv[:, None, :1]
+    kc = conv_weight.shape[-1]
+    assert convolved or (conv_weight.shape == (width, kc) and conv_weight.stride(-1) == 1), (
         f"conv weight {tuple(conv_weight.shape)} strides {conv_weight.stride()}: not [{width}, Kc] by rows"
     )
-    assert conv_state.shape[1:] == (width, kc - 1) and conv_state.stride(-1) == 1, (
+    assert convolved or (conv_state.shape[1:] == (width, kc - 1) and conv_state.stride(-1) == 1), (
         f"conv_state {tuple(conv_state.shape)} is not [S, {width}, {kc - 1}] with contiguous history"
     )
     assert z.shape == (n, hv, dv) and b.shape == a.shape == (n, hv), (
@@ -186,6 +204,6 @@ def gdn_decode_layer(
         *a.stride(), conv_weight.stride(0), *conv_state.stride()[:2], *ssm_state.stride()[:3], y.stride(0),
         dk**-0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv, KC=kc, KP=triton.next_power_of_2(kc),
         BK=triton.next_power_of_2(dk), BV=bv, DV_P=triton.next_power_of_2(dv), ROUND_MID=round_mid,
-        num_warps=NUM_WARPS, **pdl_args(qkv),
+        CONV=not convolved, num_warps=NUM_WARPS, **pdl_args(qkv),
     )  # fmt: skip
     return y

@@ -250,6 +250,9 @@ def entries():
     dims = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "KC": 4, "KP": 4, "BK": 128, "BV": 32, "DV_P": 128,
             "ROUND_MID": True, "USE_PDL": 2}  # fmt: skip
     yield "GDN decode step in one launch", triton_decode_layer._decode_layer_kernel, step, dims, 4, 3
+    convolved = {**dims, "KC": 1, "KP": 1, "CONV": False}  # after the conv in in_proj
+    label = "GDN decode step in one launch, conv in in_proj"
+    yield label, triton_decode_layer._decode_layer_kernel, step, convolved, 4, 3
     gemv = {"x": BF, "w": BF, "out": BF, "ws": F32, "counters": I32}
     for bn, bk, warps, stages in (triton_gemv.NARROW, triton_gemv.WIDE):  # the shipped tiles
         consts = {"M_P": 16, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "USE_PDL": 2}

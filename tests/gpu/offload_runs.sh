@@ -77,6 +77,9 @@
 #            resident: the next layer's input projection at MB 8, 32, 16, this layer's output one at
 #            OUT_MB 16, gate/up prefetching the down rows (triton_moe_gemv.PREFETCH_DOWN), all of them
 #            with evict-last lines (decode_variants.py; ~5 min). Not yet run
+#   gdnstep  the GDN decode step's recurrence and gated norm in one launch after the conv in in_proj
+#            (triton_decode_layer.FUSED_DECODE with CONV_IN_PROJ on): its GPU tests, then the 80B with
+#            NVFP4 experts resident, defaults against it (decode_variants.py; ~3 min). Not yet run
 #
 # Logs go to OUT_DIR; the last lines printed are the figures, for docs/benchmarks.md.
 set -uo pipefail
@@ -249,6 +252,14 @@ l2)
   timeout 300 python3 tests/gpu/decode_variants.py "$next" "$out/l2_decode.log" --nvfp4 "$l2:MB=8" "$l2:MB=32" \
     "$l2:OUT_MB=16" ft.moe.kernels.triton_moe_gemv:PREFETCH_DOWN "$l2:EVICT_LAST" "$l2:MB=16" >"$out/l2_decode.out" 2>&1
   grep -E "tok/s" "$out/l2_decode.log" | cut -c1-200
+  ;;
+gdnstep)
+  timeout 120 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_gdn_decode.py -k "decode_layer or mixer" \
+    >"$out/gdnstep_tests.log" 2>&1
+  tail -n 2 "$out/gdnstep_tests.log"
+  timeout 240 python3 tests/gpu/decode_variants.py "$next" "$out/gdnstep.log" --nvfp4 \
+    ft.gdn.triton_decode_layer:FUSED_DECODE >"$out/gdnstep.out" 2>&1
+  grep -E "tok/s" "$out/gdnstep.log" | cut -c1-200
   ;;
 *)
   echo "unknown stage $stage" >&2

@@ -177,15 +177,16 @@ def test_recurrent_varlen_matches_reference(hk, dk, dtype):
     check_recurrent(RECURRENT_SPECS, hk, dk, dtype)
 
 
-def check_decode_layer(hk, hv, dk, dv, dtype, device="cuda", exact=False, seed=0):
+def check_decode_layer(hk, hv, dk, dv, dtype, device="cuda", exact=False, seed=0, convolved=False):
     """``triton_decode_layer.gdn_decode_layer`` (conv, delta rule and gated norm in one launch)
-    against the three kernels it replaces, on views like the model's (qkv a column range, z strided),
-    sequences with and without context in shuffled slots, two CUDA-graph padding rows (the scratch
-    slot, context 0: their outputs and that slot are anyone's) and a negative slot (no state
-    touched, y = 0); every ticket counter back at zero. ``exact``: the same bits (the interpreter,
-    whose sums do not depend on the tile); else states within fp32 reduction order and y within a
-    rounding of the activations' dtype. Raises rather than asserts: the interpreter's checks run
-    under ``python -O``."""
+    against the three kernels it replaces (``convolved``: given the conv's output, as after the
+    conv in in_proj, against the last two; no conv state passed), on views like the model's (qkv
+    a column range, z strided), sequences with and without context in shuffled slots, two
+    CUDA-graph padding rows (the scratch slot, context 0: their outputs and that slot are
+    anyone's) and a negative slot (no state touched, y = 0); every ticket counter back at zero.
+    ``exact``: the same bits (the interpreter, whose sums do not depend on the tile); else states
+    within fp32 reduction order and y within a rounding of the activations' dtype. Raises rather
+    than asserts: the interpreter's checks run under ``python -O``."""
     from ft.gdn.triton_conv import causal_conv1d_silu
     from ft.gdn.triton_decode import gdn_recurrent
     from ft.gdn.triton_decode_layer import gdn_decode_layer
@@ -215,7 +216,13 @@ def check_decode_layer(hk, hv, dk, dv, dtype, device="cuda", exact=False, seed=0
     mixed = causal_conv1d_silu(qkv[real], conv_w, ref_conv, batch_real, 1)
     o = gdn_recurrent(mixed, b[real], a[real], A_log, dt_bias, ref_ssm, batch_real)
     want = gated_rms_norm(o, z[real], norm_w, 1e-6).view(len(real), hv * dv)
-    got = gdn_decode_layer(qkv, z, b, a, conv_w, got_conv, A_log, dt_bias, got_ssm, norm_w, 1e-6, batch)
+    if convolved:  # the real rows' conv output in their places (the padding rows keep any values)
+        given = qkv.clone()
+        given[real] = mixed
+        got = gdn_decode_layer(given, z, b, a, None, None, A_log, dt_bias, got_ssm, norm_w, 1e-6, batch, True)
+        got_conv = ref_conv  # nothing to compare: the conv ran outside
+    else:
+        got = gdn_decode_layer(qkv, z, b, a, conv_w, got_conv, A_log, dt_bias, got_ssm, norm_w, 1e-6, batch)
     require(got.shape == (n, hv * dv) and got.dtype == dtype, f"{got.dtype} {tuple(got.shape)}")
     require(torch.equal(got[-1], torch.zeros_like(got[-1])), "a row with a negative slot must give y = 0")
     kept = [s for s in range(num_slots) if s != scratch]
@@ -236,10 +243,12 @@ def check_decode_layer(hk, hv, dk, dv, dtype, device="cuda", exact=False, seed=0
 @pytest.mark.parametrize(
     "hk, hv, dk, dv", [(16, 32, 128, 128), (8, 16, 128, 128), (2, 8, 64, 32), (1, 2, 48, 80)]
 )
-def test_decode_layer_equals_three_kernels(hk, hv, dk, dv, dtype):
-    """Qwen3-Next's GDN heads (and a TP=2 shard's), four value heads a key head, dims not powers of 2."""
+@pytest.mark.parametrize("convolved", [False, True])
+def test_decode_layer_equals_three_kernels(hk, hv, dk, dv, dtype, convolved):
+    """Qwen3-Next's GDN heads (and a TP=2 shard's), four value heads a key head, dims not powers of 2;
+    from the conv input, and from the conv's output (the conv in in_proj)."""
     pytest.importorskip("triton")
-    check_decode_layer(hk, hv, dk, dv, dtype)
+    check_decode_layer(hk, hv, dk, dv, dtype, convolved=convolved)
 
 
 def check_gates(t, hv, device="cuda"):
@@ -318,8 +327,9 @@ MIXER_STEPS = [  # a prefill (chunked path), then decodes with a fresh sequence 
 
 
 def check_mixer(kind, fused_gdn, device="cuda", whole_step=False):
-    """``whole_step``: decode steps take ``triton_decode_layer`` (conv, delta rule and norm in one
-    launch) instead of ``gdn_recurrent`` between the conv and norm kernels."""
+    """``whole_step``: decode steps take ``triton_decode_layer`` instead of ``gdn_recurrent`` between
+    the conv and norm kernels: the delta rule and norm in one launch after the conv in in_proj
+    (True), or the conv too ("conv", with ``CONV_IN_PROJ`` off)."""
     import ft.gdn.fla_backend as fla_backend
     from ft.gdn import triton_conv_proj, triton_decode_layer
     from ft.gdn.torch_ref import TorchGDN
@@ -330,9 +340,8 @@ def check_mixer(kind, fused_gdn, device="cuda", whole_step=False):
     decode = getattr(module, name)
     setattr(module, name, lambda *args: fused_calls.append(1) or decode(*args))
     switches = triton_decode_layer.FUSED_DECODE, triton_conv_proj.CONV_IN_PROJ
-    triton_decode_layer.FUSED_DECODE = whole_step
-    if whole_step:  # the whole step runs the conv itself: the mixer takes it only without the conv in in_proj
-        triton_conv_proj.CONV_IN_PROJ = False
+    triton_decode_layer.FUSED_DECODE = bool(whole_step)
+    triton_conv_proj.CONV_IN_PROJ = whole_step != "conv"  # "conv": the whole step runs the conv itself
     try:
         with torch.inference_mode():
             ref = run_mixer(ref_mixer, TorchGDN(), MIXER_STEPS, device)
@@ -349,7 +358,7 @@ def check_mixer(kind, fused_gdn, device="cuda", whole_step=False):
 
 
 @gpu
-@pytest.mark.parametrize("whole_step", [False, True])
+@pytest.mark.parametrize("whole_step", [False, True, "conv"])
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen4_exp"])
 def test_mixer_decode_fla_equals_torch(kind, whole_step):
     pytest.importorskip("fla")
