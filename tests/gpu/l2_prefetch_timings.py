@@ -14,7 +14,9 @@ stands for the latency-bound chain; the traffic (a 24 MB read) for the experts t
 Then the same for the MoE GEMV at one token (NVFP4, 512 experts of 2 x 512 x 2048, top-10, a bf16
 shared pair), its ten experts' codes and scales prefetched or not: whether L2 hits shorten the
 latency-bound kernels too (what a router that prefetched its picks would gain). The prefetch is
-``ft.layers.l2_prefetch.prefetch_l2``, the norms' (``l2_prefetch.MB``).
+``ft.layers.l2_prefetch.prefetch_l2``, the norms' (``l2_prefetch.MB``). Last, the MoE GEMV right
+after 0, 16 or 32 MB of another weight were asked for: what prefetches still in flight cost a
+latency-bound kernel.
 
     python tests/gpu/l2_prefetch_timings.py
 """
@@ -142,6 +144,18 @@ def experts(cold, spins) -> list[tuple]:
                 rows.append(("+".join(parts) or "none", spin // 1000, with_traffic, hint, timed(body)))
                 triton_moe_gemv.PREFETCH_DOWN = False
                 print(*rows[-1], flush=True)
+    # the cost the 2026-12-01 experiment hit: the MoE GEMV right after a prefetch of another weight,
+    # no spin (the prefetched lines still streaming in while its own loads wait)
+    other = torch.empty(64 << 20, dtype=torch.uint8, device=x.device)
+    for mb in (0, 16, 32):
+
+        def body(last, mb=mb):
+            cold(False, lambda: prefetch(other, mb << 20, False), 0)
+            if last:
+                triton_moe_gemv.fused_moe_gemv(x, w13, w2, weights, ids, pair)
+
+        rows.append((f"none, {mb} MB of another weight in flight", 0, False, False, timed(body)))
+        print(*rows[-1], flush=True)
     return rows
 
 
