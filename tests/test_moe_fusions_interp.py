@@ -585,7 +585,7 @@ def test_the_alignment_kernels_compile_once_for_banks_of_up_to_their_floor(monke
     size compiles nothing anew; on an H200 (2026-12-03) the first runs of each pre-staging round
     took 0.7-1.9 s against ~0.5 s while they compiled."""
     triton = pytest.importorskip("triton")
-    from ft.moe.kernels import align, triton_moe, triton_w4a16
+    from ft.moe.kernels import align, triton_moe_kernel, triton_w4a16_kernel
 
     for fn in (align._align_kernel, align._runs_kernel, align._blocks_and_padding):
         constants = {p.name for p in fn.params if p.is_constexpr}
@@ -594,13 +594,13 @@ def test_the_alignment_kernels_compile_once_for_banks_of_up_to_their_floor(monke
         assert [p.name for p in fn.params if p.do_not_specialize] == ["N", "E"], fn.fn.__name__
     for fn in (align._count_kernel, align._place_kernel):
         assert [p.name for p in fn.params if p.do_not_specialize] == ["N"], fn.fn.__name__
-    for fn in (triton_moe._grouped_gemm_kernel, triton_w4a16._w4a16_gemm_kernel):
+    for fn in (triton_moe_kernel._grouped_gemm_kernel, triton_w4a16_kernel._w4a16_gemm_kernel):
         assert [p.name for p in fn.params if p.do_not_specialize] == ["num_pairs"], fn.fn.__name__
     # the offload backend's calls take slices of a batch's pairs (``pairs.device_runs``): where
     # they start is not a reason to compile again
     for fn in (align._align_kernel, align._count_kernel, align._place_kernel):
         assert [p.name for p in fn.params if p.do_not_specialize_on_alignment] == ["ids"], fn.fn.__name__
-    for fn in (triton_moe._grouped_gemm_kernel, triton_w4a16._w4a16_gemm_kernel):
+    for fn in (triton_moe_kernel._grouped_gemm_kernel, triton_w4a16_kernel._w4a16_gemm_kernel):
         unaligned = [p.name for p in fn.params if p.do_not_specialize_on_alignment]
         assert unaligned == ["topk_w", "a_map", "c_map"], fn.fn.__name__  # slices of a batch's, all three
 

@@ -38,9 +38,12 @@ from ft.moe.kernels import (  # noqa: E402
     triton_combine,
     triton_moe,
     triton_moe_gemv,
+    triton_moe_kernel,
     triton_router,
     triton_router_gemv,
     triton_w4a16,
+    triton_w4a16_kernel,
+    w4a16_dequantize,
 )
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -178,9 +181,9 @@ def entries():
         "c_map": I64,
     }
     w4 = {**mma, "b": U8, "b_scale": U8, "b_global": F32}
-    grouped = (("bf16", triton_moe._grouped_gemm_kernel, mma, triton_moe.CONFIGS, {}),
-               ("NVFP4", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS, {}),
-               ("NVFP4 LUT", triton_w4a16._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS,
+    grouped = (("bf16", triton_moe_kernel._grouped_gemm_kernel, mma, triton_moe.CONFIGS, {}),
+               ("NVFP4", triton_w4a16_kernel._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS, {}),
+               ("NVFP4 LUT", triton_w4a16_kernel._w4a16_gemm_kernel, w4, triton_w4a16.CONFIGS,
                 {"LUT": True}))  # fmt: skip
     for name, kernel, ptrs, table, extra in grouped:
         for t in (64, 8192):  # the MMA path's tiles for a decode batch and a prefill chunk
@@ -194,9 +197,9 @@ def entries():
                 if t > 64:  # a streamed call (``pairs.DIRECT_TERMS``): k = 1, rows through maps
                     into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
                     yield f"{name} MMA {which} into rows, T={t}", kernel, ptrs, consts | into, warps, stages
-    from ft.moe.kernels import gluon_w4a16  # Gluon (its own AST source)
+    from ft.moe.kernels import gluon_w4a16, gluon_w4a16_kernel  # Gluon (its own AST source)
 
-    kernel = gluon_w4a16._w4a16_wgmma_kernel
+    kernel = gluon_w4a16_kernel._w4a16_wgmma_kernel
     rows = [(t, cfg) for t, row in ((1024, 0), (8192, -1)) for cfg in gluon_w4a16.CONFIGS["default"][row][1:]]
     for (t, cfg), which, swiglu in zip(rows, ("gate/up", "down") * 2, (True, False) * 2):
         bm, bn, bk, group_m, warps, _ = cfg
@@ -207,7 +210,7 @@ def entries():
         into = {"TOPK": 1, "A_MAP": swiglu, "C_MAP": not swiglu}
         yield f"NVFP4 Gluon wgmma {which} into rows, T={t}", kernel, w4, consts | into, warps, 1
     bank = {"codes": U8, "scales": U8, "globals_": F32, "out": BF}
-    yield "NVFP4 bank dequantised to bf16", triton_w4a16._dequantize_kernel, bank, {
+    yield "NVFP4 bank dequantised to bf16", w4a16_dequantize._dequantize_kernel, bank, {
         "BLOCK_N": 64, "BLOCK_K": 256}, 4, 3  # fmt: skip
     sums = {"y": BF, "gate": BF, "shared": BF, "out": BF}
     yield "top-k sum + shared", triton_combine._sum_topk_kernel, sums, {

@@ -76,7 +76,7 @@ def test_tp_shards_and_k_tails(inter, t):
 def test_dequantize_bank_gives_the_reference_bits():
     """``dequantize_bank`` (one launch) equals ``nvfp4.dequantize`` in bf16 bit for bit, at
     Qwen3-Next's gate/up and down shapes and at an I with row and input tails."""
-    from ft.moe.kernels.triton_w4a16 import dequantize_bank
+    from ft.moe.kernels.w4a16_dequantize import dequantize_bank
 
     gen = torch.Generator(device="cuda").manual_seed(6)
     for e, n, k in ((512, 1024, 2048), (512, 2048, 512), (5, 80, 48)):

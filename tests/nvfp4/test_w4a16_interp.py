@@ -2,7 +2,7 @@
 made exact (``exact_bf16_dots``): against the NVFP4 torch reference with the byte decode and with
 the table decode's input order (``LUT``, whose PTX the interpreter replaces by Triton
 arithmetic), over several row blocks of pairs, column tails and a K tail; and
-``dequantize_bank``."""
+``w4a16_dequantize.dequantize_bank``."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def check_dequantize_bank() -> None:
     of the reference's fp32 value (the interpreter's fp32 -> bf16 conversion truncates where the
     GPU rounds to nearest; the GPU test asks for the same bits), over row and input tails, several
     experts, rows with globals of their own."""
-    from ft.moe.kernels.triton_w4a16 import dequantize_bank
+    from ft.moe.kernels.w4a16_dequantize import dequantize_bank
     from ft.quant.nvfp4 import dequantize
     from tests.nvfp4.test_w4a16_gpu import random_bank
 

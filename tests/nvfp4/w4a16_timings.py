@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from ft.moe.kernels import triton_moe, triton_w4a16  # noqa: E402
 from ft.moe.kernels.triton_moe import fused_moe_triton  # noqa: E402
 from ft.moe.kernels.triton_moe_gemv import fused_moe_gemv  # noqa: E402
-from ft.moe.kernels.triton_w4a16 import dequantize_bank, fused_moe_w4a16  # noqa: E402
+from ft.moe.kernels.triton_w4a16 import fused_moe_w4a16  # noqa: E402
+from ft.moe.kernels.w4a16_dequantize import dequantize_bank  # noqa: E402
 from tests.gpu.kernel_timings import FLOPS, HBM, bench, bench_series, routings  # noqa: E402
 from tests.nvfp4.test_w4a16_gpu import random_bank  # noqa: E402
 

@@ -6,8 +6,8 @@ product ``value · scale · 2^-22`` has at most six significant bits, so it is e
 kernel folds the ``2^22`` (``UNFOLD``) into the row's global. ``decode`` / ``decode_f32`` do that a
 tile at a time. The table decode (``decode_lut``, ``triton_w4a16.LUT``) gives the same values at
 their true magnitudes from PRMT byte tables in inline PTX (``LUT_LO`` / ``LUT_HI``), half a word's
-codes a call, with an interpreter twin. Not here: the kernels (``triton_w4a16``,
-``moe_gemv_kernels``, ``gluon_w4a16``), the MoE GEMV's codes read as 32-bit words (``fp4_words``),
+codes a call, with an interpreter twin. Not here: the kernels (``triton_w4a16_kernel``,
+``moe_gemv_kernels``, ``gluon_w4a16_kernel``), the MoE GEMV's codes read as 32-bit words (``fp4_words``),
 the format itself (``ft.quant.nvfp4``).
 """
 

@@ -12,7 +12,8 @@ launches above) have shapes fixed by (T, k, E) and no host sync, so a decode ste
 in a CUDA graph. Up to
 ``GEMV_MAX_TOKENS`` tokens ``triton_moe_gemv`` runs instead. Configs come
 from a small table by tokens per call (``CONFIGS``), seeded from vLLM's H200 tunings for
-E=512/N=512 and E=128/N=768. Not here: quantised weights (NVFP4 has its own kernel), expert
+E=512/N=512 and E=128/N=768. Not here: the kernel (``triton_moe_kernel``) and the tile pieces
+every MMA kernel shares (``grouped_tiles``), quantised weights (NVFP4 has its own kernel), expert
 parallelism, bias terms.
 """
 
@@ -23,12 +24,12 @@ import os
 
 import torch
 import triton
-import triton.language as tl
 
-from ft.layers.pdl import pdl_args, wait_for_previous
+from ft.layers.pdl import pdl_args
 from ft.moe.kernels.align import align_by_expert
 from ft.moe.kernels.into import Into
 from ft.moe.kernels.triton_combine import sum_topk
+from ft.moe.kernels.triton_moe_kernel import _grouped_gemm_kernel
 
 # Up to this many tokens, ``triton_moe_gemv`` runs instead (no sort, no 16-row MMA padding, two
 # launches), for experts of at most GEMV_MAX_INTER intermediate rows; wider experts keep the MMA path.
@@ -44,122 +45,6 @@ GEMV_MAX_INTER = 512
 def takes_gemv(tokens: int, inter: int) -> bool:
     """Whether a call of ``tokens`` tokens (its batch's) over experts of ``inter`` rows takes the GEMV."""
     return 0 < tokens <= GEMV_MAX_TOKENS and inter <= GEMV_MAX_INTER
-
-
-# a call's pair count, where its weights and row maps start (slices of a batch's): one variant for all
-@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w", "a_map", "c_map"])
-def _grouped_gemm_kernel(
-    a,
-    b,
-    c,
-    topk_w,
-    sorted_ids,
-    block_expert,
-    num_padded,
-    EM,
-    N,
-    K,
-    num_pairs,
-    s_am,
-    s_be,
-    s_bn,
-    s_cm,
-    a_map,
-    c_map,
-    TOPK: tl.constexpr,
-    A_PER_TOKEN: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    MUL_W: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    A_MAP: tl.constexpr = False,
-    C_MAP: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
-):
-    wait_for_previous(USE_PDL)
-    # c[rows] = f(a[rows] @ b[e].T) for one BLOCK_M run of (token, k) pairs that share expert e
-    pid_m, pid_n = pair_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded):
-        return
-    e, rows, rmask, a_rows, n, nmask = tile_pairs(
-        pid_m, pid_n, sorted_ids, block_expert, num_pairs, N, a_map, TOPK, A_PER_TOKEN, BLOCK_M, BLOCK_N,
-        A_MAP,
-    )  # fmt: skip
-    kk = tl.arange(0, BLOCK_K)
-    a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
-    b_ptr = b + e * s_be + n[None, :].to(tl.int64) * s_bn + kk[:, None]  # [BK, BN]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if SWIGLU:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            at = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
-            bt = tl.load(b_ptr, mask=nmask[None, :], other=0.0)
-        else:
-            kmask = kk < K - k0
-            at = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            bt = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(at, bt, acc)
-        if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
-            if EVEN_K:
-                ut = tl.load(b_ptr + N * s_bn, mask=nmask[None, :], other=0.0)
-            else:
-                ut = tl.load(b_ptr + N * s_bn, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc_up = tl.dot(at, ut, acc_up)
-        a_ptr += BLOCK_K
-        b_ptr += BLOCK_K
-    if SWIGLU:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, c_map, MUL_W, C_MAP)
-
-
-@triton.jit
-def pair_tile(pid, EM, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # a grouped GEMM program -> (its BLOCK_M rows of the sorted pairs, its BLOCK_N columns), the
-    # programs of GROUP_M consecutive row blocks taking each column block in turn (their experts'
-    # columns stay in L2 across those row blocks)
-    num_m = tl.cdiv(EM, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
-def tile_pairs(
-    pid_m, pid_n, sorted_ids, block_expert, num_pairs, N, a_map,
-    TOPK: tl.constexpr, A_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    A_MAP: tl.constexpr,
-):  # fmt: skip
-    # a tile's expert, its flat pair ids [BM] (the padding's id, num_pairs, masked off), the input
-    # row each reads (its token's, or its own; ``A_MAP``: that row's entry of a_map, a row of a
-    # larger batch), and its output columns [BN]
-    e = tl.load(block_expert + pid_m).to(tl.int64)
-    rows = tl.load(sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    rmask = rows < num_pairs
-    a_rows = (rows // TOPK) if A_PER_TOKEN else rows
-    if A_MAP:
-        a_rows = tl.load(a_map + a_rows, mask=rmask, other=0)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return e, rows, rmask, a_rows, n, n < N
-
-
-@triton.jit
-def store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, c_map, MUL_W: tl.constexpr, C_MAP: tl.constexpr):
-    # a tile's fp32 results, times each pair's routing weight (``MUL_W``), into its rows of c (or
-    # with ``C_MAP`` each pair's entry of c_map)
-    if MUL_W:
-        acc = acc * tl.load(topk_w + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    if C_MAP:
-        rows = tl.load(c_map + rows, mask=rmask, other=0)
-    c_ptr = c + rows[:, None].to(tl.int64) * s_cm + n[None, :]
-    tl.store(c_ptr, acc.to(c.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
 def configs_from_env(table: dict, variable: str) -> dict:

@@ -38,7 +38,8 @@ from ft.moe.kernels.fp4_decode import UNFOLD
 from ft.moe.kernels.moe_gemv_kernels import _down_pair_kernel, _gate_up_kernel
 from ft.moe.kernels.moe_gemv_operands import bank, down_prefetch, host_operands, strides, word_aligned
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
-from ft.moe.kernels.triton_w4a16 import INTERPRETER, check_operands
+from ft.moe.kernels.triton_w4a16 import INTERPRETER
+from ft.moe.kernels.w4a16_operands import check_operands
 from ft.quant.nvfp4 import NVFP4Tensor
 
 # (BLOCK_N weight rows per program, MAX_BLOCK_K input elements per step, NUM_WARPS, STAGES of

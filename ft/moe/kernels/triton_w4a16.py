@@ -13,8 +13,9 @@ where ``W = e2m1(code) · scale`` is decoded tile by tile (``fp4_decode``: integ
 values · 2^-22 exactly in bf16, the ``2^22`` folded into the global) and the per-row fp32 globals
 ``g`` are applied to the accumulator, after the dot. By default (``LUT``) the codes are decoded by
 PTX byte tables instead, to the same values at their true magnitudes (no fold), the activations
-read in that decode's order. Not here: fp16 activations (the folded magnitudes underflow fp16),
-W4A4, expert parallelism.
+read in that decode's order. Not here: the kernel (``triton_w4a16_kernel``), the operand checks
+(``w4a16_operands``), a bank dequantised to bf16 (``w4a16_dequantize``), fp16 activations (the
+folded magnitudes underflow fp16), W4A4, expert parallelism.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ import os
 
 import torch
 import triton
-import triton.language as tl
 
-from ft.layers.pdl import pdl_args, wait_for_previous
+from ft.layers.pdl import pdl_args
 from ft.moe.kernels import triton_moe
-from ft.moe.kernels.fp4_decode import UNFOLD, decode, decode_f32, decode_lut, lut_dots
+from ft.moe.kernels.fp4_decode import UNFOLD
 from ft.moe.kernels.into import Into
-from ft.moe.kernels.triton_moe import mma_path, pair_tile, store_pairs, tile_pairs
-from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
+from ft.moe.kernels.triton_moe import mma_path
+from ft.moe.kernels.triton_w4a16_kernel import _w4a16_gemm_kernel
+from ft.moe.kernels.w4a16_operands import check_operands
+from ft.quant.nvfp4 import NVFP4Tensor
 
 # The W4A16 kernel's tiles, laid out as ``triton_moe.CONFIGS`` (token bound, gate/up config, down
 # config; first row whose bound >= T wins): the bf16 kernel's values, swept for a kernel its MMAs
@@ -80,144 +82,6 @@ GEMV_MAX_TOKENS = int(os.environ.get("FT_W4A16_GEMV_MAX_TOKENS", "16"))
 def takes_gemv(tokens: int, inter: int) -> bool:
     """Whether a call of ``tokens`` tokens (its batch's) takes the GEMV (any ``inter``, as timed)."""
     return 0 < tokens <= GEMV_MAX_TOKENS
-
-
-# a call's pair count, where its weights and row maps start (slices of a batch's): one variant for all
-@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_w", "a_map", "c_map"])
-def _w4a16_gemm_kernel(
-    a,
-    b,
-    b_scale,
-    b_global,
-    c,
-    topk_w,
-    sorted_ids,
-    block_expert,
-    num_padded,
-    EM,
-    N,
-    K,
-    num_pairs,
-    s_am,
-    s_be,
-    s_bn,
-    s_se,
-    s_sn,
-    s_ge,
-    s_cm,
-    unfold,
-    a_map,
-    c_map,
-    TOPK: tl.constexpr,
-    A_PER_TOKEN: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    MUL_W: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    A_MAP: tl.constexpr = False,
-    C_MAP: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
-    LUT: tl.constexpr = False,
-    ASM: tl.constexpr = True,
-):
-    wait_for_previous(USE_PDL)
-    # c[rows] = f(g[e] · (a[rows] @ W[e].T)) for one BLOCK_M run of (token, k) pairs sharing expert e
-    pid_m, pid_n = pair_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded):
-        return
-    e, rows, rmask, a_rows, n, nmask = tile_pairs(
-        pid_m, pid_n, sorted_ids, block_expert, num_pairs, N, a_map, TOPK, A_PER_TOKEN, BLOCK_M, BLOCK_N,
-        A_MAP,
-    )  # fmt: skip
-    kk = tl.arange(0, BLOCK_K)
-    kb = tl.arange(0, BLOCK_K // 2)
-    ks = tl.arange(0, BLOCK_K // 16)
-    a_ptr = a + a_rows[:, None].to(tl.int64) * s_am + kk[None, :]  # [BM, BK]
-    b_ptr = b + e * s_be + n[:, None].to(tl.int64) * s_bn + kb[None, :]  # [BN, BK/2] packed codes
-    s_ptr = b_scale + e * s_se + n[:, None].to(tl.int64) * s_sn + ks[None, :]  # [BN, BK/16]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if SWIGLU:
-        acc_up = tl.zeros_like(acc)
-    if LUT:  # ``decode_lut``: the activations read in its inputs' order, two half-K products a step
-        kh = tl.arange(0, BLOCK_K // 2)
-        ka = (kh // 4) * 8 + kh % 4  # wa's inputs; wb's are 4 further
-        a_lut = a + a_rows[:, None].to(tl.int64) * s_am + ka[None, :]
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                m0 = rmask[:, None]
-                m1 = m0
-                bmask = nmask[:, None]
-                smask = bmask
-            else:  # K is a multiple of 16, so whole bytes and whole scale blocks are in or out
-                left = K - k0
-                m0 = rmask[:, None] & (ka[None, :] < left)
-                m1 = rmask[:, None] & (ka[None, :] + 4 < left)
-                bmask = nmask[:, None] & (kb[None, :] < left // 2)
-                smask = nmask[:, None] & (ks[None, :] < left // 16)
-            a0 = tl.load(a_lut, mask=m0, other=0.0)
-            a1 = tl.load(a_lut + 4, mask=m1, other=0.0)
-            codes, scales = tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0)
-            wa, wb = decode_lut(codes, scales, BLOCK_N, BLOCK_K, ASM)
-            acc = lut_dots(a0, a1, wa, wb, acc)
-            if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
-                ua, ub = decode_lut(
-                    tl.load(b_ptr + N * s_bn, mask=bmask, other=0),
-                    tl.load(s_ptr + N * s_sn, mask=smask, other=0),
-                    BLOCK_N,
-                    BLOCK_K,
-                    ASM,
-                )
-                acc_up = lut_dots(a0, a1, ua, ub, acc_up)
-            a_lut += BLOCK_K
-            b_ptr += BLOCK_K // 2
-            s_ptr += BLOCK_K // 16
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                at = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
-                w = decode(
-                    tl.load(b_ptr, mask=nmask[:, None], other=0),
-                    tl.load(s_ptr, mask=nmask[:, None], other=0),
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-            else:  # K is a multiple of 16, so whole bytes and whole scale blocks are in or out
-                left = K - k0
-                at = tl.load(a_ptr, mask=rmask[:, None] & (kk[None, :] < left), other=0.0)
-                bmask = nmask[:, None] & (kb[None, :] < left // 2)
-                smask = nmask[:, None] & (ks[None, :] < left // 16)
-                w = decode(
-                    tl.load(b_ptr, mask=bmask, other=0), tl.load(s_ptr, mask=smask, other=0), BLOCK_N, BLOCK_K
-                )
-            acc = tl.dot(at, tl.trans(w), acc)
-            if SWIGLU:  # the up rows sit N rows below the gate rows of the same expert
-                if EVEN_K:
-                    u = decode(
-                        tl.load(b_ptr + N * s_bn, mask=nmask[:, None], other=0),
-                        tl.load(s_ptr + N * s_sn, mask=nmask[:, None], other=0),
-                        BLOCK_N,
-                        BLOCK_K,
-                    )
-                else:
-                    u = decode(
-                        tl.load(b_ptr + N * s_bn, mask=bmask, other=0),
-                        tl.load(s_ptr + N * s_sn, mask=smask, other=0),
-                        BLOCK_N,
-                        BLOCK_K,
-                    )
-                acc_up = tl.dot(at, tl.trans(u), acc_up)
-            a_ptr += BLOCK_K
-            b_ptr += BLOCK_K // 2
-            s_ptr += BLOCK_K // 16
-    g_ptr = b_global + e * s_ge + n
-    acc = acc * (tl.load(g_ptr, mask=nmask, other=0.0) * unfold)[None, :]
-    if SWIGLU:
-        acc_up = acc_up * (tl.load(g_ptr + N, mask=nmask, other=0.0) * unfold)[None, :]
-        acc = acc * tl.sigmoid(acc) * acc_up
-    store_pairs(acc, c, topk_w, rows, rmask, n, nmask, s_cm, c_map, MUL_W, C_MAP)
 
 
 def _launch(
@@ -283,95 +147,6 @@ def _launch(
         num_stages=stages,
         **pdl_args(a),
     )
-
-
-@triton.jit
-def _dequantize_kernel(
-    codes, scales, globals_, out, N, K, s_ce, s_cn, s_se, s_sn, s_ge, s_oe, s_on, unfold,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    # out[e, n, k] = bf16(e2m1 · scale · global) for one BLOCK_N x BLOCK_K tile of expert e; the
-    # product is taken in fp32 as ``nvfp4.dequantize`` takes it (exact but for the global's multiply)
-    e = tl.program_id(2).to(tl.int64)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    nmask = n < N
-    mask = nmask[:, None] & (kb[None, :] < K // 2)
-    packed = tl.load(codes + e * s_ce + n[:, None].to(tl.int64) * s_cn + kb[None, :], mask=mask, other=0)
-    smask = nmask[:, None] & (ks[None, :] < K // 16)
-    scale = tl.load(scales + e * s_se + n[:, None].to(tl.int64) * s_sn + ks[None, :], mask=smask, other=0)
-    g = tl.load(globals_ + e * s_ge + n, mask=nmask, other=0.0) * unfold
-    w = decode_f32(packed, scale, BLOCK_N, BLOCK_K) * g[:, None]
-    kk = k0 + tl.arange(0, BLOCK_K)
-    o_ptr = out + e * s_oe + n[:, None].to(tl.int64) * s_on + kk[None, :]
-    tl.store(o_ptr, w.to(tl.bfloat16), mask=nmask[:, None] & (kk[None, :] < K))
-
-
-def dequantize_bank(w: NVFP4Tensor, out: torch.Tensor | None = None, block: tuple[int, int] = (64, 256)):
-    """An NVFP4 bank (codes [E, N, K/2], scales [E, N, K/16], per-row globals [E, N]) as bf16
-    [E, N, K], the globals folded in: ``nvfp4.dequantize``'s values rounded once to bf16, in one
-    launch. ``out``: where to write (a buffer reused across layers); ``block``: (rows, inputs) a
-    program. For timing a prefill path that runs the bf16 grouped GEMM on dequantised experts
-    (tests/nvfp4/w4a16_timings.py)."""
-    e, n, half_k = w.weight.shape
-    k = 2 * half_k
-    _check(w, e, n, k, "bank")
-    out = torch.empty(e, n, k, dtype=torch.bfloat16, device=w.weight.device) if out is None else out
-    assert out.shape == (e, n, k) and out.dtype == torch.bfloat16 and out.stride(-1) == 1, (
-        f"out {tuple(out.shape)} {out.dtype} is not a contiguous-row bf16 [{e}, {n}, {k}]"
-    )
-    bn, bk = block
-    scale = w.weight_scale.view(torch.uint8)
-    g = w.weight_scale_2
-    _dequantize_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk), e)](
-        w.weight, scale, g, out, n, k, w.weight.stride(0), w.weight.stride(1), scale.stride(0),
-        scale.stride(1), g.stride(0), out.stride(0), out.stride(1), UNFOLD, BLOCK_N=bn, BLOCK_K=bk,
-    )  # fmt: skip
-    return out
-
-
-def _check(w: NVFP4Tensor, e: int, n: int, k: int, what: str) -> None:
-    assert w.weight.shape == (e, n, k // 2) and w.weight.dtype == torch.uint8, (
-        f"{what} codes {tuple(w.weight.shape)} {w.weight.dtype} are not uint8 [{e}, {n}, {k // 2}]"
-    )
-    assert w.weight_scale.shape == (e, n, k // BLOCK) and w.weight_scale.dtype == torch.float8_e4m3fn, (
-        f"{what} scales {tuple(w.weight_scale.shape)} {w.weight_scale.dtype} are not "
-        f"float8_e4m3fn [{e}, {n}, {k // BLOCK}]"
-    )
-    g = w.weight_scale_2
-    assert g.shape == (e, n) and g.dtype == torch.float32, (
-        f"{what} globals {tuple(g.shape)} {g.dtype} are not fp32 [{e}, {n}] (one per row)"
-    )
-    assert w.weight.stride(-1) == 1 and w.weight_scale.stride(-1) == 1 and g.stride(-1) == 1, (
-        f"{what} codes, scales and globals must be contiguous in their last dim"
-    )
-
-
-def check_operands(
-    x: torch.Tensor,
-    w13: NVFP4Tensor,
-    w2: NVFP4Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    tokens: int | None = None,
-) -> tuple[int, int, int]:
-    """Shapes and dtypes both W4A16 paths need; returns (E, I, k). ``tokens``: the call's, where
-    they are rows of x (``Into``)."""
-    t, h = x.shape
-    t = t if tokens is None else tokens
-    e, two_i = w13.weight.shape[:2]
-    inter = two_i // 2
-    topk = ids.shape[1]
-    assert x.dtype == torch.bfloat16, f"x must be bf16 (W4A16), got {x.dtype}"
-    assert h % BLOCK == 0 and inter % BLOCK == 0 and two_i % 2 == 0, (
-        f"H={h} and I={inter} must be multiples of {BLOCK}"
-    )
-    _check(w13, e, two_i, h, "w13")
-    _check(w2, e, h, inter, "w2")
-    assert weights.shape == ids.shape == (t, topk), f"weights/ids must be [{t}, k], got {tuple(ids.shape)}"
-    return e, inter, topk
 
 
 def fused_moe_w4a16(
