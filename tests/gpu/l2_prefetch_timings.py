@@ -120,6 +120,7 @@ def experts(cold, spins) -> list[tuple]:
     w13, w2 = banks["nvfp4"]
     pair = shared_pair(problem)
     weights, ids = routes[0]
+    picked = ids[0].tolist()  # before any capture: a read to the host is not allowed inside one
     rows = []
     for spin, with_traffic in spins:
         # "by gate/up": no prefetch before, the gate/up launch's own (triton_moe_gemv.PREFETCH_DOWN)
@@ -129,7 +130,7 @@ def experts(cold, spins) -> list[tuple]:
                     continue
 
                 def warm(parts=parts, hint=hint):
-                    for e in ids[0].tolist():
+                    for e in picked:
                         for name, bank in (("gate/up", w13), ("down", w2)):
                             if name in parts:
                                 for t in (bank.weight[e], bank.weight_scale[e]):
