@@ -34,13 +34,14 @@ for twice.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ft.layers.pdl import hopper
 
 MB = int(os.environ.get("FT_L2_PREFETCH_MB", "0"))  # the next layer's input projection; 0: off
 OUT_MB = int(os.environ.get("FT_L2_PREFETCH_OUT_MB", "0"))  # this layer's output projection; 0: off
@@ -83,14 +84,9 @@ def prefetch_l2(base, nbytes, CHUNKS: tl.constexpr, LAST: tl.constexpr):
 _NONE = {"pf": None, "pf_bytes": 0, "PF_CHUNKS": 0, "PF_LAST": False}
 
 
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 def takes(t: torch.Tensor) -> bool:
     """Whether a launch on ``t``'s device may prefetch: a GPU with the instruction (sm_90 on)."""
-    return t.is_cuda and _hopper(t.device.index or 0)
+    return hopper(t)
 
 
 def chunks(nbytes: int, threads: int) -> int:

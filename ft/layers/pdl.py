@@ -39,13 +39,18 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def hopper(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on a GPU of sm_90 or later (PDL here; ``ft.layers.l2_prefetch``'s bulk prefetch)."""
+    return t.is_cuda and _capability(t.device.index or 0) >= (9, 0)
+
+
 _OFF: dict = {}  # the kernels' defaults: USE_PDL=False, no launch attribute, nothing for Triton to bind
 
 
 def pdl_args(t: torch.Tensor) -> dict:
     """The launch keywords for a kernel on ``t``'s device: its ``USE_PDL`` and the launch option
     when PDL is on there, none otherwise (the eager prefill path launches ~800 kernels a step)."""
-    if ENABLED and t.is_cuda and _capability(t.device.index or 0) >= (9, 0):
+    if ENABLED and hopper(t):
         return {"USE_PDL": 2 if EARLY else 1, "launch_pdl": True}
     return _OFF
 
