@@ -46,12 +46,15 @@ def _router_topk_kernel(
     M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
     E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    BLOCKS: tl.constexpr = False,
+    BLOCKS: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):  # fmt: skip
-    wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w0 = None
+    if EARLY:  # the first (here: often the only) step's weights before the wait
+        w0 = gemv_tiles.first_weights(w, n, N, *gemv_tiles.split_range(K, K_SPLIT), s_wn, BLOCK_K, EVEN_K)
+    wait_for_previous(USE_PDL)
     last, total = gemv_tiles.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
-                                         BLOCK_N, BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
+                                         BLOCK_N, BLOCK_K, SPLITS, EVEN_K, w0)  # fmt: skip
     if BLOCKS:  # noqa: SIM102 (static: compiled only with blocks) the first column block of each split
         # quantises the inputs it read, x's int16 blocks for the MoE GEMV
         if tl.program_id(0) == 0:
@@ -125,7 +128,7 @@ def launch_router_topk(
         M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
-        KEYS32=triton_router.keys32(logits.dtype),
+        KEYS32=triton_router.keys32(logits.dtype), EARLY=triton_gemv.EARLY_WEIGHTS,
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip
     return weights, ids, logits[:, e:] if shared_gate else None
