@@ -77,7 +77,8 @@
 #            resident: the next layer's input projection at MB 8, 32, 16, this layer's output one at
 #            OUT_MB 16, gate/up prefetching the down rows (triton_moe_gemv.PREFETCH_DOWN), the gdnstep
 #            row too, the dense GEMVs' and router's first weights loaded before the PDL wait
-#            (triton_gemv.EARLY_WEIGHTS), evict-last lines alone (decode_variants.py; ~7 min). Not yet run
+#            (triton_gemv.EARLY_WEIGHTS), the MoE GEMV's two launches as one (moe_gemv_chain.CHAIN),
+#            evict-last lines alone (decode_variants.py; ~8 min). Not yet run
 #   gdnstep  the GDN decode step's recurrence and gated norm in one launch after the conv in in_proj
 #            (triton_decode_layer.FUSED_DECODE with CONV_IN_PROJ on): its GPU tests, then the 80B with
 #            NVFP4 experts resident, defaults against it (decode_variants.py; ~3 min). Not yet run
@@ -247,15 +248,16 @@ l2)
   grep -E "^\|" "$out/l2_probe.log"
   timeout 120 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_kernels.py tests/gpu/test_moe_gemv.py \
     tests/gpu/test_gdn_decode.py tests/gpu/test_gemv.py tests/gpu/test_router_fold.py \
-    -k "prefetch or decode_layer or mixer or early" >"$out/l2_test.log" 2>&1
+    -k "prefetch or decode_layer or mixer or early or chain" >"$out/l2_test.log" 2>&1
   tail -n 2 "$out/l2_test.log"
   l2=ft.layers.l2_prefetch
   # EVICT_LAST alone prefetches nothing (a control row); the GDN step after the conv in in_proj
   # (gdnstep) rides along, one load for both; "all of them": MB=16, OUT_MB=16, PREFETCH_DOWN,
   # FUSED_DECODE, EVICT_LAST
-  timeout 380 python3 tests/gpu/decode_variants.py "$next" "$out/l2_decode.log" --nvfp4 "$l2:MB=8" "$l2:MB=32" \
+  timeout 420 python3 tests/gpu/decode_variants.py "$next" "$out/l2_decode.log" --nvfp4 "$l2:MB=8" "$l2:MB=32" \
     "$l2:OUT_MB=16" ft.moe.kernels.triton_moe_gemv:PREFETCH_DOWN ft.gdn.triton_decode_layer:FUSED_DECODE \
-    ft.layers.triton_gemv:EARLY_WEIGHTS "$l2:EVICT_LAST" "$l2:MB=16" >"$out/l2_decode.out" 2>&1
+    ft.layers.triton_gemv:EARLY_WEIGHTS ft.moe.kernels.moe_gemv_chain:CHAIN "$l2:EVICT_LAST" "$l2:MB=16" \
+    >"$out/l2_decode.out" 2>&1
   grep -E "tok/s" "$out/l2_decode.log" | cut -c1-200
   ;;
 gdnstep)

@@ -295,6 +295,53 @@ def test_prefetched_down_rows_give_the_same_bits(fmt, t, inter, monkeypatch):
         assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("t, inter", [(1, 512), (2, 512), (4, 512), (8, 512), (2, 768), (1, 256)])
+def test_one_launch_chain_equals_the_two_launches(fmt, t, inter, prefetch, monkeypatch):
+    """``moe_gemv_chain.CHAIN`` (gate/up and down tiles in one launch, a down tile waiting for its
+    pair's gate/up tiles): within a bf16 step of every output of the two launches, with the shared
+    expert as a pair and without, the same bits call after call and replayed in a CUDA graph on new
+    tokens and experts, every counter at zero after each; with its down tiles' L2 prefetch and
+    without."""
+    from ft.layers import triton_gemv
+    from ft.moe.kernels import moe_gemv_chain
+    from ft.moe.kernels import triton_moe_gemv as mod
+
+    monkeypatch.setattr(moe_gemv_chain, "PREFETCH", prefetch)
+    x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + 3)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    shared = (
+        (torch.randn(2 * inter, 2048, generator=gen, device="cuda") * 2048**-0.5).to(torch.bfloat16),
+        (torch.randn(2048, inter, generator=gen, device="cuda") * inter**-0.5).to(torch.bfloat16),
+        torch.randn(t, 1, generator=gen, device="cuda").to(torch.bfloat16),
+    )
+    for pair in (None, shared):
+        monkeypatch.setattr(moe_gemv_chain, "CHAIN", False)
+        two = mod.fused_moe_gemv(x, w13, w2, weights, ids, pair).float()
+        monkeypatch.setattr(moe_gemv_chain, "CHAIN", True)
+        one = mod.fused_moe_gemv(x, w13, w2, weights, ids, pair)
+        assert not triton_gemv.tickets(x.device).any(), "a counter was left non-zero"
+        step = two.abs().clamp(min=1e-3) * 2**-7
+        assert bool(((one.float() - two).abs() <= step).all()), pair is not None
+        for _ in range(3):
+            assert torch.equal(mod.fused_moe_gemv(x, w13, w2, weights, ids, pair), one), pair is not None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = mod.fused_moe_gemv(x, w13, w2, weights, ids, pair)
+        x2, _, _, weights2, ids2 = problem(fmt, t, 512, inter, 2048, 10, seed=t + 4)
+        saved = [a.clone() for a in (x, weights, ids)]
+        for a, b in ((x, x2), (weights, weights2), (ids, ids2)):
+            a.copy_(b)
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, mod.fused_moe_gemv(x2, w13, w2, weights2, ids2, pair)), pair is not None
+            assert not triton_gemv.tickets(x.device).any(), "a counter was left non-zero after a replay"
+        for a, b in zip((x, weights, ids), saved):
+            a.copy_(b)
+
+
 @pytest.mark.parametrize(
     "fmt,host_stages,host_tiles",
     [("bf16", None, False), ("bf16", None, True), ("nvfp4", None, False), ("nvfp4", (3, 2), False)],

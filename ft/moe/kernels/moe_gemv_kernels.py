@@ -125,12 +125,28 @@ def _gate_up_kernel(
     if PF_B_CHUNKS > 0:  # static: only with ``triton_moe_gemv.PREFETCH_DOWN``
         _prefetch_down(topk_ids, s_it, s_ik, pf_b, pf_s, s_pfb, s_pfs, pf_bytes_b, pf_bytes_s, TOPK, SHARED,
                        PF_B_CHUNKS, PF_S_CHUNKS)  # fmt: skip
-    # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below);
-    # with SHARED, slot TOPK of each token is the shared expert: bf16 rows shared_b, row stride s_hn
-    p = tl.program_id(0)
+    gate_up_tile(
+        tl.program_id(0), tl.program_id(1), x, xq, xf, b, b_scale, b_global, host_b, host_scale, host_global,
+        shared_b, act, topk_ids, N, K, s_xt, s_qt, s_ft, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik,
+        unfold, TOPK, SHARED, FP4, EVEN_K, BLOCK_N, BLOCK_K, LOOP_STAGES, HOST, PLANES, SHARED_BLOCK_K,
+        INT_DOT, ASM,
+    )  # fmt: skip
+
+
+@triton.jit
+def gate_up_tile(
+    p, block, x, xq, xf, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, act, topk_ids, N, K,
+    s_xt, s_qt, s_ft, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr, HOST: tl.constexpr,
+    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, INT_DOT: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below)
+    # in row block ``block``; with SHARED, slot TOPK of each token is the shared expert: bf16 rows
+    # shared_b, row stride s_hn
     tok = p // (TOPK + SHARED)
     slot = p % (TOPK + SHARED)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     x_row = x + tok.to(tl.int64) * s_xt
     if not FP4:  # one loop, outside any branch (what the pipeliner takes): a shared expert's rows
@@ -221,11 +237,27 @@ def _down_pair_kernel(
     PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
-    # the term of pair (tok, slot) for BLOCK_N rows n of H, weighted and rounded to out's dtype, into
-    # ws[tok, slot, n]; the (tok, rows) block's last program writes out[tok, n], the sum in pair order
-    tok = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    slot = tl.program_id(2)
+    down_tile(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), act, b, b_scale, b_global,
+        host_b, host_scale, host_global, shared_b, shared_logit, out, topk_w, topk_ids, ws, counters, N, K,
+        s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold, TOPK, SHARED,
+        FP4, EVEN_K, BLOCK_N, BLOCK_K, LOOP_STAGES, HOST, PLANES, SHARED_BLOCK_K,
+    )  # fmt: skip
+
+
+@triton.jit
+def down_tile(
+    tok, block, slot, row_blocks, act, b, b_scale, b_global, host_b, host_scale, host_global, shared_b,
+    shared_logit, out, topk_w, topk_ids, ws, counters, N, K,
+    s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr, HOST: tl.constexpr,
+    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # the term of pair (tok, slot) for BLOCK_N rows n of H (row block ``block`` of ``row_blocks``), weighted
+    # and rounded to out's dtype, into ws[tok, slot, n]; the (tok, rows) block's last program writes
+    # out[tok, n], the sum in pair order
+    tok = tok.to(tl.int64)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
@@ -283,7 +315,7 @@ def _down_pair_kernel(
     tl.store(cell + slot * N, term.to(out.dtype.element_ty).to(tl.float32), mask=nmask)
     # the ticket is one thread's atomic: the barrier puts every thread's stores before its release
     tl.debug_barrier()
-    counter = counters + tok * tl.num_programs(1) + block
+    counter = counters + tok * row_blocks + block
     ticket = tl.atomic_add(counter, 1, sem="acq_rel")
     if ticket == TOPK + SHARED - 1:  # the others' terms past the acquire, from L2 (.cg)
         total = tl.zeros([BLOCK_N], tl.float32)

@@ -31,8 +31,11 @@ def bank(w) -> tuple:
     return w, w, w, False  # bf16: scale and global pointers are never read
 
 
-def strides(b, scale, glob) -> tuple:
-    return b.stride(0), b.stride(1), scale.stride(0), scale.stride(1), glob.stride(0)
+def named_strides(b, scale, glob) -> dict:
+    """The kernels' stride arguments of a bank's (codes or weights, scales, globals)."""
+    return dict(
+        s_be=b.stride(0), s_bn=b.stride(1), s_se=scale.stride(0), s_sn=scale.stride(1), s_ge=glob.stride(0)
+    )
 
 
 def down_prefetch(b2: torch.Tensor, s2: torch.Tensor, fp4: bool, threads: int) -> dict:

@@ -12,7 +12,8 @@ per-row globals; for bf16, g = 1):
 
 The first launch runs one program per (pair, BLOCK_N rows of I); the second one program per
 (token, BLOCK_N rows of H, pair), each storing its pair's rounded term, the last of a row block
-summing them in pair order, so the sum over k needs no third kernel. Dot products are fp32
+summing them in pair order, so the sum over k needs no third kernel (``moe_gemv_chain``: both in
+one launch, off until timed). Dot products are fp32
 multiply-accumulates of BLOCK_K-wide chunks kept per lane and reduced once per expert with
 ``tl.sum`` (no ``tl.dot``).
 As in the MMA paths, ``act`` is rounded to bf16 and so is each pair's weighted term, and ``out``
@@ -33,10 +34,10 @@ import triton
 
 from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args
-from ft.moe.kernels import int_dot
+from ft.moe.kernels import int_dot, moe_gemv_chain
 from ft.moe.kernels.fp4_decode import UNFOLD
 from ft.moe.kernels.moe_gemv_kernels import _down_pair_kernel, _gate_up_kernel
-from ft.moe.kernels.moe_gemv_operands import bank, down_prefetch, host_operands, strides, word_aligned
+from ft.moe.kernels.moe_gemv_operands import bank, down_prefetch, host_operands, named_strides, word_aligned
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
 from ft.moe.kernels.triton_w4a16 import INTERPRETER
 from ft.moe.kernels.w4a16_operands import check_operands
@@ -259,19 +260,16 @@ def launch_moe_gemv(
     # unread without the integer products
     xq, xf = (blocks or int_dot.quantize_blocks(x)) if int_products else (x, x)
     prefetch_down = PREFETCH_DOWN and host is None and down is None  # resident rows, gate/up's ids
-    _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
-        x, xq, xf, b13, s13, g13, *h13, sb13, act, ids, inter, h,
-        x.stride(0), xq.stride(0), xf.stride(0), *strides(b13, s13, g13), sb13.stride(0), act.stride(0),
-        ids.stride(0), ids.stride(1), UNFOLD,
-        **flags, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER,
-        BLOCK_N=block_n, EVEN_K=h % bk_up == 0,
-        BLOCK_K=bk_up, SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0,
-        num_warps=num_warps, num_stages=stages, LOOP_STAGES=stages if PIPELINE else 1, **pdl_args(x),
-        **(down_prefetch(b2, s2, fp4, 32 * num_warps) if prefetch_down else {}),
+    gate_up = dict(
+        x=x, xq=xq, xf=xf, b=b13, b_scale=s13, b_global=g13, host_b=h13[0], host_scale=h13[1],
+        host_global=h13[2], shared_b=sb13, act=act, topk_ids=ids, N=inter, K=h, s_xt=x.stride(0),
+        s_qt=xq.stride(0), s_ft=xf.stride(0), **named_strides(b13, s13, g13), s_hn=sb13.stride(0),
+        s_at=act.stride(0), s_it=ids.stride(0), s_ik=ids.stride(1), unfold=UNFOLD,
     )  # fmt: skip
-    if before_down is not None:
-        before_down()
-    ids = down_ids  # what the down kernel reads
+    up_tiles = dict(BLOCK_N=block_n, EVEN_K=h % bk_up == 0, BLOCK_K=bk_up,
+                    LOOP_STAGES=stages if PIPELINE else 1,
+                    SHARED_BLOCK_K=min(NVFP4_SHARED_BK, bk_up) if fp4 else 0)  # fmt: skip
+    up_launch = dict(num_warps=num_warps, num_stages=stages, **pdl_args(x))
     # words in the down kernel only beside words in gate/up (``FP4_PLANES=0``: bytes in both), codes
     # 4-byte aligned
     down_planes = planes and FP4_DOWN_PLANES and word_aligned(b2, *h2[:1])
@@ -282,13 +280,29 @@ def launch_moe_gemv(
     blocks = triton.cdiv(h, down_n)
     assert t * blocks <= triton_gemv.COUNTERS, f"T={t} x {blocks} row blocks: more than the ticket counters"
     ws = torch.empty(t, pairs, h, dtype=torch.float32, device=x.device)  # the pairs' rounded terms
+    down_args = dict(
+        act=act, b=b2, b_scale=s2, b_global=g2, host_b=h2[0], host_scale=h2[1], host_global=h2[2],
+        shared_b=sb2, shared_logit=logit, out=out, topk_w=weights, topk_ids=down_ids, ws=ws,
+        counters=triton_gemv.tickets(x.device), N=h, K=inter, s_at=act.stride(0), **named_strides(b2, s2, g2),
+        s_hn=sb2.stride(0), s_ot=out.stride(0), s_wt=weights.stride(0), s_wk=weights.stride(1),
+        s_it=down_ids.stride(0), s_ik=down_ids.stride(1), s_lt=logit.stride(0), unfold=UNFOLD,
+    )  # fmt: skip
+    down_tiles = dict(BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, PLANES=down_planes,
+                      LOOP_STAGES=down_stages if PIPELINE else 1,
+                      SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0)  # fmt: skip
+    if moe_gemv_chain.takes(host, down, prefetch_down, t * pairs):  # one launch for both
+        tiles = {f"UP_{k}": v for k, v in up_tiles.items()} | {f"DOWN_{k}": v for k, v in down_tiles.items()}
+        consts = dict(TOPK=topk, SHARED=flags["SHARED"], FP4=fp4, PLANES=planes, INT_DOT=int_products)
+        moe_gemv_chain.launch(gate_up, down_args, tiles | consts, t * pairs, ASM=not INTERPRETER, **up_launch)
+        return out
+    _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
+        **gate_up, **flags, **up_tiles, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER, **up_launch,
+        **(down_prefetch(b2, s2, fp4, 32 * num_warps) if prefetch_down else {}),
+    )  # fmt: skip
+    if before_down is not None:
+        before_down()
     _down_pair_kernel[(t, blocks, pairs)](
-        act, b2, s2, g2, *h2, sb2, logit, out, weights, ids, ws, triton_gemv.tickets(x.device), h, inter,
-        act.stride(0), *strides(b2, s2, g2), sb2.stride(0), out.stride(0), weights.stride(0),
-        weights.stride(1), ids.stride(0), ids.stride(1), logit.stride(0), UNFOLD,
-        **flags, BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, num_warps=down_warps,
-        num_stages=down_stages, LOOP_STAGES=down_stages if PIPELINE else 1, PLANES=down_planes,
-        SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0, **pdl_args(act),
+        **down_args, **flags, **down_tiles, num_warps=down_warps, num_stages=down_stages, **pdl_args(act),
     )  # fmt: skip
     return out
 

@@ -1,0 +1,170 @@
+"""The MoE GEMV's two launches as one (``CHAIN``, off until timed): gate/up tiles and down tiles in
+one grid, each down tile starting as soon as its pair's activations are stored.
+
+``triton_moe_gemv`` runs a decode batch's routed experts as two launches, gate/up (a program per
+(pair, BLOCK_N rows of I)) then down (a program per (token, BLOCK_N rows of H, pair)), and the
+down launch waits for the whole gate/up launch to end before any of its programs loads a weight.
+Both are bound by the latency of their loads (2026-12-05 census of the NVFP4 80B's batch-1 step on
+an H200: gate/up 9.3 us a layer for ~16 MB, down 9.2 us for ~8 MB; ~2 us each at HBM's rate).
+
+Here one launch has a program per tile of either kind, and each program takes its tile by ticket
+(``chain[0]``, drawn first thing, before the PDL wait): the first ``GU_TILES`` tickets are gate/up
+tiles, the rest down tiles, so every gate/up tile is taken by a running program before any
+program takes a down tile, and a down tile waits only for programs that are running and never
+wait themselves: no program can wait forever, whatever order or number of programs the GPU
+runs at once. A gate/up tile stores its rows of ``act`` and counts itself into its pair's
+``ready`` counter (a release); a down tile asks L2 for its weight rows (its expert is known from
+the routing), waits until its pair's counter is full (an acquire), then runs as in the down
+launch. The program that finishes last sets the counters back to zero, for the next call and
+the next replay of a graph.
+
+Each tile is the two launches' code (``moe_gemv_kernels.gate_up_tile``, ``down_tile``) at the
+launch's warps (gate/up's): gate/up's bits exactly, and down's sums over lanes in the order of
+this warp count (a rounding of a term may differ from the two launches'; the pair order of the
+sum over k is the same). Not here: host reads (``HOST``), a down kernel of other rows
+(``host_prefetch``'s down-only copies), ``PREFETCH_DOWN`` (the down tiles here ask L2 for their
+own rows), more pairs than ``MAX_PAIRS``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.layers import triton_gemv
+from ft.layers.l2_prefetch import prefetch_l2
+from ft.layers.pdl import wait_for_previous
+from ft.moe.kernels.moe_gemv_kernels import down_tile, gate_up_tile
+
+# OFF until timed (tests/gpu/decode_variants.py ...:CHAIN); FT_MOE_GEMV_CHAIN=1 turns it on for a
+# process and the ranks it spawns. Read at each call (a captured graph keeps its launches).
+CHAIN = os.environ.get("FT_MOE_GEMV_CHAIN", "0") == "1"
+# the down tiles ask L2 for their rows before they wait (FT_MOE_GEMV_CHAIN_PREFETCH=0: they do not)
+PREFETCH = os.environ.get("FT_MOE_GEMV_CHAIN_PREFETCH", "1") != "0"
+MAX_PAIRS = 254  # the counters: the last 256 of ``triton_gemv.tickets`` (claim, done, a pair each)
+
+# a fence after relaxed loads that saw the release: what the pair's stores are ordered before
+_ACQUIRE = tl.constexpr("fence.acq_rel.gpu; mov.u32 $0, 0;")
+
+
+@triton.jit
+def _wait_ready(ready, count, ASM: tl.constexpr):
+    # until ``ready`` holds ``count``: relaxed polls (every thread its own), then each thread's
+    # acquire fence (the interpreter, ASM off, runs programs one by one: the count is there already)
+    while tl.load(ready, volatile=True) < count:
+        pass
+    if ASM:
+        tl.inline_asm_elementwise(_ACQUIRE, "=r,r", [count], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(b2, s2, sb2, topk_ids, tok, slot, block, s_it, s_ik, d_be, d_bn, d_se, d_sn, d_hn,
+                   TOPK: tl.constexpr, FP4: tl.constexpr, BLOCK_N: tl.constexpr, PF_B: tl.constexpr,
+                   PF_S: tl.constexpr, PF_H: tl.constexpr, PF_CHUNKS: tl.constexpr):  # fmt: skip
+    # a down tile's BLOCK_N rows (contiguous: PF_B bytes of codes or weights, PF_S of scales; PF_H of
+    # the shared expert's) asked of L2; its expert comes from the routing, stored before this launch
+    row = block * BLOCK_N
+    if slot < TOPK:
+        e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+        prefetch_l2((b2 + e * d_be + row * d_bn).to(tl.pointer_type(tl.uint8)), PF_B, PF_CHUNKS, False)
+        if FP4:
+            prefetch_l2((s2 + e * d_se + row * d_sn).to(tl.pointer_type(tl.uint8)), PF_S, PF_CHUNKS, False)
+    elif PF_H > 0:
+        prefetch_l2((sb2 + row * d_hn).to(tl.pointer_type(tl.uint8)), PF_H, PF_CHUNKS, False)
+
+
+@triton.jit
+def _chain_kernel(
+    x, xq, xf, b13, s13, g13, sb13, act, topk_ids, I, H,
+    s_xt, s_qt, s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold,
+    b2, s2, g2, sb2, logit, out, topk_w, ws, counters, chain,
+    d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_lt, GU_BLOCKS, DOWN_BLOCKS,
+    PF_B: tl.constexpr, PF_S: tl.constexpr, PF_H: tl.constexpr,
+    TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, PLANES: tl.constexpr, INT_DOT: tl.constexpr,
+    ASM: tl.constexpr, UP_EVEN_K: tl.constexpr, UP_BLOCK_N: tl.constexpr, UP_BLOCK_K: tl.constexpr,
+    UP_LOOP_STAGES: tl.constexpr, UP_SHARED_BLOCK_K: tl.constexpr, DOWN_EVEN_K: tl.constexpr,
+    DOWN_BLOCK_N: tl.constexpr, DOWN_BLOCK_K: tl.constexpr, DOWN_LOOP_STAGES: tl.constexpr,
+    DOWN_PLANES: tl.constexpr, DOWN_SHARED_BLOCK_K: tl.constexpr, PAIRS_P: tl.constexpr,
+    PF_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    # chain: int32 [2 + pairs]: tickets drawn, programs done, then each pair's gate/up tiles stored
+    t = tl.atomic_add(chain, 1, sem="relaxed")  # this program's tile (the counters outlive the kernel before)
+    wait_for_previous(USE_PDL)
+    per_tok: tl.constexpr = TOPK + SHARED
+    pairs = tl.num_programs(0) // (GU_BLOCKS + DOWN_BLOCKS)  # tiles: GU_BLOCKS + DOWN_BLOCKS a pair
+    gu_tiles = pairs * GU_BLOCKS
+    if t < gu_tiles:
+        p = t // GU_BLOCKS
+        gate_up_tile(
+            p, t % GU_BLOCKS, x, xq, xf, b13, s13, g13, b13, s13, g13, sb13, act, topk_ids, I, H, s_xt, s_qt,
+            s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold, TOPK, SHARED, FP4, UP_EVEN_K,
+            UP_BLOCK_N, UP_BLOCK_K, UP_LOOP_STAGES, False, PLANES, UP_SHARED_BLOCK_K, INT_DOT, ASM,
+        )  # fmt: skip
+        tl.debug_barrier()  # every thread's act stores before the release (one thread's atomic)
+        tl.atomic_add(chain + 2 + p, 1, sem="release")
+    else:
+        d = t - gu_tiles  # (token, row block, pair slot), the slot fastest
+        slot = d % per_tok
+        block = (d // per_tok) % DOWN_BLOCKS
+        tok = d // (per_tok * DOWN_BLOCKS)
+        if PF_CHUNKS > 0:  # static: the tile's rows, asked of L2 before the wait (``_prefetch_rows``)
+            _prefetch_rows(b2, s2, sb2, topk_ids, tok, slot, block, s_it, s_ik, d_be, d_bn, d_se, d_sn, d_hn,
+                           TOPK, FP4, DOWN_BLOCK_N, PF_B, PF_S, PF_H, PF_CHUNKS)  # fmt: skip
+        _wait_ready(chain + 2 + tok * per_tok + slot, GU_BLOCKS, ASM)
+        down_tile(
+            tok, block, slot, DOWN_BLOCKS, act, b2, s2, g2, b2, s2, g2, sb2, logit, out, topk_w, topk_ids, ws,
+            counters, H, I, s_at, d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt,
+            unfold, TOPK, SHARED, FP4, DOWN_EVEN_K, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_LOOP_STAGES, False,
+            DOWN_PLANES, DOWN_SHARED_BLOCK_K,
+        )  # fmt: skip
+    tl.debug_barrier()  # this program's stores and reads before its count
+    done = tl.atomic_add(chain + 1, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:  # every program has finished: the counters back to zero
+        c = tl.arange(0, PAIRS_P)
+        tl.store(chain + 2 + c, tl.zeros([PAIRS_P], tl.int32), mask=c < pairs)
+        tl.store(chain + 1, 0)
+        tl.store(chain, 0)
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The chain's counters: the last 256 of the device's zeroed tickets, used by nothing else."""
+    return triton_gemv.tickets(device)[triton_gemv.COUNTERS - MAX_PAIRS - 2 :]
+
+
+def takes(host, down, prefetch_down: bool, pairs: int) -> bool:
+    """Whether a call runs as one launch: the switch on, resident rows read by both kernels."""
+    return CHAIN and host is None and down is None and not prefetch_down and pairs <= MAX_PAIRS
+
+
+def launch(gate_up: dict, down: dict, tiles: dict, pairs: int, ASM: bool, **launch_args) -> None:
+    """One launch for the two: ``gate_up`` and ``down``, the arguments ``triton_moe_gemv`` passes
+    each kernel, by name; ``tiles``: each kernel's tiles (``UP_``, ``DOWN_`` and the name) and the
+    bank's flags; ``ASM``: inline PTX (off under the interpreter); ``launch_args``: warps, stages,
+    PDL (gate/up's)."""
+    g, d = gate_up, down
+    gu_blocks = triton.cdiv(g["N"], tiles["UP_BLOCK_N"])
+    down_blocks = triton.cdiv(d["N"], tiles["DOWN_BLOCK_N"])
+    assert pairs <= MAX_PAIRS, f"{pairs} pairs: the chain counts {MAX_PAIRS} at most"
+    bn = tiles["DOWN_BLOCK_N"]
+    # what a down tile asks L2 for (``_prefetch_rows``): its rows' bytes, where the rows start on
+    # 16 bytes (the bulk prefetch's unit) and the interpreter is not running (``ASM``)
+    rows = (("s_bn", "s_be", d["b"]), ("s_sn", "s_se", d["b_scale"]), ("s_hn", "s_hn", d["shared_b"]))
+    pf = [bn * d[row] * t.element_size() for row, _, t in rows]
+    whole = all(
+        v % 16 == 0 and t.data_ptr() % 16 == 0 and d[start] * t.element_size() % 16 == 0
+        for v, (_, start, t) in zip(pf, rows)
+    )
+    pf_chunks = 32 * launch_args["num_warps"] if PREFETCH and whole and ASM else 0
+    _chain_kernel[(pairs * (gu_blocks + down_blocks),)](
+        g["x"], g["xq"], g["xf"], g["b"], g["b_scale"], g["b_global"], g["shared_b"], g["act"],
+        g["topk_ids"], g["N"], g["K"], g["s_xt"], g["s_qt"], g["s_ft"], g["s_be"], g["s_bn"], g["s_se"],
+        g["s_sn"], g["s_ge"], g["s_hn"], g["s_at"], g["s_it"], g["s_ik"], g["unfold"],
+        d["b"], d["b_scale"], d["b_global"], d["shared_b"], d["shared_logit"], d["out"], d["topk_w"], d["ws"],
+        d["counters"], counters(d["out"].device), d["s_be"], d["s_bn"], d["s_se"], d["s_sn"], d["s_ge"],
+        d["s_hn"], d["s_ot"], d["s_wt"], d["s_wk"], d["s_lt"], gu_blocks, down_blocks,
+        PF_B=pf[0], PF_S=pf[1] if tiles["FP4"] else 0, PF_H=pf[2] if tiles["SHARED"] else 0,
+        PAIRS_P=triton.next_power_of_2(pairs), PF_CHUNKS=pf_chunks, ASM=ASM, **tiles, **launch_args,
+    )  # fmt: skip
