@@ -75,6 +75,7 @@ def launch_proj_conv(
     replaced by the decode conv's output (``causal_conv1d_silu`` of them), conv_weight [C, Kc],
     conv_state [slots, C, Kc-1] updated in place at the sequences' ``state_slots`` (history read
     where ``context_lens`` > 0). Without the device check (the interpreter runs it)."""
+    early = triton_gemv.early_weights(w)
     x, w = triton_gemv.check_operands(x, w)
     (b, k), n = x.shape, w.shape[0]
     c, kc = conv_weight.shape
@@ -90,6 +91,6 @@ def launch_proj_conv(
         out.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         M_P=triton_gemv.MAX_M, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_K=p.even_k, KC=kc,
         KP=triton.next_power_of_2(kc), num_warps=p.num_warps, num_stages=p.num_stages,
-        EARLY=triton_gemv.EARLY_WEIGHTS, **pdl_args(x),
+        EARLY=early, **pdl_args(x),
     )  # fmt: skip
     return out

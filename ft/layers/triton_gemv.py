@@ -67,6 +67,8 @@ PROGRAMS_PER_SM = 2  # split until a projection has about this many programs per
 MAX_SPLITS = 8
 MIN_SPLIT_K = 256  # inputs one split reads at the least
 COUNTERS = 1 << 16  # tickets per device: one per column block (and one per launch for the router)
+RESERVED = 512  # the last of them: ``moe_gemv_chain``'s; the kernels that index by block use the rest
+BLOCK_COUNTERS = COUNTERS - RESERVED
 
 
 def config(n: int) -> tuple[int, int, int, int]:
@@ -180,6 +182,12 @@ def tickets(device: torch.device) -> torch.Tensor:
     return _TICKETS[device]
 
 
+def early_weights(w: torch.Tensor) -> bool:
+    """Whether a launch on weight ``w`` loads its first step before the PDL wait (``EARLY_WEIGHTS``):
+    not a weight that ``check_operands`` copies (the copy is written by the kernel just before)."""
+    return EARLY_WEIGHTS and w.stride(-1) == 1
+
+
 def check_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M <= MAX_M, K] and w [N, K] of one bf16/fp16 dtype, with unit inner strides."""
     m, k = x.shape
@@ -194,18 +202,19 @@ def check_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, splits: int = 0) -> torch.Tensor:
     """x [M, K], w [N, K] -> [M, N] in x's dtype, over ``splits`` K splits (0: ``splits_for``);
     checks and launches without the device check (the Triton interpreter runs it on CPU tensors)."""
+    early = early_weights(w)
     x, w = check_operands(x, w)
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     p = plan(n, k, splits or splits_for(n, k, x.device))
-    common = dict(M_P=MAX_M, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_K=p.even_k, EARLY=EARLY_WEIGHTS,
+    common = dict(M_P=MAX_M, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_K=p.even_k, EARLY=early,
                   num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x))  # fmt: skip
     if p.splits == 1:
         _gemv_kernel[(p.blocks,)](
             x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), **common
         )  # fmt: skip
         return out
-    assert p.blocks <= COUNTERS and p.splits * m * n < 2**31, f"N={n} x M={m} too large to split"
+    assert p.blocks <= BLOCK_COUNTERS and p.splits * m * n < 2**31, f"N={n} x M={m} too large to split"
     ws = torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device)  # the partials
     _gemv_split_k_kernel[(p.blocks, p.splits)](
         x, w, out, ws, tickets(x.device), m, n, k, p.k_split, x.stride(0), w.stride(0), out.stride(0),

@@ -14,9 +14,12 @@ program takes a down tile, and a down tile waits only for programs that are runn
 wait themselves: no program can wait forever, whatever order or number of programs the GPU
 runs at once. A gate/up tile stores its rows of ``act`` and counts itself into its pair's
 ``ready`` counter (a release); a down tile asks L2 for its weight rows (its expert is known from
-the routing), waits until its pair's counter is full (an acquire), then runs as in the down
-launch. The program that finishes last sets the counters back to zero, for the next call and
-the next replay of a graph.
+the routing), waits until its pair's counter is full (polls with a back-off, then an acquire
+fence), then runs as in the down launch. The program that finishes last sets the counters back to
+zero, for the next call and the next replay of a graph. Consecutive launches take the two halves
+of the counters in turn (``counters``): with PDL a launch's programs start while the kernel before
+it ends, so one right after another chain could draw tickets from counters that launch is still
+resetting; the chain before the one before has ended by then.
 
 Each tile is the two launches' code (``moe_gemv_kernels.gate_up_tile``, ``down_tile``) at the
 launch's warps (gate/up's): gate/up's bits exactly, and down's sums over lanes in the order of
@@ -34,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.layers import triton_gemv
+from ft.layers import l2_prefetch, triton_gemv
 from ft.layers.l2_prefetch import prefetch_l2
 from ft.layers.pdl import wait_for_previous
 from ft.moe.kernels.moe_gemv_kernels import down_tile, gate_up_tile
@@ -44,10 +47,12 @@ from ft.moe.kernels.moe_gemv_kernels import down_tile, gate_up_tile
 CHAIN = os.environ.get("FT_MOE_GEMV_CHAIN", "0") == "1"
 # the down tiles ask L2 for their rows before they wait (FT_MOE_GEMV_CHAIN_PREFETCH=0: they do not)
 PREFETCH = os.environ.get("FT_MOE_GEMV_CHAIN_PREFETCH", "1") != "0"
-MAX_PAIRS = 254  # the counters: the last 256 of ``triton_gemv.tickets`` (claim, done, a pair each)
+HALF = triton_gemv.RESERVED // 2  # the counters of one launch: claim, done, then a pair each
+MAX_PAIRS = HALF - 2
 
 # a fence after relaxed loads that saw the release: what the pair's stores are ordered before
 _ACQUIRE = tl.constexpr("fence.acq_rel.gpu; mov.u32 $0, 0;")
+_BACK_OFF = tl.constexpr("nanosleep.u32 100; mov.u32 $0, 0;")  # between two polls
 
 
 @triton.jit
@@ -55,7 +60,8 @@ def _wait_ready(ready, count, ASM: tl.constexpr):
     # until ``ready`` holds ``count``: relaxed polls (every thread its own), then each thread's
     # acquire fence (the interpreter, ASM off, runs programs one by one: the count is there already)
     while tl.load(ready, volatile=True) < count:
-        pass
+        if ASM:
+            tl.inline_asm_elementwise(_BACK_OFF, "=r,r", [count], dtype=tl.int32, is_pure=False, pack=1)
     if ASM:
         tl.inline_asm_elementwise(_ACQUIRE, "=r,r", [count], dtype=tl.int32, is_pure=False, pack=1)
 
@@ -129,9 +135,15 @@ def _chain_kernel(
         tl.store(chain, 0)
 
 
+_turn = [0]  # which half of the counters the next launch takes
+
+
 def counters(device: torch.device) -> torch.Tensor:
-    """The chain's counters: the last 256 of the device's zeroed tickets, used by nothing else."""
-    return triton_gemv.tickets(device)[triton_gemv.COUNTERS - MAX_PAIRS - 2 :]
+    """A launch's counters: a half of the device's ``triton_gemv.RESERVED`` tickets (used by nothing
+    else), the other half from the launch before (a graph keeps the half it captured)."""
+    _turn[0] ^= 1
+    start = triton_gemv.BLOCK_COUNTERS + _turn[0] * HALF
+    return triton_gemv.tickets(device)[start : start + HALF]
 
 
 def takes(host, down, prefetch_down: bool, pairs: int) -> bool:
@@ -149,15 +161,19 @@ def launch(gate_up: dict, down: dict, tiles: dict, pairs: int, ASM: bool, **laun
     down_blocks = triton.cdiv(d["N"], tiles["DOWN_BLOCK_N"])
     assert pairs <= MAX_PAIRS, f"{pairs} pairs: the chain counts {MAX_PAIRS} at most"
     bn = tiles["DOWN_BLOCK_N"]
-    # what a down tile asks L2 for (``_prefetch_rows``): its rows' bytes, where the rows start on
-    # 16 bytes (the bulk prefetch's unit) and the interpreter is not running (``ASM``)
-    rows = (("s_bn", "s_be", d["b"]), ("s_sn", "s_se", d["b_scale"]), ("s_hn", "s_hn", d["shared_b"]))
-    pf = [bn * d[row] * t.element_size() for row, _, t in rows]
-    whole = all(
-        v % 16 == 0 and t.data_ptr() % 16 == 0 and d[start] * t.element_size() % 16 == 0
-        for v, (_, start, t) in zip(pf, rows)
+    # what a down tile asks L2 for (``_prefetch_rows``): its rows' bytes (codes or weights; scales of
+    # NVFP4; the shared expert's), where each starts and ends on 16 bytes (the bulk prefetch's
+    # unit), every row block is whole (none reaches past its expert), on sm_90 or later, and the
+    # interpreter is not running (``ASM``)
+    rows = [("s_bn", "s_be", d["b"])] + [("s_sn", "s_se", d["b_scale"])] * tiles["FP4"]
+    rows += [("s_hn", "s_hn", d["shared_b"])] * tiles["SHARED"]
+    pf = {row: bn * d[row] * t.element_size() for row, _, t in rows}
+    whole = d["N"] % bn == 0 and all(
+        pf[row] % 16 == 0 and t.data_ptr() % 16 == 0 and d[start] * t.element_size() % 16 == 0
+        for row, start, t in rows
     )
-    pf_chunks = 32 * launch_args["num_warps"] if PREFETCH and whole and ASM else 0
+    takes = PREFETCH and whole and ASM and l2_prefetch.takes(d["b"])
+    pf_chunks = 32 * launch_args["num_warps"] if takes else 0
     _chain_kernel[(pairs * (gu_blocks + down_blocks),)](
         g["x"], g["xq"], g["xf"], g["b"], g["b_scale"], g["b_global"], g["shared_b"], g["act"],
         g["topk_ids"], g["N"], g["K"], g["s_xt"], g["s_qt"], g["s_ft"], g["s_be"], g["s_bn"], g["s_se"],
@@ -165,6 +181,6 @@ def launch(gate_up: dict, down: dict, tiles: dict, pairs: int, ASM: bool, **laun
         d["b"], d["b_scale"], d["b_global"], d["shared_b"], d["shared_logit"], d["out"], d["topk_w"], d["ws"],
         d["counters"], counters(d["out"].device), d["s_be"], d["s_bn"], d["s_se"], d["s_sn"], d["s_ge"],
         d["s_hn"], d["s_ot"], d["s_wt"], d["s_wk"], d["s_lt"], gu_blocks, down_blocks,
-        PF_B=pf[0], PF_S=pf[1] if tiles["FP4"] else 0, PF_H=pf[2] if tiles["SHARED"] else 0,
+        PF_B=pf["s_bn"], PF_S=pf.get("s_sn", 0), PF_H=pf.get("s_hn", 0),
         PAIRS_P=triton.next_power_of_2(pairs), PF_CHUNKS=pf_chunks, ASM=ASM, **tiles, **launch_args,
     )  # fmt: skip

@@ -278,7 +278,7 @@ def launch_moe_gemv(
         down_stages = host_stages[1]
     bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
     blocks = triton.cdiv(h, down_n)
-    assert t * blocks <= triton_gemv.COUNTERS, f"T={t} x {blocks} row blocks: more than the ticket counters"
+    assert t * blocks <= triton_gemv.BLOCK_COUNTERS, f"T={t} x {blocks} row blocks: more than the counters"
     ws = torch.empty(t, pairs, h, dtype=torch.float32, device=x.device)  # the pairs' rounded terms
     down_args = dict(
         act=act, b=b2, b_scale=s2, b_global=g2, host_b=h2[0], host_scale=h2[1], host_global=h2[2],

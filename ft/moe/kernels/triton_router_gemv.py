@@ -109,6 +109,7 @@ def launch_router_topk(
     (0: ``triton_gemv.balanced_splits``). ``blocks``: buffers (``int_dot.empty_blocks``)
     the launch also fills with x's int16 blocks (``int_dot.quantize_range``), for the MoE
     GEMV's integer products. Without the device check (the interpreter runs it)."""
+    early = triton_gemv.early_weights(w)
     x, w = triton_gemv.check_operands(x, w)
     (t, h), n = x.shape, w.shape[0]
     e = n - shared_gate
@@ -116,7 +117,7 @@ def launch_router_topk(
     assert 1 <= top_k <= min(e, MAX_TOP_K), f"top_k={top_k} must be in [1, min(E={e}, {MAX_TOP_K})]"
     assert e <= MAX_EXPERTS, f"E={e} experts exceed the {MAX_EXPERTS} one program holds"
     p = triton_gemv.plan(n, h, splits or triton_gemv.balanced_splits(n, h, x.device))
-    assert p.blocks < triton_gemv.COUNTERS and p.splits * t * n < 2**31, f"N={n} too large to split"
+    assert p.blocks < triton_gemv.BLOCK_COUNTERS and p.splits * t * n < 2**31, f"N={n} too large to split"
     logits = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, E (+ 1)]
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
@@ -128,7 +129,7 @@ def launch_router_topk(
         M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
-        KEYS32=triton_router.keys32(logits.dtype), EARLY=triton_gemv.EARLY_WEIGHTS,
+        KEYS32=triton_router.keys32(logits.dtype), EARLY=early,
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip
     return weights, ids, logits[:, e:] if shared_gate else None
