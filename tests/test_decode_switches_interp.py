@@ -211,60 +211,7 @@ def check_early_weights() -> None:
     require(torch.equal(off, on) and torch.equal(*states), "conv-in-proj: bits differ")
 
 
-def check_moe_gemv_chain() -> None:
-    """``moe_gemv_chain.CHAIN`` (gate/up and down tiles in one launch, each down tile waiting for its
-    pair's gate/up tiles): the two launches' results to one bf16 step of each output (the down sums'
-    lane order follows the warps), the same bits for any order the programs start in, every counter
-    back at zero after each call. fp16 and NVFP4 banks (bytes, words, integer products), k = 0, 1, 3
-    and 10, with and without a shared expert, I over one step and several, H over several row
-    blocks with a tail."""
-    from ft.layers import triton_gemv
-    from ft.moe.kernels import moe_gemv_chain
-    from ft.moe.kernels import triton_moe_gemv as mod
-    from tests.nvfp4.test_w4a16_gpu import random_bank
-    from tests.test_moe_fusions_interp import programs_shuffled
-
-    gen = torch.Generator().manual_seed(3)
-    e, h = 12, 320
-    cases = ((10, 48, "fp16", False, 2), (3, 640, "fp16", True, 1), (1, 32, "nvfp4", False, 3),
-             (3, 48, "nvfp4", True, 2), (0, 48, "fp16", True, 2), (3, 64, "words", True, 2),
-             (10, 32, "int", False, 1))  # fmt: skip
-    for k, inter, fmt, shared, t in cases:
-        mod.FP4_PLANES = mod.FP4_DOWN_PLANES = fmt in ("words", "int")
-        mod.FP4_INT_DOT = fmt == "int"
-        if fmt == "fp16":
-            w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h**-0.5).half()
-            w2 = (torch.randn(e, h, inter, generator=gen) * inter**-0.5).half()
-            dtype = torch.float16
-        else:
-            w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
-            dtype = torch.bfloat16
-        x = torch.randn(t, h, generator=gen).to(dtype)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-        weights = torch.rand(t, k, generator=gen) / max(k, 1)
-        pair = None
-        if shared:
-            pair = (
-                (torch.randn(2 * inter, h, generator=gen) * h**-0.5).to(dtype),
-                (torch.randn(h, inter, generator=gen) * inter**-0.5).to(dtype),
-                torch.randn(t, 1, generator=gen).to(dtype),
-            )
-        what = f"k={k} I={inter} {fmt} shared={shared} T={t}"
-        moe_gemv_chain.CHAIN = False
-        two = mod.launch_moe_gemv(x, w13, w2, weights, ids, pair).float()
-        moe_gemv_chain.CHAIN = True
-        outs = []
-        for seed in (k + inter, k + inter + 1):
-            with programs_shuffled(seed):
-                outs.append(mod.launch_moe_gemv(x, w13, w2, weights, ids, pair))
-            require(not triton_gemv.tickets(x.device).any(), f"{what}: a counter left non-zero")
-        require(torch.equal(outs[0], outs[1]), f"{what}: results differ between program orders")
-        step = two.abs().clamp(min=1e-3) * 2**-7  # one bf16 step (8 significant bits)
-        require(bool(((outs[0].float() - two).abs() <= step).all()), f"{what}: off the two launches")
-
-
 CHECKS = [
-    "check_moe_gemv_chain",
     "check_early_weights",
     "check_gdn_decode_layer",
     "check_conv_decode_one_launch",

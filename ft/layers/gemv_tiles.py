@@ -31,9 +31,9 @@ def first_weights(w, n, N, k_lo, k_hi, s_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
-def split_range(K, K_SPLIT):
-    # this program's inputs k_lo .. k_hi in a launch split over K (grid axis 1: the split)
-    k_lo = tl.program_id(1) * K_SPLIT
+def split_range(K, K_SPLIT, split):
+    # the inputs k_lo .. k_hi of split ``split`` in a launch split over K
+    k_lo = split * K_SPLIT
     return k_lo, tl.minimum(K, k_lo + K_SPLIT)
 
 
@@ -69,13 +69,13 @@ def gemv_tile(
 def split_k_sum(
     x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    EVEN_K: tl.constexpr, w0=None,
+    EVEN_K: tl.constexpr, block, split, w0=None,
 ):  # fmt: skip
-    # This program's partial over K_SPLIT inputs into ws[split]; returns (last, total): whether it
-    # drew its column block's last ticket, and then the partials summed in split order. w0: as
-    # ``gemv_tile``'s, of this split (``first_weights`` over ``split_range``).
-    split = tl.program_id(1)
-    k_lo, k_hi = split_range(K, K_SPLIT)
+    # The partial of column block ``block`` over split ``split``'s K_SPLIT inputs into ws[split]
+    # (a kernel's grid: (block, split)); returns (last, total): whether it drew its column block's
+    # last ticket, and then the partials summed in split order. w0: as ``gemv_tile``'s, of this
+    # split (``first_weights`` over ``split_range``).
+    k_lo, k_hi = split_range(K, K_SPLIT, split)
     acc = gemv_tile(x, w, n, M, N, k_lo, k_hi, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K, w0)
     m = tl.arange(0, M_P)
     mask = (m < M)[:, None] & (n < N)[None, :]
@@ -83,11 +83,11 @@ def split_k_sum(
     tl.store(part + split * M * N, acc, mask=mask)
     # the ticket is one thread's atomic: the barrier puts every thread's stores before its release
     tl.debug_barrier()
-    ticket = tl.atomic_add(counters + tl.program_id(0), 1, sem="acq_rel")
+    ticket = tl.atomic_add(counters + block, 1, sem="acq_rel")
     last = ticket == SPLITS - 1
     total = tl.zeros([M_P, BLOCK_N], tl.float32)
     if last:  # the others' partials: past the acquire, read from L2 (.cg), not a stale L1 line
         for s in tl.static_range(SPLITS):
             total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(counters + tl.program_id(0), 0)  # every ticket is drawn: clean for the next call
+        tl.store(counters + block, 0)  # every ticket is drawn: clean for the next call
     return last, total

@@ -113,10 +113,10 @@ def _gemv_split_k_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = None
     if EARLY:  # the first step's weights before the wait (``EARLY_WEIGHTS``)
-        w0 = first_weights(w, n, N, *split_range(K, K_SPLIT), s_wn, BLOCK_K, EVEN_K)
+        w0 = first_weights(w, n, N, *split_range(K, K_SPLIT, tl.program_id(1)), s_wn, BLOCK_K, EVEN_K)
     wait_for_previous(USE_PDL)
     last, total = split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P, BLOCK_N,
-                              BLOCK_K, SPLITS, EVEN_K, w0)  # fmt: skip
+                              BLOCK_K, SPLITS, EVEN_K, tl.program_id(0), tl.program_id(1), w0)  # fmt: skip
     if last:
         m = tl.arange(0, M_P)
         o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]

@@ -36,6 +36,7 @@ from ft.moe.backends import host_stage  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
     moe_gemv_chain,
     moe_gemv_kernels,
+    moe_layer,
     triton_combine,
     triton_moe,
     triton_moe_gemv,
@@ -310,7 +311,8 @@ def chain_entries(moe: dict, fp4: dict):
     bn, bk, bw, bs = triton_moe_gemv.BF16
     pn, pk, _, ps = triton_moe_gemv.PAIR_DOWN
     ptrs = {"b13": U8, "s13": U8, "g13": F32, "sb13": BF, "b2": U8, "s2": U8, "g2": F32, "sb2": BF,
-            "logit": BF, "ws": F32, "counters": I32, "chain": I32}  # fmt: skip
+            "logit": BF, "ws": F32, "counters": I32, "chain": I32, "rw": BF, "logits": BF, "rws": F32,
+            "rcounters": I32}  # fmt: skip
     nvfp4 = {**fp4, **ptrs, "xq": "*i16", "xf": F32}
     bf16 = {**moe, **ptrs, "b13": BF, "s13": BF, "g13": BF, "b2": BF, "s2": BF, "g2": BF}
     common = {"TOPK": 10, "SHARED": 1, "UP_EVEN_K": True, "DOWN_EVEN_K": True, "PAIRS_P": 16, "USE_PDL": 2,
@@ -326,13 +328,31 @@ def chain_entries(moe: dict, fp4: dict):
                         "DOWN_LOOP_STAGES": ps, "DOWN_PLANES": False, "DOWN_SHARED_BLOCK_K": 0,
                         "PF_B": pn * 1024, "PF_S": 0, "PF_H": pn * 1024}, bw, bs),
     ):  # fmt: skip
-        for chunks in (32 * warps, 0):  # the down tiles' L2 prefetch, and without
-            label = f"MoE GEMV chain {name}" + (", rows prefetched" if chunks else "")
+        # the down tiles' L2 prefetch and without; the router's tiles too (``moe_layer``, the 80B's router)
+        for chunks, route in ((32 * warps, False), (0, False), (32 * warps, True)):
+            label = (
+                f"MoE GEMV chain {name}"
+                + (", rows prefetched" if chunks else "")
+                + (", routed" if route else "")
+            )
+            r = {
+                "ROUTE": route,
+                "R_SPLITS": 8,
+                "R_BLOCK_N": 16,
+                "R_BLOCK_K": moe_layer.BLOCK_K,
+                "R_EVEN_K": True,
+                "T_P": 1,
+                "TOP_K_P": 16,
+                "E_P": 512,
+                "RENORMALIZE": True,
+                "KEYS32": True,
+                "R_BLOCKS_Q": consts["INT_DOT"],
+            }
             yield (
                 label,
                 moe_gemv_chain._chain_kernel,
                 ptrs,
-                {**common, **consts, "PF_CHUNKS": chunks},
+                {**common, **consts, **r, "PF_CHUNKS": chunks},
                 warps,
                 stages,
             )

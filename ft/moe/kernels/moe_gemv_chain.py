@@ -41,6 +41,7 @@ from ft.layers import l2_prefetch, triton_gemv
 from ft.layers.l2_prefetch import prefetch_l2
 from ft.layers.pdl import wait_for_previous
 from ft.moe.kernels.moe_gemv_kernels import down_tile, gate_up_tile
+from ft.moe.kernels.triton_router_gemv import router_tile
 
 # OFF until timed (tests/gpu/decode_variants.py ...:CHAIN); FT_MOE_GEMV_CHAIN=1 turns it on for a
 # process and the ranks it spawns. Read at each call (a captured graph keeps its launches).
@@ -48,7 +49,7 @@ CHAIN = os.environ.get("FT_MOE_GEMV_CHAIN", "0") == "1"
 # the down tiles ask L2 for their rows before they wait (FT_MOE_GEMV_CHAIN_PREFETCH=0: they do not)
 PREFETCH = os.environ.get("FT_MOE_GEMV_CHAIN_PREFETCH", "1") != "0"
 HALF = triton_gemv.RESERVED // 2  # the counters of one launch: claim, done, then a pair each
-MAX_PAIRS = HALF - 2
+MAX_PAIRS = HALF - 3
 
 # a fence after relaxed loads that saw the release: what the pair's stores are ordered before
 _ACQUIRE = tl.constexpr("fence.acq_rel.gpu; mov.u32 $0, 0;")
@@ -88,7 +89,11 @@ def _chain_kernel(
     s_xt, s_qt, s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold,
     b2, s2, g2, sb2, logit, out, topk_w, ws, counters, chain,
     d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_lt, GU_BLOCKS, DOWN_BLOCKS,
-    PF_B: tl.constexpr, PF_S: tl.constexpr, PF_H: tl.constexpr,
+    rw, logits, rws, rcounters, T, R_N, R_E, R_K_SPLIT, s_rwn, R_BLOCKS,
+    PF_B: tl.constexpr, PF_S: tl.constexpr, PF_H: tl.constexpr, ROUTE: tl.constexpr, R_SPLITS: tl.constexpr,
+    R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_EVEN_K: tl.constexpr, T_P: tl.constexpr,
+    TOP_K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr,
+    R_BLOCKS_Q: tl.constexpr,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, PLANES: tl.constexpr, INT_DOT: tl.constexpr,
     ASM: tl.constexpr, UP_EVEN_K: tl.constexpr, UP_BLOCK_N: tl.constexpr, UP_BLOCK_K: tl.constexpr,
     UP_LOOP_STAGES: tl.constexpr, UP_SHARED_BLOCK_K: tl.constexpr, DOWN_EVEN_K: tl.constexpr,
@@ -96,30 +101,50 @@ def _chain_kernel(
     DOWN_PLANES: tl.constexpr, DOWN_SHARED_BLOCK_K: tl.constexpr, PAIRS_P: tl.constexpr,
     PF_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # chain: int32 [2 + pairs]: tickets drawn, programs done, then each pair's gate/up tiles stored
+    # chain: int32 [3 + pairs]: tickets drawn, programs done, router tiles done, then each pair's
+    # gate/up tiles stored. With ROUTE the first R_BLOCKS x R_SPLITS tiles are the router's
+    # (``triton_router_gemv.router_tile``: its logits, top-k into topk_w / topk_ids and, with
+    # R_BLOCKS_Q, x's int16 blocks); the tiles that read what it writes wait for all of them.
     t = tl.atomic_add(chain, 1, sem="relaxed")  # this program's tile (the counters outlive the kernel before)
     wait_for_previous(USE_PDL)
     per_tok: tl.constexpr = TOPK + SHARED
-    pairs = tl.num_programs(0) // (GU_BLOCKS + DOWN_BLOCKS)  # tiles: GU_BLOCKS + DOWN_BLOCKS a pair
+    r_tiles = 0
+    if ROUTE:
+        r_tiles = R_BLOCKS * R_SPLITS
+    pairs = (tl.num_programs(0) - r_tiles) // (GU_BLOCKS + DOWN_BLOCKS)  # GU_BLOCKS + DOWN_BLOCKS a pair
     gu_tiles = pairs * GU_BLOCKS
-    if t < gu_tiles:
-        p = t // GU_BLOCKS
+    ready = chain + 3
+    if t < r_tiles:
+        if ROUTE:  # static: the router's code only where it has tiles
+            router_tile(
+                t % R_BLOCKS, t // R_BLOCKS, R_BLOCKS, x, rw, logits, topk_w, topk_ids, rws, rcounters, xq,
+                xf, T, R_N, R_E, H, R_K_SPLIT, s_xt, s_rwn, s_qt, s_ft, 16, T_P, R_BLOCK_N, R_BLOCK_K,
+                R_SPLITS, R_EVEN_K, TOPK, TOP_K_P, E_P, RENORMALIZE, KEYS32, R_BLOCKS_Q,
+            )  # fmt: skip
+            tl.debug_barrier()  # every thread's stores (logits, routing, int16 blocks) before the release
+            tl.atomic_add(chain + 2, 1, sem="release")
+    elif t < r_tiles + gu_tiles:
+        p = (t - r_tiles) // GU_BLOCKS
+        if ROUTE and p % per_tok < TOPK:  # a routed expert's rows: from the routing (the shared pair's
+            _wait_ready(chain + 2, r_tiles, ASM)  # read x alone)
         gate_up_tile(
-            p, t % GU_BLOCKS, x, xq, xf, b13, s13, g13, b13, s13, g13, sb13, act, topk_ids, I, H, s_xt, s_qt,
-            s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold, TOPK, SHARED, FP4, UP_EVEN_K,
-            UP_BLOCK_N, UP_BLOCK_K, UP_LOOP_STAGES, False, PLANES, UP_SHARED_BLOCK_K, INT_DOT, ASM,
+            p, (t - r_tiles) % GU_BLOCKS, x, xq, xf, b13, s13, g13, b13, s13, g13, sb13, act, topk_ids, I, H,
+            s_xt, s_qt, s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold, TOPK, SHARED, FP4,
+            UP_EVEN_K, UP_BLOCK_N, UP_BLOCK_K, UP_LOOP_STAGES, False, PLANES, UP_SHARED_BLOCK_K, INT_DOT, ASM,
         )  # fmt: skip
         tl.debug_barrier()  # every thread's act stores before the release (one thread's atomic)
-        tl.atomic_add(chain + 2 + p, 1, sem="release")
+        tl.atomic_add(ready + p, 1, sem="release")
     else:
-        d = t - gu_tiles  # (token, row block, pair slot), the slot fastest
+        if ROUTE:  # the routing (its expert's rows; the shared pair's gate logit)
+            _wait_ready(chain + 2, r_tiles, ASM)
+        d = t - r_tiles - gu_tiles  # (token, row block, pair slot), the slot fastest
         slot = d % per_tok
         block = (d // per_tok) % DOWN_BLOCKS
         tok = d // (per_tok * DOWN_BLOCKS)
         if PF_CHUNKS > 0:  # static: the tile's rows, asked of L2 before the wait (``_prefetch_rows``)
             _prefetch_rows(b2, s2, sb2, topk_ids, tok, slot, block, s_it, s_ik, d_be, d_bn, d_se, d_sn, d_hn,
                            TOPK, FP4, DOWN_BLOCK_N, PF_B, PF_S, PF_H, PF_CHUNKS)  # fmt: skip
-        _wait_ready(chain + 2 + tok * per_tok + slot, GU_BLOCKS, ASM)
+        _wait_ready(ready + tok * per_tok + slot, GU_BLOCKS, ASM)
         down_tile(
             tok, block, slot, DOWN_BLOCKS, act, b2, s2, g2, b2, s2, g2, sb2, logit, out, topk_w, topk_ids, ws,
             counters, H, I, s_at, d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt,
@@ -130,11 +155,14 @@ def _chain_kernel(
     done = tl.atomic_add(chain + 1, 1, sem="acq_rel")
     if done == tl.num_programs(0) - 1:  # every program has finished: the counters back to zero
         c = tl.arange(0, PAIRS_P)
-        tl.store(chain + 2 + c, tl.zeros([PAIRS_P], tl.int32), mask=c < pairs)
+        tl.store(ready + c, tl.zeros([PAIRS_P], tl.int32), mask=c < pairs)
+        tl.store(chain + 2, 0)
         tl.store(chain + 1, 0)
         tl.store(chain, 0)
 
 
+_ROUTE_CONSTS = ("R_SPLITS", "R_BLOCK_N", "R_BLOCK_K", "R_EVEN_K", "T_P", "TOP_K_P", "E_P", "RENORMALIZE",
+                 "KEYS32", "R_BLOCKS_Q")  # fmt: skip
 _turn = [0]  # which half of the counters the next launch takes
 
 
@@ -151,12 +179,17 @@ def takes(host, down, prefetch_down: bool, pairs: int) -> bool:
     return CHAIN and host is None and down is None and not prefetch_down and pairs <= MAX_PAIRS
 
 
-def launch(gate_up: dict, down: dict, tiles: dict, pairs: int, ASM: bool, **launch_args) -> None:
+def launch(
+    gate_up: dict, down: dict, tiles: dict, pairs: int, ASM: bool, route: dict | None = None, **launch_args
+) -> None:
     """One launch for the two: ``gate_up`` and ``down``, the arguments ``triton_moe_gemv`` passes
     each kernel, by name; ``tiles``: each kernel's tiles (``UP_``, ``DOWN_`` and the name) and the
-    bank's flags; ``ASM``: inline PTX (off under the interpreter); ``launch_args``: warps, stages,
-    PDL (gate/up's)."""
+    bank's flags; ``ASM``: inline PTX (off under the interpreter); ``route``: the router's tiles
+    too (``moe_layer.route``); ``launch_args``: warps, stages, PDL (gate/up's)."""
     g, d = gate_up, down
+    # without the router's tiles its operands are unread (any tensor) and its constants the least
+    unread = dict(rw=g["x"], logits=g["x"], rws=g["x"], rcounters=d["counters"])
+    r = route or dict(unread, R_N=1, R_E=1, R_K_SPLIT=16, R_BLOCKS=0, **dict.fromkeys(_ROUTE_CONSTS, 1))
     gu_blocks = triton.cdiv(g["N"], tiles["UP_BLOCK_N"])
     down_blocks = triton.cdiv(d["N"], tiles["DOWN_BLOCK_N"])
     assert pairs <= MAX_PAIRS, f"{pairs} pairs: the chain counts {MAX_PAIRS} at most"
@@ -174,13 +207,16 @@ def launch(gate_up: dict, down: dict, tiles: dict, pairs: int, ASM: bool, **laun
     )
     takes = PREFETCH and whole and ASM and l2_prefetch.takes(d["b"])
     pf_chunks = 32 * launch_args["num_warps"] if takes else 0
-    _chain_kernel[(pairs * (gu_blocks + down_blocks),)](
+    r_tiles = r["R_BLOCKS"] * r["R_SPLITS"] if route else 0
+    _chain_kernel[(r_tiles + pairs * (gu_blocks + down_blocks),)](
         g["x"], g["xq"], g["xf"], g["b"], g["b_scale"], g["b_global"], g["shared_b"], g["act"],
         g["topk_ids"], g["N"], g["K"], g["s_xt"], g["s_qt"], g["s_ft"], g["s_be"], g["s_bn"], g["s_se"],
         g["s_sn"], g["s_ge"], g["s_hn"], g["s_at"], g["s_it"], g["s_ik"], g["unfold"],
         d["b"], d["b_scale"], d["b_global"], d["shared_b"], d["shared_logit"], d["out"], d["topk_w"], d["ws"],
         d["counters"], counters(d["out"].device), d["s_be"], d["s_bn"], d["s_se"], d["s_sn"], d["s_ge"],
         d["s_hn"], d["s_ot"], d["s_wt"], d["s_wk"], d["s_lt"], gu_blocks, down_blocks,
+        r["rw"], r["logits"], r["rws"], r["rcounters"], g["x"].shape[0], r["R_N"], r["R_E"], r["R_K_SPLIT"],
+        r["rw"].stride(0), r["R_BLOCKS"], ROUTE=route is not None, **{k: r[k] for k in _ROUTE_CONSTS},
         PF_B=pf["s_bn"], PF_S=pf.get("s_sn", 0), PF_H=pf.get("s_hn", 0),
         PAIRS_P=triton.next_power_of_2(pairs), PF_CHUNKS=pf_chunks, ASM=ASM, **tiles, **launch_args,
     )  # fmt: skip

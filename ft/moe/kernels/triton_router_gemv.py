@@ -51,15 +51,35 @@ def _router_topk_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = None
     if EARLY:  # the first (here: often the only) step's weights before the wait
-        w0 = gemv_tiles.first_weights(w, n, N, *gemv_tiles.split_range(K, K_SPLIT), s_wn, BLOCK_K, EVEN_K)
+        k_range = gemv_tiles.split_range(K, K_SPLIT, tl.program_id(1))
+        w0 = gemv_tiles.first_weights(w, n, N, *k_range, s_wn, BLOCK_K, EVEN_K)
     wait_for_previous(USE_PDL)
+    router_tile(
+        tl.program_id(0), tl.program_id(1), tl.num_programs(0), x, w, logits, weights, ids, ws, counters, xq,
+        xf, M, N, E, K, K_SPLIT, s_xm, s_wn, s_qt, s_ft, M_P, T_P, BLOCK_N, BLOCK_K, SPLITS, EVEN_K, TOP_K,
+        TOP_K_P, E_P, RENORMALIZE, KEYS32, BLOCKS, w0,
+    )  # fmt: skip
+
+
+@triton.jit
+def router_tile(
+    block, split, blocks, x, w, logits, weights, ids, ws, counters, xq, xf, M, N, E, K, K_SPLIT, s_xm, s_wn,
+    s_qt, s_ft, M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
+    E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr, BLOCKS: tl.constexpr, w0=None,
+):  # fmt: skip
+    # column block ``block`` (of ``blocks``) of split ``split``: its partial; the column block's last
+    # program its logits; the launch's last of those the top-k of every row (counters: a column
+    # block's tickets, then the launch's). With BLOCKS column block 0 of each split also quantises
+    # the inputs it read (after its ticket: ordered before their reader only by the launch's end,
+    # or by ``moe_gemv_chain``'s count of finished router tiles)
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     last, total = gemv_tiles.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
-                                         BLOCK_N, BLOCK_K, SPLITS, EVEN_K, w0)  # fmt: skip
+                                         BLOCK_N, BLOCK_K, SPLITS, EVEN_K, block, split, w0)  # fmt: skip
     if BLOCKS:  # noqa: SIM102 (static: compiled only with blocks) the first column block of each split
         # quantises the inputs it read, x's int16 blocks for the MoE GEMV
-        if tl.program_id(0) == 0:
-            k_lo = tl.program_id(1) * K_SPLIT
-            k_hi = tl.minimum(K, k_lo + K_SPLIT)
+        if block == 0:
+            k_lo, k_hi = gemv_tiles.split_range(K, K_SPLIT, split)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 int_dot.quantize_range(x, xq, xf, M, k0, k_hi, s_xm, s_qt, s_ft, T_P, BLOCK_K)
     if last:
@@ -67,7 +87,6 @@ def _router_topk_kernel(
         mask = (m < M)[:, None] & (n < N)[None, :]
         tl.store(logits + m[:, None] * N + n[None, :], total.to(logits.dtype.element_ty), mask=mask)
         tl.debug_barrier()  # every thread's logits before the launch ticket's release
-        blocks = tl.num_programs(0)
         ticket = tl.atomic_add(counters + blocks, 1, sem="acq_rel")
         if ticket == blocks - 1:  # every column block's logits are stored
             t = tl.arange(0, T_P)[:, None]
