@@ -104,7 +104,7 @@ def check_moe_layer() -> None:
     from tests.test_moe_fusions_interp import programs_shuffled
 
     gen = torch.Generator().manual_seed(4)
-    e, h = 24, 256
+    e, h = 24, 512  # the router over two K splits
     cases = ((4, 48, "fp16", True, 2, True), (3, 32, "nvfp4", False, 1, False), (8, 32, "int", True, 4, True),
              (1, 64, "words", True, 3, False))  # fmt: skip
     for k, inter, fmt, shared, t, renormalize in cases:

@@ -8,8 +8,9 @@ Both are bound by the latency of their loads (2026-12-05 census of the NVFP4 80B
 an H200: gate/up 9.3 us a layer for ~16 MB, down 9.2 us for ~8 MB; ~2 us each at HBM's rate).
 
 Here one launch has a program per tile of either kind, and each program takes its tile by ticket
-(``chain[0]``, drawn first thing, before the PDL wait): the first ``GU_TILES`` tickets are gate/up
-tiles, the rest down tiles, so every gate/up tile is taken by a running program before any
+(``chain[0]``, drawn first thing, before the PDL wait): the first tickets are gate/up tiles (the
+shared expert's first), the rest down tiles, so every gate/up tile is taken by a running program
+before any
 program takes a down tile, and a down tile waits only for programs that are running and never
 wait themselves: no program can wait forever, whatever order or number of programs the GPU
 runs at once. A gate/up tile stores its rows of ``act`` and counts itself into its pair's
@@ -68,19 +69,28 @@ def _wait_ready(ready, count, ASM: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(b2, s2, sb2, topk_ids, tok, slot, block, s_it, s_ik, d_be, d_bn, d_se, d_sn, d_hn,
-                   TOPK: tl.constexpr, FP4: tl.constexpr, BLOCK_N: tl.constexpr, PF_B: tl.constexpr,
-                   PF_S: tl.constexpr, PF_H: tl.constexpr, PF_CHUNKS: tl.constexpr):  # fmt: skip
-    # a down tile's BLOCK_N rows (contiguous: PF_B bytes of codes or weights, PF_S of scales; PF_H of
-    # the shared expert's) asked of L2; its expert comes from the routing, stored before this launch
-    row = block * BLOCK_N
-    if slot < TOPK:
-        e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
-        prefetch_l2((b2 + e * d_be + row * d_bn).to(tl.pointer_type(tl.uint8)), PF_B, PF_CHUNKS, False)
-        if FP4:
-            prefetch_l2((s2 + e * d_se + row * d_sn).to(tl.pointer_type(tl.uint8)), PF_S, PF_CHUNKS, False)
-    elif PF_H > 0:
-        prefetch_l2((sb2 + row * d_hn).to(tl.pointer_type(tl.uint8)), PF_H, PF_CHUNKS, False)
+def _prefetch_rows(rows, scales, at, nbytes, scales_at, scale_bytes: tl.constexpr, PF_CHUNKS: tl.constexpr):
+    # a down tile's rows asked of L2: ``nbytes`` of ``rows`` from element ``at`` (contiguous: its
+    # BLOCK_N rows of codes or weights) and, for NVFP4, ``scale_bytes`` of ``scales`` from ``scales_at``
+    prefetch_l2((rows + at).to(tl.pointer_type(tl.uint8)), nbytes, PF_CHUNKS, False)
+    if scale_bytes > 0:
+        prefetch_l2((scales + scales_at).to(tl.pointer_type(tl.uint8)), scale_bytes, PF_CHUNKS, False)
+
+
+@triton.jit
+def _gate_up_pair(u, tokens, GU_BLOCKS, TOPK: tl.constexpr, SHARED: tl.constexpr):
+    # gate/up tile u -> (pair, row block of I): the shared expert's tiles first (they wait for no
+    # routing, so they run beside the router's tiles), then the routed pairs', token by token
+    per_tok: tl.constexpr = TOPK + SHARED
+    shared_tiles = tokens * GU_BLOCKS * SHARED
+    is_shared = u < shared_tiles
+    v = tl.where(is_shared, u, u - shared_tiles)
+    r = v // GU_BLOCKS
+    if TOPK > 0:
+        p = tl.where(is_shared, r * per_tok + TOPK, (r // TOPK) * per_tok + r % TOPK)
+    else:
+        p = r * per_tok
+    return p, v % GU_BLOCKS
 
 
 @triton.jit
@@ -124,26 +134,33 @@ def _chain_kernel(
             tl.debug_barrier()  # every thread's stores (logits, routing, int16 blocks) before the release
             tl.atomic_add(chain + 2, 1, sem="release")
     elif t < r_tiles + gu_tiles:
-        p = (t - r_tiles) // GU_BLOCKS
+        p, block = _gate_up_pair(t - r_tiles, pairs // per_tok, GU_BLOCKS, TOPK, SHARED)
         if ROUTE and p % per_tok < TOPK:  # a routed expert's rows: from the routing (the shared pair's
             _wait_ready(chain + 2, r_tiles, ASM)  # read x alone)
         gate_up_tile(
-            p, (t - r_tiles) % GU_BLOCKS, x, xq, xf, b13, s13, g13, b13, s13, g13, sb13, act, topk_ids, I, H,
+            p, block, x, xq, xf, b13, s13, g13, b13, s13, g13, sb13, act, topk_ids, I, H,
             s_xt, s_qt, s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold, TOPK, SHARED, FP4,
             UP_EVEN_K, UP_BLOCK_N, UP_BLOCK_K, UP_LOOP_STAGES, False, PLANES, UP_SHARED_BLOCK_K, INT_DOT, ASM,
         )  # fmt: skip
         tl.debug_barrier()  # every thread's act stores before the release (one thread's atomic)
         tl.atomic_add(ready + p, 1, sem="release")
     else:
-        if ROUTE:  # the routing (its expert's rows; the shared pair's gate logit)
-            _wait_ready(chain + 2, r_tiles, ASM)
         d = t - r_tiles - gu_tiles  # (token, row block, pair slot), the slot fastest
         slot = d % per_tok
         block = (d // per_tok) % DOWN_BLOCKS
         tok = d // (per_tok * DOWN_BLOCKS)
-        if PF_CHUNKS > 0:  # static: the tile's rows, asked of L2 before the wait (``_prefetch_rows``)
-            _prefetch_rows(b2, s2, sb2, topk_ids, tok, slot, block, s_it, s_ik, d_be, d_bn, d_se, d_sn, d_hn,
-                           TOPK, FP4, DOWN_BLOCK_N, PF_B, PF_S, PF_H, PF_CHUNKS)  # fmt: skip
+        # the tile's rows asked of L2 before its waits (``_prefetch_rows``): the shared expert's at
+        # once, a routed expert's once the routing is there
+        if PF_CHUNKS > 0 and PF_H > 0:  # noqa: SIM102 (static)
+            if slot == TOPK:
+                _prefetch_rows(sb2, sb2, DOWN_BLOCK_N * block * d_hn, PF_H, 0, 0, PF_CHUNKS)
+        if ROUTE:  # the routing (its expert's rows; the shared pair's gate logit)
+            _wait_ready(chain + 2, r_tiles, ASM)
+        if PF_CHUNKS > 0:  # noqa: SIM102 (static)
+            if slot < TOPK:
+                e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+                row = DOWN_BLOCK_N * block
+                _prefetch_rows(b2, s2, e * d_be + row * d_bn, PF_B, e * d_se + row * d_sn, PF_S, PF_CHUNKS)
         _wait_ready(ready + tok * per_tok + slot, GU_BLOCKS, ASM)
         down_tile(
             tok, block, slot, DOWN_BLOCKS, act, b2, s2, g2, b2, s2, g2, sb2, logit, out, topk_w, topk_ids, ws,

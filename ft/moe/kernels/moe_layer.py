@@ -6,9 +6,10 @@ The launch is ``moe_gemv_chain``'s with the router's tiles first: ``triton_route
 blocks by K splits (``router_tile``: the same partials, tickets and top-k), then the gate/up tiles,
 then the down tiles. A routed pair's gate/up tile and every down tile wait until all router tiles
 have finished (their routing, the gate logit, x's int16 blocks); the shared expert's gate/up tiles
-read x alone and run beside the router's. The router's steps are 128 inputs (its own launch takes
-256 in one step: compiled for sm_90 inside this kernel at one loop stage, a 256-wide step took 255
-registers and spilled, 128 takes 72); a step's MMAs accumulate in the same order either way.
+read x alone and take the tickets right after the router's, so they run beside them. The router
+keeps its own launch's K splits but steps through each at most 128 inputs at a time (the 80B's
+router takes 256 in one step: compiled for sm_90 inside this kernel at one loop stage, that took
+255 registers and spilled, 128 takes 72); a split's MMAs accumulate in the same order either way.
 
 Same contract as ``TopKRouter`` then ``triton_moe_gemv.fused_moe_gemv`` with the shared pair: the
 routing of the fused router and the chain's output. Not here: batches the fused router does not take
@@ -48,8 +49,9 @@ def route(x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, share
     e = n - shared_gate
     assert 0 < t <= triton_router_gemv.MAX_TOKENS, f"{t} tokens: the fused router takes 1 .. 4"
     assert 1 <= top_k <= min(e, MAX_TOP_K) and e <= MAX_EXPERTS, f"top_k={top_k} of E={e} experts"
-    block_n, _, warps, stages = triton_gemv.config(n)
-    p = triton_gemv.plan(n, h, triton_gemv.balanced_splits(n, h, x.device), (block_n, BLOCK_K, warps, stages))
+    # the fused router's own splits (so its logits' partials), in steps of at most BLOCK_K
+    p = triton_gemv.plan(n, h, triton_gemv.balanced_splits(n, h, x.device))
+    p = p._replace(block_k=min(p.block_k, BLOCK_K), even_k=h % min(p.block_k, BLOCK_K) == 0)
     assert ROUTER_COUNTERS + p.blocks < triton_gemv.BLOCK_COUNTERS, f"N={n}: too many column blocks"
     logits = torch.empty(t, n, dtype=x.dtype, device=x.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
