@@ -91,6 +91,47 @@ def check_moe_gemv_chain() -> None:
         require(within_a_step(outs[0], two), f"{what}: off the two launches")
 
 
+def check_chain_with_host_rows() -> None:
+    """The chain with host reads (ids e < 0: host row -e - 1): the two launches' result to a bf16
+    step, fp16 and NVFP4 (words) banks, a shared pair; the slots no expert holds and the host rows
+    of the experts in slots are NaN, so a tile reading the wrong side fails."""
+    from ft.moe.kernels import moe_gemv_chain
+    from ft.moe.kernels import triton_moe_gemv as mod
+    from ft.quant.nvfp4 import NVFP4Tensor
+
+    gen = torch.Generator().manual_seed(6)
+    e, inter, t, k, s = 8, 48, 2, 3, 4
+    for fmt in ("fp16", "words"):
+        words(fmt)
+        x, w13, w2, pair = problem(k, inter, fmt, True, t, gen, e, 64)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        weights = torch.rand(t, k, generator=gen) / k
+        pair = (*pair, torch.randn(t, 1, generator=gen).to(x.dtype))
+        in_slot = torch.randperm(e, generator=gen)[:s]
+        route = -(torch.arange(e) + 1)  # every expert on the host but these, in slots 0 .. s-1
+        route[in_slot] = torch.arange(s)
+        holder = torch.zeros(s + 1, dtype=torch.long)
+        holder[:s] = in_slot
+
+        def split(w, holder=holder, in_slot=in_slot):  # (slot rows, host rows), NaN where unread
+            if isinstance(w, NVFP4Tensor):
+                slot_g, host_g = w.weight_scale_2[holder].clone(), w.weight_scale_2.clone()
+                slot_g[s], host_g[in_slot] = float("nan"), float("nan")
+                return NVFP4Tensor(w.weight[holder], w.weight_scale[holder], slot_g), NVFP4Tensor(
+                    w.weight, w.weight_scale, host_g
+                )
+            slot, host = w[holder].clone(), w.clone()
+            slot[s], host[in_slot] = float("nan"), float("nan")
+            return slot, host
+
+        (s13, h13), (s2, h2) = split(w13), split(w2)
+        moe_gemv_chain.CHAIN = False
+        two = mod.launch_moe_gemv(x, s13, s2, weights, route[ids], pair, host=(h13, h2))
+        moe_gemv_chain.CHAIN = True
+        one = mod.launch_moe_gemv(x, s13, s2, weights, route[ids], pair, host=(h13, h2))
+        require(bool(two.isfinite().all()) and within_a_step(one, two), f"{fmt}: off the two launches")
+
+
 def check_moe_layer() -> None:
     """``moe_layer`` (the router's tiles, then the chain's, in one launch): the fused router's ids
     and weights, and the chain's output to one bf16 step (after the same routing), with and without
@@ -181,7 +222,12 @@ def check_block_in_one_launch() -> None:
         require(bool(off.isfinite().all()) and near, f"{fmt} shared={shared}: off the block without")
 
 
-CHECKS = ["check_moe_gemv_chain", "check_moe_layer", "check_block_in_one_launch"]
+CHECKS = [
+    "check_moe_gemv_chain",
+    "check_chain_with_host_rows",
+    "check_moe_layer",
+    "check_block_in_one_launch",
+]
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -441,3 +441,11 @@ def test_host_rows_read_in_place_equal_the_resident_bank(fmt, host_stages, host_
     # the host rows copied to the device (host staging's block): the resident tiles, the same bits
     on_device = [NVFP4Tensor(*(p.cuda() for p in w.parts)) if fmt == "nvfp4" else w.cuda() for w in (h13, h2)]
     assert torch.equal(fused_moe_gemv(x, s13, s2, weights, rows, host=on_device), want)
+    # in one launch (``moe_gemv_chain.CHAIN``): within a bf16 step (its down sums' lane order), both sides
+    from ft.moe.kernels import moe_gemv_chain
+
+    monkeypatch.setattr(moe_gemv_chain, "CHAIN", True)
+    step = want.float().abs().clamp(min=1e-3) * 2**-7
+    for host in ((h13, h2), on_device):
+        one = fused_moe_gemv(x, s13, s2, weights, rows, host=host)
+        assert bool(((one.float() - want.float()).abs() <= step).all()), host[0] is h13

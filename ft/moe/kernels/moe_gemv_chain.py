@@ -25,7 +25,8 @@ resetting; the chain before the one before has ended by then.
 Each tile is the two launches' code (``moe_gemv_kernels.gate_up_tile``, ``down_tile``) at the
 launch's warps (gate/up's): gate/up's bits exactly, and down's sums over lanes in the order of
 this warp count (a rounding of a term may differ from the two launches'; the pair order of the
-sum over k is the same). Not here: host reads (``HOST``), a down kernel of other rows
+sum over k is the same). Host reads (``HOST``) run here too; a down tile asks L2 for a slot's rows
+only. Not here: a down kernel of other rows
 (``host_prefetch``'s down-only copies), ``PREFETCH_DOWN`` (the down tiles here ask L2 for their
 own rows), more pairs than ``MAX_PAIRS``.
 """
@@ -95,9 +96,9 @@ def _gate_up_pair(u, tokens, GU_BLOCKS, TOPK: tl.constexpr, SHARED: tl.constexpr
 
 @triton.jit
 def _chain_kernel(
-    x, xq, xf, b13, s13, g13, sb13, act, topk_ids, I, H,
+    x, xq, xf, b13, s13, g13, hb13, hs13, hg13, sb13, act, topk_ids, I, H,
     s_xt, s_qt, s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold,
-    b2, s2, g2, sb2, logit, out, topk_w, ws, counters, chain,
+    b2, s2, g2, hb2, hs2, hg2, sb2, logit, out, topk_w, ws, counters, chain,
     d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_lt, GU_BLOCKS, DOWN_BLOCKS,
     rw, logits, rws, rcounters, T, R_N, R_E, R_K_SPLIT, s_rwn, R_BLOCKS,
     PF_B: tl.constexpr, PF_S: tl.constexpr, PF_H: tl.constexpr, ROUTE: tl.constexpr, R_SPLITS: tl.constexpr,
@@ -105,11 +106,11 @@ def _chain_kernel(
     TOP_K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr,
     R_BLOCKS_Q: tl.constexpr,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, PLANES: tl.constexpr, INT_DOT: tl.constexpr,
-    ASM: tl.constexpr, UP_EVEN_K: tl.constexpr, UP_BLOCK_N: tl.constexpr, UP_BLOCK_K: tl.constexpr,
-    UP_LOOP_STAGES: tl.constexpr, UP_SHARED_BLOCK_K: tl.constexpr, DOWN_EVEN_K: tl.constexpr,
-    DOWN_BLOCK_N: tl.constexpr, DOWN_BLOCK_K: tl.constexpr, DOWN_LOOP_STAGES: tl.constexpr,
-    DOWN_PLANES: tl.constexpr, DOWN_SHARED_BLOCK_K: tl.constexpr, PAIRS_P: tl.constexpr,
-    PF_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr = False,
+    HOST: tl.constexpr, ASM: tl.constexpr, UP_EVEN_K: tl.constexpr, UP_BLOCK_N: tl.constexpr,
+    UP_BLOCK_K: tl.constexpr, UP_LOOP_STAGES: tl.constexpr, UP_SHARED_BLOCK_K: tl.constexpr,
+    DOWN_EVEN_K: tl.constexpr, DOWN_BLOCK_N: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
+    DOWN_LOOP_STAGES: tl.constexpr, DOWN_PLANES: tl.constexpr, DOWN_SHARED_BLOCK_K: tl.constexpr,
+    PAIRS_P: tl.constexpr, PF_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # chain: int32 [3 + pairs]: tickets drawn, programs done, router tiles done, then each pair's
     # gate/up tiles stored. With ROUTE the first R_BLOCKS x R_SPLITS tiles are the router's
@@ -138,9 +139,9 @@ def _chain_kernel(
         if ROUTE and p % per_tok < TOPK:  # a routed expert's rows: from the routing (the shared pair's
             _wait_ready(chain + 2, r_tiles, ASM)  # read x alone)
         gate_up_tile(
-            p, block, x, xq, xf, b13, s13, g13, b13, s13, g13, sb13, act, topk_ids, I, H,
+            p, block, x, xq, xf, b13, s13, g13, hb13, hs13, hg13, sb13, act, topk_ids, I, H,
             s_xt, s_qt, s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold, TOPK, SHARED, FP4,
-            UP_EVEN_K, UP_BLOCK_N, UP_BLOCK_K, UP_LOOP_STAGES, False, PLANES, UP_SHARED_BLOCK_K, INT_DOT, ASM,
+            UP_EVEN_K, UP_BLOCK_N, UP_BLOCK_K, UP_LOOP_STAGES, HOST, PLANES, UP_SHARED_BLOCK_K, INT_DOT, ASM,
         )  # fmt: skip
         tl.debug_barrier()  # every thread's act stores before the release (one thread's atomic)
         tl.atomic_add(ready + p, 1, sem="release")
@@ -157,15 +158,15 @@ def _chain_kernel(
         if ROUTE:  # the routing (its expert's rows; the shared pair's gate logit)
             _wait_ready(chain + 2, r_tiles, ASM)
         if PF_CHUNKS > 0:  # noqa: SIM102 (static)
-            if slot < TOPK:
-                e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+            e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=-1).to(tl.int64)
+            if e >= 0:  # a routed expert in a slot (rows of the host store, e < 0, are left alone)
                 row = DOWN_BLOCK_N * block
                 _prefetch_rows(b2, s2, e * d_be + row * d_bn, PF_B, e * d_se + row * d_sn, PF_S, PF_CHUNKS)
         _wait_ready(ready + tok * per_tok + slot, GU_BLOCKS, ASM)
         down_tile(
-            tok, block, slot, DOWN_BLOCKS, act, b2, s2, g2, b2, s2, g2, sb2, logit, out, topk_w, topk_ids, ws,
-            counters, H, I, s_at, d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt,
-            unfold, TOPK, SHARED, FP4, DOWN_EVEN_K, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_LOOP_STAGES, False,
+            tok, block, slot, DOWN_BLOCKS, act, b2, s2, g2, hb2, hs2, hg2, sb2, logit, out, topk_w, topk_ids,
+            ws, counters, H, I, s_at, d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt,
+            unfold, TOPK, SHARED, FP4, DOWN_EVEN_K, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_LOOP_STAGES, HOST,
             DOWN_PLANES, DOWN_SHARED_BLOCK_K,
         )  # fmt: skip
     tl.debug_barrier()  # this program's stores and reads before its count
@@ -191,9 +192,10 @@ def counters(device: torch.device) -> torch.Tensor:
     return triton_gemv.tickets(device)[start : start + HALF]
 
 
-def takes(host, down, prefetch_down: bool, pairs: int) -> bool:
-    """Whether a call runs as one launch: the switch on, resident rows read by both kernels."""
-    return CHAIN and host is None and down is None and not prefetch_down and pairs <= MAX_PAIRS
+def takes(down, prefetch_down: bool, pairs: int) -> bool:
+    """Whether a call runs as one launch: the switch on, both kernels reading the same rows (slots,
+    or with host reads the host store's or host staging's)."""
+    return CHAIN and down is None and not prefetch_down and pairs <= MAX_PAIRS
 
 
 def launch(
@@ -226,10 +228,12 @@ def launch(
     pf_chunks = 32 * launch_args["num_warps"] if takes else 0
     r_tiles = r["R_BLOCKS"] * r["R_SPLITS"] if route else 0
     _chain_kernel[(r_tiles + pairs * (gu_blocks + down_blocks),)](
-        g["x"], g["xq"], g["xf"], g["b"], g["b_scale"], g["b_global"], g["shared_b"], g["act"],
+        g["x"], g["xq"], g["xf"], g["b"], g["b_scale"], g["b_global"], g["host_b"], g["host_scale"],
+        g["host_global"], g["shared_b"], g["act"],
         g["topk_ids"], g["N"], g["K"], g["s_xt"], g["s_qt"], g["s_ft"], g["s_be"], g["s_bn"], g["s_se"],
         g["s_sn"], g["s_ge"], g["s_hn"], g["s_at"], g["s_it"], g["s_ik"], g["unfold"],
-        d["b"], d["b_scale"], d["b_global"], d["shared_b"], d["shared_logit"], d["out"], d["topk_w"], d["ws"],
+        d["b"], d["b_scale"], d["b_global"], d["host_b"], d["host_scale"], d["host_global"], d["shared_b"],
+        d["shared_logit"], d["out"], d["topk_w"], d["ws"],
         d["counters"], counters(d["out"].device), d["s_be"], d["s_bn"], d["s_se"], d["s_sn"], d["s_ge"],
         d["s_hn"], d["s_ot"], d["s_wt"], d["s_wk"], d["s_lt"], gu_blocks, down_blocks,
         r["rw"], r["logits"], r["rws"], r["rcounters"], g["x"].shape[0], r["R_N"], r["R_E"], r["R_K_SPLIT"],

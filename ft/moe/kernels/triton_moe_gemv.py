@@ -296,9 +296,9 @@ def launch_moe_gemv(
     down_tiles = dict(BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, PLANES=down_planes,
                       LOOP_STAGES=down_stages if PIPELINE else 1,
                       SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0)  # fmt: skip
-    if route is not None or moe_gemv_chain.takes(host, down, prefetch_down, t * pairs):  # one launch
+    if route is not None or moe_gemv_chain.takes(down, prefetch_down, t * pairs):  # one launch
         tiles = {f"UP_{k}": v for k, v in up_tiles.items()} | {f"DOWN_{k}": v for k, v in down_tiles.items()}
-        tiles |= dict(TOPK=topk, SHARED=flags["SHARED"], FP4=fp4, PLANES=planes, INT_DOT=int_products)
+        tiles |= dict(flags, PLANES=planes, INT_DOT=int_products)
         moe_gemv_chain.launch(gate_up, down_args, tiles, t * pairs, not INTERPRETER, route, **up_launch)
         return out
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
