@@ -10,11 +10,11 @@ an H200: gate/up 9.3 us a layer for ~16 MB, down 9.2 us for ~8 MB; ~2 us each at
 Here one launch has a program per tile of either kind, and each program takes its tile by ticket
 (``chain[0]``, drawn first thing, before the PDL wait): the first tickets are gate/up tiles (the
 shared expert's first), the rest down tiles, so every gate/up tile is taken by a running program
-before any
-program takes a down tile, and a down tile waits only for programs that are running and never
-wait themselves: no program can wait forever, whatever order or number of programs the GPU
-runs at once. A gate/up tile stores its rows of ``act`` and counts itself into its pair's
-``ready`` counter (a release); a down tile asks L2 for its weight rows (its expert is known from
+before any program takes a down tile, and a down tile waits only for programs that are running
+and never wait themselves: no program can wait forever, whatever order or number of programs the
+GPU runs at once (``moe_layer`` puts the router's tiles first, on which the rest wait in turn).
+A gate/up tile stores its rows of ``act`` and counts itself into its pair's ``ready`` counter (a
+release); a down tile asks L2 for its weight rows (its expert is known from
 the routing), waits until its pair's counter is full (polls with a back-off, then an acquire
 fence), then runs as in the down launch. The program that finishes last sets the counters back to
 zero, for the next call and the next replay of a graph. Consecutive launches take the two halves
@@ -26,9 +26,8 @@ Each tile is the two launches' code (``moe_gemv_kernels.gate_up_tile``, ``down_t
 launch's warps (gate/up's): gate/up's bits exactly, and down's sums over lanes in the order of
 this warp count (a rounding of a term may differ from the two launches'; the pair order of the
 sum over k is the same). Host reads (``HOST``) run here too; a down tile asks L2 for a slot's rows
-only. Not here: a down kernel of other rows
-(``host_prefetch``'s down-only copies), ``PREFETCH_DOWN`` (the down tiles here ask L2 for their
-own rows), more pairs than ``MAX_PAIRS``.
+only. Not here: a down kernel of other rows (``host_prefetch``'s down-only copies),
+``PREFETCH_DOWN`` (the down tiles here ask L2 for their own rows), more pairs than ``MAX_PAIRS``.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from ft.moe.kernels.triton_router_gemv import router_tile
 CHAIN = os.environ.get("FT_MOE_GEMV_CHAIN", "0") == "1"
 # the down tiles ask L2 for their rows before they wait (FT_MOE_GEMV_CHAIN_PREFETCH=0: they do not)
 PREFETCH = os.environ.get("FT_MOE_GEMV_CHAIN_PREFETCH", "1") != "0"
-HALF = triton_gemv.RESERVED // 2  # the counters of one launch: claim, done, then a pair each
+HALF = triton_gemv.RESERVED // 2  # the counters of one launch: claim, done, router done, a pair each
 MAX_PAIRS = HALF - 3
 
 # a fence after relaxed loads that saw the release: what the pair's stores are ordered before
