@@ -25,6 +25,16 @@ def problem(fmt: str, t: int, e: int, inter: int, h: int, topk: int, seed: int):
     return x, w13, w2, weights, ids
 
 
+def shared_pair(t: int, inter: int, seed: int, h: int = 2048) -> tuple:
+    """A bf16 shared expert's (gate_up [2I, H], down [H, I], gate logit [T, 1]) on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (
+        (torch.randn(2 * inter, h, generator=gen, device="cuda") * h**-0.5).to(torch.bfloat16),
+        (torch.randn(h, inter, generator=gen, device="cuda") * inter**-0.5).to(torch.bfloat16),
+        torch.randn(t, 1, generator=gen, device="cuda").to(torch.bfloat16),
+    )
+
+
 def mma_module(fmt: str):
     from ft.moe.kernels import triton_moe, triton_w4a16
 
@@ -248,12 +258,7 @@ def test_pipelined_loops_give_the_same_bits(fmt, t, inter, monkeypatch):
     from ft.moe.kernels import triton_moe_gemv as mod
 
     x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    shared = (
-        (torch.randn(2 * inter, 2048, generator=gen, device="cuda") * 2048**-0.5).to(torch.bfloat16),
-        (torch.randn(2048, inter, generator=gen, device="cuda") * inter**-0.5).to(torch.bfloat16),
-        torch.randn(t, 1, generator=gen, device="cuda").to(torch.bfloat16),
-    )
+    shared = shared_pair(t, inter, seed=5)
     for pair in (None, shared):
         outs = []
         for pipeline in (False, True):
@@ -274,12 +279,7 @@ def test_prefetched_down_rows_give_the_same_bits(fmt, t, inter, monkeypatch):
     from ft.moe.kernels.moe_gemv_operands import bank, down_prefetch
 
     x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + 7)
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    shared = (
-        (torch.randn(2 * inter, 2048, generator=gen, device="cuda") * 2048**-0.5).to(torch.bfloat16),
-        (torch.randn(2048, inter, generator=gen, device="cuda") * inter**-0.5).to(torch.bfloat16),
-        torch.randn(t, 1, generator=gen, device="cuda").to(torch.bfloat16),
-    )
+    shared = shared_pair(t, inter, seed=6)
     assert down_prefetch(*bank(w2)[:2], fmt == "nvfp4", 128)["PF_B_CHUNKS"] > 0  # it does prefetch
     for pair in (None, shared):
         monkeypatch.setattr(mod, "PREFETCH_DOWN", False)
@@ -310,12 +310,7 @@ def test_one_launch_chain_equals_the_two_launches(fmt, t, inter, prefetch, monke
 
     monkeypatch.setattr(moe_gemv_chain, "PREFETCH", prefetch)
     x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + 3)
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    shared = (
-        (torch.randn(2 * inter, 2048, generator=gen, device="cuda") * 2048**-0.5).to(torch.bfloat16),
-        (torch.randn(2048, inter, generator=gen, device="cuda") * inter**-0.5).to(torch.bfloat16),
-        torch.randn(t, 1, generator=gen, device="cuda").to(torch.bfloat16),
-    )
+    shared = shared_pair(t, inter, seed=8)
     for pair in (None, shared):
         monkeypatch.setattr(moe_gemv_chain, "CHAIN", False)
         two = mod.fused_moe_gemv(x, w13, w2, weights, ids, pair).float()
