@@ -132,6 +132,68 @@ def check_chain_with_host_rows() -> None:
         require(bool(two.isfinite().all()) and within_a_step(one, two), f"{fmt}: off the two launches")
 
 
+def check_chain_with_staging() -> None:
+    """Host staging inside the chain's launch (``stage=``: staging tiles first, a host pair's
+    gate/up tiles waiting for its first reader's copy): the result of ``host_stage.stage`` then the
+    two launches on the staging rows, to a bf16 step, the staging block holding the same rows
+    after; fp16 and NVFP4 (integer products) banks laid out in blocks as the offload backend's, two
+    pairs sharing a host row (copied once), slots and host rows mixed, a shared pair."""
+    from ft.layers import triton_gemv
+    from ft.moe.backends import host_stage
+    from ft.moe.backends.layout import ExpertLayout, Part
+    from ft.moe.kernels import moe_gemv_chain
+    from ft.moe.kernels import triton_moe_gemv as mod
+    from ft.quant.nvfp4 import NVFP4Tensor
+    from tests.test_moe_fusions_interp import programs_shuffled
+
+    gen = torch.Generator().manual_seed(7)
+    e, inter, h, t, k, s = 6, 32, 64, 2, 3, 3
+    for fmt in ("fp16", "int"):
+        words(fmt)
+        x, w13, w2, pair = problem(k, inter, fmt, True, t, gen, e, h)
+        weights = torch.rand(t, k, generator=gen) / k
+        pair = (*pair, torch.randn(t, 1, generator=gen).to(x.dtype))
+        bank = {"w13": w13, "w2": w2} if fmt == "fp16" else {
+            f"{n}{suffix}": part for n, w in (("w13", w13), ("w2", w2))
+            for suffix, part in zip(("", "_scale", "_global"), w.parts)}  # fmt: skip
+        parts, offset = [], 0
+        for name, tensor in bank.items():
+            parts.append(Part(name, tuple(tensor.shape[1:]), tensor.dtype, offset))
+            offset += -(-parts[-1].nbytes // 16) * 16
+        layout = ExpertLayout(tuple(parts), -(-offset // 256) * 256)
+        store, cache = layout.allocate(e, "cpu"), layout.allocate(s + 1, "cpu")
+        in_slot = torch.tensor([4, 1, 5])  # experts 4, 1, 5 in slots 0 .. 2 (slot 3: the null row)
+        for name, view in layout.views(store).items():
+            view.copy_(bank[name])
+        for name, view in layout.views(cache).items():
+            view[:s].copy_(bank[name][in_slot])
+        route = -(torch.arange(e) + 1)
+        route[in_slot] = torch.arange(s)
+        ids = torch.tensor([[0, 4, 2], [2, 3, 1]])  # expert 2 (a host row) read by two pairs
+        rows = route[ids]
+
+        def kernel(block, layout=layout, fmt=fmt):  # the kernel operands from a block's views
+            v = layout.views(block)
+            if fmt == "fp16":
+                return v["w13"], v["w2"]
+            return tuple(NVFP4Tensor(v[n], v[n + "_scale"], v[n + "_global"]) for n in ("w13", "w2"))
+
+        staging = host_stage.StageBlock(layout, t * k, torch.device("cpu"))
+        staged = host_stage.stage(rows, store, staging)
+        moe_gemv_chain.CHAIN = False
+        two = mod.launch_moe_gemv(x, *kernel(cache), weights, staged, pair, host=kernel(staging.block))
+        copied = staging.block.clone()
+        staging.block.zero_()
+        with programs_shuffled(int(fmt == "int")):
+            one = mod.launch_moe_gemv(x, *kernel(cache), weights, rows, pair, host=kernel(staging.block),
+                                      stage=(store, staging.block))  # fmt: skip
+        require(not triton_gemv.tickets(x.device).any(), f"{fmt}: a counter left non-zero")
+        require(torch.equal(staging.block, copied), f"{fmt}: other staging rows")
+        require(
+            bool(two.isfinite().all()) and within_a_step(one, two), f"{fmt}: off staging then two launches"
+        )
+
+
 def check_moe_layer() -> None:
     """``moe_layer`` (the router's tiles, then the chain's, in one launch): the fused router's ids
     and weights, and the chain's output to one bf16 step (after the same routing), with and without
@@ -225,6 +287,7 @@ def check_block_in_one_launch() -> None:
 CHECKS = [
     "check_moe_gemv_chain",
     "check_chain_with_host_rows",
+    "check_chain_with_staging",
     "check_moe_layer",
     "check_block_in_one_launch",
 ]

@@ -313,7 +313,7 @@ def chain_entries(moe: dict, fp4: dict):
     ptrs = {"b13": U8, "s13": U8, "g13": F32, "sb13": BF, "b2": U8, "s2": U8, "g2": F32, "sb2": BF,
             "logit": BF, "ws": F32, "counters": I32, "chain": I32, "rw": BF, "logits": BF, "rws": F32,
             "rcounters": I32, "hb13": U8, "hs13": U8, "hg13": F32, "hb2": U8, "hs2": U8,
-            "hg2": F32}  # fmt: skip
+            "hg2": F32, "rows": I64, "staged": I64, "stage_src": I64, "stage_dst": I64}  # fmt: skip
     nvfp4 = {**fp4, **ptrs, "xq": "*i16", "xf": F32}
     banks = ("b13", "s13", "g13", "b2", "s2", "g2", "hb13", "hs13", "hg13", "hb2", "hs2", "hg2")
     bf16 = {**moe, **ptrs, **dict.fromkeys(banks, BF)}
@@ -331,14 +331,16 @@ def chain_entries(moe: dict, fp4: dict):
                         "PF_B": pn * 1024, "PF_S": 0, "PF_H": pn * 1024}, bw, bs),
     ):  # fmt: skip
         # the down tiles' L2 prefetch and without; the router's tiles too (``moe_layer``, the 80B's router)
-        # and the host store's rows (host reads: ``HOST``)
-        for chunks, route, host in ((32 * warps, False, False), (0, False, False), (32 * warps, True, False),
-                                    (32 * warps, False, True)):  # fmt: skip
+        # and the host store's rows (host reads: ``HOST``), staged in the launch (``STAGE``)
+        for chunks, route, host, stage in ((32 * warps, False, False, False), (0, False, False, False),
+                                           (32 * warps, True, False, False), (32 * warps, False, True, False),
+                                           (32 * warps, False, True, True)):  # fmt: skip
             label = (
                 f"MoE GEMV chain {name}"
                 + (", rows prefetched" if chunks else "")
                 + (", routed" if route else "")
                 + (", host rows" if host else "")
+                + (", staged" if stage else "")
             )
             r = {
                 "ROUTE": route,
@@ -357,7 +359,16 @@ def chain_entries(moe: dict, fp4: dict):
                 label,
                 moe_gemv_chain._chain_kernel,
                 ptrs,
-                {**common, **consts, **r, "PF_CHUNKS": chunks, "HOST": host},
+                {
+                    **common,
+                    **consts,
+                    **r,
+                    "PF_CHUNKS": chunks,
+                    "HOST": host,
+                    "STAGE": stage,
+                    "S_BLOCK_P": 16,
+                    "S_BLOCK": host_stage.STAGE_BLOCK,
+                },
                 warps,
                 stages,
             )

@@ -49,6 +49,16 @@ except ImportError:  # CPU-only machine: the torch version of ``stage``
     triton = None
 
 
+def in_launch(x: torch.Tensor) -> bool:
+    """Whether a batch's host rows are staged by the MoE GEMV's own launch (its tiles before the
+    experts', ``moe_gemv_chain.CHAIN``) rather than by ``stage`` before it: on a GPU, the switch on."""
+    if not x.is_cuda or triton is None:
+        return False
+    from ft.moe.kernels import moe_gemv_chain  # triton is there
+
+    return moe_gemv_chain.CHAIN
+
+
 def stages(fmt: str | None) -> bool:
     """Whether host-read layers of a bank of format ``fmt`` stage their host experts (the switch
     as it is now)."""
@@ -113,14 +123,25 @@ if triton is not None:
     def _stage_kernel(
         rows, staged, src_block, dst_block, WORDS, P, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr
     ):  # fmt: skip
-        # program (pair i, chunk c): chunk c of pair i's host row into staging row i if i is the
-        # first pair reading that row; chunk 0's program writes pair i's staged id
-        i = tl.program_id(0)
-        c = tl.program_id(1)
+        i, c = tl.program_id(0), tl.program_id(1)
+        stage_tile(i, c, rows, staged, src_block, dst_block, WORDS, P, BLOCK_P, BLOCK)
+
+    @triton.jit
+    def first_reader(rows, i, P, BLOCK_P: tl.constexpr):
+        # (pair i's row, the first pair reading that row: i itself at the latest)
         p = tl.arange(0, BLOCK_P)
         all_rows = tl.load(rows + p, mask=p < P, other=0)
         mine = tl.load(rows + i)
-        first = tl.min(tl.where((all_rows == mine) & (p < P), p, BLOCK_P), 0)  # i itself at the latest
+        return mine, tl.min(tl.where((all_rows == mine) & (p < P), p, BLOCK_P), 0)
+
+    @triton.jit
+    def stage_tile(
+        i, c, rows, staged, src_block, dst_block, WORDS, P, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        # (pair i, chunk c): chunk c of pair i's host row into staging row i if i is the first pair
+        # reading that row; chunk 0 writes pair i's staged id (the kernel's program, or a tile of
+        # ``moe_gemv_chain``'s launch)
+        mine, first = first_reader(rows, i, P, BLOCK_P)
         if c == 0:
             tl.store(staged + i, tl.where(mine < 0, -first - 1, mine))
         if (mine < 0) & (first == i):

@@ -41,6 +41,7 @@ import triton.language as tl
 from ft.layers import l2_prefetch, triton_gemv
 from ft.layers.l2_prefetch import prefetch_l2
 from ft.layers.pdl import wait_for_previous
+from ft.moe.backends.host_stage import STAGE_BLOCK, first_reader, stage_tile
 from ft.moe.kernels.moe_gemv_kernels import down_tile, gate_up_tile
 from ft.moe.kernels.triton_router_gemv import router_tile
 
@@ -78,6 +79,15 @@ def _prefetch_rows(rows, scales, at, nbytes, scales_at, scale_bytes: tl.constexp
 
 
 @triton.jit
+def _staged_row(rows, tok, slot, P, TOPK: tl.constexpr, BLOCK_P: tl.constexpr):
+    # (the row pair (tok, slot) reads with host staging: its slot, or -(its first reader's staging
+    # row + 1); that first reader; whether it is a host row) from the unstaged rows [T, k]
+    # (``host_stage.plan``); the shared slot gets its token's last routed pair's (unread)
+    mine, first = first_reader(rows, tok * TOPK + tl.minimum(slot, TOPK - 1), P, BLOCK_P)
+    return tl.where(mine < 0, -first - 1, mine), first, (mine < 0) & (slot < TOPK)
+
+
+@triton.jit
 def _gate_up_pair(u, tokens, GU_BLOCKS, TOPK: tl.constexpr, SHARED: tl.constexpr):
     # gate/up tile u -> (pair, row block of I): the shared expert's tiles first (they wait for no
     # routing, so they run beside the router's tiles), then the routed pairs', token by token
@@ -99,7 +109,8 @@ def _chain_kernel(
     s_xt, s_qt, s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold,
     b2, s2, g2, hb2, hs2, hg2, sb2, logit, out, topk_w, ws, counters, chain,
     d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_lt, GU_BLOCKS, DOWN_BLOCKS,
-    rw, logits, rws, rcounters, T, R_N, R_E, R_K_SPLIT, s_rwn, R_BLOCKS,
+    rw, logits, rws, rcounters, T, R_N, R_E, R_K_SPLIT, s_rwn, R_BLOCKS, rows, staged, stage_src, stage_dst,
+    WORDS, S_CHUNKS, STAGE: tl.constexpr, S_BLOCK_P: tl.constexpr, S_BLOCK: tl.constexpr,
     PF_B: tl.constexpr, PF_S: tl.constexpr, PF_H: tl.constexpr, ROUTE: tl.constexpr, R_SPLITS: tl.constexpr,
     R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_EVEN_K: tl.constexpr, T_P: tl.constexpr,
     TOP_K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr,
@@ -118,13 +129,22 @@ def _chain_kernel(
     t = tl.atomic_add(chain, 1, sem="relaxed")  # this program's tile (the counters outlive the kernel before)
     wait_for_previous(USE_PDL)
     per_tok: tl.constexpr = TOPK + SHARED
-    r_tiles = 0
+    r_tiles = 0  # the tiles before the gate/up ones: the router's (ROUTE) or host staging's (STAGE)
     if ROUTE:
         r_tiles = R_BLOCKS * R_SPLITS
+    if STAGE:
+        r_tiles = T * TOPK * S_CHUNKS
     pairs = (tl.num_programs(0) - r_tiles) // (GU_BLOCKS + DOWN_BLOCKS)  # GU_BLOCKS + DOWN_BLOCKS a pair
     gu_tiles = pairs * GU_BLOCKS
     ready = chain + 3
+    copied = ready + PAIRS_P  # STAGE: each routed pair's staging tiles done
     if t < r_tiles:
+        if STAGE:  # static: (pair i, chunk c) of host staging (``host_stage.stage_tile``)
+            i = t // S_CHUNKS
+            c = t % S_CHUNKS
+            stage_tile(i, c, rows, staged, stage_src, stage_dst, WORDS, T * TOPK, S_BLOCK_P, S_BLOCK)
+            tl.debug_barrier()  # every thread's copies before the release
+            tl.atomic_add(copied + i, 1, sem="release")
         if ROUTE:  # static: the router's code only where it has tiles
             router_tile(
                 t % R_BLOCKS, t // R_BLOCKS, R_BLOCKS, x, rw, logits, topk_w, topk_ids, rws, rcounters, xq,
@@ -137,10 +157,16 @@ def _chain_kernel(
         p, block = _gate_up_pair(t - r_tiles, pairs // per_tok, GU_BLOCKS, TOPK, SHARED)
         if ROUTE and p % per_tok < TOPK:  # a routed expert's rows: from the routing (the shared pair's
             _wait_ready(chain + 2, r_tiles, ASM)  # read x alone)
+        up_row = None  # (each branch's names its own: Triton merges a name both branches assign)
+        if STAGE:  # static: a host row once its first reader's staging tiles are done
+            up_row, first, host = _staged_row(rows, p // per_tok, p % per_tok, T * TOPK, TOPK, S_BLOCK_P)
+            if host:
+                _wait_ready(copied + first, S_CHUNKS, ASM)
         gate_up_tile(
             p, block, x, xq, xf, b13, s13, g13, hb13, hs13, hg13, sb13, act, topk_ids, I, H,
             s_xt, s_qt, s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold, TOPK, SHARED, FP4,
             UP_EVEN_K, UP_BLOCK_N, UP_BLOCK_K, UP_LOOP_STAGES, HOST, PLANES, UP_SHARED_BLOCK_K, INT_DOT, ASM,
+            up_row,
         )  # fmt: skip
         tl.debug_barrier()  # every thread's act stores before the release (one thread's atomic)
         tl.atomic_add(ready + p, 1, sem="release")
@@ -156,8 +182,14 @@ def _chain_kernel(
                 _prefetch_rows(sb2, sb2, DOWN_BLOCK_N * block * d_hn, PF_H, 0, 0, PF_CHUNKS)
         if ROUTE:  # the routing (its expert's rows; the shared pair's gate logit)
             _wait_ready(chain + 2, r_tiles, ASM)
+        down_row = None
+        if STAGE:  # static: its gate/up tiles waited for the staging (``ready`` below orders it)
+            down_row = _staged_row(rows, tok, slot, T * TOPK, TOPK, S_BLOCK_P)[0]
         if PF_CHUNKS > 0:  # noqa: SIM102 (static)
-            e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=-1).to(tl.int64)
+            if STAGE:
+                e = tl.where(slot < TOPK, down_row, -1)
+            else:
+                e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=-1).to(tl.int64)
             if e >= 0:  # a routed expert in a slot (rows of the host store, e < 0, are left alone)
                 row = DOWN_BLOCK_N * block
                 _prefetch_rows(b2, s2, e * d_be + row * d_bn, PF_B, e * d_se + row * d_sn, PF_S, PF_CHUNKS)
@@ -166,13 +198,15 @@ def _chain_kernel(
             tok, block, slot, DOWN_BLOCKS, act, b2, s2, g2, hb2, hs2, hg2, sb2, logit, out, topk_w, topk_ids,
             ws, counters, H, I, s_at, d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt,
             unfold, TOPK, SHARED, FP4, DOWN_EVEN_K, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_LOOP_STAGES, HOST,
-            DOWN_PLANES, DOWN_SHARED_BLOCK_K,
+            DOWN_PLANES, DOWN_SHARED_BLOCK_K, down_row,
         )  # fmt: skip
     tl.debug_barrier()  # this program's stores and reads before its count
     done = tl.atomic_add(chain + 1, 1, sem="acq_rel")
     if done == tl.num_programs(0) - 1:  # every program has finished: the counters back to zero
         c = tl.arange(0, PAIRS_P)
         tl.store(ready + c, tl.zeros([PAIRS_P], tl.int32), mask=c < pairs)
+        if STAGE:
+            tl.store(copied + c, tl.zeros([PAIRS_P], tl.int32), mask=c < T * TOPK)
         tl.store(chain + 2, 0)
         tl.store(chain + 1, 0)
         tl.store(chain, 0)
@@ -180,6 +214,28 @@ def _chain_kernel(
 
 _ROUTE_CONSTS = ("R_SPLITS", "R_BLOCK_N", "R_BLOCK_K", "R_EVEN_K", "T_P", "TOP_K_P", "E_P", "RENORMALIZE",
                  "KEYS32", "R_BLOCKS_Q")  # fmt: skip
+
+
+def _stage_args(stage: tuple | None, ids: torch.Tensor, pairs: int) -> dict:
+    """The staging tiles' arguments (``launch``'s ``stage``), or placeholders (unread) without."""
+    if stage is None:
+        return dict(rows=ids, staged=ids, src=ids, dst=ids, WORDS=1, S_CHUNKS=1, S_BLOCK_P=16, pairs=0)
+    rows, store_block, block = stage
+    rows = rows.contiguous().view(-1)
+    assert store_block.shape[1] == block.shape[1] and block.shape[0] >= len(rows), (
+        "staging rows as the store's"
+    )
+    assert 3 + triton.next_power_of_2(pairs) + len(rows) <= HALF, (
+        f"{len(rows)} routed pairs: too many to stage"
+    )
+    words = store_block.shape[1] // 8
+    return dict(
+        rows=rows, staged=torch.empty_like(rows), src=store_block.view(torch.int64),
+        dst=block.view(torch.int64), WORDS=words, S_CHUNKS=triton.cdiv(words, STAGE_BLOCK),
+        S_BLOCK_P=max(16, triton.next_power_of_2(len(rows))), pairs=len(rows),
+    )  # fmt: skip
+
+
 _turn = [0]  # which half of the counters the next launch takes
 
 
@@ -198,12 +254,15 @@ def takes(down, prefetch_down: bool, pairs: int) -> bool:
 
 
 def launch(
-    gate_up: dict, down: dict, tiles: dict, pairs: int, ASM: bool, route: dict | None = None, **launch_args
-) -> None:
+    gate_up: dict, down: dict, tiles: dict, pairs: int, ASM: bool, route: dict | None = None,
+    stage: tuple | None = None, **launch_args,
+) -> None:  # fmt: skip
     """One launch for the two: ``gate_up`` and ``down``, the arguments ``triton_moe_gemv`` passes
     each kernel, by name; ``tiles``: each kernel's tiles (``UP_``, ``DOWN_`` and the name) and the
     bank's flags; ``ASM``: inline PTX (off under the interpreter); ``route``: the router's tiles
-    too (``moe_layer.route``); ``launch_args``: warps, stages, PDL (gate/up's)."""
+    too (``moe_layer.route``); ``stage``: host staging's tiles first, (the rows [T, k] unstaged, the
+    host store's uint8 block, the staging block; ``host_stage.stage``'s), the host operand then
+    the staging rows; ``launch_args``: warps, stages, PDL (gate/up's)."""
     g, d = gate_up, down
     # without the router's tiles its operands are unread (any tensor) and its constants the least
     unread = dict(rw=g["x"], logits=g["x"], rws=g["x"], rcounters=d["counters"])
@@ -226,6 +285,9 @@ def launch(
     takes = PREFETCH and whole and ASM and l2_prefetch.takes(d["b"])
     pf_chunks = 32 * launch_args["num_warps"] if takes else 0
     r_tiles = r["R_BLOCKS"] * r["R_SPLITS"] if route else 0
+    s = _stage_args(stage, d["topk_ids"], pairs)
+    r_tiles += s["pairs"] * s["S_CHUNKS"] if stage is not None else 0
+    assert route is None or stage is None, "the router's tiles run beside resident experts only"
     _chain_kernel[(r_tiles + pairs * (gu_blocks + down_blocks),)](
         g["x"], g["xq"], g["xf"], g["b"], g["b_scale"], g["b_global"], g["host_b"], g["host_scale"],
         g["host_global"], g["shared_b"], g["act"],
@@ -236,7 +298,9 @@ def launch(
         d["counters"], counters(d["out"].device), d["s_be"], d["s_bn"], d["s_se"], d["s_sn"], d["s_ge"],
         d["s_hn"], d["s_ot"], d["s_wt"], d["s_wk"], d["s_lt"], gu_blocks, down_blocks,
         r["rw"], r["logits"], r["rws"], r["rcounters"], g["x"].shape[0], r["R_N"], r["R_E"], r["R_K_SPLIT"],
-        r["rw"].stride(0), r["R_BLOCKS"], ROUTE=route is not None, **{k: r[k] for k in _ROUTE_CONSTS},
+        r["rw"].stride(0), r["R_BLOCKS"], s["rows"], s["staged"], s["src"], s["dst"], s["WORDS"],
+        s["S_CHUNKS"], STAGE=stage is not None, S_BLOCK_P=s["S_BLOCK_P"], S_BLOCK=STAGE_BLOCK,
+        ROUTE=route is not None, **{k: r[k] for k in _ROUTE_CONSTS},
         PF_B=pf["s_bn"], PF_S=pf.get("s_sn", 0), PF_H=pf.get("s_hn", 0),
         PAIRS_P=triton.next_power_of_2(pairs), PF_CHUNKS=pf_chunks, ASM=ASM, **tiles, **launch_args,
     )  # fmt: skip

@@ -69,6 +69,18 @@ def _expert(e, b, scale, glob, host_b, host_scale, host_glob, s_be, s_se, s_ge, 
 
 
 @triton.jit
+def _pair_expert(topk_ids, tok, slot, s_it, s_ik, TOPK: tl.constexpr, e_in=None, ROUTED: tl.constexpr = 0):
+    # the expert row pair (tok, slot) reads: its id, or ``e_in`` when the caller has it (a chain
+    # launch's staged host rows); 0 for the shared slot (its rows are not an expert's) unless the
+    # caller knows the pair is routed (ROUTED)
+    if e_in is not None:
+        return e_in.to(tl.int64)
+    if ROUTED:
+        return tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+    return tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0).to(tl.int64)
+
+
+@triton.jit
 def _plain_rows(b, n, k0, s_bn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # rows of a 16-bit weight (a shared expert's, beside a bank of either format) as fp32 [BN, BK]
     return _rows(b, b, n, k0, s_bn, s_bn, nmask, K, False, EVEN_K, BLOCK_N, BLOCK_K)
@@ -139,7 +151,7 @@ def gate_up_tile(
     s_xt, s_qt, s_ft, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr, HOST: tl.constexpr,
-    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, INT_DOT: tl.constexpr, ASM: tl.constexpr,
+    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, INT_DOT: tl.constexpr, ASM: tl.constexpr, e_in=None,
 ):  # fmt: skip
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below)
     # in row block ``block``; with SHARED, slot TOPK of each token is the shared expert: bf16 rows
@@ -151,7 +163,7 @@ def gate_up_tile(
     x_row = x + tok.to(tl.int64) * s_xt
     if not FP4:  # one loop, outside any branch (what the pipeliner takes): a shared expert's rows
         # differ from a routed expert's only in where they start and their stride
-        e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0).to(tl.int64)
+        e = _pair_expert(topk_ids, tok, slot, s_it, s_ik, TOPK, e_in)
         rows = _expert(e, b, b, b, host_b, host_b, host_b, s_be, s_be, s_be, HOST)[0]
         if SHARED:
             rows, stride = tl.where(slot == TOPK, shared_b, rows), tl.where(slot == TOPK, s_hn, s_bn)
@@ -167,7 +179,7 @@ def gate_up_tile(
                 x_row, shared_b, s_hn, n, N, nmask, K, LOOP_STAGES, EVEN_K, BLOCK_N, SHARED_BLOCK_K or BLOCK_K
             )
         else:
-            e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+            e = _pair_expert(topk_ids, tok, slot, s_it, s_ik, TOPK, e_in, True)
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )
@@ -252,7 +264,7 @@ def down_tile(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr, HOST: tl.constexpr,
-    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
+    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, e_in=None,
 ):  # fmt: skip
     # the term of pair (tok, slot) for BLOCK_N rows n of H (row block ``block`` of ``row_blocks``), weighted
     # and rounded to out's dtype, into ws[tok, slot, n]; the (tok, rows) block's last program writes
@@ -263,7 +275,7 @@ def down_tile(
     a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if not FP4:  # one loop, as in ``_gate_up_kernel``: the shared rows differ only in start and stride
-        e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0).to(tl.int64)
+        e = _pair_expert(topk_ids, tok, slot, s_it, s_ik, TOPK, e_in)
         rows = _expert(e, b, b, b, host_b, host_b, host_b, s_be, s_be, s_be, HOST)[0]
         stride = s_bn
         if SHARED:
@@ -289,7 +301,7 @@ def down_tile(
                 sacc += w * _inputs(a_row, k0, K, EVEN_K, SBK)
             term = tl.sum(sacc, axis=1) * tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
         else:
-            e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
+            e = _pair_expert(topk_ids, tok, slot, s_it, s_ik, TOPK, e_in, True)
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )

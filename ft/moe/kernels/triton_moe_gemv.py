@@ -195,6 +195,7 @@ def launch_moe_gemv(
     host: tuple | None = None,
     down: tuple | None = None,
     route: dict | None = None,
+    stage: tuple | None = None,
 ) -> torch.Tensor:
     """Checks and launches without the device check (the Triton interpreter runs it on CPU
     tensors): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] bf16 tensors or NVFP4 stacks;
@@ -208,7 +209,10 @@ def launch_moe_gemv(
     ``down``: (ids [T, k] of the down kernel's rows, a callable run between the two launches or
     None), when the down projections are read from other rows than gate/up (``host_prefetch``'s
     down-only copies, joined by the callable); the same bytes give the same result. ``route``: the
-    router's tiles in the same launch, which fill ``weights`` and ``ids`` (``moe_layer.route``)."""
+    router's tiles in the same launch, which fill ``weights`` and ``ids`` (``moe_layer.route``).
+    ``stage``: (the host store's uint8 block, host staging's block): the host rows that ``ids``
+    read are staged inside the same launch (``moe_gemv_chain``; ``host`` is then the staging
+    block's views, ``ids`` the rows before staging)."""
     t, h = x.shape
     check = check_operands if isinstance(w13, NVFP4Tensor) else check_bf16_operands
     _, inter, topk = check(x, w13, w2, weights, ids)
@@ -296,10 +300,12 @@ def launch_moe_gemv(
     down_tiles = dict(BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, PLANES=down_planes,
                       LOOP_STAGES=down_stages if PIPELINE else 1,
                       SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0)  # fmt: skip
-    if route is not None or moe_gemv_chain.takes(down, prefetch_down, t * pairs):  # one launch
+    if route is not None or stage is not None or moe_gemv_chain.takes(down, prefetch_down, t * pairs):
         tiles = {f"UP_{k}": v for k, v in up_tiles.items()} | {f"DOWN_{k}": v for k, v in down_tiles.items()}
         tiles |= dict(flags, PLANES=planes, INT_DOT=int_products)
-        moe_gemv_chain.launch(gate_up, down_args, tiles, t * pairs, not INTERPRETER, route, **up_launch)
+        staged = None if stage is None else (ids, *stage)
+        asm = not INTERPRETER
+        moe_gemv_chain.launch(gate_up, down_args, tiles, t * pairs, asm, route, staged, **up_launch)
         return out
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         **gate_up, **flags, **up_tiles, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER, **up_launch,
@@ -322,6 +328,7 @@ def fused_moe_gemv(
     shared: tuple | None = None,
     host: tuple | None = None,
     down: tuple | None = None,
+    stage: tuple | None = None,
 ) -> torch.Tensor:
     """``launch_moe_gemv`` on CUDA tensors (``host``: pinned host tensors the GPU can address, or
     tensors on its device: host staging's block). Graph-capturable: the grid comes from shapes,
@@ -333,7 +340,7 @@ def fused_moe_gemv(
         assert hw.is_pinned() or hw.device == x.device, (
             "a host store read by the kernel must be pinned (page-locked) memory, or on the kernel's device"
         )
-    return launch_moe_gemv(x, w13, w2, weights, ids, shared, host, down)
+    return launch_moe_gemv(x, w13, w2, weights, ids, shared, host, down, stage=stage)
 
 
 def shared_pair_alone(x: torch.Tensor, shared: tuple) -> torch.Tensor:
