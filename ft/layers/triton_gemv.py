@@ -67,7 +67,7 @@ PROGRAMS_PER_SM = 2  # split until a projection has about this many programs per
 MAX_SPLITS = 8
 MIN_SPLIT_K = 256  # inputs one split reads at the least
 COUNTERS = 1 << 16  # tickets per device: one per column block (and one per launch for the router)
-RESERVED = 512  # the last of them: ``moe_gemv_chain``'s; the kernels that index by block use the rest
+RESERVED = 1024  # the last of them: ``moe_gemv_chain``'s; the kernels that index by block use the rest
 BLOCK_COUNTERS = COUNTERS - RESERVED
 
 

@@ -313,7 +313,7 @@ def chain_entries(moe: dict, fp4: dict):
     ptrs = {"b13": U8, "s13": U8, "g13": F32, "sb13": BF, "b2": U8, "s2": U8, "g2": F32, "sb2": BF,
             "logit": BF, "ws": F32, "counters": I32, "chain": I32, "rw": BF, "logits": BF, "rws": F32,
             "rcounters": I32, "hb13": U8, "hs13": U8, "hg13": F32, "hb2": U8, "hs2": U8,
-            "hg2": F32, "rows": I64, "staged": I64, "stage_src": I64, "stage_dst": I64}  # fmt: skip
+            "hg2": F32, "rows": I64, "stage_src": I64, "stage_dst": I64}  # fmt: skip
     nvfp4 = {**fp4, **ptrs, "xq": "*i16", "xf": F32}
     banks = ("b13", "s13", "g13", "b2", "s2", "g2", "hb13", "hs13", "hg13", "hb2", "hs2", "hg2")
     bf16 = {**moe, **ptrs, **dict.fromkeys(banks, BF)}
@@ -366,6 +366,7 @@ def chain_entries(moe: dict, fp4: dict):
                     "PF_CHUNKS": chunks,
                     "HOST": host,
                     "STAGE": stage,
+                    "S_TILES": moe_gemv_chain.STAGE_TILES,
                     "S_BLOCK_P": 16,
                     "S_BLOCK": host_stage.STAGE_BLOCK,
                 },

@@ -26,7 +26,10 @@ Each tile is the two launches' code (``moe_gemv_kernels.gate_up_tile``, ``down_t
 launch's warps (gate/up's): gate/up's bits exactly, and down's sums over lanes in the order of
 this warp count (a rounding of a term may differ from the two launches'; the pair order of the
 sum over k is the same). Host reads (``HOST``) run here too; a down tile asks L2 for a slot's rows
-only. Not here: a down kernel of other rows (``host_prefetch``'s down-only copies),
+only. With host staging (``STAGE``, ``host_stage.in_launch``) the first ``STAGE_TILES`` tickets copy
+the host rows the batch reads into the staging block (every host row's 16 KB chunks in turn, a
+share each, each first reader's chunks counted in ``copied``), and only a host pair's gate/up
+tiles wait for them: the resident pairs compute while the link copies. Not here: a down kernel of other rows (``host_prefetch``'s down-only copies),
 ``PREFETCH_DOWN`` (the down tiles here ask L2 for their own rows), more pairs than ``MAX_PAIRS``.
 """
 
@@ -41,7 +44,7 @@ import triton.language as tl
 from ft.layers import l2_prefetch, triton_gemv
 from ft.layers.l2_prefetch import prefetch_l2
 from ft.layers.pdl import wait_for_previous
-from ft.moe.backends.host_stage import STAGE_BLOCK, first_reader, stage_tile
+from ft.moe.backends.host_stage import STAGE_BLOCK, copy_chunk, first_reader
 from ft.moe.kernels.moe_gemv_kernels import down_tile, gate_up_tile
 from ft.moe.kernels.triton_router_gemv import router_tile
 
@@ -50,8 +53,11 @@ from ft.moe.kernels.triton_router_gemv import router_tile
 CHAIN = os.environ.get("FT_MOE_GEMV_CHAIN", "0") == "1"
 # the down tiles ask L2 for their rows before they wait (FT_MOE_GEMV_CHAIN_PREFETCH=0: they do not)
 PREFETCH = os.environ.get("FT_MOE_GEMV_CHAIN_PREFETCH", "1") != "0"
-HALF = triton_gemv.RESERVED // 2  # the counters of one launch: claim, done, router done, a pair each
+HALF = triton_gemv.RESERVED // 2  # one launch's counters: claim, done, router done, a pair each (+ staging's)
 MAX_PAIRS = HALF - 3
+# the tiles that stage host rows (``launch``'s ``stage``), each copying its share of every host row's
+# 16 KB chunks, in turn: host_prefetch's copies reach the link's rate from 16 programs
+STAGE_TILES = 32
 
 # a fence after relaxed loads that saw the release: what the pair's stores are ordered before
 _ACQUIRE = tl.constexpr("fence.acq_rel.gpu; mov.u32 $0, 0;")
@@ -109,8 +115,9 @@ def _chain_kernel(
     s_xt, s_qt, s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold,
     b2, s2, g2, hb2, hs2, hg2, sb2, logit, out, topk_w, ws, counters, chain,
     d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_lt, GU_BLOCKS, DOWN_BLOCKS,
-    rw, logits, rws, rcounters, T, R_N, R_E, R_K_SPLIT, s_rwn, R_BLOCKS, rows, staged, stage_src, stage_dst,
-    WORDS, S_CHUNKS, STAGE: tl.constexpr, S_BLOCK_P: tl.constexpr, S_BLOCK: tl.constexpr,
+    rw, logits, rws, rcounters, T, R_N, R_E, R_K_SPLIT, s_rwn, R_BLOCKS, rows, stage_src, stage_dst,
+    WORDS, S_CHUNKS, STAGE: tl.constexpr, S_TILES: tl.constexpr, S_BLOCK_P: tl.constexpr,
+    S_BLOCK: tl.constexpr,
     PF_B: tl.constexpr, PF_S: tl.constexpr, PF_H: tl.constexpr, ROUTE: tl.constexpr, R_SPLITS: tl.constexpr,
     R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_EVEN_K: tl.constexpr, T_P: tl.constexpr,
     TOP_K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr,
@@ -133,18 +140,22 @@ def _chain_kernel(
     if ROUTE:
         r_tiles = R_BLOCKS * R_SPLITS
     if STAGE:
-        r_tiles = T * TOPK * S_CHUNKS
+        r_tiles = S_TILES
     pairs = (tl.num_programs(0) - r_tiles) // (GU_BLOCKS + DOWN_BLOCKS)  # GU_BLOCKS + DOWN_BLOCKS a pair
     gu_tiles = pairs * GU_BLOCKS
     ready = chain + 3
-    copied = ready + PAIRS_P  # STAGE: each routed pair's staging tiles done
+    copied = ready + pairs  # STAGE: each routed pair's chunks copied (a first reader's)
     if t < r_tiles:
-        if STAGE:  # static: (pair i, chunk c) of host staging (``host_stage.stage_tile``)
-            i = t // S_CHUNKS
-            c = t % S_CHUNKS
-            stage_tile(i, c, rows, staged, stage_src, stage_dst, WORDS, T * TOPK, S_BLOCK_P, S_BLOCK)
-            tl.debug_barrier()  # every thread's copies before the release
-            tl.atomic_add(copied + i, 1, sem="release")
+        if STAGE:  # static: host staging's copies (``host_stage.copy_chunk``), a share each
+            # every (pair, chunk), pair-major, the staging tiles taking them in turn: the first
+            # host row lands first; only a first reader's chunks copy anything and count
+            for item in range(t, T * TOPK * S_CHUNKS, r_tiles):
+                i = item // S_CHUNKS
+                mine, first = first_reader(rows, i, T * TOPK, S_BLOCK_P)
+                if (mine < 0) & (first == i):
+                    copy_chunk(mine, i, item % S_CHUNKS, stage_src, stage_dst, WORDS, S_BLOCK, 512)
+                    tl.debug_barrier()  # every thread's copies before the release
+                    tl.atomic_add(copied + i, 1, sem="release")
         if ROUTE:  # static: the router's code only where it has tiles
             router_tile(
                 t % R_BLOCKS, t // R_BLOCKS, R_BLOCKS, x, rw, logits, topk_w, topk_ids, rws, rcounters, xq,
@@ -206,7 +217,7 @@ def _chain_kernel(
         c = tl.arange(0, PAIRS_P)
         tl.store(ready + c, tl.zeros([PAIRS_P], tl.int32), mask=c < pairs)
         if STAGE:
-            tl.store(copied + c, tl.zeros([PAIRS_P], tl.int32), mask=c < T * TOPK)
+            tl.store(copied + c, tl.zeros([PAIRS_P], tl.int32), mask=c < T * TOPK)  # T * TOPK < pairs
         tl.store(chain + 2, 0)
         tl.store(chain + 1, 0)
         tl.store(chain, 0)
@@ -216,23 +227,27 @@ _ROUTE_CONSTS = ("R_SPLITS", "R_BLOCK_N", "R_BLOCK_K", "R_EVEN_K", "T_P", "TOP_K
                  "KEYS32", "R_BLOCKS_Q")  # fmt: skip
 
 
+def stages(pairs: int, routed: int) -> bool:
+    """Whether a launch of ``pairs`` pairs, ``routed`` of them an expert's, may stage its host rows
+    (``launch``'s ``stage``): the switch on, and room for its counters."""
+    return CHAIN and 3 + pairs + routed <= HALF
+
+
 def _stage_args(stage: tuple | None, ids: torch.Tensor, pairs: int) -> dict:
     """The staging tiles' arguments (``launch``'s ``stage``), or placeholders (unread) without."""
     if stage is None:
-        return dict(rows=ids, staged=ids, src=ids, dst=ids, WORDS=1, S_CHUNKS=1, S_BLOCK_P=16, pairs=0)
+        return dict(rows=ids, src=ids, dst=ids, WORDS=1, S_CHUNKS=1, S_BLOCK_P=16, S_TILES=0)
     rows, store_block, block = stage
     rows = rows.contiguous().view(-1)
     assert store_block.shape[1] == block.shape[1] and block.shape[0] >= len(rows), (
         "staging rows as the store's"
     )
-    assert 3 + triton.next_power_of_2(pairs) + len(rows) <= HALF, (
-        f"{len(rows)} routed pairs: too many to stage"
-    )
+    assert 3 + pairs + len(rows) <= HALF, f"{pairs} pairs, {len(rows)} routed: too many to stage (``stages``)"
     words = store_block.shape[1] // 8
     return dict(
-        rows=rows, staged=torch.empty_like(rows), src=store_block.view(torch.int64),
-        dst=block.view(torch.int64), WORDS=words, S_CHUNKS=triton.cdiv(words, STAGE_BLOCK),
-        S_BLOCK_P=max(16, triton.next_power_of_2(len(rows))), pairs=len(rows),
+        rows=rows, src=store_block.view(torch.int64), dst=block.view(torch.int64), WORDS=words,
+        S_CHUNKS=triton.cdiv(words, STAGE_BLOCK), S_BLOCK_P=max(16, triton.next_power_of_2(len(rows))),
+        S_TILES=STAGE_TILES,
     )  # fmt: skip
 
 
@@ -286,7 +301,7 @@ def launch(
     pf_chunks = 32 * launch_args["num_warps"] if takes else 0
     r_tiles = r["R_BLOCKS"] * r["R_SPLITS"] if route else 0
     s = _stage_args(stage, d["topk_ids"], pairs)
-    r_tiles += s["pairs"] * s["S_CHUNKS"] if stage is not None else 0
+    r_tiles += s["S_TILES"]
     assert route is None or stage is None, "the router's tiles run beside resident experts only"
     _chain_kernel[(r_tiles + pairs * (gu_blocks + down_blocks),)](
         g["x"], g["xq"], g["xf"], g["b"], g["b_scale"], g["b_global"], g["host_b"], g["host_scale"],
@@ -298,8 +313,8 @@ def launch(
         d["counters"], counters(d["out"].device), d["s_be"], d["s_bn"], d["s_se"], d["s_sn"], d["s_ge"],
         d["s_hn"], d["s_ot"], d["s_wt"], d["s_wk"], d["s_lt"], gu_blocks, down_blocks,
         r["rw"], r["logits"], r["rws"], r["rcounters"], g["x"].shape[0], r["R_N"], r["R_E"], r["R_K_SPLIT"],
-        r["rw"].stride(0), r["R_BLOCKS"], s["rows"], s["staged"], s["src"], s["dst"], s["WORDS"],
-        s["S_CHUNKS"], STAGE=stage is not None, S_BLOCK_P=s["S_BLOCK_P"], S_BLOCK=STAGE_BLOCK,
+        r["rw"].stride(0), r["R_BLOCKS"], s["rows"], s["src"], s["dst"], s["WORDS"], s["S_CHUNKS"],
+        STAGE=stage is not None, S_TILES=s["S_TILES"], S_BLOCK_P=s["S_BLOCK_P"], S_BLOCK=STAGE_BLOCK,
         ROUTE=route is not None, **{k: r[k] for k in _ROUTE_CONSTS},
         PF_B=pf["s_bn"], PF_S=pf.get("s_sn", 0), PF_H=pf.get("s_hn", 0),
         PAIRS_P=triton.next_power_of_2(pairs), PF_CHUNKS=pf_chunks, ASM=ASM, **tiles, **launch_args,
