@@ -30,8 +30,8 @@ only. With host staging (``STAGE``, ``host_stage.in_launch``) the first ``STAGE_
 the host rows the batch reads into the staging block (every host row's 16 KB chunks in turn, a
 share each, each first reader's chunks counted in ``copied``), and only a host pair's gate/up
 tiles wait for them: the resident pairs compute while the link copies. Not here: a down kernel of
-other rows (``host_prefetch``'s down-only copies),
-``PREFETCH_DOWN`` (the down tiles here ask L2 for their own rows), more pairs than ``MAX_PAIRS``.
+other rows (``host_prefetch``'s down-only copies), ``PREFETCH_DOWN`` (the down tiles here ask L2
+for their own rows), more pairs than ``MAX_PAIRS``.
 """
 
 from __future__ import annotations
