@@ -35,6 +35,7 @@ from ft.layers import triton_gemv, triton_norm, triton_rope  # noqa: E402
 from ft.moe.backends import host_stage  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
     moe_gemv_chain,
+    moe_gemv_down,
     moe_gemv_kernels,
     moe_layer,
     triton_combine,
@@ -110,7 +111,7 @@ def entries():
             ptrs_pair = {**ptrs, "ws": F32, "counters": I32}
             yield (
                 f"MoE GEMV down by pair {tag}",
-                moe_gemv_kernels._down_pair_kernel,
+                moe_gemv_down._down_pair_kernel,
                 ptrs_pair,
                 pair,
                 warps,
@@ -143,7 +144,7 @@ def entries():
                         dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
                               "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
                         label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
-                        yield label, moe_gemv_kernels._down_pair_kernel, ptrs_pair, dp, dw, st
+                        yield label, moe_gemv_down._down_pair_kernel, ptrs_pair, dp, dw, st
     yield from chain_entries(moe, fp4)
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip

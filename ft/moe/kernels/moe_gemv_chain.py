@@ -22,7 +22,7 @@ of the counters in turn (``counters``): with PDL a launch's programs start while
 it ends, so one right after another chain could draw tickets from counters that launch is still
 resetting; the chain before the one before has ended by then.
 
-Each tile is the two launches' code (``moe_gemv_kernels.gate_up_tile``, ``down_tile``) at the
+Each tile is the two launches' code (``moe_gemv_kernels.gate_up_tile``, ``moe_gemv_down.down_tile``) at the
 launch's warps (gate/up's): gate/up's bits exactly, and down's sums over lanes in the order of
 this warp count (a rounding of a term may differ from the two launches'; the pair order of the
 sum over k is the same). Host reads (``HOST``) run here too; a down tile asks L2 for a slot's rows
@@ -46,7 +46,8 @@ from ft.layers import l2_prefetch, triton_gemv
 from ft.layers.l2_prefetch import prefetch_l2
 from ft.layers.pdl import wait_for_previous
 from ft.moe.backends.host_stage import STAGE_BLOCK, copy_chunk, first_reader
-from ft.moe.kernels.moe_gemv_kernels import down_tile, gate_up_tile
+from ft.moe.kernels.moe_gemv_down import down_tile
+from ft.moe.kernels.moe_gemv_kernels import gate_up_tile
 from ft.moe.kernels.triton_router_gemv import router_tile
 
 # OFF until timed (tests/gpu/decode_variants.py ...:CHAIN); FT_MOE_GEMV_CHAIN=1 turns it on for a

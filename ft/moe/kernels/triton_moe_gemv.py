@@ -19,8 +19,8 @@ multiply-accumulates of BLOCK_K-wide chunks kept per lane and reduced once per e
 As in the MMA paths, ``act`` is rounded to bf16 and so is each pair's weighted term, and ``out``
 sums a token's k terms in fp32 and rounds once: a batch computed a pair at a time (the offload backend's
 streaming, k = 1 per call) and summed in fp32 gives the same bits as one call, exactly for
-k = 2 and up to the fp32 order of the terms beyond. Not here: the kernels' code
-(``moe_gemv_kernels``, ``fp4_words``), the operands as they take them (``moe_gemv_operands``),
+k = 2 and up to the fp32 order of the terms beyond. Not here: the kernels' code (``moe_gemv_kernels``,
+``moe_gemv_down``, ``fp4_words``), the operands as they take them (``moe_gemv_operands``),
 large T (an expert hit by many tokens is read once per token here, once per tile there), fp16
 activations with NVFP4, W4A4.
 """
@@ -36,7 +36,8 @@ from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args
 from ft.moe.kernels import int_dot, moe_gemv_chain
 from ft.moe.kernels.fp4_decode import UNFOLD
-from ft.moe.kernels.moe_gemv_kernels import _down_pair_kernel, _gate_up_kernel
+from ft.moe.kernels.moe_gemv_down import _down_pair_kernel
+from ft.moe.kernels.moe_gemv_kernels import _gate_up_kernel
 from ft.moe.kernels.moe_gemv_operands import bank, down_prefetch, host_operands, named_strides, word_aligned
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
 from ft.moe.kernels.triton_w4a16 import INTERPRETER
