@@ -91,8 +91,10 @@ class _SamplingRequest(_Strict):
     @classmethod
     def _bias_by_token_id(cls, v: dict | None) -> dict | None:
         for key in v or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            # ASCII digits only ("²" is a digit to isdigit() but not to int()), and no more than an
+            # Int64 holds (int() refuses numbers past 4300 digits)
+            if not (key.isascii() and key.isdigit() and len(key) <= 19 and int(key) < 2**63):
+                raise ValueError(f"logit_bias keys are token ids, got {key[:24]!r}")
         return v
 
     @property

@@ -362,6 +362,8 @@ BAD = {
     "logit-bias-key": (C, OK | {"logit_bias": {"a": 1}}, 400, "logit_bias"),
     "logit-bias-range": (C, OK | {"logit_bias": {"5": 101}}, 400, "logit_bias.5"),
     "logit-bias-outside-vocab": (C, OK | {"logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    "logit-bias-key-not-ascii": (C, OK | {"logit_bias": {"²": 1}}, 400, "logit_bias"),  # isdigit(), no int
+    "logit-bias-key-huge": (C, OK | {"logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),  # past int()'s limit
     "top-logprobs-alone": (
         X,
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
