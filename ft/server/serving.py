@@ -95,7 +95,7 @@ class ServerState:
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
         tok = self.need_tokenizer("a chat")
         try:
-            return await asyncio.to_thread(tok.chat_prompt, messages, add_generation_prompt, **kwargs)
+            return await asyncio.to_thread(tok.chat_prompt, messages, add_generation_prompt, kwargs)
         except TokenizerError as e:
             raise APIError(400, str(e), param="messages") from None
 

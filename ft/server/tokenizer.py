@@ -59,12 +59,14 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        """``kwargs`` (the request's ``chat_template_kwargs``, its tools) come last, as in vLLM: they
+        may set ``add_generation_prompt`` too; one the call cannot take is the client's mistake."""
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template: use /v1/completions")
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+                messages, tokenize=False, **({"add_generation_prompt": add_generation_prompt} | kwargs)
             )
         except Exception as e:  # the template rejected the conversation (jinja raise_exception, ...)
             raise TokenizerError(f"the chat template rejected the messages: {e}") from e

@@ -211,6 +211,20 @@ def test_tokenize_and_detokenize(server, llm, tok):
         assert got.status_code == 400 and got.json()["error"]["param"] == param, (path, body, got.text)
 
 
+def test_chat_template_kwargs_come_last(server, tok):
+    """As in vLLM, ``chat_template_kwargs`` reach the template after the request's own arguments,
+    so they may set ``add_generation_prompt`` too; a chat's prompt is then the template's with it."""
+    messages = [{"role": "user", "content": "hello there"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    body = {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}}
+    r = server.post("/tokenize", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tok.encode(text, add_special_tokens=False)
+    r = server.post(X, HI | body | {"return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["prompt_token_ids"] == tok.encode(text, add_special_tokens=False)
+
+
 def test_response_format_text_is_accepted(server):
     r = server.post(X, HI | {"response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
@@ -384,6 +398,7 @@ BAD = {
         "tools.0.function.name",
     ),
     "tool-wrong-type": (X, HI | {"tools": [TOOL | {"type": "retrieval"}]}, 400, "tools.0.type"),
+    "chat-template-kwargs-messages": (X, HI | {"chat_template_kwargs": {"messages": []}}, 400, "messages"),
     "response-format-json": (X, HI | {"response_format": {"type": "json_object"}}, 400, "response_format"),
     "body-too-large": (C, json.dumps(OK | {"prompt": "a" * 200_000}).encode(), 413, None),
     "unknown-route": ("/v1/embeddings", OK, 404, None),
