@@ -76,6 +76,7 @@ class Generation:
                 self.choices.append(
                     Choice(p * n + i, f"{request_id}-{p * n + i}", prompt, TextStream(tokenizer, stop))
                 )
+        self._n = n
         self._by_id = {c.request_id: c for c in self.choices}
         self._prompt_tokens = sum(len(p) for p in prompts)
         self._sink: asyncio.Queue = asyncio.Queue()
@@ -85,6 +86,12 @@ class Generation:
     def prompt_tokens(self) -> int:
         """Usage counts each prompt once, however many choices share it."""
         return self._prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """Of ``prompt_tokens``, those the prefix cache held: each prompt's once too (its first
+        choice's), not once per choice, which could count more than the prompt."""
+        return sum(c.num_cached_tokens for c in self.choices[:: self._n])
 
     @property
     def completion_tokens(self) -> int:

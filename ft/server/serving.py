@@ -219,7 +219,7 @@ def sse(obj: dict) -> str:
 
 def usage(gen: Generation) -> dict:
     prompt, completion = gen.prompt_tokens, gen.completion_tokens
-    cached = sum(c.num_cached_tokens for c in gen.choices)
+    cached = gen.cached_tokens
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": cached}

@@ -442,6 +442,17 @@ def test_prefix_cache_hits_answer_as_misses(server, llm, tok):
     assert check_shared_prefix(server, llm, tok) > 0
 
 
+def test_cached_tokens_count_each_prompt_once(server):
+    """A prompt's n choices share it: usage counts its tokens once, and its cached tokens too (so
+    never more than the prompt's), though every choice found them in the prefix cache."""
+    ids = [(i * 13 + 5) % 280 for i in range(100)]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "n": 4}
+    assert server.post(C, body).status_code == 200  # the prompt is cached now
+    usage = server.post(C, body).json()["usage"]
+    assert usage["prompt_tokens"] == len(ids)
+    assert 0 < usage["prompt_tokens_details"]["cached_tokens"] <= len(ids), usage
+
+
 def test_bench_serve(server, tmp_path):
     out = tmp_path / "bench.json"
     code = ft_main(

@@ -97,7 +97,7 @@ def writer(text: str, finish: str = "stop", tools: bool = True, thinking: bool |
             yield Update(choice, piece, [1], None, i == len(pieces) - 1)
 
     gen = SimpleNamespace(id="chatcmpl-1", created=0, choices=[choice], updates=updates,
-                          prompt_tokens=1, completion_tokens=1)  # fmt: skip
+                          prompt_tokens=1, completion_tokens=1, cached_tokens=0)  # fmt: skip
     state = SimpleNamespace(model_name="m", tokenizer=None)
     return _Writer(state, req, gen, thinking)
 
