@@ -263,6 +263,47 @@ def test_penalties_move_greedy_and_min_p_cuts_the_tail():
     assert set(picks.tolist()) == {1, 2}
 
 
+def test_min_tokens_bans_the_stop_tokens_until_reached():
+    """Below its ``min_tokens`` a row may not choose its stop tokens (its stop_token_ids, and the
+    model's end-of-sequence tokens unless ``ignore_eos``): greedy and sampled rows take the best
+    other token; at ``min_tokens`` they are free again; other rows of the batch are untouched."""
+    sampler = Sampler(CPU, 0)
+    sampler.eos_ids = (1,)
+    logits = torch.tensor([[0.0, 9.0, 4.0, 8.0]])  # eos (1), then the stop token (3), then 2
+    greedy = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[3])
+    assert sampler.tokens(logits, [greedy], [0]).tolist() == [2]
+    assert sampler.tokens(logits, [greedy], [2]).tolist() == [2]
+    assert sampler.tokens(logits, [greedy], [3]).tolist() == [1]  # three made: it may end
+    no_eos = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
+    assert sampler.tokens(logits, [no_eos], [0]).tolist() == [1]  # eos is no stop token for it
+    mixed = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=[3]),
+    ]
+    picks = sampler.tokens(logits.repeat(2, 1), mixed, [0, 0])
+    assert picks[0] == 1 and picks[1] not in (1, 3)
+    sampled = sampler.tokens(logits.repeat(500, 1), [mixed[1]] * 500, [4] * 500)
+    assert not set(sampled.tolist()) & {1, 3}
+    # the log-probs stay the model's
+    draw = sampler.draw(logits, [SamplingParams(temperature=0.0, min_tokens=2, logprobs=1)], [0])
+    assert draw.tokens.tolist() == [3] and draw.top_i.tolist() == [[1]]
+
+
+def test_engine_min_tokens_holds_off_the_end(tmp_path):
+    """A request whose model wants to end at once (its eos biased up) generates ``min_tokens``
+    tokens first, then ends on eos ("stop"), as vLLM's min_tokens does."""
+    eos = 7
+    write_checkpoint(tmp_path, "qwen3_moe", seed=2, eos_token_id=eos)
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False) as llm:
+        assert llm.engine.model_config.eos_token_ids == (eos,)
+        base = dict(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0})
+        now = llm.generate([[1, 2, 3]], SamplingParams(**base))[0]
+        assert now.token_ids == [eos] and now.finish_reason == "stop"
+        later = llm.generate([[1, 2, 3]], SamplingParams(**base, min_tokens=4))[0]
+        assert len(later.token_ids) == 5 and later.token_ids[-1] == eos and eos not in later.token_ids[:4]
+        assert later.finish_reason == "stop"
+
+
 def test_engine_penalties_follow_the_models_logprobs(tmp_path):
     """Greedy with logit bias and frequency / presence penalties (which shift a row's logits and
     its log-softmax alike): each token is the argmax of the model's own log-probs, returned for

@@ -95,6 +95,7 @@ class ModelRunner:
         self.attention = get_attention_backend(cfg.attention_backend, self.device.type)
         self.gdn = get_gdn_backend(cfg.gdn_backend, self.device.type)
         self.sampler = Sampler(self.device, cfg.seed)
+        self.sampler.eos_ids = tuple(self.mc.eos_token_ids)  # banned below a request's min_tokens
         self.plan = self._allocate_pools(pools)
         self.plan = replace(self.plan, moe=self.moe.allocate(self.model, self.plan.num_slots))
         if cfg.progress or self.moe.offloads:

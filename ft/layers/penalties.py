@@ -76,13 +76,26 @@ def process(
     params: list[SamplingParams],
     counts: torch.Tensor | None,
     in_prompt: torch.Tensor | None,
+    banned: list[tuple[int, tuple[int, ...]]] = (),
 ) -> torch.Tensor:
     """[B, V] fp32: the logits a token is chosen from, by each row's ``SamplingParams``: its
     ``logit_bias`` added, then its repetition penalty on every token of its prompt or output so
     far, then its frequency and presence penalties on the output's. ``counts`` / ``in_prompt``
     [R, V]: the output counts and prompt marks of the rows that penalise, in order
-    (``PenaltyState.rows``)."""
-    x = logits.to(torch.float32, copy=True)  # one copy, whatever the logits' dtype
+    (``PenaltyState.rows``). ``banned``: (row, token ids) that row may not choose, -inf last
+    (a row under its ``min_tokens``: its stop tokens, ``Sampler.banned``)."""
+    x = _penalised(logits.to(torch.float32, copy=True), params, counts, in_prompt)  # one copy
+    if banned:
+        at = [(r, t) for r, toks in banned for t in toks if t < x.shape[1]]  # an eos id past the vocab: none
+        rows_toks = upload_values([[r for r, _ in at], [t for _, t in at]], torch.int64, x.device)
+        x[rows_toks[0], rows_toks[1]] = float("-inf")
+    return x
+
+
+def _penalised(
+    x: torch.Tensor, params: list[SamplingParams], counts: torch.Tensor | None, in_prompt: torch.Tensor | None
+) -> torch.Tensor:
+    """``process`` but the bans, in place on its fp32 copy."""
     device = x.device
     bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
     if bias:

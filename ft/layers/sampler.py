@@ -156,6 +156,21 @@ class Sampler:
         self.generator.manual_seed(seed)
         self.penalties: PenaltyState | None = None  # made when a first request penalises
         self.num_slots = 0  # the state slots a row's penalties are kept for (the runner's pool)
+        self.eos_ids: tuple[int, ...] = ()  # the model's end-of-sequence tokens (the runner's config)
+
+    def banned(
+        self, params: list[SamplingParams], output_index: list[int]
+    ) -> list[tuple[int, tuple[int, ...]]]:
+        """(row, its stop tokens) of the rows that have generated fewer than their ``min_tokens``:
+        they may not end yet (their stop_token_ids, and the model's end-of-sequence tokens unless
+        ``ignore_eos``), as vLLM's min-tokens processor bans them."""
+        out = []
+        for r, (p, n) in enumerate(zip(params, output_index)):
+            if n < p.min_tokens:
+                stops = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_ids)
+                if stops:
+                    out.append((r, stops))
+        return out
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
@@ -226,8 +241,9 @@ class Sampler:
             state, counts, in_prompt, slots = self._penalty_rows(
                 logits, pen, seen or [None] * len(params), rows
             )
-        if any(p.processes_logits for p in params):
-            logits = process(logits, params, counts, in_prompt)
+        banned = self.banned(params, output_index)
+        if banned or any(p.processes_logits for p in params):
+            logits = process(logits, params, counts, in_prompt, banned)
         hot = [i for i, p in enumerate(params) if not p.greedy]
         if len(hot) == len(params):
             tokens = self.sample(logits, params, output_index)

@@ -8,7 +8,9 @@ released whole, so the deltas always add up to ``decode(all tokens)``.
 
 ``TextStream`` sits on top and applies stop strings: text that might be the start of a stop
 string is held back until it is known not to be one; when a stop string appears the text is cut
-just before it and the stream reports that it stopped.
+just before it and the stream reports that it stopped. Before a request's ``min_tokens`` tokens
+no stop string counts, as in vLLM: one that ends in them is passed over, one that begins in them
+and ends after is still found.
 """
 
 from __future__ import annotations
@@ -62,22 +64,28 @@ class IncrementalDetokenizer:
 class TextStream:
     """One choice's text: detokenized, cut at the first stop string, released when safe."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, stop: list[str], min_tokens: int = 0) -> None:
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
         self.text = ""  # everything decoded so far (cut at the stop string once one is seen)
         self.sent = 0  # characters of ``text`` already released
         self.stopped = False  # a stop string was found
         self._searched = 0  # stop strings cannot start before this index
 
-    def add(self, token_ids: list[int], final: bool) -> str:
-        """Feed new tokens (``final``: the request has ended); return the text to release now."""
+    def add(self, token_ids: list[int], final: bool, generated: int | None = None) -> str:
+        """Feed new tokens (``final``: the request has ended; ``generated``: the tokens it has
+        generated so far, these included, when it differs from the text's: a stop token);
+        return the text to release now."""
         if self.detok is None or self.stopped:
             return ""
         self.text += self.detok.add(token_ids)
         if final:
             self.text += self.detok.flush()
-        if self.stop and self._cut():
+        generated = len(self.detok.token_ids) if generated is None else generated
+        if self.stop and generated < self.min_tokens:  # no stop string yet: none may end before here
+            self._searched = max(0, len(self.text) - max(len(s) for s in self.stop) + 1)
+        elif self.stop and self._cut():
             final = True
         end = len(self.text) if final else len(self.text) - held_back(self.text, self.stop)
         out = self.text[self.sent : end]

@@ -73,9 +73,8 @@ class Generation:
                 # each choice draws its own sample: a seeded request seeds choice i with seed + i
                 seed = None if params.seed is None else params.seed + i
                 self._params.append(replace(params, seed=seed))
-                self.choices.append(
-                    Choice(p * n + i, f"{request_id}-{p * n + i}", prompt, TextStream(tokenizer, stop))
-                )
+                text = TextStream(tokenizer, stop, params.min_tokens)
+                self.choices.append(Choice(p * n + i, f"{request_id}-{p * n + i}", prompt, text))
         self._n = n
         self._by_id = {c.request_id: c for c in self.choices}
         self._prompt_tokens = sum(len(p) for p in prompts)
@@ -157,7 +156,7 @@ class Generation:
         final = d.finish_reason is not None
         # a stop token (eos, stop_token_ids) counts as generated but is not part of the text
         text_ids = d.token_ids[:-1] if d.finish_reason == "stop" and d.token_ids else d.token_ids
-        text = choice.text.add(text_ids, final)
+        text = choice.text.add(text_ids, final, len(choice.token_ids))
         if choice.text.stopped:
             if not final:
                 self.client.release([choice.request_id])

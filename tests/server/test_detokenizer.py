@@ -74,3 +74,24 @@ def test_partial_stop_string_is_held_until_it_cannot_match(tok):
 def test_earliest_of_several_stop_strings_wins(tok):
     s, out = stream(tok, "one two three", ["three", "two"])
     assert s.stopped and "".join(out) == "one "
+
+
+def test_no_stop_string_ends_before_min_tokens(tok):
+    """Below ``min_tokens`` no stop string counts (vLLM's rule): one that ends within the first
+    tokens is passed over; one that begins there and ends after is found and cut; with
+    ``generated`` given, the count is the request's (a stop token is not part of the text)."""
+    ids = tok.encode("ab, ab, ab", False)
+    s = TextStream(tok, [", "], min_tokens=len(ids))
+    out = [s.add([t], final=False) for t in ids[:-1]]
+    assert not s.stopped
+    out.append(s.add(ids[-1:], final=True))
+    assert not s.stopped and "".join(out) == "ab, ab, ab"
+    # ", a" begins before the min_tokens-th token and ends after: found once the count is reached
+    ids = tok.encode("xy, az", False)
+    first = next(i for i in range(len(ids)) if ", a" in tok.decode(ids[: i + 1]))
+    s = TextStream(tok, [", a"], min_tokens=first + 1)
+    out = [s.add([t], final=False) for t in ids]
+    assert s.stopped and "".join(out) == "xy"
+    s = TextStream(tok, [", "], min_tokens=3)
+    assert s.add(tok.encode("q, ", False), final=False, generated=1) == "q, "  # ended too soon: text
+    assert not s.stopped
