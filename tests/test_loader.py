@@ -107,3 +107,14 @@ def test_index_naming_a_missing_file(tmp_path):
     os.remove(tmp_path / "many" / victim)
     with pytest.raises(CheckpointError, match=victim):
         load(str(tmp_path / "many"))
+
+
+@pytest.mark.parametrize("keep", [0, 20, "half", "all-but-one"])
+def test_truncated_file_is_named(tmp_path, ckpt, keep):
+    path = edited(tmp_path, ckpt, lambda t: None)
+    file = os.path.join(path, "model.safetensors")
+    size = os.path.getsize(file)
+    with open(file, "r+b") as f:
+        f.truncate({"half": size // 2, "all-but-one": size - 1}.get(keep, keep))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: .*(header|metadata)"):
+        load(path)

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
@@ -68,7 +68,11 @@ def read_headers(files: list[str]) -> dict[str, str]:
     """Tensor name -> file, from the headers alone."""
     where: dict[str, str] = {}
     for file in files:
-        with safe_open(file, "pt") as f:
+        try:
+            handle = safe_open(file, "pt")
+        except SafetensorError as e:  # truncated or corrupt: safetensors' message has no file name
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+        with handle as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 if name in where:
                     raise CheckpointError(f"tensor {name!r} appears in both {where[name]} and {file}")
