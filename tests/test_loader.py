@@ -118,3 +118,30 @@ def test_truncated_file_is_named(tmp_path, ckpt, keep):
         f.truncate({"half": size // 2, "all-but-one": size - 1}.get(keep, keep))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: .*(header|metadata)"):
         load(path)
+
+
+def sharded(tmp_path, edit_index) -> str:
+    """A sharded copy of a tiny checkpoint with its index passed through ``edit_index``."""
+    hf = write_checkpoint(tmp_path / "one", "qwen3_moe")
+    hf.save_pretrained(str(tmp_path / "many"), max_shard_size="20KB")
+    index = tmp_path / "many" / "model.safetensors.index.json"
+    index.write_text(edit_index(json.loads(index.read_text())))
+    return str(tmp_path / "many")
+
+
+def test_index_naming_a_tensor_its_shard_lacks(tmp_path):
+    def move(index):  # lm_head.weight, in the first shard, mapped to the last one instead
+        files = sorted(set(index["weight_map"].values()))
+        assert index["weight_map"]["lm_head.weight"] == files[0]
+        index["weight_map"]["lm_head.weight"] = files[-1]
+        return json.dumps(index)
+
+    stale = r"'lm_head\.weight'.*index\.json.*maps it to .*model-0+(\d+)-of-0+\1\."
+    with pytest.raises(CheckpointError, match=stale):
+        load(sharded(tmp_path, move))
+
+
+@pytest.mark.parametrize("text", ["{", '{"metadata": {}}'])
+def test_malformed_index_is_named(tmp_path, text):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json"):
+        load(sharded(tmp_path, lambda index: text))

@@ -28,13 +28,25 @@ class Target:
     fused_into: str | None = None  # the parameter a part belongs to, for error messages
 
 
+def read_index(path: str) -> dict[str, str] | None:
+    """Tensor name -> file (a path) from the directory's model.safetensors.index.json, if it has one."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return None
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e!r})") from e
+    return {name: os.path.join(path, file) for name, file in weight_map.items()}
+
+
 def checkpoint_files(path: str) -> list[str]:
     """The safetensors files of a checkpoint directory, from its index when there is one."""
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, n) for n in names]
+    weight_map = read_index(path)
+    if weight_map is not None:
+        files = sorted(set(weight_map.values()))
         for file in files:
             if not os.path.exists(file):
                 raise CheckpointError(f"{index} lists {os.path.basename(file)}, which does not exist")
@@ -98,6 +110,12 @@ def load_weights(model: nn.Module, path: str, progress: bool = True) -> int:
     """Load ``model`` from the checkpoint directory ``path``; returns the number of tensors read."""
     files = checkpoint_files(path)
     where = read_headers(files)
+    for name, file in (read_index(path) or {}).items():
+        if where.get(name) != file:  # else a stale index reads as a missing tensor, or not at all
+            raise CheckpointError(
+                f"tensor {name!r}: model.safetensors.index.json of {path} maps it to {file}, "
+                "which does not hold it"
+            )
     expected = check_names(model, where, path)
     todo = [n for n in where if n in expected]
     bar = tqdm(total=len(todo), desc="loading weights", unit="tensor", disable=not progress)
