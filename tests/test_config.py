@@ -79,3 +79,11 @@ def test_generation_config_adds_stop_ids(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))
     mc = parse(tmp_path, NEXT | dict(eos_token_id=7))
     assert mc.eos_token_ids == (7, 9)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "hf_quant_config.json"])
+def test_malformed_json_names_the_file(tmp_path, name):
+    (tmp_path / "config.json").write_text(json.dumps(NEXT))
+    (tmp_path / name).write_text('{"eos_token_id": [1, 2}')
+    with pytest.raises(ValueError, match=rf"{name}: not valid JSON"):
+        load_model_config(str(tmp_path))

@@ -168,17 +168,23 @@ PARSERS = {"qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next, "qwen4_exp": _qwe
 SPEC_MODEL_TYPES = ("qwen4_exp",)
 
 
+def _read_json(file: str) -> dict[str, Any]:
+    with open(file) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:  # its message names a line, not the file
+            raise ValueError(f"{file}: not valid JSON ({e})") from e
+
+
 def load_raw_config(path: str) -> dict[str, Any]:
     """config.json of a checkpoint directory (or a config file), normalised by transformers if known."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
         raise FileNotFoundError(f"no config.json at {path}")
-    with open(file) as f:
-        raw = json.load(f)
+    raw = _read_json(file)
     generation = os.path.join(os.path.dirname(file), "generation_config.json")
     if os.path.exists(generation):  # instruct models list extra stop ids (e.g. <|endoftext|>) here
-        with open(generation) as f:
-            extra = json.load(f).get("eos_token_id")
+        extra = _read_json(generation).get("eos_token_id")
         ids = (
             [raw.get("eos_token_id")]
             if not isinstance(raw.get("eos_token_id"), list)
@@ -188,8 +194,7 @@ def load_raw_config(path: str) -> dict[str, Any]:
         raw["eos_token_id"] = [i for i in dict.fromkeys(ids + extra) if i is not None] or None
     modelopt = os.path.join(os.path.dirname(file), "hf_quant_config.json")
     if os.path.exists(modelopt):
-        with open(modelopt) as f:
-            raw["hf_quant_config"] = json.load(f)
+        raw["hf_quant_config"] = _read_json(modelopt)
     try:
         from transformers import AutoConfig
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
