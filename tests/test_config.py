@@ -87,3 +87,12 @@ def test_malformed_json_names_the_file(tmp_path, name):
     (tmp_path / name).write_text('{"eos_token_id": [1, 2}')
     with pytest.raises(ValueError, match=rf"{name}: not valid JSON"):
         load_model_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"])
+def test_missing_field_of_a_spec_family_is_named(tmp_path, field):
+    from tests.reference.qwen4_exp_ckpt import tiny_qwen4_exp_config
+
+    raw = {k: v for k, v in tiny_qwen4_exp_config().items() if k != field}
+    with pytest.raises(ValueError, match=rf"config field {field}: required"):
+        parse(tmp_path, raw)

@@ -54,7 +54,13 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     return PARSERS[model_type](raw)
 
 
+COMMON_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
 def _common(raw: dict[str, Any]) -> dict[str, Any]:
+    for name in COMMON_REQUIRED:  # transformers' defaults fill them, except for a family of ours
+        if name not in raw:
+            raise ValueError(f"config field {name}: required for {raw['model_type']}")
     n = raw["num_hidden_layers"]
     theta, factor = _rope(raw)
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
