@@ -96,3 +96,8 @@ def test_missing_field_of_a_spec_family_is_named(tmp_path, field):
     raw = {k: v for k, v in tiny_qwen4_exp_config().items() if k != field}
     with pytest.raises(ValueError, match=rf"config field {field}: required"):
         parse(tmp_path, raw)
+
+
+def test_dense_layers_need_an_intermediate_size(tmp_path):
+    with pytest.raises(ValueError, match=r"config field intermediate_size: .*layers \[0\] are dense"):
+        parse(tmp_path, SHARED | dict(model_type="qwen3_moe", mlp_only_layers=[0], intermediate_size=0))

@@ -91,6 +91,10 @@ class ModelConfig:
             hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
             if hk <= 0 or hv % hk:
                 raise bad("linear_num_value_heads", f"Hv={hv} must be a multiple of Hk={hk}")
+        dense = [i for i, t in enumerate(self.mlp_types) if t == "dense"]
+        if dense and self.intermediate_size <= 0:
+            why = f"{self.intermediate_size} must be positive: layers {dense} are dense"
+            raise bad("intermediate_size", why)
         if "moe" in self.mlp_types:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise bad("num_experts_per_tok", f"{self.num_experts_per_tok} of {self.num_experts}")
