@@ -169,6 +169,21 @@ def test_the_last_request_stopping_drops_the_batch_ahead(ckpt, cpu_run):
     engine.shutdown()
 
 
+def test_an_id_taken_again_while_its_step_ahead_runs_gets_none_of_its_result(ckpt, cpu_run):
+    """A request aborted while its step ahead runs, and its id given at once to a new request: the
+    result of that step is the old request's, and the new one starts from its own prompt."""
+    engine = make_engine(ckpt, True)
+    engine.add_request(PROMPTS[0], greedy(10), "a")
+    engine.add_request(PROMPTS[1], greedy(10), "b")
+    for _ in range(4):
+        engine.step()
+    assert engine._ahead is not None
+    engine.abort_request("a")
+    out = run(engine, {"a": (PROMPTS[0], greedy(6))})
+    assert out["a"][:2] == (cpu_run[0][:6], "length") and out["b"][0] == cpu_run[1][:10]
+    engine.shutdown()
+
+
 def test_schedule_ahead_only_when_the_next_batch_is_known(ckpt):
     engine = make_engine(ckpt, False)
     sched = engine.scheduler

@@ -197,7 +197,9 @@ class LLMEngine:
         outputs = []
         for seq, res in zip(seqs, results):
             req = self.scheduler.requests.get(seq.request_id)
-            if req is None:  # aborted while the batch ran, or ended by the batch before (ahead)
+            # aborted while the batch ran, or ended by the batch before (ahead); either way its id
+            # may since name a new request, which starts from its own prompt
+            if req is None or req.num_computed_tokens != seq.start:
                 if seq.snapshot_to is not None:
                     self.scheduler.cache.give_back_snapshot(seq.snapshot_to)
                 continue
