@@ -101,3 +101,16 @@ def test_missing_field_of_a_spec_family_is_named(tmp_path, field):
 def test_dense_layers_need_an_intermediate_size(tmp_path):
     with pytest.raises(ValueError, match=r"config field intermediate_size: .*layers \[0\] are dense"):
         parse(tmp_path, SHARED | dict(model_type="qwen3_moe", mlp_only_layers=[0], intermediate_size=0))
+
+
+def test_truncated_checkpoint_read_for_a_config_fact_is_named(tmp_path):
+    from tests.reference.qwen4_exp_ckpt import tiny_qwen4_exp_config, write_qwen4_exp_checkpoint
+
+    raw = tiny_qwen4_exp_config()
+    assert raw["ple_layers"]  # its table's row count is read from the checkpoint's header
+    write_qwen4_exp_checkpoint(tmp_path, raw, seed=0)
+    file = tmp_path / "model.safetensors"
+    with open(file, "r+b") as f:
+        f.truncate(file.stat().st_size // 2)
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        load_model_config(str(tmp_path))

@@ -9,10 +9,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 
 class CheckpointError(ValueError):
     """A checkpoint does not match the model: names the tensor and the file."""
+
+
+def open_file(file: str):
+    """``safe_open`` of ``file``; a truncated or corrupt one raises an error naming it (safetensors'
+    own names no file)."""
+    try:
+        return safe_open(file, "pt")
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
 
 
 class CheckpointTensor:

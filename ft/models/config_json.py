@@ -119,10 +119,10 @@ def _checkpoint_tensor_shape(path: str | None, name: str) -> tuple[int, ...] | N
     """The shape of tensor ``name`` from the safetensors headers of checkpoint directory ``path``."""
     if not path or not os.path.isdir(path):
         return None
-    from safetensors import safe_open
+    from ft.models.checkpoint import open_file
 
     for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
-        with safe_open(os.path.join(path, file), "pt") as f:
+        with open_file(os.path.join(path, file)) as f:
             if name in f.keys():  # noqa: SIM118 - safe_open has no __contains__
                 return tuple(f.get_slice(name).get_shape())
     return None

@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from ft.models.checkpoint import CheckpointError, CheckpointTensor
+from ft.models.checkpoint import CheckpointError, CheckpointTensor, open_file
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,7 @@ def read_headers(files: list[str]) -> dict[str, str]:
     """Tensor name -> file, from the headers alone."""
     where: dict[str, str] = {}
     for file in files:
-        try:
-            handle = safe_open(file, "pt")
-        except SafetensorError as e:  # truncated or corrupt: safetensors' message has no file name
-            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
-        with handle as f:
+        with open_file(file) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 if name in where:
                     raise CheckpointError(f"tensor {name!r} appears in both {where[name]} and {file}")
