@@ -133,3 +133,26 @@ def test_slices_reassemble(tmp_path, model_type, tp, overrides):
     w13 = states[0]["model.layers.0.mlp.experts.w13"] if mc.mlp_types[0] == "moe" else None
     if w13 is not None:
         assert w13.shape[1] == 2 * mc.moe_intermediate_size // tp
+
+
+HEADS_16 = dict(num_attention_heads=16, num_key_value_heads=16)  # so that the MLP is what cannot split
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides,field",
+    [
+        ("qwen3_moe", dict(mlp_only_layers=[0], intermediate_size=40), "intermediate_size"),
+        (
+            "qwen3_next",
+            dict(shared_expert_intermediate_size=40, layer_types=["full_attention"] * 4),
+            "shared_expert_intermediate_size",
+        ),
+    ],
+)
+def test_tp_that_cannot_split_an_mlp_names_its_size(model_type, overrides, field):
+    from ft.models.config_json import config_from_dict
+    from tests.checkpoints import make_hf_model
+
+    mc = config_from_dict(make_hf_model(model_type, **HEADS_16, **overrides).config.to_dict())
+    with pytest.raises(ValueError, match=rf"^{field} over tp ranks: 40 is not divisible by 16"):
+        build_model(mc, TPInfo(0, 16), "meta", torch.float32)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ft.distributed import all_reduce, get_tp_info
-from ft.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ft.layers.linear import ColumnParallelLinear, RowParallelLinear, split_part
 from ft.moe.backends.gpu import ResidentBackend
 from ft.moe.banks import BF16ExpertBank
 from ft.moe.nvfp4_bank import NVFP4ExpertBank
@@ -44,11 +44,13 @@ SHARED_GATE_PACKING = {"gate": ("gate", "shared_expert_gate")}
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: gate_up column-parallel, down row-parallel."""
+    """SwiGLU MLP: gate_up column-parallel, down row-parallel. ``name`` is the config field of its
+    size, for the error when the TP size cannot split it."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, name: str = "intermediate_size") -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
+        part = split_part(intermediate_size, get_tp_info(), f"{name} over tp ranks")
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [], parts=(part, part))
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,9 @@ class SparseMoeBlock(nn.Module):
         self.experts = BANKS[expert_format](num_experts, hidden_size, intermediate_size, checkpoint_format)
         self.backend = ResidentBackend()  # a plain object, not a module: holds no parameters
         self.shared_expert = (
-            GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+            GatedMLP(hidden_size, shared_intermediate_size, "shared_expert_intermediate_size")
+            if shared_intermediate_size
+            else None
         )
 
     def lookahead(self, residual: torch.Tensor, norm: nn.Module) -> None:
