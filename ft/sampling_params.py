@@ -42,6 +42,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or self.logprobs >= 0),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0),
             ("min_tokens", self.min_tokens >= 0),
+            # a negative id would index the vocabulary from its end (``Sampler.banned``)
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids)),
             ("presence_penalty", math.isfinite(self.presence_penalty)),
             ("frequency_penalty", math.isfinite(self.frequency_penalty)),
             ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0),

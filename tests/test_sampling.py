@@ -188,6 +188,7 @@ def test_logprobs_are_raw_and_include_the_chosen_token():
         dict(top_k=-2),
         dict(max_tokens=-1),
         dict(temperature=float("inf")),
+        dict(stop_token_ids=[-1]),  # under min_tokens it banned the vocabulary's last token
     ],
 )
 def test_bad_params_are_refused(bad):
