@@ -65,12 +65,14 @@ def _common(raw: dict[str, Any]) -> dict[str, Any]:
     theta, factor = _rope(raw)
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     quant = parse_declaration(raw.get("quantization_config"), raw.get("hf_quant_config"))
+    mlp_types = _mlp_types(raw, n)
+    moe = [i for i, t in enumerate(mlp_types) if t == "moe"]  # a dense layer 0 declares no expert format
     return dict(
         model_type=raw["model_type"],
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
         num_layers=n,
-        mlp_types=_mlp_types(raw, n),
+        mlp_types=mlp_types,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         max_position_embeddings=raw.get("max_position_embeddings", 32768),
@@ -87,7 +89,7 @@ def _common(raw: dict[str, Any]) -> dict[str, Any]:
         intermediate_size=raw.get("intermediate_size", 0),
         eos_token_ids=_eos(raw),
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16").replace("torch.", ""),
-        expert_format=quant.format_of("model.layers.0.mlp.experts.0.gate_proj"),
+        expert_format=quant.format_of(f"model.layers.{moe[0] if moe else 0}.mlp.experts.0.gate_proj"),
         quantization=quant,
     )
 

@@ -223,3 +223,19 @@ def test_quantize_experts_option(ckpt):
     assert engine_options(args)["quantize_experts"] == "nvfp4"
     with pytest.raises(ValueError, match="quantize_experts"):
         EngineConfig(model=str(ckpt), quantize_experts="int4")
+
+
+def test_first_layer_dense_and_excluded(tmp_path):
+    """A dense layer 0 stays bf16 (listed in the exclusions); the experts after it are NVFP4."""
+    import json
+
+    write_nvfp4_checkpoint(tmp_path, "qwen3_moe", seed=3, mlp_only_layers=[0])
+    declared = tmp_path / "nvfp4" / "hf_quant_config.json"
+    body = json.loads(declared.read_text())
+    body["quantization"]["exclude_modules"].append("model.layers.0.mlp*")
+    declared.write_text(json.dumps(body))
+    mc = load_model_config(str(tmp_path / "nvfp4"))
+    assert mc.mlp_types[0] == "dense" and mc.expert_format == "nvfp4"
+    model = build_model(mc, TPInfo(0, 1), "cpu", torch.float32)
+    load_weights(model, str(tmp_path / "nvfp4"), progress=False)
+    assert isinstance(model.model.layers[1].mlp.experts, NVFP4ExpertBank)
