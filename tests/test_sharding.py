@@ -156,3 +156,13 @@ def test_tp_that_cannot_split_an_mlp_names_its_size(model_type, overrides, field
     mc = config_from_dict(make_hf_model(model_type, **HEADS_16, **overrides).config.to_dict())
     with pytest.raises(ValueError, match=rf"^{field} over tp ranks: 40 is not divisible by 16"):
         build_model(mc, TPInfo(0, 16), "meta", torch.float32)
+
+
+def test_heads_that_cannot_be_replicated_evenly_say_so():
+    """Fewer heads than ranks: each head lives on P / heads ranks, so P must be a multiple of the
+    heads; 2 heads over 3 ranks is refused in those words (it read "3 is not divisible by 2")."""
+    from ft.layers.linear import heads_part
+
+    assert heads_part(2, 4, TPInfo(3, 4), "kv heads") == heads_part(2, 4, TPInfo(2, 4), "kv heads")
+    with pytest.raises(ValueError, match=r"^kv heads: 2 heads cannot be replicated evenly over 3 "):
+        heads_part(2, 4, TPInfo(0, 3), "kv heads")

@@ -59,7 +59,11 @@ def heads_part(num_heads: int, rows_per_head: int, tp: TPInfo, what: str) -> Par
         local = div_even(num_heads, tp.size, what)
         first = tp.rank * local
     else:
-        div_even(tp.size, num_heads, f"{what} (replicated over ranks)")
+        if tp.size % num_heads:  # each head on tp.size / num_heads ranks: it must come out whole
+            raise ValueError(
+                f"{what}: {num_heads} heads cannot be replicated evenly over {tp.size} tensor-parallel "
+                f"ranks (the rank count must be a multiple of the heads when it exceeds them)"
+            )
         local, first = 1, tp.rank * num_heads // tp.size
     return Part(num_heads * rows_per_head, local * rows_per_head, first * rows_per_head)
 
