@@ -232,7 +232,12 @@ _ROUTE_CONSTS = ("R_SPLITS", "R_BLOCK_N", "R_BLOCK_K", "R_EVEN_K", "T_P", "TOP_K
 def stages(pairs: int, routed: int) -> bool:
     """Whether a launch of ``pairs`` pairs, ``routed`` of them an expert's, may stage its host rows
     (``launch``'s ``stage``): the switch on, and room for its counters."""
-    return CHAIN and 3 + pairs + routed <= HALF
+    return CHAIN and _staging_fits(pairs, routed)
+
+
+def _staging_fits(pairs: int, routed: int) -> bool:
+    # a launch's counters in its half: claim, done, router done, a pair each, a routed pair's copies each
+    return 3 + pairs + routed <= HALF
 
 
 def _stage_args(stage: tuple | None, ids: torch.Tensor, pairs: int) -> dict:
@@ -244,7 +249,7 @@ def _stage_args(stage: tuple | None, ids: torch.Tensor, pairs: int) -> dict:
     assert store_block.shape[1] == block.shape[1] and block.shape[0] >= len(rows), (
         "staging rows as the store's"
     )
-    assert 3 + pairs + len(rows) <= HALF, f"{pairs} pairs, {len(rows)} routed: too many to stage (``stages``)"
+    assert _staging_fits(pairs, len(rows)), f"{pairs} pairs, {len(rows)} routed: too many to stage"
     words = store_block.shape[1] // 8
     return dict(
         rows=rows, src=store_block.view(torch.int64), dst=block.view(torch.int64), WORDS=words,

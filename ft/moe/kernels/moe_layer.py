@@ -26,7 +26,6 @@ import triton
 
 from ft.layers import triton_gemv
 from ft.moe.kernels import triton_router, triton_router_gemv
-from ft.moe.kernels.triton_router import MAX_EXPERTS, MAX_TOP_K
 
 # OFF until timed (tests/gpu/decode_variants.py ...:ROUTE); FT_MOE_LAYER_ROUTE=1 turns it on for a
 # process and the ranks it spawns. Read at each call.
@@ -44,22 +43,16 @@ def takes(x: torch.Tensor, router_w: torch.Tensor) -> bool:
 def route(x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool, shared_gate: bool) -> tuple:
     """The router's part of the launch for x [T, H] over w [E (+ 1), H]: (weights [T, k] fp32, ids
     [T, k] int64, the gate logit [T, 1] or None: buffers the launch fills; the chain's ``route``)."""
-    x, w = triton_gemv.check_operands(x, w)
+    x, w, p, (logits, weights, ids, ws) = triton_router_gemv.operands(x, w, top_k, shared_gate)
     (t, h), n = x.shape, w.shape[0]
     e = n - shared_gate
-    assert 0 < t <= triton_router_gemv.MAX_TOKENS, f"{t} tokens: the fused router takes 1 .. 4"
-    assert 1 <= top_k <= min(e, MAX_TOP_K) and e <= MAX_EXPERTS, f"top_k={top_k} of E={e} experts"
     # the fused router's own splits (so its logits' partials), in steps of at most BLOCK_K
-    p = triton_gemv.plan(n, h, triton_gemv.balanced_splits(n, h, x.device))
     p = p._replace(block_k=min(p.block_k, BLOCK_K), even_k=h % min(p.block_k, BLOCK_K) == 0)
     assert ROUTER_COUNTERS + p.blocks < triton_gemv.BLOCK_COUNTERS, f"N={n}: too many column blocks"
-    logits = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     tickets = triton_gemv.tickets(x.device)[ROUTER_COUNTERS:]
     args = dict(
-        rw=w, logits=logits, rws=torch.empty(p.splits, t, n, dtype=torch.float32, device=x.device),
-        rcounters=tickets, R_N=n, R_E=e, R_K_SPLIT=p.k_split, R_BLOCKS=p.blocks, R_SPLITS=p.splits,
+        rw=w, logits=logits, rws=ws, rcounters=tickets, R_N=n, R_E=e, R_K_SPLIT=p.k_split, R_BLOCKS=p.blocks,
+        R_SPLITS=p.splits,
         R_BLOCK_N=p.block_n, R_BLOCK_K=p.block_k, R_EVEN_K=p.even_k, T_P=triton.next_power_of_2(t),
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
         KEYS32=triton_router.keys32(x.dtype),
