@@ -2,7 +2,8 @@
 
 ``logprobs`` uses OpenAI's legacy shape (tokens, token_logprobs, top_logprobs, text_offset).
 With ``echo`` the prompt comes first, and with ``logprobs`` too its tokens' log-probs, the first
-``null``: what lm-eval's loglikelihood requests (``max_tokens`` 0 or 1) read.
+``null``: what lm-eval's loglikelihood requests (``max_tokens`` 0 or 1) read. A token's
+``text_offset`` indexes the choice's ``text``, streamed or not (``TextOffsets``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class _Writer:
         self.tok = state.tokenizer
         self.echo_texts = texts if req.echo else None
         self._echoed: set[int] = set()
-        self._offsets: dict[int, int] = {}  # choice -> characters of text sent so far
+        self._offsets = {c.index: TextOffsets(self.tok) for c in gen.choices}  # streamed: each choice's
 
     def _header(self, obj: str) -> dict:
         return {"id": self.gen.id, "object": obj, "created": self.gen.created, "model": self.state.model_name}
@@ -80,8 +81,11 @@ class _Writer:
                 "finish_reason": c.finish_reason,
             }
             if self.req.logprobs is not None:
+                offsets = TextOffsets(self.tok)
+                where = offsets.prompt(c.prompt_token_ids, prefix) if self.req.echo else []
+                where += offsets.generated(c.token_ids)
                 ids, lps = self._logprob_rows(c, c.token_ids, c.logprobs, echo=self.req.echo)
-                entry["logprobs"] = legacy_logprobs(self.tok, ids, lps, 0)
+                entry["logprobs"] = legacy_logprobs(self.tok, ids, lps, where)
             if self.req.return_token_ids:
                 entry["prompt_token_ids"], entry["token_ids"] = c.prompt_token_ids, c.token_ids
             choices.append(entry)
@@ -118,9 +122,11 @@ class _Writer:
             "finish_reason": c.finish_reason if u.finished else None,
         }
         if self.req.logprobs is not None:
+            offsets = self._offsets[c.index]
+            where = offsets.prompt(c.prompt_token_ids, self._prompt_text(c)) if echo else []
+            where += offsets.generated(ids)
             ids, rows = self._logprob_rows(c, ids, lps, echo)
-            entry["logprobs"] = legacy_logprobs(self.tok, ids, rows, self._offsets.get(c.index, 0))
-        self._offsets[c.index] = self._offsets.get(c.index, 0) + len(text)
+            entry["logprobs"] = legacy_logprobs(self.tok, ids, rows, where)
         if self.req.return_token_ids:
             entry["token_ids"] = u.token_ids
             if echo:
@@ -128,17 +134,53 @@ class _Writer:
         return entry
 
 
-def legacy_logprobs(tok: Tokenizer | None, ids: list[int], rows: list[Logprobs | None], offset: int) -> dict:
+class TextOffsets:
+    """Where each token's text begins in a choice's ``text``, token by token as they come: an
+    echoed prompt's tokens as the echo shows them (special tokens and all), then the generated
+    ones as the answer shows them (special tokens skipped). The offsets follow the tokens, not the
+    text a stream has released (a stop string's start is held back), so a stream's add up to the
+    whole answer's; a token that is half a character shares its character's offset."""
+
+    def __init__(self, tok: Tokenizer | None) -> None:
+        self.tok, self.at = tok, 0
+        self._detok = IncrementalDetokenizer(tok) if tok is not None else None
+
+    def prompt(self, ids: list[int], text: str) -> list[int]:
+        """The echoed prompt's offsets; the generated text begins after ``text``, the echo."""
+        if self.tok is None:
+            return [0] * len(ids)
+        offsets, _ = _walk(IncrementalDetokenizer(self.tok, skip_special_tokens=False), ids, 0)
+        # a text prompt's echo lacks the special tokens the tokenizer added to it (a BOS)
+        decoded = self.tok.decode(ids, skip_special_tokens=False)
+        shift = len(decoded) - len(text) if decoded.endswith(text) else 0
+        self.at = len(text)
+        return [max(0, o - shift) for o in offsets]
+
+    def generated(self, ids: list[int]) -> list[int]:
+        if self._detok is None:
+            return [self.at] * len(ids)
+        offsets, self.at = _walk(self._detok, ids, self.at)
+        return offsets
+
+
+def _walk(detok: IncrementalDetokenizer, ids: list[int], at: int) -> tuple[list[int], int]:
+    """Each token's offset from ``at`` as ``detok`` releases their text; and where the text ends."""
+    offsets = []
+    for tid in ids:
+        offsets.append(at)
+        at += len(detok.add([tid]))
+    return offsets, at
+
+
+def legacy_logprobs(
+    tok: Tokenizer | None, ids: list[int], rows: list[Logprobs | None], offsets: list[int]
+) -> dict:
     """OpenAI's completion log-probs: one entry per token; a row of None (the first prompt
-    token has no prediction) gives null log-probs. A token's text offset is where the text it
-    completes begins (``offset`` for the first), so half a character shares its character's."""
+    token has no prediction) gives null log-probs; ``offsets`` from ``TextOffsets``."""
     name = tok.token_text if tok is not None else (lambda t: f"token_id:{t}")
-    detok = IncrementalDetokenizer(tok) if tok is not None else None
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    tokens, token_logprobs, top = [], [], []
     for tid, row in zip(ids, rows):
         tokens.append(name(tid))
-        offsets.append(offset)
-        offset += len(detok.add([tid])) if detok is not None else 0
         token_logprobs.append(row.get(tid) if row is not None else None)
         top.append({name(t): lp for t, lp in sorted(row.items(), key=lambda kv: -kv[1])} if row else None)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

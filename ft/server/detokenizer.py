@@ -33,8 +33,8 @@ def held_back(text: str, tags: Sequence[str]) -> int:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.token_ids: list[int] = []
         self.prefix_offset = 0  # start of the decode window: released whole up to here...
         self.read_offset = 0  # ...and up to here; text from here on is not released yet
@@ -52,9 +52,9 @@ class IncrementalDetokenizer:
         ids = self.token_ids
         if self.read_offset == len(ids):
             return ""
-        decode = self.tokenizer.decode
-        prefix = decode(ids[self.prefix_offset : self.read_offset])
-        text = decode(ids[self.prefix_offset :])
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip)
+        text = self.tokenizer.decode(ids[self.prefix_offset :], skip)
         if not final and (len(text) <= len(prefix) or text.endswith(REPLACEMENT)):
             return ""  # nothing new, or the last character is not complete yet
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from ft.server.completions import TextOffsets
 from ft.server.detokenizer import IncrementalDetokenizer, TextStream
 from ft.server.tokenizer import Tokenizer
 from tests.tiny_tokenizer import VOCAB_SIZE, build_tokenizer
@@ -95,3 +96,12 @@ def test_no_stop_string_ends_before_min_tokens(tok):
     s = TextStream(tok, [", "], min_tokens=3)
     assert s.add(tok.encode("q, ", False), final=False, generated=1) == "q, "  # ended too soon: text
     assert not s.stopped
+
+
+def test_text_offsets_of_an_echo_without_the_added_special_tokens(tok):
+    """A text prompt's echo is the text as sent: a special token the tokenizer added (a BOS) is
+    not in it, so the tokens after it begin where their text does in the echo."""
+    ids = tok.encode("<|im_start|>hi", add_special_tokens=False)
+    offsets = TextOffsets(tok)
+    assert offsets.prompt(ids, "hi") == [0, 0, 1]
+    assert offsets.generated(tok.encode("a b", add_special_tokens=False)) == [2, 3, 4]

@@ -117,6 +117,34 @@ def test_echo_logprobs_match_prompt_logprobs(server, llm, tok, max_tokens):
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == max_tokens
 
 
+def test_text_offsets_index_the_text(server, tok):
+    """A token's text_offset is where its text begins in the choice's text: the echoed prompt's
+    special tokens count (the echo shows them), the answer begins after the echo, and a stream's
+    offsets are the whole answer's though it holds back text that may begin a stop string."""
+    prompt = "<|im_start|>hi there"
+    ids = tok.encode(prompt)
+    # every printable character may begin a stop string: the stream holds each back a while
+    stop = [chr(c) + "\x00\x00\x00" for c in range(32, 127)]
+    body = {
+        "prompt": prompt,
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+        "echo": True,
+        "logprobs": 0,
+        "stop": stop,
+    }
+    whole = server.post(C, body).json()["choices"][0]
+    offsets = whole["logprobs"]["text_offset"]
+    echo = [len(tok.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids))]
+    assert offsets[: len(ids)] == echo == [0, 12, 13, 14, 18]
+    assert offsets[len(ids)] == len(prompt)
+    streamed = server.post(C, body | {"stream": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]] == offsets
+
+
 def test_stop_string_is_cut_and_stops(server, llm, tok):
     ids = PROMPTS[7]
     full = llm.generate([ids], greedy(40, ignore_eos=True))[0]
