@@ -1,8 +1,8 @@
 """The FastAPI application: routes, the API-key and body-size guards, and error bodies.
 
 Every error leaves as OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with its HTTP
-status (400 bad request, 401 key, 404/405 route, 413 body too large, 503 queue full, 500 engine
-failure), and the server keeps serving. The engine lives in another process
+status (400 bad request, 401 key, 404 unknown route or model, 405 method, 413 body too large, 503
+queue full, 500 engine failure), and the server keeps serving. The engine lives in another process
 (``ft.server.engine_client``); this module only routes and guards.
 """
 

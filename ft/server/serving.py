@@ -42,8 +42,8 @@ class ServerState:
     # ---- checks
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(
-                400,
+            raise APIError(  # 404, as OpenAI and vLLM answer: clients catch it as NotFoundError
+                404,
                 f"model {name!r} is not served here (this server serves {self.model_name!r})",
                 param="model",
                 code="model_not_found",

@@ -397,7 +397,8 @@ BAD = {
     "logprobs-too-many": (C, OK | {"logprobs": 50}, 400, "logprobs"),
     "max-tokens-negative": (C, OK | {"max_tokens": -1}, 400, "max_tokens"),
     "token-outside-vocab": (C, OK | {"prompt": [1, 100000]}, 400, "prompt"),
-    "unknown-model": (C, OK | {"model": "gpt-4"}, 400, "model"),
+    "unknown-model": (C, OK | {"model": "gpt-4"}, 404, "model"),  # as OpenAI: the client's NotFoundError
+    "unknown-model-chat": (X, HI | {"model": "gpt-4"}, 404, "model"),
     "presence-penalty-range": (C, OK | {"presence_penalty": 2.5}, 400, "presence_penalty"),
     "repetition-penalty-zero": (C, OK | {"repetition_penalty": 0}, 400, "repetition_penalty"),
     "min-p-range": (C, OK | {"min_p": 1.5}, 400, "min_p"),
