@@ -35,7 +35,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = state.chat_max_tokens(len(ids))
-    state.check_prompt(ids, max_tokens)
+    state.check_prompt(ids, max_tokens, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     gen = state.generation("chatcmpl", [ids], state.sampling_params(req, max_tokens, logprobs), req)
     writer = _Writer(state, req, gen, thinks(prompt) if state.reasoning_parser else None)

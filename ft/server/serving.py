@@ -57,11 +57,31 @@ class ServerState:
                 400, f"token ids {bad[:5]} in {param} are outside the vocabulary [0, {vocab})", param=param
             )
 
-    def check_prompt(self, ids: list[int], max_tokens: int) -> None:
+    def check_prompt(self, ids: list[int], max_tokens: int, param: str = "prompt") -> None:
+        """``param``: what the prompt came from (a chat's ``messages``), named when it is at fault."""
         if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        self.check_token_ids(ids, "prompt")
-        context, total = self.info.max_model_len, len(ids) + max_tokens
+            raise APIError(400, "the prompt is empty", param=param)
+        self.check_token_ids(ids, param)
+        n, context, pool = len(ids), self.info.max_model_len, self.info.pool_tokens
+        # a prompt no max_tokens makes fit: the prompt is at fault
+        if n > context or (max_tokens and n == context):
+            raise APIError(
+                400,
+                f"the prompt ({n} tokens) is longer than the model's context of {context} tokens"
+                if n > context
+                else f"the prompt ({n} tokens) fills the model's context of {context} tokens: "
+                "no room to generate",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if n > pool:
+            raise APIError(
+                400,
+                f"the prompt ({n} tokens) is longer than this server's KV cache of {pool} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        total = len(ids) + max_tokens
         if total > context:
             raise APIError(
                 400,
@@ -70,13 +90,13 @@ class ServerState:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        kv, pool = kv_tokens(len(ids), max_tokens), self.info.pool_tokens
+        kv = kv_tokens(len(ids), max_tokens)
         if kv > pool:  # every token but a generated last one is cached
             raise APIError(
                 400,
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs {kv} tokens of KV cache, "
                 f"this server's holds {pool}",
-                param="max_tokens" if max_tokens else "prompt",
+                param="max_tokens",
                 code="context_length_exceeded",
             )
 

@@ -387,7 +387,10 @@ BAD = {
     "empty-prompt-ids": (C, OK | {"prompt": []}, 400, "prompt"),
     "empty-messages": (X, {"model": MODEL, "messages": []}, 400, "messages"),
     "beyond-context": (C, OK | {"prompt": [1] * 500, "max_tokens": 100}, 400, "max_tokens"),
-    "chat-beyond-context": (X, {"messages": [{"role": "user", "content": "a " * 600}]}, 400, "max_tokens"),
+    # a prompt that no max_tokens makes fit names the prompt (a chat's: its messages), not max_tokens
+    "prompt-beyond-context": (C, OK | {"prompt": [1] * 600}, 400, "prompt"),
+    "prompt-fills-context": (C, OK | {"prompt": [1] * 512, "max_tokens": 1}, 400, "prompt"),
+    "chat-beyond-context": (X, {"messages": [{"role": "user", "content": "a " * 600}]}, 400, "messages"),
     "temperature-negative": (C, OK | {"temperature": -1}, 400, "temperature"),
     "temperature-nan": (C, b'{"prompt": [1, 2], "temperature": NaN}', 400, "temperature"),
     "top-p-infinite": (C, b'{"prompt": [1, 2], "top_p": Infinity}', 400, "top_p"),
@@ -447,6 +450,15 @@ def test_bad_input_is_refused_and_server_keeps_serving(server, llm, case):
         C, OK | {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == want.token_ids
+
+
+def test_prompt_beyond_the_context_says_so(server):
+    """A chat without max_tokens whose prompt is longer than the context: the answer says the prompt
+    is too long, not that a max_tokens the client never sent is."""
+    r = server.post(X, {"messages": [{"role": "user", "content": "a " * 600}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+    assert "max_tokens" not in err["message"] and "longer than the model's context of 512" in err["message"]
 
 
 def test_models_health_metrics(server):
