@@ -39,7 +39,7 @@ def _call(body: str) -> ToolCall | None:
     """The call a block's body describes, or None when it describes none."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested too deep for json: not a call either
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -47,7 +47,7 @@ def _call(body: str) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None

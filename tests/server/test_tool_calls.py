@@ -51,6 +51,9 @@ def test_calls_are_split_from_the_content():
         '<tool_call>["weather"]</tool_call>',
         'an unfinished <tool_call>{"name": "weather"',
         "  \n ",
+        # nested deeper than Python's json can parse (a model stuck repeating a bracket): no 500
+        "<tool_call>" + "[" * 5000 + "</tool_call>",
+        '<tool_call>{"name": "f", "arguments": "' + "[" * 5000 + '"}</tool_call>',
     ],
 )
 def test_what_is_not_a_call_stays_as_written(text):
