@@ -165,6 +165,15 @@ class _ChatTemplate(_Strict):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # accepted; the model decides how many it makes
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_template(cls, v: dict | None) -> dict | None:
+        # a template is code the server would run: one of ``range(10**5)`` loops nested renders
+        # for ever and fills the memory (vLLM refuses it too, unless --trust-request-chat-template)
+        if v is not None and "chat_template" in v:
+            raise ValueError("a request may not replace the model's chat template (chat_template)")
+        return v
+
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _choice(cls, v):

@@ -431,6 +431,19 @@ BAD = {
     ),
     "tool-wrong-type": (X, HI | {"tools": [TOOL | {"type": "retrieval"}]}, 400, "tools.0.type"),
     "chat-template-kwargs-messages": (X, HI | {"chat_template_kwargs": {"messages": []}}, 400, "messages"),
+    # a template of nested range(10**5) loops would render for ever
+    "chat-template-replaced": (
+        X,
+        HI | {"chat_template_kwargs": {"chat_template": "{% for i in range(9) %}{{ i }}{% endfor %}"}},
+        400,
+        "chat_template_kwargs",
+    ),
+    "tokenize-template-replaced": (
+        "/tokenize",
+        {"prompt": "hi", "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+        400,
+        "chat_template_kwargs",
+    ),
     "response-format-json": (X, HI | {"response_format": {"type": "json_object"}}, 400, "response_format"),
     "body-too-large": (C, json.dumps(OK | {"prompt": "a" * 200_000}).encode(), 413, None),
     "unknown-route": ("/v1/embeddings", OK, 404, None),
