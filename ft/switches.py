@@ -28,7 +28,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_moe_gemv", "PREFETCH_DOWN", "FT_MOE_GEMV_PREFETCH_DOWN"),
     ("ft.moe.kernels.moe_gemv_chain", "CHAIN", "FT_MOE_GEMV_CHAIN"),
     ("ft.moe.kernels.moe_gemv_chain", "PREFETCH", "FT_MOE_GEMV_CHAIN_PREFETCH"),
-    ("ft.moe.kernels.moe_layer", "ROUTE", "FT_MOE_LAYER_ROUTE"),
     ("ft.layers.l2_prefetch", "MB", "FT_L2_PREFETCH_MB"),  # an integer
     ("ft.layers.l2_prefetch", "OUT_MB", "FT_L2_PREFETCH_OUT_MB"),  # an integer
     ("ft.layers.l2_prefetch", "EVICT_LAST", "FT_L2_PREFETCH_EVICT_LAST"),

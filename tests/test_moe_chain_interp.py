@@ -1,6 +1,5 @@
-"""The MoE GEMV as one launch (``ft.moe.kernels.moe_gemv_chain``) and the MoE sublayer as one launch
-(``ft.moe.kernels.moe_layer``: the router's tiles too), both off until timed, against the launches
-they replace, run by Triton's interpreter on CPU tensors. The interpreter runs a launch's programs
+"""The MoE GEMV as one launch (``ft.moe.kernels.moe_gemv_chain``), off until timed, against the
+launches it replaces, run by Triton's interpreter on CPU tensors. The interpreter runs a launch's programs
 one at a time, so a tile that waits for others finds them done: what these check is the arithmetic,
 the tiles' coverage and the counters' reset; ``tests/gpu/test_moe_gemv.py`` runs the waits.
 Skipped without triton (CI has it)."""
@@ -194,102 +193,10 @@ def check_chain_with_staging() -> None:
         )
 
 
-def check_moe_layer() -> None:
-    """``moe_layer`` (the router's tiles, then the chain's, in one launch): the fused router's ids
-    and weights, and the chain's output to one bf16 step (after the same routing), with and without
-    a shared expert (its gate logit the router's last row), renormalised or not, 1 .. 4 tokens, fp16
-    and NVFP4 banks (bytes, integer products: the router's tiles then quantise x), in any program
-    order, every counter back at zero."""
-    from ft.layers import triton_gemv
-    from ft.moe.kernels import moe_layer
-    from ft.moe.kernels import triton_moe_gemv as mod
-    from ft.moe.kernels.triton_router_gemv import launch_router_topk
-    from tests.test_moe_fusions_interp import programs_shuffled
-
-    gen = torch.Generator().manual_seed(4)
-    e, h = 24, 512  # the router over two K splits
-    cases = ((4, 48, "fp16", True, 2, True), (3, 32, "nvfp4", False, 1, False), (8, 32, "int", True, 4, True),
-             (1, 64, "words", True, 3, False))  # fmt: skip
-    for k, inter, fmt, shared, t, renormalize in cases:
-        words(fmt)
-        x, w13, w2, pair = problem(k, inter, fmt, shared, t, gen, e, h)
-        router = (torch.randn(e + shared, h, generator=gen) * h**-0.5).to(x.dtype)
-        what = f"k={k} {fmt} shared={shared} T={t}"
-        want_w, want_ids, logit = launch_router_topk(x, router, k, renormalize, shared)
-        want = mod.launch_moe_gemv(x, w13, w2, want_w, want_ids, None if pair is None else (*pair, logit))
-        with programs_shuffled(k + t):
-            weights, ids, got_logit, args = moe_layer.route(x, router, k, renormalize, shared)
-            got = mod.launch_moe_gemv(
-                x, w13, w2, weights, ids, None if pair is None else (*pair, got_logit), route=args
-            )
-        require(not triton_gemv.tickets(x.device).any(), f"{what}: a counter left non-zero")
-        require(torch.equal(ids, want_ids), f"{what}: other experts")
-        require(torch.allclose(weights, want_w, rtol=1e-6, atol=0), f"{what}: other weights")
-        if shared:
-            require(torch.equal(got_logit, logit), f"{what}: another gate logit")
-        require(within_a_step(got, want), f"{what}: off the router then the two launches")
-        full = moe_layer.fused_moe_layer(x, router, k, renormalize, w13, w2, pair)
-        require(torch.equal(full, got), f"{what}: fused_moe_layer differs from its parts")
-
-
-def check_block_in_one_launch() -> None:
-    """``SparseMoeBlock`` with ``moe_layer.ROUTE`` (its whole forward one launch) equals the block
-    without (the router, then the experts' GEMV with the shared pair, or the bank's own kernel) to a
-    bf16 step: the router's
-    weight with the shared gate last, the bank's and the shared expert's weights as the block holds
-    them. The GPU-only conditions (the fused router's, the GEMV's) are opened to the CPU's fp16
-    tensors; fp16 and NVFP4 experts, with a shared expert and without."""
-    from ft.distributed import TPInfo, tp_context
-    from ft.moe import block as block_mod
-    from ft.moe.block import SparseMoeBlock
-    from ft.moe.kernels import moe_layer, triton_router_gemv
-    from tests.nvfp4.test_w4a16_gpu import random_bank
-
-    triton_router_gemv.takes_fused = lambda x, w: len(x) <= 4  # the CPU's fp16 tensors too
-    block_mod.SparseMoeBlock._shared_as_pair = lambda self, x: self.shared_expert is not None
-    gen = torch.Generator().manual_seed(5)
-    h, e, inter = 64, 16, 32
-    calls, real = [], moe_layer.fused_moe_layer
-    moe_layer.fused_moe_layer = lambda *args: calls.append(1) or real(*args)
-    for fmt, shared in (("bf16", True), ("nvfp4", True), ("bf16", False)):
-        words("int" if fmt == "nvfp4" else "fp16")
-        with tp_context(TPInfo(0, 1)):
-            block = SparseMoeBlock(h, e, 4, inter, True, shared_intermediate_size=inter * shared,
-                                   expert_format=fmt)  # fmt: skip
-        dtype = torch.bfloat16 if fmt == "nvfp4" else torch.float16  # NVFP4 banks take bf16 activations
-        for part in (block.gate, block.shared_expert, block.experts if fmt == "bf16" else None):
-            if part is not None:  # an NVFP4 bank keeps its codes, fp8 scales and fp32 globals
-                part.to(dtype)
-        for name, p in block.named_parameters():
-            if not name.startswith("experts.") or fmt == "bf16":
-                p.data.copy_(torch.randn(p.shape, generator=gen) * h**-0.5)
-        if fmt == "nvfp4":  # codes, fp8 scales, per-row globals of a plausible size
-            for name, (rows, cols) in (("w13", (2 * inter, h)), ("w2", (h, inter))):
-                bank = random_bank(e, rows, cols, gen)
-                for suffix, part in zip(("", "_scale", "_global"), bank.parts):
-                    getattr(block.experts, name + suffix).data.copy_(part)
-        block.experts.takes_gemv = lambda tokens: tokens <= 4
-        x = torch.randn(3, h, generator=gen).to(dtype)
-        calls.clear()
-        moe_layer.ROUTE = False
-        off = block(x)
-        moe_layer.ROUTE = True
-        on = block(x)
-        require(calls == [1], f"{fmt} shared={shared}: the one launch ran {len(calls)} times")
-        # the block without a shared expert runs the bank's own kernel (the torch reference on a CPU):
-        # a step of each output, or of the outputs' mean size
-        near = torch.allclose(
-            on.float(), off.float(), rtol=2**-7, atol=2**-7 * off.float().abs().mean().item()
-        )
-        require(bool(off.isfinite().all()) and near, f"{fmt} shared={shared}: off the block without")
-
-
 CHECKS = [
     "check_moe_gemv_chain",
     "check_chain_with_host_rows",
     "check_chain_with_staging",
-    "check_moe_layer",
-    "check_block_in_one_launch",
 ]
 
 

@@ -30,11 +30,11 @@ from ft.moe.nvfp4_bank import NVFP4ExpertBank
 from ft.moe.router import TopKRouter
 
 try:  # fused kernels instead of 2-3 elementwise ones each; used for tensors on a GPU
-    from ft.moe.kernels import moe_layer, triton_moe_gemv
+    from ft.moe.kernels import triton_moe_gemv
     from ft.moe.kernels.triton_combine import gated_add as fused_gated_add
     from ft.moe.kernels.triton_combine import silu_and_mul as fused_silu_and_mul
 except ImportError:  # no triton (CPU-only installs)
-    fused_gated_add = fused_silu_and_mul = triton_moe_gemv = moe_layer = None
+    fused_gated_add = fused_silu_and_mul = triton_moe_gemv = None
 
 BANKS = {"bf16": BF16ExpertBank, "nvfp4": NVFP4ExpertBank}
 
@@ -103,12 +103,6 @@ class SparseMoeBlock(nn.Module):
             ahead(self, residual, norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._one_launch(x):  # the router, the experts and the shared pair (``moe_layer``)
-            g, mlp = self.gate, self.shared_expert
-            shared = None if mlp is None else (mlp.gate_up_proj.weight, mlp.down_proj.weight)
-            w13, w2 = self.experts.kernel_weights()
-            y = moe_layer.fused_moe_layer(x, g.weight, g.top_k, g.renormalize, w13, w2, shared)
-            return all_reduce(y, self.tp)
         # shared_logit [T, 1] when there is a shared expert
         weights, ids, shared_logit = self.gate(x, blocks=self._int_blocks(x))
         if self._shared_as_pair(x):  # one pair more per token in the routed GEMV's two launches
@@ -119,17 +113,6 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             y = gated_add(y, shared_logit, self.shared_expert.partial(x))
         return all_reduce(y, self.tp)
-
-    def _one_launch(self, x: torch.Tensor) -> bool:
-        """Whether the whole block is one launch (``moe_layer.ROUTE``): a batch the fused router
-        and the bank's GEMV take, the experts resident, the shared expert (if any) as a pair."""
-        return (
-            moe_layer is not None
-            and type(self.backend) is ResidentBackend
-            and moe_layer.takes(x, self.gate.weight)
-            and self.experts.takes_gemv(len(x))
-            and (self.shared_expert is None or self._shared_as_pair(x))
-        )
 
     def _int_blocks(self, x: torch.Tensor) -> bool:
         """Whether the router should make x's int16 blocks (``triton_moe_gemv.FP4_INT_DOT``: an

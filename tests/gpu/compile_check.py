@@ -37,7 +37,6 @@ from ft.moe.kernels import (  # noqa: E402
     moe_gemv_chain,
     moe_gemv_down,
     moe_gemv_kernels,
-    moe_layer,
     triton_combine,
     triton_moe,
     triton_moe_gemv,
@@ -312,9 +311,8 @@ def chain_entries(moe: dict, fp4: dict):
     bn, bk, bw, bs = triton_moe_gemv.BF16
     pn, pk, _, ps = triton_moe_gemv.PAIR_DOWN
     ptrs = {"b13": U8, "s13": U8, "g13": F32, "sb13": BF, "b2": U8, "s2": U8, "g2": F32, "sb2": BF,
-            "logit": BF, "ws": F32, "counters": I32, "chain": I32, "rw": BF, "logits": BF, "rws": F32,
-            "rcounters": I32, "hb13": U8, "hs13": U8, "hg13": F32, "hb2": U8, "hs2": U8,
-            "hg2": F32, "rows": I64, "stage_src": I64, "stage_dst": I64}  # fmt: skip
+            "logit": BF, "ws": F32, "counters": I32, "chain": I32, "hb13": U8, "hs13": U8, "hg13": F32,
+            "hb2": U8, "hs2": U8, "hg2": F32, "rows": I64, "stage_src": I64, "stage_dst": I64}  # fmt: skip
     nvfp4 = {**fp4, **ptrs, "xq": "*i16", "xf": F32}
     banks = ("b13", "s13", "g13", "b2", "s2", "g2", "hb13", "hs13", "hg13", "hb2", "hs2", "hg2")
     bf16 = {**moe, **ptrs, **dict.fromkeys(banks, BF)}
@@ -331,31 +329,16 @@ def chain_entries(moe: dict, fp4: dict):
                         "DOWN_LOOP_STAGES": ps, "DOWN_PLANES": False, "DOWN_SHARED_BLOCK_K": 0,
                         "PF_B": pn * 1024, "PF_S": 0, "PF_H": pn * 1024}, bw, bs),
     ):  # fmt: skip
-        # the down tiles' L2 prefetch and without; the router's tiles too (``moe_layer``, the 80B's router)
-        # and the host store's rows (host reads: ``HOST``), staged in the launch (``STAGE``)
-        for chunks, route, host, stage in ((32 * warps, False, False, False), (0, False, False, False),
-                                           (32 * warps, True, False, False), (32 * warps, False, True, False),
-                                           (32 * warps, False, True, True)):  # fmt: skip
+        # the down tiles' L2 prefetch and without, the host store's rows (host reads: ``HOST``), staged
+        # in the launch (``STAGE``)
+        for chunks, host, stage in ((32 * warps, False, False), (0, False, False), (32 * warps, True, False),
+                                    (32 * warps, True, True)):  # fmt: skip
             label = (
                 f"MoE GEMV chain {name}"
                 + (", rows prefetched" if chunks else "")
-                + (", routed" if route else "")
                 + (", host rows" if host else "")
                 + (", staged" if stage else "")
             )
-            r = {
-                "ROUTE": route,
-                "R_SPLITS": 8,
-                "R_BLOCK_N": 16,
-                "R_BLOCK_K": moe_layer.BLOCK_K,
-                "R_EVEN_K": True,
-                "T_P": 1,
-                "TOP_K_P": 16,
-                "E_P": 512,
-                "RENORMALIZE": True,
-                "KEYS32": True,
-                "R_BLOCKS_Q": consts["INT_DOT"],
-            }
             yield (
                 label,
                 moe_gemv_chain._chain_kernel,
@@ -363,7 +346,6 @@ def chain_entries(moe: dict, fp4: dict):
                 {
                     **common,
                     **consts,
-                    **r,
                     "PF_CHUNKS": chunks,
                     "HOST": host,
                     "STAGE": stage,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid|splits|l2|gdnstep|launches|launchesoff
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid|splits|l2|gdnstep|launchesoff
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -77,11 +77,6 @@
 #            resident: the next layer's input projection at MB 8, 32, 16, this layer's output one at
 #            OUT_MB 16, gate/up prefetching the down rows (triton_moe_gemv.PREFETCH_DOWN), the gdnstep
 #            row too, evict-last lines alone (decode_variants.py; ~6 min). Not yet run
-#   launches fewer, fuller launches (all off): their GPU tests, then the 80B with NVFP4 experts
-#            resident: the dense GEMVs' and router's first weights loaded before the PDL wait
-#            (triton_gemv.EARLY_WEIGHTS), the MoE GEMV's two launches as one (moe_gemv_chain.CHAIN),
-#            the router's tiles in that launch too (moe_layer.ROUTE: the MoE sublayer one launch),
-#            all three (decode_variants.py; ~7 min). Not yet run
 #   launchesoff  CHAIN (with host reads) and EARLY_WEIGHTS on the NVFP4 80B under 48 GiB, batch 1
 #            (decode_variants.py; ~6 min). Not yet run
 #   gdnstep  the GDN decode step's recurrence and gated norm in one launch after the conv in in_proj
@@ -262,16 +257,6 @@ l2)
     "$l2:OUT_MB=16" ft.moe.kernels.triton_moe_gemv:PREFETCH_DOWN ft.gdn.triton_decode_layer:FUSED_DECODE \
     "$l2:EVICT_LAST" "$l2:MB=16" >"$out/l2_decode.out" 2>&1
   grep -E "tok/s" "$out/l2_decode.log" | cut -c1-200
-  ;;
-launches)
-  timeout 150 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_moe_gemv.py tests/gpu/test_gemv.py \
-    tests/gpu/test_router_fold.py -k "chain or one_launch or early" >"$out/launches_test.log" 2>&1
-  tail -n 2 "$out/launches_test.log"
-  # "all of them": CHAIN and ROUTE (the router's tiles ride in the chain's launch) with EARLY_WEIGHTS
-  timeout 330 python3 tests/gpu/decode_variants.py "$next" "$out/launches.log" --nvfp4 \
-    ft.layers.triton_gemv:EARLY_WEIGHTS ft.moe.kernels.moe_gemv_chain:CHAIN ft.moe.kernels.moe_layer:ROUTE \
-    >"$out/launches.out" 2>&1
-  grep -E "tok/s" "$out/launches.log" | cut -c1-200
   ;;
 launchesoff)
   # the chain with host reads: the NVFP4 80B under 48 GiB (issue 8's row, ~79% resident), batch 1

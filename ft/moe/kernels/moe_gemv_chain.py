@@ -12,7 +12,7 @@ Here one launch has a program per tile of either kind, and each program takes it
 shared expert's first), the rest down tiles, so every gate/up tile is taken by a running program
 before any program takes a down tile, and a down tile waits only for programs that are running
 and never wait themselves: no program can wait forever, whatever order or number of programs the
-GPU runs at once (``moe_layer`` puts the router's tiles first, on which the rest wait in turn).
+GPU runs at once.
 A gate/up tile stores its rows of ``act`` and counts itself into its pair's ``ready`` counter (a
 release); a down tile asks L2 for its weight rows (its expert is known from
 the routing), waits until its pair's counter is full (polls with a back-off, then an acquire
@@ -48,15 +48,14 @@ from ft.layers.pdl import wait_for_previous
 from ft.moe.backends.host_stage import STAGE_BLOCK, copy_chunk, first_reader
 from ft.moe.kernels.moe_gemv_down import down_tile
 from ft.moe.kernels.moe_gemv_kernels import gate_up_tile
-from ft.moe.kernels.triton_router_gemv import router_tile
 
 # OFF until timed (tests/gpu/decode_variants.py ...:CHAIN); FT_MOE_GEMV_CHAIN=1 turns it on for a
 # process and the ranks it spawns. Read at each call (a captured graph keeps its launches).
 CHAIN = os.environ.get("FT_MOE_GEMV_CHAIN", "0") == "1"
 # the down tiles ask L2 for their rows before they wait (FT_MOE_GEMV_CHAIN_PREFETCH=0: they do not)
 PREFETCH = os.environ.get("FT_MOE_GEMV_CHAIN_PREFETCH", "1") != "0"
-HALF = triton_gemv.RESERVED // 2  # one launch's counters: claim, done, router done, a pair each (+ staging's)
-MAX_PAIRS = HALF - 3
+HALF = triton_gemv.RESERVED // 2  # one launch's counters: claim, done, a pair each (+ staging's)
+MAX_PAIRS = HALF - 2
 # the tiles that stage host rows (``launch``'s ``stage``), each copying its share of every host row's
 # 16 KB chunks, in turn: host_prefetch's copies reach the link's rate from 16 programs
 STAGE_TILES = 32
@@ -97,8 +96,8 @@ def _staged_row(rows, tok, slot, P, TOPK: tl.constexpr, BLOCK_P: tl.constexpr):
 
 @triton.jit
 def _gate_up_pair(u, tokens, GU_BLOCKS, TOPK: tl.constexpr, SHARED: tl.constexpr):
-    # gate/up tile u -> (pair, row block of I): the shared expert's tiles first (they wait for no
-    # routing, so they run beside the router's tiles), then the routed pairs', token by token
+    # gate/up tile u -> (pair, row block of I): the shared expert's tiles first, then the routed
+    # pairs', token by token
     per_tok: tl.constexpr = TOPK + SHARED
     shared_tiles = tokens * GU_BLOCKS * SHARED
     is_shared = u < shared_tiles
@@ -117,13 +116,9 @@ def _chain_kernel(
     s_xt, s_qt, s_ft, u_be, u_bn, u_se, u_sn, u_ge, u_hn, s_at, s_it, s_ik, unfold,
     b2, s2, g2, hb2, hs2, hg2, sb2, logit, out, topk_w, ws, counters, chain,
     d_be, d_bn, d_se, d_sn, d_ge, d_hn, s_ot, s_wt, s_wk, s_lt, GU_BLOCKS, DOWN_BLOCKS,
-    rw, logits, rws, rcounters, T, R_N, R_E, R_K_SPLIT, s_rwn, R_BLOCKS, rows, stage_src, stage_dst,
-    WORDS, S_CHUNKS, STAGE: tl.constexpr, S_TILES: tl.constexpr, S_BLOCK_P: tl.constexpr,
-    S_BLOCK: tl.constexpr,
-    PF_B: tl.constexpr, PF_S: tl.constexpr, PF_H: tl.constexpr, ROUTE: tl.constexpr, R_SPLITS: tl.constexpr,
-    R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_EVEN_K: tl.constexpr, T_P: tl.constexpr,
-    TOP_K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr,
-    R_BLOCKS_Q: tl.constexpr,
+    T, rows, stage_src, stage_dst, WORDS, S_CHUNKS, STAGE: tl.constexpr, S_TILES: tl.constexpr,
+    S_BLOCK_P: tl.constexpr, S_BLOCK: tl.constexpr, PF_B: tl.constexpr, PF_S: tl.constexpr,
+    PF_H: tl.constexpr,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, PLANES: tl.constexpr, INT_DOT: tl.constexpr,
     HOST: tl.constexpr, ASM: tl.constexpr, UP_EVEN_K: tl.constexpr, UP_BLOCK_N: tl.constexpr,
     UP_BLOCK_K: tl.constexpr, UP_LOOP_STAGES: tl.constexpr, UP_SHARED_BLOCK_K: tl.constexpr,
@@ -131,21 +126,16 @@ def _chain_kernel(
     DOWN_LOOP_STAGES: tl.constexpr, DOWN_PLANES: tl.constexpr, DOWN_SHARED_BLOCK_K: tl.constexpr,
     PAIRS_P: tl.constexpr, PF_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # chain: int32 [3 + pairs]: tickets drawn, programs done, router tiles done, then each pair's
-    # gate/up tiles stored. With ROUTE the first R_BLOCKS x R_SPLITS tiles are the router's
-    # (``triton_router_gemv.router_tile``: its logits, top-k into topk_w / topk_ids and, with
-    # R_BLOCKS_Q, x's int16 blocks); the tiles that read what it writes wait for all of them.
+    # chain: int32 [2 + pairs]: tickets drawn, programs done, then each pair's gate/up tiles stored
     t = tl.atomic_add(chain, 1, sem="relaxed")  # this program's tile (the counters outlive the kernel before)
     wait_for_previous(USE_PDL)
     per_tok: tl.constexpr = TOPK + SHARED
-    r_tiles = 0  # the tiles before the gate/up ones: the router's (ROUTE) or host staging's (STAGE)
-    if ROUTE:
-        r_tiles = R_BLOCKS * R_SPLITS
+    r_tiles = 0  # the tiles before the gate/up ones: host staging's (STAGE)
     if STAGE:
         r_tiles = S_TILES
     pairs = (tl.num_programs(0) - r_tiles) // (GU_BLOCKS + DOWN_BLOCKS)  # GU_BLOCKS + DOWN_BLOCKS a pair
     gu_tiles = pairs * GU_BLOCKS
-    ready = chain + 3
+    ready = chain + 2
     copied = ready + pairs  # STAGE: each routed pair's chunks copied (a first reader's)
     if t < r_tiles:
         if STAGE:  # static: host staging's copies (``host_stage.copy_chunk``), a share each
@@ -158,18 +148,8 @@ def _chain_kernel(
                     copy_chunk(mine, i, item % S_CHUNKS, stage_src, stage_dst, WORDS, S_BLOCK, 512)
                     tl.debug_barrier()  # every thread's copies before the release
                     tl.atomic_add(copied + i, 1, sem="release")
-        if ROUTE:  # static: the router's code only where it has tiles
-            router_tile(
-                t % R_BLOCKS, t // R_BLOCKS, R_BLOCKS, x, rw, logits, topk_w, topk_ids, rws, rcounters, xq,
-                xf, T, R_N, R_E, H, R_K_SPLIT, s_xt, s_rwn, s_qt, s_ft, 16, T_P, R_BLOCK_N, R_BLOCK_K,
-                R_SPLITS, R_EVEN_K, TOPK, TOP_K_P, E_P, RENORMALIZE, KEYS32, R_BLOCKS_Q,
-            )  # fmt: skip
-            tl.debug_barrier()  # every thread's stores (logits, routing, int16 blocks) before the release
-            tl.atomic_add(chain + 2, 1, sem="release")
     elif t < r_tiles + gu_tiles:
         p, block = _gate_up_pair(t - r_tiles, pairs // per_tok, GU_BLOCKS, TOPK, SHARED)
-        if ROUTE and p % per_tok < TOPK:  # a routed expert's rows: from the routing (the shared pair's
-            _wait_ready(chain + 2, r_tiles, ASM)  # read x alone)
         up_row = None  # (each branch's names its own: Triton merges a name both branches assign)
         if STAGE:  # static: a host row once its first reader's staging tiles are done
             up_row, first, host = _staged_row(rows, p // per_tok, p % per_tok, T * TOPK, TOPK, S_BLOCK_P)
@@ -188,13 +168,10 @@ def _chain_kernel(
         slot = d % per_tok
         block = (d // per_tok) % DOWN_BLOCKS
         tok = d // (per_tok * DOWN_BLOCKS)
-        # the tile's rows asked of L2 before its waits (``_prefetch_rows``): the shared expert's at
-        # once, a routed expert's once the routing is there
+        # the tile's rows asked of L2 before its wait (``_prefetch_rows``)
         if PF_CHUNKS > 0 and PF_H > 0:  # noqa: SIM102 (static)
             if slot == TOPK:
                 _prefetch_rows(sb2, sb2, DOWN_BLOCK_N * block * d_hn, PF_H, 0, 0, PF_CHUNKS)
-        if ROUTE:  # the routing (its expert's rows; the shared pair's gate logit)
-            _wait_ready(chain + 2, r_tiles, ASM)
         down_row = None
         if STAGE:  # static: its gate/up tiles waited for the staging (``ready`` below orders it)
             down_row = _staged_row(rows, tok, slot, T * TOPK, TOPK, S_BLOCK_P)[0]
@@ -220,13 +197,8 @@ def _chain_kernel(
         tl.store(ready + c, tl.zeros([PAIRS_P], tl.int32), mask=c < pairs)
         if STAGE:
             tl.store(copied + c, tl.zeros([PAIRS_P], tl.int32), mask=c < T * TOPK)  # T * TOPK < pairs
-        tl.store(chain + 2, 0)
         tl.store(chain + 1, 0)
         tl.store(chain, 0)
-
-
-_ROUTE_CONSTS = ("R_SPLITS", "R_BLOCK_N", "R_BLOCK_K", "R_EVEN_K", "T_P", "TOP_K_P", "E_P", "RENORMALIZE",
-                 "KEYS32", "R_BLOCKS_Q")  # fmt: skip
 
 
 def stages(pairs: int, routed: int) -> bool:
@@ -236,8 +208,8 @@ def stages(pairs: int, routed: int) -> bool:
 
 
 def _staging_fits(pairs: int, routed: int) -> bool:
-    # a launch's counters in its half: claim, done, router done, a pair each, a routed pair's copies each
-    return 3 + pairs + routed <= HALF
+    # a launch's counters in its half: claim, done, a pair each, a routed pair's copies each
+    return 2 + pairs + routed <= HALF
 
 
 def _stage_args(stage: tuple | None, ids: torch.Tensor, pairs: int) -> dict:
@@ -276,19 +248,15 @@ def takes(down, prefetch_down: bool, pairs: int) -> bool:
 
 
 def launch(
-    gate_up: dict, down: dict, tiles: dict, pairs: int, ASM: bool, route: dict | None = None,
-    stage: tuple | None = None, **launch_args,
+    gate_up: dict, down: dict, tiles: dict, pairs: int, ASM: bool, stage: tuple | None = None, **launch_args,
 ) -> None:  # fmt: skip
     """One launch for the two: ``gate_up`` and ``down``, the arguments ``triton_moe_gemv`` passes
     each kernel, by name; ``tiles``: each kernel's tiles (``UP_``, ``DOWN_`` and the name) and the
-    bank's flags; ``ASM``: inline PTX (off under the interpreter); ``route``: the router's tiles
-    too (``moe_layer.route``); ``stage``: host staging's tiles first, (the rows [T, k] unstaged, the
-    host store's uint8 block, the staging block; ``host_stage.stage``'s), the host operand then
-    the staging rows; ``launch_args``: warps, stages, PDL (gate/up's)."""
+    bank's flags; ``ASM``: inline PTX (off under the interpreter); ``stage``: host staging's tiles
+    first, (the rows [T, k] unstaged, the host store's uint8 block, the staging block;
+    ``host_stage.stage``'s), the host operand then the staging rows; ``launch_args``: warps,
+    stages, PDL (gate/up's)."""
     g, d = gate_up, down
-    # without the router's tiles its operands are unread (any tensor) and its constants the least
-    unread = dict(rw=g["x"], logits=g["x"], rws=g["x"], rcounters=d["counters"])
-    r = route or dict(unread, R_N=1, R_E=1, R_K_SPLIT=16, R_BLOCKS=0, **dict.fromkeys(_ROUTE_CONSTS, 1))
     gu_blocks = triton.cdiv(g["N"], tiles["UP_BLOCK_N"])
     down_blocks = triton.cdiv(d["N"], tiles["DOWN_BLOCK_N"])
     assert pairs <= MAX_PAIRS, f"{pairs} pairs: the chain counts {MAX_PAIRS} at most"
@@ -306,11 +274,8 @@ def launch(
     )
     takes = PREFETCH and whole and ASM and l2_prefetch.takes(d["b"])
     pf_chunks = 32 * launch_args["num_warps"] if takes else 0
-    r_tiles = r["R_BLOCKS"] * r["R_SPLITS"] if route else 0
     s = _stage_args(stage, d["topk_ids"], pairs)
-    r_tiles += s["S_TILES"]
-    assert route is None or stage is None, "the router's tiles run beside resident experts only"
-    _chain_kernel[(r_tiles + pairs * (gu_blocks + down_blocks),)](
+    _chain_kernel[(s["S_TILES"] + pairs * (gu_blocks + down_blocks),)](
         g["x"], g["xq"], g["xf"], g["b"], g["b_scale"], g["b_global"], g["host_b"], g["host_scale"],
         g["host_global"], g["shared_b"], g["act"],
         g["topk_ids"], g["N"], g["K"], g["s_xt"], g["s_qt"], g["s_ft"], g["s_be"], g["s_bn"], g["s_se"],
@@ -319,10 +284,8 @@ def launch(
         d["shared_logit"], d["out"], d["topk_w"], d["ws"],
         d["counters"], counters(d["out"].device), d["s_be"], d["s_bn"], d["s_se"], d["s_sn"], d["s_ge"],
         d["s_hn"], d["s_ot"], d["s_wt"], d["s_wk"], d["s_lt"], gu_blocks, down_blocks,
-        r["rw"], r["logits"], r["rws"], r["rcounters"], g["x"].shape[0], r["R_N"], r["R_E"], r["R_K_SPLIT"],
-        r["rw"].stride(0), r["R_BLOCKS"], s["rows"], s["src"], s["dst"], s["WORDS"], s["S_CHUNKS"],
+        g["x"].shape[0], s["rows"], s["src"], s["dst"], s["WORDS"], s["S_CHUNKS"],
         STAGE=stage is not None, S_TILES=s["S_TILES"], S_BLOCK_P=s["S_BLOCK_P"], S_BLOCK=STAGE_BLOCK,
-        ROUTE=route is not None, **{k: r[k] for k in _ROUTE_CONSTS},
         PF_B=pf["s_bn"], PF_S=pf.get("s_sn", 0), PF_H=pf.get("s_hn", 0),
         PAIRS_P=triton.next_power_of_2(pairs), PF_CHUNKS=pf_chunks, ASM=ASM, **tiles, **launch_args,
     )  # fmt: skip

@@ -195,7 +195,6 @@ def launch_moe_gemv(
     shared: tuple | None = None,
     host: tuple | None = None,
     down: tuple | None = None,
-    route: dict | None = None,
     stage: tuple | None = None,
 ) -> torch.Tensor:
     """Checks and launches without the device check (the Triton interpreter runs it on CPU
@@ -209,8 +208,7 @@ def launch_moe_gemv(
     rows that host staging copied to the device (``host_stage.py``: device tensors).
     ``down``: (ids [T, k] of the down kernel's rows, a callable run between the two launches or
     None), when the down projections are read from other rows than gate/up (``host_prefetch``'s
-    down-only copies, joined by the callable); the same bytes give the same result. ``route``: the
-    router's tiles in the same launch, which fill ``weights`` and ``ids`` (``moe_layer.route``).
+    down-only copies, joined by the callable); the same bytes give the same result.
     ``stage``: (the host store's uint8 block, host staging's block): the host rows that ``ids``
     read are staged inside the same launch (``moe_gemv_chain``; ``host`` is then the staging
     block's views, ``ids`` the rows before staging)."""
@@ -265,11 +263,7 @@ def launch_moe_gemv(
     bk_up = min(max_block_k, max(32, triton.next_power_of_2(h)))
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
     # unread without the integer products
-    xq, xf = (blocks or int_dot.quantize_blocks(x)) if int_products and route is None else (x, x)
-    if route is not None:  # the router's tiles fill x's int16 blocks
-        assert host is None and down is None, "the router's tiles run beside resident experts only"
-        xq, xf = int_dot.empty_blocks(x) if int_products else (x, x)
-        route = {**route, "R_BLOCKS_Q": int_products}
+    xq, xf = (blocks or int_dot.quantize_blocks(x)) if int_products else (x, x)
     prefetch_down = PREFETCH_DOWN and host is None and down is None  # resident rows, gate/up's ids
     gate_up = dict(
         x=x, xq=xq, xf=xf, b=b13, b_scale=s13, b_global=g13, host_b=h13[0], host_scale=h13[1],
@@ -301,12 +295,12 @@ def launch_moe_gemv(
     down_tiles = dict(BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, PLANES=down_planes,
                       LOOP_STAGES=down_stages if PIPELINE else 1,
                       SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0)  # fmt: skip
-    if route is not None or stage is not None or moe_gemv_chain.takes(down, prefetch_down, t * pairs):
+    if stage is not None or moe_gemv_chain.takes(down, prefetch_down, t * pairs):
         tiles = {f"UP_{k}": v for k, v in up_tiles.items()} | {f"DOWN_{k}": v for k, v in down_tiles.items()}
         tiles |= dict(flags, PLANES=planes, INT_DOT=int_products)
         staged = None if stage is None else (ids, *stage)
         asm = not INTERPRETER
-        moe_gemv_chain.launch(gate_up, down_args, tiles, t * pairs, asm, route, staged, **up_launch)
+        moe_gemv_chain.launch(gate_up, down_args, tiles, t * pairs, asm, staged, **up_launch)
         return out
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         **gate_up, **flags, **up_tiles, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER, **up_launch,

@@ -55,26 +55,11 @@ def _router_topk_kernel(
         k_range = gemv_tiles.split_range(K, K_SPLIT, tl.program_id(1))
         w0 = gemv_tiles.first_weights(w, n, N, *k_range, s_wn, BLOCK_K, EVEN_K)
     wait_for_previous(USE_PDL)
-    router_tile(
-        tl.program_id(0), tl.program_id(1), tl.num_programs(0), x, w, logits, weights, ids, ws, counters, xq,
-        xf, M, N, E, K, K_SPLIT, s_xm, s_wn, s_qt, s_ft, M_P, T_P, BLOCK_N, BLOCK_K, SPLITS, EVEN_K, TOP_K,
-        TOP_K_P, E_P, RENORMALIZE, KEYS32, BLOCKS, w0,
-    )  # fmt: skip
-
-
-@triton.jit
-def router_tile(
-    block, split, blocks, x, w, logits, weights, ids, ws, counters, xq, xf, M, N, E, K, K_SPLIT, s_xm, s_wn,
-    s_qt, s_ft, M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
-    E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr, BLOCKS: tl.constexpr, w0=None,
-):  # fmt: skip
-    # column block ``block`` (of ``blocks``) of split ``split``: its partial; the column block's last
-    # program its logits; the launch's last of those the top-k of every row (counters: a column
-    # block's tickets, then the launch's). With BLOCKS column block 0 of each split also quantises
-    # the inputs it read (after its ticket: ordered before their reader only by the launch's end,
-    # or by ``moe_gemv_chain``'s count of finished router tiles)
-    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    block, split, blocks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    # this column block's partial over its split; the column block's last program its logits; the
+    # launch's last of those the top-k of every row (counters: a column block's tickets, then the
+    # launch's). With BLOCKS column block 0 of each split also quantises the inputs it read (after
+    # its ticket: ordered before their reader by the launch's end)
     last, total = gemv_tiles.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
                                          BLOCK_N, BLOCK_K, SPLITS, EVEN_K, block, split, w0)  # fmt: skip
     if BLOCKS:  # noqa: SIM102 (static: compiled only with blocks) the first column block of each split
@@ -128,8 +113,7 @@ def operands(
     x: torch.Tensor, w: torch.Tensor, top_k: int, shared_gate: bool, splits: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, triton_gemv.Plan, Buffers]:
     """A fused router's checked operands, its plan over ``splits`` K splits (0:
-    ``triton_gemv.balanced_splits``) and its buffers: ``launch_router_topk``'s, and the router's
-    tiles in the MoE sublayer's one launch (``moe_layer.route``)."""
+    ``triton_gemv.balanced_splits``) and its buffers: ``launch_router_topk``'s."""
     x, w = triton_gemv.check_operands(x, w)
     (t, h), n = x.shape, w.shape[0]
     e = n - shared_gate
