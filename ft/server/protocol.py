@@ -87,6 +87,13 @@ class _SamplingRequest(_Strict):
             )
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _streams_only(cls, v: StreamOptions, info) -> StreamOptions:
+        if not info.data.get("stream"):  # as OpenAI and vLLM: a client asking usage chunks of no stream
+            raise ValueError("stream_options is only allowed with stream: true")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_by_token_id(cls, v: dict | None) -> dict | None:

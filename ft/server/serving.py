@@ -135,6 +135,9 @@ class ServerState:
     def sampling_params(
         self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
+        if req.min_tokens > max_tokens:  # vLLM's rule; the engine would stop at max_tokens regardless
+            message = f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})"
+            raise APIError(400, message, param="min_tokens")
         vocab = self.info.vocab_size
         outside = [t for t in (req.logit_bias or {}) if int(t) >= vocab]
         if outside:

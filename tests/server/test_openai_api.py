@@ -445,6 +445,9 @@ BAD = {
         "chat_template_kwargs",
     ),
     "response-format-json": (X, HI | {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    "min-tokens-over-max": (C, OK | {"max_tokens": 3, "min_tokens": 4}, 400, "min_tokens"),  # as vLLM
+    "min-tokens-over-max-chat": (X, HI | {"max_completion_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
+    "stream-options-unstreamed": (C, OK | {"stream_options": {"include_usage": True}}, 400, "stream_options"),
     "body-too-large": (C, json.dumps(OK | {"prompt": "a" * 200_000}).encode(), 413, None),
     "unknown-route": ("/v1/embeddings", OK, 404, None),
 }
