@@ -229,11 +229,28 @@ class ServerState:
                 gen.close()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(
+        return _Stream(
+            gen,
             body(),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+
+
+class _Stream(StreamingResponse):
+    """A stream that closes its generation however the response ends: a client that leaves before
+    the first chunk has the response cancelled before its body is iterated, so the body's own
+    ``finally`` never runs and the engine would compute the whole answer for no one."""
+
+    def __init__(self, gen: Generation, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
 
 
 def sse(obj: dict) -> str:
