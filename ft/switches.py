@@ -26,8 +26,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_moe_gemv", "FP4_INT_DOT", "FT_MOE_GEMV_FP4_INT_DOT"),
     ("ft.moe.kernels.triton_moe_gemv", "HOST_TILES", "FT_MOE_GEMV_HOST_TILES"),
     ("ft.moe.kernels.triton_moe_gemv", "PREFETCH_DOWN", "FT_MOE_GEMV_PREFETCH_DOWN"),
-    ("ft.moe.kernels.moe_gemv_chain", "CHAIN", "FT_MOE_GEMV_CHAIN"),
-    ("ft.moe.kernels.moe_gemv_chain", "PREFETCH", "FT_MOE_GEMV_CHAIN_PREFETCH"),
     ("ft.layers.l2_prefetch", "MB", "FT_L2_PREFETCH_MB"),  # an integer
     ("ft.layers.l2_prefetch", "OUT_MB", "FT_L2_PREFETCH_OUT_MB"),  # an integer
     ("ft.layers.l2_prefetch", "EVICT_LAST", "FT_L2_PREFETCH_EVICT_LAST"),

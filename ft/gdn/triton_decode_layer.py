@@ -195,7 +195,7 @@ def gdn_decode_layer(
     y = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
     round_mid = torch.promote_types(qkv.dtype, norm_weight.dtype) == qkv.dtype
     bv = min(BV, triton.next_power_of_2(dv))
-    assert n * (hk + hv) <= triton_gemv.BLOCK_COUNTERS, (
+    assert n * (hk + hv) <= triton_gemv.COUNTERS, (
         f"{n} sequences x {hk + hv} heads: more tickets than counters"
     )
     _decode_layer_kernel[(n, hv, triton.cdiv(dv, bv))](

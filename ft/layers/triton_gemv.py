@@ -67,8 +67,6 @@ PROGRAMS_PER_SM = 2  # split until a projection has about this many programs per
 MAX_SPLITS = 8
 MIN_SPLIT_K = 256  # inputs one split reads at the least
 COUNTERS = 1 << 16  # tickets per device: one per column block (and one per launch for the router)
-RESERVED = 1024  # the last of them: ``moe_gemv_chain``'s; the kernels that index by block use the rest
-BLOCK_COUNTERS = COUNTERS - RESERVED
 
 
 def config(n: int) -> tuple[int, int, int, int]:
@@ -214,7 +212,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, splits: int = 0) -> torch.Tens
             x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), **common
         )  # fmt: skip
         return out
-    assert p.blocks <= BLOCK_COUNTERS and p.splits * m * n < 2**31, f"N={n} x M={m} too large to split"
+    assert p.blocks <= COUNTERS and p.splits * m * n < 2**31, f"N={n} x M={m} too large to split"
     ws = torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device)  # the partials
     _gemv_split_k_kernel[(p.blocks, p.splits)](
         x, w, out, ws, tickets(x.device), m, n, k, p.k_split, x.stride(0), w.stride(0), out.stride(0),

@@ -34,7 +34,6 @@ from ft.gdn import triton_conv, triton_conv_proj, triton_decode, triton_decode_l
 from ft.layers import triton_gemv, triton_norm, triton_rope  # noqa: E402
 from ft.moe.backends import host_stage  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
-    moe_gemv_chain,
     moe_gemv_down,
     moe_gemv_kernels,
     triton_combine,
@@ -144,7 +143,6 @@ def entries():
                               "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
                         label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
                         yield label, moe_gemv_down._down_pair_kernel, ptrs_pair, dp, dw, st
-    yield from chain_entries(moe, fp4)
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):
@@ -301,61 +299,6 @@ def entries():
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
                          "USE_PDL": 2, "BLOCKS": blocks, "EARLY": early}, 4, 4  # fmt: skip
-
-
-def chain_entries(moe: dict, fp4: dict):
-    """The MoE GEMV's two launches as one (``moe_gemv_chain``) at the shipped tiles: NVFP4 with
-    integer products in gate/up and words in down (the 80B's defaults), bf16; a shared pair."""
-    nb, nk, nw, ns = triton_moe_gemv.NVFP4_INT
-    dn, dk, _, ds = triton_moe_gemv.NVFP4_DOWN_PLANES
-    bn, bk, bw, bs = triton_moe_gemv.BF16
-    pn, pk, _, ps = triton_moe_gemv.PAIR_DOWN
-    ptrs = {"b13": U8, "s13": U8, "g13": F32, "sb13": BF, "b2": U8, "s2": U8, "g2": F32, "sb2": BF,
-            "logit": BF, "ws": F32, "counters": I32, "chain": I32, "hb13": U8, "hs13": U8, "hg13": F32,
-            "hb2": U8, "hs2": U8, "hg2": F32, "rows": I64, "stage_src": I64, "stage_dst": I64}  # fmt: skip
-    nvfp4 = {**fp4, **ptrs, "xq": "*i16", "xf": F32}
-    banks = ("b13", "s13", "g13", "b2", "s2", "g2", "hb13", "hs13", "hg13", "hb2", "hs2", "hg2")
-    bf16 = {**moe, **ptrs, **dict.fromkeys(banks, BF)}
-    common = {"TOPK": 10, "SHARED": 1, "UP_EVEN_K": True, "DOWN_EVEN_K": True, "PAIRS_P": 16, "USE_PDL": 2,
-              "ASM": True}  # fmt: skip
-    for name, ptrs, consts, warps, stages in (
-        ("nvfp4", nvfp4, {"FP4": True, "PLANES": True, "INT_DOT": True, "UP_BLOCK_N": nb, "UP_BLOCK_K": nk,
-                          "UP_LOOP_STAGES": ns, "UP_SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK,
-                          "DOWN_BLOCK_N": dn, "DOWN_BLOCK_K": dk, "DOWN_LOOP_STAGES": ds, "DOWN_PLANES": True,
-                          "DOWN_SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK_DOWN,
-                          "PF_B": dn * 256, "PF_S": dn * 32, "PF_H": dn * 1024}, nw, ns),
-        ("bf16", bf16, {"FP4": False, "PLANES": False, "INT_DOT": False, "UP_BLOCK_N": bn, "UP_BLOCK_K": bk,
-                        "UP_LOOP_STAGES": bs, "UP_SHARED_BLOCK_K": 0, "DOWN_BLOCK_N": pn, "DOWN_BLOCK_K": pk,
-                        "DOWN_LOOP_STAGES": ps, "DOWN_PLANES": False, "DOWN_SHARED_BLOCK_K": 0,
-                        "PF_B": pn * 1024, "PF_S": 0, "PF_H": pn * 1024}, bw, bs),
-    ):  # fmt: skip
-        # the down tiles' L2 prefetch and without, the host store's rows (host reads: ``HOST``), staged
-        # in the launch (``STAGE``)
-        for chunks, host, stage in ((32 * warps, False, False), (0, False, False), (32 * warps, True, False),
-                                    (32 * warps, True, True)):  # fmt: skip
-            label = (
-                f"MoE GEMV chain {name}"
-                + (", rows prefetched" if chunks else "")
-                + (", host rows" if host else "")
-                + (", staged" if stage else "")
-            )
-            yield (
-                label,
-                moe_gemv_chain._chain_kernel,
-                ptrs,
-                {
-                    **common,
-                    **consts,
-                    "PF_CHUNKS": chunks,
-                    "HOST": host,
-                    "STAGE": stage,
-                    "S_TILES": moe_gemv_chain.STAGE_TILES,
-                    "S_BLOCK_P": 16,
-                    "S_BLOCK": host_stage.STAGE_BLOCK,
-                },
-                warps,
-                stages,
-            )
 
 
 def main() -> None:

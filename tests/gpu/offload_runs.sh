@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid|splits|l2|gdnstep|launchesoff
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid|splits|l2|gdnstep
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -77,8 +77,6 @@
 #            resident: the next layer's input projection at MB 8, 32, 16, this layer's output one at
 #            OUT_MB 16, gate/up prefetching the down rows (triton_moe_gemv.PREFETCH_DOWN), the gdnstep
 #            row too, evict-last lines alone (decode_variants.py; ~6 min). Not yet run
-#   launchesoff  CHAIN (with host reads) and EARLY_WEIGHTS on the NVFP4 80B under 48 GiB, batch 1
-#            (decode_variants.py; ~6 min). Not yet run
 #   gdnstep  the GDN decode step's recurrence and gated norm in one launch after the conv in in_proj
 #            (triton_decode_layer.FUSED_DECODE with CONV_IN_PROJ on): its GPU tests, then the 80B with
 #            NVFP4 experts resident, defaults against it (decode_variants.py; ~3 min). Not yet run
@@ -257,12 +255,6 @@ l2)
     "$l2:OUT_MB=16" ft.moe.kernels.triton_moe_gemv:PREFETCH_DOWN ft.gdn.triton_decode_layer:FUSED_DECODE \
     "$l2:EVICT_LAST" "$l2:MB=16" >"$out/l2_decode.out" 2>&1
   grep -E "tok/s" "$out/l2_decode.log" | cut -c1-200
-  ;;
-launchesoff)
-  # the chain with host reads: the NVFP4 80B under 48 GiB (issue 8's row, ~79% resident), batch 1
-  timeout 480 python3 tests/gpu/decode_variants.py "$next" "$out/launchesoff.log" --nvfp4 --max-gpu-memory=48GiB \
-    ft.moe.kernels.moe_gemv_chain:CHAIN ft.layers.triton_gemv:EARLY_WEIGHTS >"$out/launchesoff.out" 2>&1
-  grep -E "tok/s" "$out/launchesoff.log" | cut -c1-200
   ;;
 gdnstep)
   timeout 120 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_gdn_decode.py -k "decode_layer or mixer" \

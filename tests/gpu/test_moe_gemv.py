@@ -295,80 +295,6 @@ def test_prefetched_down_rows_give_the_same_bits(fmt, t, inter, monkeypatch):
         assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("t, inter", [(1, 512), (2, 512), (4, 512), (8, 512), (2, 768), (1, 256)])
-def test_one_launch_chain_equals_the_two_launches(fmt, t, inter, prefetch, monkeypatch):
-    """``moe_gemv_chain.CHAIN`` (gate/up and down tiles in one launch, a down tile waiting for its
-    pair's gate/up tiles): within a bf16 step of every output of the two launches, with the shared
-    expert as a pair and without, the same bits call after call and replayed in a CUDA graph on new
-    tokens and experts, every counter at zero after each; with its down tiles' L2 prefetch and
-    without."""
-    from ft.layers import triton_gemv
-    from ft.moe.kernels import moe_gemv_chain
-    from ft.moe.kernels import triton_moe_gemv as mod
-
-    monkeypatch.setattr(moe_gemv_chain, "PREFETCH", prefetch)
-    x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + 3)
-    shared = shared_pair(t, inter, seed=8)
-    for pair in (None, shared):
-        monkeypatch.setattr(moe_gemv_chain, "CHAIN", False)
-        two = mod.fused_moe_gemv(x, w13, w2, weights, ids, pair).float()
-        monkeypatch.setattr(moe_gemv_chain, "CHAIN", True)
-        one = mod.fused_moe_gemv(x, w13, w2, weights, ids, pair)
-        assert not triton_gemv.tickets(x.device).any(), "a counter was left non-zero"
-        step = two.abs().clamp(min=1e-3) * 2**-7
-        assert bool(((one.float() - two).abs() <= step).all()), pair is not None
-        for _ in range(3):
-            assert torch.equal(mod.fused_moe_gemv(x, w13, w2, weights, ids, pair), one), pair is not None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = mod.fused_moe_gemv(x, w13, w2, weights, ids, pair)
-        x2, _, _, weights2, ids2 = problem(fmt, t, 512, inter, 2048, 10, seed=t + 4)
-        saved = [a.clone() for a in (x, weights, ids)]
-        for a, b in ((x, x2), (weights, weights2), (ids, ids2)):
-            a.copy_(b)
-        for _ in range(2):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, mod.fused_moe_gemv(x2, w13, w2, weights2, ids2, pair)), pair is not None
-            assert not triton_gemv.tickets(x.device).any(), "a counter was left non-zero after a replay"
-        for a, b in zip((x, weights, ids), saved):
-            a.copy_(b)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_chain_over_many_routings_in_one_graph(fmt, monkeypatch):
-    """A race in the chain's waits would show now and then, not every call: 64 chained calls on
-    new routings, batches of 1 to 8 tokens, back to back in one CUDA graph (with PDL each launch
-    starts while the one before ends), each within a bf16 step of the two launches, the counters
-    at zero after."""
-    from ft.layers import triton_gemv
-    from ft.moe.kernels import moe_gemv_chain
-    from ft.moe.kernels import triton_moe_gemv as mod
-
-    _, w13, w2, _, _ = problem(fmt, 1, 512, 512, 2048, 10, seed=100)
-    gen = torch.Generator(device="cuda").manual_seed(101)
-    cases = []
-    for i in range(64):
-        t = 1 + i % 8
-        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-        cases.append((x, *routing(t, 512, 10, gen), shared_pair(t, 512, seed=200 + i)))
-    monkeypatch.setattr(moe_gemv_chain, "CHAIN", False)
-    want = [mod.fused_moe_gemv(x, w13, w2, w, ids, sh).float() for x, w, ids, sh in cases]
-    monkeypatch.setattr(moe_gemv_chain, "CHAIN", True)
-    mod.fused_moe_gemv(*cases[0][:1], w13, w2, *cases[0][1:])  # compiled outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [mod.fused_moe_gemv(x, w13, w2, w, ids, sh) for x, w, ids, sh in cases]
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not triton_gemv.tickets(torch.device("cuda", torch.cuda.current_device())).any()
-        for i, (got, ref) in enumerate(zip(outs, want)):
-            assert bool(((got.float() - ref).abs() <= ref.abs().clamp(min=1e-3) * 2**-7).all()), i
-
-
 @pytest.mark.parametrize(
     "fmt,host_stages,host_tiles",
     [("bf16", None, False), ("bf16", None, True), ("nvfp4", None, False), ("nvfp4", (3, 2), False)],
@@ -424,11 +350,3 @@ def test_host_rows_read_in_place_equal_the_resident_bank(fmt, host_stages, host_
     # the host rows copied to the device (host staging's block): the resident tiles, the same bits
     on_device = [NVFP4Tensor(*(p.cuda() for p in w.parts)) if fmt == "nvfp4" else w.cuda() for w in (h13, h2)]
     assert torch.equal(fused_moe_gemv(x, s13, s2, weights, rows, host=on_device), want)
-    # in one launch (``moe_gemv_chain.CHAIN``): within a bf16 step (its down sums' lane order), both sides
-    from ft.moe.kernels import moe_gemv_chain
-
-    monkeypatch.setattr(moe_gemv_chain, "CHAIN", True)
-    step = want.float().abs().clamp(min=1e-3) * 2**-7
-    for host in ((h13, h2), on_device):
-        one = fused_moe_gemv(x, s13, s2, weights, rows, host=host)
-        assert bool(((one.float() - want.float()).abs() <= step).all()), host[0] is h13

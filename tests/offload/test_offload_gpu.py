@@ -368,27 +368,6 @@ def test_host_reads_staged_in_graphs_equal_resident(ckpt, tmp_path, monkeypatch,
     assert calls and s.moe_bytes_host_read > 0
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_host_reads_staged_in_the_chains_launch_equal_resident(ckpt, tmp_path, monkeypatch, fmt):
-    """With ``moe_gemv_chain.CHAIN`` the host rows are staged by the MoE GEMV's own launch (its
-    staging tiles first, a host pair's gate/up tiles waiting for their copy) instead of a staging
-    kernel before it: in whole graphs, equal to the resident backend (itself on the chain)."""
-    from ft.moe.backends import host_reads, host_stage
-    from ft.moe.kernels import moe_gemv_chain
-
-    monkeypatch.setattr(host_reads, "ENABLED", True)
-    monkeypatch.setattr(host_stage, "STAGE", True)
-    monkeypatch.setattr(host_stage, "NVFP4_STAGE", True)
-    monkeypatch.setattr(moe_gemv_chain, "CHAIN", True)
-    monkeypatch.setattr(host_stage, "stage", lambda *args: pytest.fail("staged before the launch"))
-    staged, launch = [], moe_gemv_chain.launch
-    monkeypatch.setattr(
-        moe_gemv_chain, "launch", lambda *a, **k: staged.append(a[6] is not None) or launch(*a, **k)
-    )
-    s, _ = host_reads_equal_resident(ckpt, tmp_path, fmt)
-    assert any(staged) and s.moe_bytes_host_read > 0
-
-
 def host_reads_equal_resident(ckpt, tmp_path, fmt: str) -> tuple:
     """Offloaded decode (host reads on) graphed and eager against the resident backend, bf16 (or
     NVFP4 experts): batch 1 in one whole graph, the same greedy tokens, log-probs within bf16

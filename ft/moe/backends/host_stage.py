@@ -49,17 +49,6 @@ except ImportError:  # CPU-only machine: the torch version of ``stage``
     triton = None
 
 
-def in_launch(x: torch.Tensor, top_k: int, shared: bool) -> bool:
-    """Whether a batch's host rows are staged by the MoE GEMV's own launch (its tiles before the
-    experts', ``moe_gemv_chain.stages``) rather than by ``stage`` before it: on a GPU, the switch
-    on, a batch whose counters fit."""
-    if not x.is_cuda or triton is None:
-        return False
-    from ft.moe.kernels import moe_gemv_chain  # triton is there
-
-    return moe_gemv_chain.stages(len(x) * (top_k + shared), len(x) * top_k)
-
-
 def stages(fmt: str | None) -> bool:
     """Whether host-read layers of a bank of format ``fmt`` stage their host experts (the switch
     as it is now)."""
@@ -124,38 +113,19 @@ if triton is not None:
     def _stage_kernel(
         rows, staged, src_block, dst_block, WORDS, P, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr
     ):  # fmt: skip
-        i, c = tl.program_id(0), tl.program_id(1)
-        stage_tile(i, c, rows, staged, src_block, dst_block, WORDS, P, BLOCK_P, BLOCK)
-
-    @triton.jit
-    def first_reader(rows, i, P, BLOCK_P: tl.constexpr):
-        # (pair i's row, the first pair reading that row: i itself at the latest)
+        # program (pair i, chunk c): chunk c of pair i's host row into staging row i if i is the
+        # first pair reading that row; chunk 0's program writes pair i's staged id
+        i = tl.program_id(0)
+        c = tl.program_id(1)
         p = tl.arange(0, BLOCK_P)
         all_rows = tl.load(rows + p, mask=p < P, other=0)
         mine = tl.load(rows + i)
-        return mine, tl.min(tl.where((all_rows == mine) & (p < P), p, BLOCK_P), 0)
-
-    @triton.jit
-    def stage_tile(
-        i, c, rows, staged, src_block, dst_block, WORDS, P, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr
-    ):  # fmt: skip
-        # (pair i, chunk c): chunk c of pair i's host row into staging row i if i is the first pair
-        # reading that row; chunk 0 writes pair i's staged id
-        mine, first = first_reader(rows, i, P, BLOCK_P)
+        first = tl.min(tl.where((all_rows == mine) & (p < P), p, BLOCK_P), 0)  # i itself at the latest
         if c == 0:
             tl.store(staged + i, tl.where(mine < 0, -first - 1, mine))
         if (mine < 0) & (first == i):
-            copy_chunk(mine, i, c, src_block, dst_block, WORDS, BLOCK)
-
-    @triton.jit
-    def copy_chunk(mine, i, c, src_block, dst_block, WORDS, BLOCK: tl.constexpr, STEP: tl.constexpr = 0):
-        # chunk c (BLOCK int64 words) of host row -mine - 1 into staging row i (here and in
-        # ``moe_gemv_chain``'s staging tiles), in steps of STEP words (0: one step; fewer
-        # registers where the copy shares a kernel with others)
-        src = src_block + (-mine - 1).to(tl.int64) * WORDS
-        dst = dst_block + i.to(tl.int64) * WORDS
-        S: tl.constexpr = STEP or BLOCK
-        for s in tl.static_range(0, BLOCK, S):
-            offs = c * BLOCK + s + tl.arange(0, S)
+            src = src_block + (-mine - 1).to(tl.int64) * WORDS
+            dst = dst_block + i.to(tl.int64) * WORDS
+            offs = c * BLOCK + tl.arange(0, BLOCK)
             m = offs < WORDS
             tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)

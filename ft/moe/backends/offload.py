@@ -179,11 +179,7 @@ class OffloadBackend:
         if route_down is not route:
             down = (route_rows(ids, real, route_down, self.map.null), join)
         elif self.reads.stage is not None and host_stage.stages(self.reads.fmt):  # host rows copied first
-            host = self.reads.stage.tensors
-            if host_stage.in_launch(x, ids.shape[1], shared is not None):  # by the MoE GEMV's own launch
-                stage = (self.store.block, self.reads.stage.block)
-                return bank.run(x, weights, rows, self.cache.tensors, shared, host=host, stage=stage)
-            rows = host_stage.stage(rows, self.store.block, self.reads.stage)
+            rows, host = host_stage.stage(rows, self.store.block, self.reads.stage), self.reads.stage.tensors
         return bank.run(x, weights, rows, self.cache.tensors, shared, host=host, down=down)
 
     def lookahead(self, block, residual: torch.Tensor, norm) -> None:

@@ -1,8 +1,7 @@
-"""The MoE GEMV's down kernel and its tile, as ``triton_moe_gemv`` launches them and
-``moe_gemv_chain`` runs the tile: one program per (token, BLOCK_N rows of H, pair), the pair's
-weighted term into a workspace; the row block's last program (by ticket) sums them in pair order.
-The pieces both kernels read rows with: ``moe_gemv_kernels``. The maths and the switches:
-``triton_moe_gemv``.
+"""The MoE GEMV's down kernel and its tile, as ``triton_moe_gemv`` launches them: one program per
+(token, BLOCK_N rows of H, pair), the pair's weighted term into a workspace; the row block's last
+program (by ticket) sums them in pair order. The pieces both kernels read rows with:
+``moe_gemv_kernels``. The maths and the switches: ``triton_moe_gemv``.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import triton.language as tl
 
 from ft.layers.pdl import wait_for_previous
 from ft.moe.kernels.fp4_words import INPUT_BY, code, fp4_words, input_pair
-from ft.moe.kernels.moe_gemv_kernels import _expert, _inputs, _pair_expert, _plain_rows, _rows
+from ft.moe.kernels.moe_gemv_kernels import _expert, _inputs, _plain_rows, _rows
 
 
 @triton.jit
@@ -40,7 +39,7 @@ def down_tile(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr, HOST: tl.constexpr,
-    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, e_in=None,
+    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # the term of pair (tok, slot) for BLOCK_N rows n of H (row block ``block`` of ``row_blocks``), weighted
     # and rounded to out's dtype, into ws[tok, slot, n]; the (tok, rows) block's last program writes
@@ -51,7 +50,7 @@ def down_tile(
     a_row = act + (tok * (TOPK + SHARED) + slot) * s_at
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if not FP4:  # one loop, as in ``_gate_up_kernel``: the shared rows differ only in start and stride
-        e = _pair_expert(topk_ids, tok, slot, s_it, s_ik, TOPK, e_in)
+        e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0).to(tl.int64)
         rows = _expert(e, b, b, b, host_b, host_b, host_b, s_be, s_be, s_be, HOST)[0]
         stride = s_bn
         if SHARED:
@@ -77,7 +76,7 @@ def down_tile(
                 sacc += w * _inputs(a_row, k0, K, EVEN_K, SBK)
             term = tl.sum(sacc, axis=1) * tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
         else:
-            e = _pair_expert(topk_ids, tok, slot, s_it, s_ik, TOPK, e_in, True)
+            e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )

@@ -69,18 +69,6 @@ def _expert(e, b, scale, glob, host_b, host_scale, host_glob, s_be, s_se, s_ge, 
 
 
 @triton.jit
-def _pair_expert(topk_ids, tok, slot, s_it, s_ik, TOPK: tl.constexpr, e_in=None, ROUTED: tl.constexpr = 0):
-    # the expert row pair (tok, slot) reads: its id, or ``e_in`` when the caller has it (a chain
-    # launch's staged host rows); 0 for the shared slot (its rows are not an expert's) unless the
-    # caller knows the pair is routed (ROUTED)
-    if e_in is not None:
-        return e_in.to(tl.int64)
-    if ROUTED:
-        return tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
-    return tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0).to(tl.int64)
-
-
-@triton.jit
 def _plain_rows(b, n, k0, s_bn, nmask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # rows of a 16-bit weight (a shared expert's, beside a bank of either format) as fp32 [BN, BK]
     return _rows(b, b, n, k0, s_bn, s_bn, nmask, K, False, EVEN_K, BLOCK_N, BLOCK_K)
@@ -151,7 +139,7 @@ def gate_up_tile(
     s_xt, s_qt, s_ft, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr, HOST: tl.constexpr,
-    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, INT_DOT: tl.constexpr, ASM: tl.constexpr, e_in=None,
+    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, INT_DOT: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below)
     # in row block ``block``; with SHARED, slot TOPK of each token is the shared expert: bf16 rows
@@ -163,7 +151,7 @@ def gate_up_tile(
     x_row = x + tok.to(tl.int64) * s_xt
     if not FP4:  # one loop, outside any branch (what the pipeliner takes): a shared expert's rows
         # differ from a routed expert's only in where they start and their stride
-        e = _pair_expert(topk_ids, tok, slot, s_it, s_ik, TOPK, e_in)
+        e = tl.load(topk_ids + tok * s_it + slot * s_ik, mask=slot < TOPK, other=0).to(tl.int64)
         rows = _expert(e, b, b, b, host_b, host_b, host_b, s_be, s_be, s_be, HOST)[0]
         if SHARED:
             rows, stride = tl.where(slot == TOPK, shared_b, rows), tl.where(slot == TOPK, s_hn, s_bn)
@@ -179,7 +167,7 @@ def gate_up_tile(
                 x_row, shared_b, s_hn, n, N, nmask, K, LOOP_STAGES, EVEN_K, BLOCK_N, SHARED_BLOCK_K or BLOCK_K
             )
         else:
-            e = _pair_expert(topk_ids, tok, slot, s_it, s_ik, TOPK, e_in, True)
+            e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
             b_e, s_e, g_e = _expert(
                 e, b, b_scale, b_global, host_b, host_scale, host_global, s_be, s_se, s_ge, HOST
             )

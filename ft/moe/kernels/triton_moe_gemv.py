@@ -12,8 +12,7 @@ per-row globals; for bf16, g = 1):
 
 The first launch runs one program per (pair, BLOCK_N rows of I); the second one program per
 (token, BLOCK_N rows of H, pair), each storing its pair's rounded term, the last of a row block
-summing them in pair order, so the sum over k needs no third kernel (``moe_gemv_chain``: both in
-one launch, off until timed). Dot products are fp32
+summing them in pair order, so the sum over k needs no third kernel. Dot products are fp32
 multiply-accumulates of BLOCK_K-wide chunks kept per lane and reduced once per expert with
 ``tl.sum`` (no ``tl.dot``).
 As in the MMA paths, ``act`` is rounded to bf16 and so is each pair's weighted term, and ``out``
@@ -34,7 +33,7 @@ import triton
 
 from ft.layers import triton_gemv
 from ft.layers.pdl import pdl_args
-from ft.moe.kernels import int_dot, moe_gemv_chain
+from ft.moe.kernels import int_dot
 from ft.moe.kernels.fp4_decode import UNFOLD
 from ft.moe.kernels.moe_gemv_down import _down_pair_kernel
 from ft.moe.kernels.moe_gemv_kernels import _gate_up_kernel
@@ -195,7 +194,6 @@ def launch_moe_gemv(
     shared: tuple | None = None,
     host: tuple | None = None,
     down: tuple | None = None,
-    stage: tuple | None = None,
 ) -> torch.Tensor:
     """Checks and launches without the device check (the Triton interpreter runs it on CPU
     tensors): x [T, H]; w13 [E, 2I, H] and w2 [E, H, I] bf16 tensors or NVFP4 stacks;
@@ -208,10 +206,7 @@ def launch_moe_gemv(
     rows that host staging copied to the device (``host_stage.py``: device tensors).
     ``down``: (ids [T, k] of the down kernel's rows, a callable run between the two launches or
     None), when the down projections are read from other rows than gate/up (``host_prefetch``'s
-    down-only copies, joined by the callable); the same bytes give the same result.
-    ``stage``: (the host store's uint8 block, host staging's block): the host rows that ``ids``
-    read are staged inside the same launch (``moe_gemv_chain``; ``host`` is then the staging
-    block's views, ``ids`` the rows before staging)."""
+    down-only copies, joined by the callable); the same bytes give the same result."""
     t, h = x.shape
     check = check_operands if isinstance(w13, NVFP4Tensor) else check_bf16_operands
     _, inter, topk = check(x, w13, w2, weights, ids)
@@ -283,7 +278,7 @@ def launch_moe_gemv(
         down_stages = host_stages[1]
     bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
     blocks = triton.cdiv(h, down_n)
-    assert t * blocks <= triton_gemv.BLOCK_COUNTERS, f"T={t} x {blocks} row blocks: more than the counters"
+    assert t * blocks <= triton_gemv.COUNTERS, f"T={t} x {blocks} row blocks: more than the counters"
     ws = torch.empty(t, pairs, h, dtype=torch.float32, device=x.device)  # the pairs' rounded terms
     down_args = dict(
         act=act, b=b2, b_scale=s2, b_global=g2, host_b=h2[0], host_scale=h2[1], host_global=h2[2],
@@ -295,13 +290,6 @@ def launch_moe_gemv(
     down_tiles = dict(BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, PLANES=down_planes,
                       LOOP_STAGES=down_stages if PIPELINE else 1,
                       SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0)  # fmt: skip
-    if stage is not None or moe_gemv_chain.takes(down, prefetch_down, t * pairs):
-        tiles = {f"UP_{k}": v for k, v in up_tiles.items()} | {f"DOWN_{k}": v for k, v in down_tiles.items()}
-        tiles |= dict(flags, PLANES=planes, INT_DOT=int_products)
-        staged = None if stage is None else (ids, *stage)
-        asm = not INTERPRETER
-        moe_gemv_chain.launch(gate_up, down_args, tiles, t * pairs, asm, staged, **up_launch)
-        return out
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         **gate_up, **flags, **up_tiles, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER, **up_launch,
         **(down_prefetch(b2, s2, fp4, 32 * num_warps) if prefetch_down else {}),
@@ -323,7 +311,6 @@ def fused_moe_gemv(
     shared: tuple | None = None,
     host: tuple | None = None,
     down: tuple | None = None,
-    stage: tuple | None = None,
 ) -> torch.Tensor:
     """``launch_moe_gemv`` on CUDA tensors (``host``: pinned host tensors the GPU can address, or
     tensors on its device: host staging's block). Graph-capturable: the grid comes from shapes,
@@ -335,7 +322,7 @@ def fused_moe_gemv(
         assert hw.is_pinned() or hw.device == x.device, (
             "a host store read by the kernel must be pinned (page-locked) memory, or on the kernel's device"
         )
-    return launch_moe_gemv(x, w13, w2, weights, ids, shared, host, down, stage=stage)
+    return launch_moe_gemv(x, w13, w2, weights, ids, shared, host, down)
 
 
 def shared_pair_alone(x: torch.Tensor, shared: tuple) -> torch.Tensor:

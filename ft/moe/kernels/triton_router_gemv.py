@@ -121,7 +121,7 @@ def operands(
     assert 1 <= top_k <= min(e, MAX_TOP_K), f"top_k={top_k} must be in [1, min(E={e}, {MAX_TOP_K})]"
     assert e <= MAX_EXPERTS, f"E={e} experts exceed the {MAX_EXPERTS} one program holds"
     p = triton_gemv.plan(n, h, splits or triton_gemv.balanced_splits(n, h, x.device))
-    assert p.blocks < triton_gemv.BLOCK_COUNTERS and p.splits * t * n < 2**31, f"N={n} too large to split"
+    assert p.blocks < triton_gemv.COUNTERS and p.splits * t * n < 2**31, f"N={n} too large to split"
     buffers = Buffers(
         torch.empty(t, n, dtype=x.dtype, device=x.device),
         torch.empty(t, top_k, dtype=torch.float32, device=x.device),
