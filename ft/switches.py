@@ -30,7 +30,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.layers.l2_prefetch", "OUT_MB", "FT_L2_PREFETCH_OUT_MB"),  # an integer
     ("ft.layers.l2_prefetch", "EVICT_LAST", "FT_L2_PREFETCH_EVICT_LAST"),
     ("ft.layers.triton_gemv", "SPLIT_K", "FT_GEMV_SPLIT_K"),
-    ("ft.layers.triton_gemv", "EARLY_WEIGHTS", "FT_GEMV_EARLY_WEIGHTS"),
     ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
     ("ft.moe.kernels.triton_router", "KEYS32", "FT_ROUTER_KEYS32"),
     ("ft.attention.triton_paged", "FUSED_DECODE", "FT_FUSED_ATTN_DECODE"),

@@ -166,53 +166,7 @@ def check_gdn_decode_layer() -> None:
                 )
 
 
-def check_early_weights() -> None:
-    """``triton_gemv.EARLY_WEIGHTS`` (each program's first step of weights loaded before its PDL
-    wait) gives the same bits as without, in every kernel that takes it: the dense GEMV whole and
-    split over K (one step a split and several, K a multiple of the step and not, columns past the
-    last block), the fused router (its ids, weights and logits) and the conv-in-proj kernel; and
-    the GEMV's products agree with torch's."""
-    from ft.gdn import triton_conv_proj
-    from ft.layers import triton_gemv
-    from ft.moe.kernels.triton_router_gemv import launch_router_topk
-
-    gen = torch.Generator().manual_seed(11)
-
-    def both(run, *args):
-        outs = []
-        for on in (False, True):
-            triton_gemv.EARLY_WEIGHTS = on
-            outs.append(run(*args))
-        return outs
-
-    shapes = ((1, 40, 64, 1), (3, 100, 300, 1), (2, 72, 1024, 1), (1, 48, 512, 4), (4, 33, 600, 3))
-    for m, n, k, splits in (*shapes, (2, 20, 96, 2)):
-        x = torch.randn(m, k, generator=gen).half()  # the GEMV takes 16-bit operands
-        w = (torch.randn(n, k, generator=gen) * k**-0.5).half()
-        off, on = both(triton_gemv.launch_gemv, x, w, splits)
-        require(torch.equal(off, on), f"GEMV {m}x{n}x{k}, {splits} splits: bits differ")
-        err = (on.float() - x.float() @ w.float().T).abs().max().item()
-        require(err < 1e-2, f"GEMV {m}x{n}x{k}: off torch's product by {err}")
-    x = torch.randn(2, 256, generator=gen).half()
-    w = torch.randn(65, 256, generator=gen).half()
-    for splits in (2, 4, 8):  # at 8 each program's tile is one step (the 80B router's shape)
-        off, on = both(launch_router_topk, x, w, 4, True, True, splits)
-        for a, b, what in zip(off, on, ("weights", "ids", "gate logit")):
-            require(torch.equal(a, b), f"router, {splits} splits: {what} differ")
-    b, n, k, c, kc = 3, 130, 300, 64, 4
-    x = torch.randn(b, k, generator=gen).half()
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).half()
-    conv_w = torch.randn(c, kc, generator=gen).half()
-    state = torch.randn(b + 2, c, kc - 1, generator=gen).half()
-    slots, context = torch.tensor([4, 0, 2]), torch.tensor([0, 3, 1]).int()
-    states = [state.clone(), state.clone()]
-    outs = iter(states)
-    off, on = both(lambda: triton_conv_proj.launch_proj_conv(x, w, conv_w, next(outs), context, slots))
-    require(torch.equal(off, on) and torch.equal(*states), "conv-in-proj: bits differ")
-
-
 CHECKS = [
-    "check_early_weights",
     "check_gdn_decode_layer",
     "check_conv_decode_one_launch",
     "check_moe_gemv_down_order",

@@ -34,15 +34,12 @@ CONV_IN_PROJ = os.environ.get("FT_GDN_CONV_IN_PROJ", "1") != "0"
 def _proj_conv_kernel(
     x, w, out, conv_w, conv_state, context_lens, state_slots, M, N, K, C, s_xm, s_wn, s_om, s_wc, s_ss, s_sc,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, KC: tl.constexpr,
-    KP: tl.constexpr, USE_PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    KP: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w0 = None
-    if EARLY:  # the first step's weights before the wait (``triton_gemv.EARLY_WEIGHTS``)
-        w0 = gemv_tiles.first_weights(w, n, N, 0, K, s_wn, BLOCK_K, EVEN_K)
     wait_for_previous(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_P)
-    acc = gemv_tiles.gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K, w0)
+    acc = gemv_tiles.gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
     tl.store(out + m[:, None].to(tl.int64) * s_om + n[None, :], acc.to(out.dtype.element_ty),
              mask=(m < M)[:, None] & (n < N)[None, :])  # fmt: skip
     if tl.program_id(0) * BLOCK_N < C:  # this program's conv channels, sequence by sequence
@@ -75,7 +72,6 @@ def launch_proj_conv(
     replaced by the decode conv's output (``causal_conv1d_silu`` of them), conv_weight [C, Kc],
     conv_state [slots, C, Kc-1] updated in place at the sequences' ``state_slots`` (history read
     where ``context_lens`` > 0). Without the device check (the interpreter runs it)."""
-    early = triton_gemv.early_weights(w)
     x, w = triton_gemv.check_operands(x, w)
     (b, k), n = x.shape, w.shape[0]
     c, kc = conv_weight.shape
@@ -90,7 +86,6 @@ def launch_proj_conv(
         x, w, out, conv_weight, conv_state, context_lens, state_slots, b, n, k, c, x.stride(0), w.stride(0),
         out.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         M_P=triton_gemv.MAX_M, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_K=p.even_k, KC=kc,
-        KP=triton.next_power_of_2(kc), num_warps=p.num_warps, num_stages=p.num_stages,
-        EARLY=early, **pdl_args(x),
+        KP=triton.next_power_of_2(kc), num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip
     return out

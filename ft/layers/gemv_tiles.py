@@ -2,11 +2,6 @@
 kernel call them: a program's tile of x @ W.T over a range of K (``gemv_tile``) and a split over K
 summed by ticket (``split_k_sum``). The maths, the tiles and why: ``triton_gemv``. Not here:
 launches.
-
-A kernel may load its tile's first BLOCK_K step of weights before its PDL wait
-(``first_weights``, passed on as ``w0``): weights never depend on the kernel before, so a kernel
-launched early has them on the way while that kernel finishes. The sums are the same (the first
-step's product is added first either way). Which launches do: ``triton_gemv.EARLY_WEIGHTS``.
 """
 
 from __future__ import annotations
@@ -24,13 +19,6 @@ def _step(ptr, rows, kk, left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def first_weights(w, n, N, k_lo, k_hi, s_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # the first BLOCK_K step of rows n over k_lo .. k_hi, [BN, BK]: ``gemv_tile``'s w0
-    kk = tl.arange(0, BLOCK_K)
-    return _step(w + n[:, None].to(tl.int64) * s_wn + (k_lo + kk)[None, :], n < N, kk, k_hi - k_lo, EVEN_K)
-
-
-@triton.jit
 def split_range(K, K_SPLIT, split):
     # the inputs k_lo .. k_hi of split ``split`` in a launch split over K
     k_lo = split * K_SPLIT
@@ -40,23 +28,16 @@ def split_range(K, K_SPLIT, split):
 @triton.jit
 def gemv_tile(
     x, w, n, M, N, k_lo, k_hi, s_xm, s_wn,
-    M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, w0=None,
+    M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    # x[:, k_lo:k_hi] @ w[n, k_lo:k_hi].T as fp32 [M_P, BN]; EVEN_K: every step is whole; w0: the
-    # first step's weights, loaded already (``first_weights``)
+    # x[:, k_lo:k_hi] @ w[n, k_lo:k_hi].T as fp32 [M_P, BN]; EVEN_K: every step is whole
     m = tl.arange(0, M_P)
     kk = tl.arange(0, BLOCK_K)
     nmask, mmask = n < N, m < M
     x_ptr = x + m[:, None].to(tl.int64) * s_xm + (k_lo + kk)[None, :]  # [M_P, BK]
     w_ptr = w + n[:, None].to(tl.int64) * s_wn + (k_lo + kk)[None, :]  # [BN, BK]
     acc = tl.zeros([M_P, BLOCK_N], tl.float32)
-    k_start = k_lo
-    if w0 is not None:  # static: the first step from the weights given
-        acc += tl.dot(_step(x_ptr, mmask, kk, k_hi - k_lo, EVEN_K), tl.trans(w0))
-        x_ptr += BLOCK_K
-        w_ptr += BLOCK_K
-        k_start = k_lo + BLOCK_K
-    for k0 in range(k_start, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         xt = _step(x_ptr, mmask, kk, k_hi - k0, EVEN_K)
         wt = _step(w_ptr, nmask, kk, k_hi - k0, EVEN_K)
         acc += tl.dot(xt, tl.trans(wt))  # [M_P, BN], fp32
@@ -69,14 +50,13 @@ def gemv_tile(
 def split_k_sum(
     x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    EVEN_K: tl.constexpr, block, split, w0=None,
+    EVEN_K: tl.constexpr, block, split,
 ):  # fmt: skip
     # The partial of column block ``block`` over split ``split``'s K_SPLIT inputs into ws[split]
     # (a kernel's grid: (block, split)); returns (last, total): whether it drew its column block's
-    # last ticket, and then the partials summed in split order. w0: as ``gemv_tile``'s, of this
-    # split (``first_weights`` over ``split_range``).
+    # last ticket, and then the partials summed in split order.
     k_lo, k_hi = split_range(K, K_SPLIT, split)
-    acc = gemv_tile(x, w, n, M, N, k_lo, k_hi, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K, w0)
+    acc = gemv_tile(x, w, n, M, N, k_lo, k_hi, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
     m = tl.arange(0, M_P)
     mask = (m < M)[:, None] & (n < N)[None, :]
     part = ws + m[:, None] * N + n[None, :]  # [M_P, BN] in one split's [M, N]

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.layers.gemv_tiles import first_weights, gemv_tile, split_k_sum, split_range
+from ft.layers.gemv_tiles import gemv_tile, split_k_sum
 from ft.layers.pdl import pdl_args, wait_for_previous
 
 GEMV_MAX_TOKENS = 4  # M = 5 .. 16 not timed yet
@@ -54,15 +54,6 @@ WIDE_N = 4096  # output columns from which a projection takes WIDE
 # NVFP4 experts 287.3 tok/s without, 285.9 with out_proj split). The fused router always splits.
 # FT_GEMV_SPLIT_K=1 turns it on for a process and the ranks it spawns.
 SPLIT_K = os.environ.get("FT_GEMV_SPLIT_K", "0") != "0"
-# Each program loads its first BLOCK_K step of weights before its PDL wait (``gemv_tiles.first_weights``),
-# in the dense GEMVs, the conv-in-proj kernel and the fused router (whose programs' whole tile is
-# that one step: 16 rows x 256 inputs of the 513 x 2048 router, 264 programs): the kernels before
-# them are short norms, during which an early-launched program's loads are otherwise idle. Same
-# sums, same bits. Unlike the L2 prefetch removed on 2026-12-01 (up to a budget of MB a launch,
-# slower as the budget grew), one step a program, into registers (the first wave of programs). OFF
-# until timed (tests/gpu/decode_variants.py ...:EARLY_WEIGHTS); FT_GEMV_EARLY_WEIGHTS=1 turns it on
-# for a process and the ranks it spawns.
-EARLY_WEIGHTS = os.environ.get("FT_GEMV_EARLY_WEIGHTS", "0") == "1"
 PROGRAMS_PER_SM = 2  # split until a projection has about this many programs per SM
 MAX_SPLITS = 8
 MIN_SPLIT_K = 256  # inputs one split reads at the least
@@ -89,15 +80,12 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 def _gemv_kernel(
     x, w, out, M, N, K, s_xm, s_wn, s_om,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w0 = None
-    if EARLY:  # the first step's weights before the wait (``EARLY_WEIGHTS``)
-        w0 = first_weights(w, n, N, 0, K, s_wn, BLOCK_K, EVEN_K)
     wait_for_previous(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_P)
-    acc = gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K, w0)
+    acc = gemv_tile(x, w, n, M, N, 0, K, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
     o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]
     tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
 
@@ -106,15 +94,12 @@ def _gemv_kernel(
 def _gemv_split_k_kernel(
     x, w, out, ws, counters, M, N, K, K_SPLIT, s_xm, s_wn, s_om,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w0 = None
-    if EARLY:  # the first step's weights before the wait (``EARLY_WEIGHTS``)
-        w0 = first_weights(w, n, N, *split_range(K, K_SPLIT, tl.program_id(1)), s_wn, BLOCK_K, EVEN_K)
     wait_for_previous(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     last, total = split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P, BLOCK_N,
-                              BLOCK_K, SPLITS, EVEN_K, tl.program_id(0), tl.program_id(1), w0)  # fmt: skip
+                              BLOCK_K, SPLITS, EVEN_K, tl.program_id(0), tl.program_id(1))  # fmt: skip
     if last:
         m = tl.arange(0, M_P)
         o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]
@@ -180,12 +165,6 @@ def tickets(device: torch.device) -> torch.Tensor:
     return _TICKETS[device]
 
 
-def early_weights(w: torch.Tensor) -> bool:
-    """Whether a launch on weight ``w`` loads its first step before the PDL wait (``EARLY_WEIGHTS``):
-    not a weight that ``check_operands`` copies (the copy is written by the kernel just before)."""
-    return EARLY_WEIGHTS and w.stride(-1) == 1
-
-
 def check_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M <= MAX_M, K] and w [N, K] of one bf16/fp16 dtype, with unit inner strides."""
     m, k = x.shape
@@ -200,12 +179,11 @@ def check_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, splits: int = 0) -> torch.Tensor:
     """x [M, K], w [N, K] -> [M, N] in x's dtype, over ``splits`` K splits (0: ``splits_for``);
     checks and launches without the device check (the Triton interpreter runs it on CPU tensors)."""
-    early = early_weights(w)
     x, w = check_operands(x, w)
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     p = plan(n, k, splits or splits_for(n, k, x.device))
-    common = dict(M_P=MAX_M, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_K=p.even_k, EARLY=early,
+    common = dict(M_P=MAX_M, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_K=p.even_k,
                   num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x))  # fmt: skip
     if p.splits == 1:
         _gemv_kernel[(p.blocks,)](

@@ -261,12 +261,8 @@ def entries():
     for bn, bk, warps, stages in (triton_gemv.NARROW, triton_gemv.WIDE):  # the shipped tiles
         consts = {"M_P": 16, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "USE_PDL": 2}
         yield f"dense GEMV {bn} x {bk}", triton_gemv._gemv_kernel, gemv, consts, warps, stages
-        early = {**consts, "EARLY": True}  # ``triton_gemv.EARLY_WEIGHTS``
-        yield f"dense GEMV {bn} x {bk}, early weights", triton_gemv._gemv_kernel, gemv, early, warps, stages
     split = {"M_P": 16, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True, "USE_PDL": 2}
     yield "dense GEMV split over K", triton_gemv._gemv_split_k_kernel, gemv, split, 4, 4
-    yield "dense GEMV split over K, early weights", triton_gemv._gemv_split_k_kernel, gemv, {
-        **split, "EARLY": True}, 4, 4  # fmt: skip
     conv = {
         "x": BF,
         "w": BF,
@@ -278,27 +274,28 @@ def entries():
     }
     bn, bk, warps, stages = triton_gemv.WIDE
     consts = {"M_P": 16, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "KC": 4, "KP": 4, "USE_PDL": 2}
-    for early in (False, True):
-        label = "GDN in_proj + decode conv, 1 tokens" + (", early weights" if early else "")
-        yield label, triton_conv_proj._proj_conv_kernel, conv, {**consts, "EARLY": early}, warps, stages
+    yield (
+        "GDN in_proj + decode conv, 1 tokens",
+        triton_conv_proj._proj_conv_kernel,
+        conv,
+        consts,
+        warps,
+        stages,
+    )
     for keys32 in (False, True):  # int64 keys, int32 (``triton_router.KEYS32``)
         yield f"softmax top-k, int32 keys {keys32}", triton_router._softmax_topk_kernel, {
             "logits": BF, "weights": F32, "ids": I64}, {"K": 10, "K_P": 16, "E_P": 512, "RENORMALIZE": True,
             "KEYS32": keys32, "USE_PDL": 2}, 1, 3  # fmt: skip
         router = {"x": BF, "w": BF, "logits": BF, "weights": F32, "ids": I64, "ws": F32, "counters": I32,
                   "xq": "*i16", "xf": F32}  # fmt: skip
-        # blocks: x's int16 blocks too; early: ``triton_gemv.EARLY_WEIGHTS``
-        for t_p, blocks, early in ((1, False, False), (4, False, False), (1, True, False), (2, True, False),
-                                   (1, True, True)):  # fmt: skip
-            label = (
-                f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}"
-                + (", int16 blocks" if blocks else "")
-                + (", early weights" if early else "")
+        for t_p, blocks in ((1, False), (4, False), (1, True), (2, True)):  # blocks: x's int16 blocks too
+            label = f"router GEMV + top-k, {t_p} tokens, int32 keys {keys32}" + (
+                ", int16 blocks" if blocks else ""
             )
             yield label, triton_router_gemv._router_topk_kernel, \
                 router, {"M_P": 16, "T_P": t_p, "BLOCK_N": 16, "BLOCK_K": 256, "SPLITS": 8, "EVEN_K": True,
                          "TOP_K": 10, "TOP_K_P": 16, "E_P": 512, "RENORMALIZE": True, "KEYS32": keys32,
-                         "USE_PDL": 2, "BLOCKS": blocks, "EARLY": early}, 4, 4  # fmt: skip
+                         "USE_PDL": 2, "BLOCKS": blocks}, 4, 4  # fmt: skip
 
 
 def main() -> None:

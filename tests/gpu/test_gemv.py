@@ -119,30 +119,3 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph(n, k, monkeypatch)
     x.copy_(x2)
     graph.replay()
     assert torch.equal(out, triton_gemv.gemv(x2, w))
-
-
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("n,k", [(12352, 2048), (2048, 4096), (513, 2048), (70, 300)])
-def test_early_weights_give_the_same_bits(n, k, split, monkeypatch):
-    """``EARLY_WEIGHTS`` (each program's first step of weights loaded before its PDL wait) gives
-    the unsplit and split GEMVs' bits, eagerly and replayed in a CUDA graph after new inputs, with
-    the fused router and the conv-in-proj kernel checked under the interpreter
-    (tests/test_decode_switches_interp.py)."""
-    pytest.importorskip("triton")
-    from ft.layers import triton_gemv
-
-    monkeypatch.setattr(triton_gemv, "SPLIT_K", split)
-    x, w = operands(2, n, k, seed=5)
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(triton_gemv, "EARLY_WEIGHTS", on)
-        outs.append(triton_gemv.gemv(x, w))
-    assert torch.equal(*outs)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = triton_gemv.gemv(x, w)
-    x2, _ = operands(2, n, k, seed=6)
-    x.copy_(x2)
-    graph.replay()
-    monkeypatch.setattr(triton_gemv, "EARLY_WEIGHTS", False)
-    assert torch.equal(out, triton_gemv.gemv(x2, w))

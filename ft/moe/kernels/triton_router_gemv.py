@@ -47,21 +47,17 @@ def _router_topk_kernel(
     M_P: tl.constexpr, T_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
     E_P: tl.constexpr, RENORMALIZE: tl.constexpr, KEYS32: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    BLOCKS: tl.constexpr = False, EARLY: tl.constexpr = False,
+    BLOCKS: tl.constexpr = False,
 ):  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w0 = None
-    if EARLY:  # the first (here: often the only) step's weights before the wait
-        k_range = gemv_tiles.split_range(K, K_SPLIT, tl.program_id(1))
-        w0 = gemv_tiles.first_weights(w, n, N, *k_range, s_wn, BLOCK_K, EVEN_K)
     wait_for_previous(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     block, split, blocks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     # this column block's partial over its split; the column block's last program its logits; the
     # launch's last of those the top-k of every row (counters: a column block's tickets, then the
     # launch's). With BLOCKS column block 0 of each split also quantises the inputs it read (after
     # its ticket: ordered before their reader by the launch's end)
     last, total = gemv_tiles.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
-                                         BLOCK_N, BLOCK_K, SPLITS, EVEN_K, block, split, w0)  # fmt: skip
+                                         BLOCK_N, BLOCK_K, SPLITS, EVEN_K, block, split)  # fmt: skip
     if BLOCKS:  # noqa: SIM102 (static: compiled only with blocks) the first column block of each split
         # quantises the inputs it read, x's int16 blocks for the MoE GEMV
         if block == 0:
@@ -145,7 +141,6 @@ def launch_router_topk(
     (0: ``triton_gemv.balanced_splits``). ``blocks``: buffers (``int_dot.empty_blocks``)
     the launch also fills with x's int16 blocks (``int_dot.quantize_range``), for the MoE
     GEMV's integer products. Without the device check (the interpreter runs it)."""
-    early = triton_gemv.early_weights(w)
     x, w, p, (logits, weights, ids, ws) = operands(x, w, top_k, shared_gate, splits)
     (t, h), n = x.shape, w.shape[0]
     e = n - shared_gate
@@ -156,7 +151,7 @@ def launch_router_topk(
         M_P=triton_gemv.MAX_M, T_P=triton.next_power_of_2(t),
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLITS=p.splits, EVEN_K=p.even_k, TOP_K=top_k,
         TOP_K_P=triton.next_power_of_2(top_k), E_P=triton.next_power_of_2(e), RENORMALIZE=renormalize,
-        KEYS32=triton_router.keys32(logits.dtype), EARLY=early,
+        KEYS32=triton_router.keys32(logits.dtype),
         num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args(x),
     )  # fmt: skip
     return weights, ids, logits[:, e:] if shared_gate else None
