@@ -88,10 +88,6 @@ class ModelRunner:
             init_dummy_weights(self.model, cfg.seed, cfg.dummy_routing_skew, self.device)
         else:
             load_weights(self.model, cfg.model, progress=cfg.progress and tp.is_first)
-        if self.device.type == "cuda":  # each pre-norm's L2 prefetch target, asked for while its MB > 0
-            from ft.layers import l2_prefetch
-
-            l2_prefetch.plan(getattr(self.model.model, "layers", ()))
         self.attention = get_attention_backend(cfg.attention_backend, self.device.type)
         self.gdn = get_gdn_backend(cfg.gdn_backend, self.device.type)
         self.sampler = Sampler(self.device, cfg.seed)

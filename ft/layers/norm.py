@@ -36,8 +36,7 @@ class RMSNorm(nn.Module):
         """``norm(x)``; given the residual stream, the pre-norm step ``h = x + residual`` first:
         returns ``(norm(h), h)`` with h rounded to the activations' dtype before it is normed."""
         if x.is_cuda and fused_rms_norm is not None:
-            prefetch = getattr(self, "l2_prefetch", None)  # set by ``ft.layers.l2_prefetch.plan``
-            return fused_rms_norm(x, self.weight, self.eps, self.zero_centered, residual, prefetch)
+            return fused_rms_norm(x, self.weight, self.eps, self.zero_centered, residual)
         if residual is None:
             return self._norm(x)
         h = x + residual

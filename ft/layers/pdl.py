@@ -40,7 +40,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def hopper(t: torch.Tensor) -> bool:
-    """Whether ``t`` is on a GPU of sm_90 or later (PDL here; ``ft.layers.l2_prefetch``'s bulk prefetch)."""
+    """Whether ``t`` is on a GPU of sm_90 or later (PDL here)."""
     return t.is_cuda and _capability(t.device.index or 0) >= (9, 0)
 
 

@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.layers import l2_prefetch
-from ft.layers.l2_prefetch import prefetch_l2
 from ft.layers.pdl import pdl_args, wait_for_previous
 
 
@@ -37,18 +35,11 @@ def _rms_norm_kernel(
     s_r,
     s_o,
     s_ro,
-    pf,
-    pf_bytes,
     ZERO_CENTERED: tl.constexpr,
     HAS_RES: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
-    PF_CHUNKS: tl.constexpr = 0,
-    PF_LAST: tl.constexpr = False,
 ):
-    if PF_CHUNKS > 0:  # noqa: SIM102 (static) a weight read later: it depends on no kernel, so before the wait
-        if tl.program_id(0) == 0:
-            prefetch_l2(pf, pf_bytes, PF_CHUNKS, PF_LAST)
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -72,10 +63,8 @@ def rms_norm(
     eps: float,
     zero_centered: bool = False,
     residual: torch.Tensor | None = None,
-    prefetch: l2_prefetch.Target | None = None,
 ):
-    """x [..., D], weight [D] -> out [..., D]; with residual [..., D] -> (out, x + residual).
-    ``prefetch``: a weight to prefetch into L2 for later (``ft.layers.l2_prefetch``)."""
+    """x [..., D], weight [D] -> out [..., D]; with residual [..., D] -> (out, x + residual)."""
     d = x.shape[-1]
     assert x.is_cuda and weight.shape == (d,), f"weight {tuple(weight.shape)} does not fit x [..., {d}]"
     assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), (
@@ -88,7 +77,6 @@ def rms_norm(
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = out if residual is None else torch.empty_like(out)
     block = triton.next_power_of_2(d)
-    num_warps = min(16, max(1, block // 256))
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
             x2,
@@ -105,9 +93,8 @@ def rms_norm(
             ZERO_CENTERED=zero_centered,
             HAS_RES=residual is not None,
             BLOCK_D=block,
-            num_warps=num_warps,
+            num_warps=min(16, max(1, block // 256)),
             **pdl_args(x2),
-            **l2_prefetch.kernel_args(prefetch, x2.shape[0], 32 * num_warps),
         )
     if residual is None:
         return out.view(x.shape)

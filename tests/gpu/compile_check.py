@@ -101,10 +101,6 @@ def entries():
             tag = f"{name}, loop stages {stages}{', host rows' if host else ''}"
             yield f"MoE GEMV gate/up {tag}", moe_gemv_kernels._gate_up_kernel, ptrs, {
                 **common, "LOOP_STAGES": stages, "HOST": host, "PLANES": False}, warps, 4  # fmt: skip
-            if not is4 and not host and stages == 4:  # the 2 MB of an expert's bf16 down rows prefetched
-                pf = {**common, "LOOP_STAGES": 4, "PF_B_CHUNKS": 128}
-                label = f"MoE GEMV gate/up {tag}, down rows prefetched"
-                yield label, moe_gemv_kernels._gate_up_kernel, {**ptrs, "pf_b": U8}, pf, warps, 4
             pair = {**common, "LOOP_STAGES": stages, "HOST": host}
             ptrs_pair = {**ptrs, "ws": F32, "counters": I32}
             yield (
@@ -133,11 +129,6 @@ def entries():
                                   "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
                         label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
                         yield label, moe_gemv_kernels._gate_up_kernel, int_ptrs, consts, iw, st
-                    if not host and even:  # its experts' down rows prefetched (PREFETCH_DOWN)
-                        pf = {**consts, "LOOP_STAGES": i_s, "PF_B_CHUNKS": 128, "PF_S_CHUNKS": 128}
-                        label = f"MoE GEMV gate/up {tag}, {words}, integer products, down rows prefetched"
-                        pf_ptrs = {**int_ptrs, "pf_b": U8, "pf_s": U8}
-                        yield label, moe_gemv_kernels._gate_up_kernel, pf_ptrs, pf, iw, i_s
                     for st in (ds, *extra):  # the down kernel on words
                         dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
                               "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
@@ -219,11 +210,6 @@ def entries():
     norm = {"x": BF, "r": BF, "w": BF, "out": BF, "res_out": BF}
     yield "residual add + RMSNorm", triton_norm._rms_norm_kernel, norm, {
         "ZERO_CENTERED": True, "HAS_RES": True, "BLOCK_D": 2048, "USE_PDL": 2}, 8, 3  # fmt: skip
-    for mb in (1, 16):  # asking L2 for a weight (ft.layers.l2_prefetch): 64 KB chunks, one a thread at least
-        pf = {"ZERO_CENTERED": True, "HAS_RES": True, "BLOCK_D": 2048, "USE_PDL": 2,
-              "PF_CHUNKS": max(256, 16 * mb), "PF_LAST": mb == 16}  # fmt: skip
-        label = f"residual add + RMSNorm, {mb} MB prefetched"
-        yield label, triton_norm._rms_norm_kernel, {**norm, "pf": U8}, pf, 8, 3
     yield "gated RMSNorm", triton_norm._gated_rms_norm_kernel, {"x": BF, "z": BF, "w": BF, "out": BF}, {
         "ROUND_MID": True, "ROWS": 4, "BLOCK_D": 128, "USE_PDL": 2}, 4, 3  # fmt: skip
     kv = {"k": BF, "v": BF, "k_cache": BF, "v_cache": BF, "slots": I64}

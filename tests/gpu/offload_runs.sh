@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid|splits|l2|gdnstep
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid|splits|gdnstep
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -71,12 +71,6 @@
 #            decoding after a 1,024- and a 131,072-token prompt at 128 (the defaults' row), 32, 64
 #            and 256, from one load (decode_variants.py --prompt; ~5-6 min, its own call: 90 + 480 s
 #            of timeouts). Not yet run
-#   l2       weights prefetched into L2 ahead of the projection that reads them (ft.layers.l2_prefetch,
-#            off): the probe (l2_prefetch_timings.py: a GEMV and the MoE GEMV after a latency-bound
-#            stretch, cold against prefetched, ~1 min), its GPU tests, then the 80B with NVFP4 experts
-#            resident: the next layer's input projection at MB 8, 32, 16, this layer's output one at
-#            OUT_MB 16, gate/up prefetching the down rows (triton_moe_gemv.PREFETCH_DOWN), the gdnstep
-#            row too, evict-last lines alone (decode_variants.py; ~6 min). Not yet run
 #   gdnstep  the GDN decode step's recurrence and gated norm in one launch after the conv in in_proj
 #            (triton_decode_layer.FUSED_DECODE with CONV_IN_PROJ on): its GPU tests, then the 80B with
 #            NVFP4 experts resident, defaults against it (decode_variants.py; ~3 min). Not yet run
@@ -240,21 +234,6 @@ splits)
   timeout 480 python3 tests/gpu/decode_variants.py "$next" "$out/splits_decode.log" --nvfp4 --prompt=1024,131072 \
     "$splits=32" "$splits=64" "$splits=256" >"$out/splits_decode.out" 2>&1
   grep -E "tok/s" "$out/splits_decode.log" | cut -c1-200
-  ;;
-l2)
-  timeout 120 python3 tests/gpu/l2_prefetch_timings.py >"$out/l2_probe.log" 2>&1
-  grep -E "^\|" "$out/l2_probe.log"
-  timeout 120 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_kernels.py tests/gpu/test_moe_gemv.py \
-    tests/gpu/test_gdn_decode.py -k "prefetch or decode_layer or mixer" >"$out/l2_test.log" 2>&1
-  tail -n 2 "$out/l2_test.log"
-  l2=ft.layers.l2_prefetch
-  # EVICT_LAST alone prefetches nothing (a control row); the GDN step after the conv in in_proj
-  # (gdnstep) rides along, one load for both; "all of them": MB=16, OUT_MB=16, PREFETCH_DOWN,
-  # FUSED_DECODE, EVICT_LAST
-  timeout 340 python3 tests/gpu/decode_variants.py "$next" "$out/l2_decode.log" --nvfp4 "$l2:MB=8" "$l2:MB=32" \
-    "$l2:OUT_MB=16" ft.moe.kernels.triton_moe_gemv:PREFETCH_DOWN ft.gdn.triton_decode_layer:FUSED_DECODE \
-    "$l2:EVICT_LAST" "$l2:MB=16" >"$out/l2_decode.out" 2>&1
-  grep -E "tok/s" "$out/l2_decode.log" | cut -c1-200
   ;;
 gdnstep)
   timeout 120 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_gdn_decode.py -k "decode_layer or mixer" \

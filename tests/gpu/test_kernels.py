@@ -373,27 +373,3 @@ def test_rms_norm(shape, zero_centered):
         out, h = rms_norm(x, w, 1e-6, zero_centered, residual=r)
         assert torch.equal(h, x + r)
         torch.testing.assert_close(out, norm(x + r), atol=2e-2, rtol=1e-2)
-
-
-@gpu
-@pytest.mark.parametrize("evict_last", [False, True])
-def test_rms_norm_prefetching_a_weight_changes_nothing(monkeypatch, evict_last):
-    """A norm that prefetches a weight into L2 (``ft.layers.l2_prefetch``) returns the same bits,
-    for a weight larger than what it prefetches and for one smaller (a clipped last chunk)."""
-    pytest.importorskip("triton")
-    from ft.layers import l2_prefetch
-    from ft.layers.triton_norm import rms_norm
-
-    x = torch.randn(2, 2048, device="cuda").to(torch.bfloat16)
-    r = torch.randn(2, 2048, device="cuda").to(torch.bfloat16)
-    w = torch.randn(2048, device="cuda").to(torch.bfloat16) * 0.1
-    want = rms_norm(x, w, 1e-6, True, residual=r)
-    monkeypatch.setattr(l2_prefetch, "MB", 1)
-    monkeypatch.setattr(l2_prefetch, "EVICT_LAST", evict_last)
-    for rows, cols in ((2048, 1024), (100, 8)):  # 4 MB (1 of them asked for), 1,600 bytes (one short chunk)
-        view = torch.randn(rows, cols, device="cuda").to(torch.bfloat16).view(-1).view(torch.uint8)
-        target = l2_prefetch.Target(view, next_layer=True)
-        assert l2_prefetch.kernel_args(target, 2, 256)["PF_CHUNKS"] == 256  # it does prefetch
-        got = rms_norm(x, w, 1e-6, True, residual=r, prefetch=target)
-        torch.cuda.synchronize()
-        assert all(torch.equal(g, e) for g, e in zip(got, want))

@@ -268,33 +268,6 @@ def test_pipelined_loops_give_the_same_bits(fmt, t, inter, monkeypatch):
         assert torch.equal(outs[0], outs[1]), pair is not None
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("t, inter", [(1, 512), (4, 512), (2, 768)])
-def test_prefetched_down_rows_give_the_same_bits(fmt, t, inter, monkeypatch):
-    """``triton_moe_gemv.PREFETCH_DOWN`` (gate/up asks L2 for its experts' down rows) changes no bit,
-    with the shared expert as a pair and without (its rows are not prefetched), eagerly and replayed
-    in a CUDA graph, and leaves the ticket counters at zero."""
-    from ft.layers import triton_gemv
-    from ft.moe.kernels import triton_moe_gemv as mod
-    from ft.moe.kernels.moe_gemv_operands import bank, down_prefetch
-
-    x, w13, w2, weights, ids = problem(fmt, t, 512, inter, 2048, 10, seed=t + 7)
-    shared = shared_pair(t, inter, seed=6)
-    assert down_prefetch(*bank(w2)[:2], fmt == "nvfp4", 128)["PF_B_CHUNKS"] > 0  # it does prefetch
-    for pair in (None, shared):
-        monkeypatch.setattr(mod, "PREFETCH_DOWN", False)
-        want = mod.fused_moe_gemv(x, w13, w2, weights, ids, pair)
-        monkeypatch.setattr(mod, "PREFETCH_DOWN", True)
-        assert torch.equal(mod.fused_moe_gemv(x, w13, w2, weights, ids, pair), want), pair is not None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = mod.fused_moe_gemv(x, w13, w2, weights, ids, pair)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want), pair is not None
-        assert not triton_gemv.tickets(x.device).any(), "a ticket counter was left non-zero"
-
-
 @pytest.mark.parametrize(
     "fmt,host_stages,host_tiles",
     [("bf16", None, False), ("bf16", None, True), ("nvfp4", None, False), ("nvfp4", (3, 2), False)],

@@ -15,7 +15,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ft.layers.l2_prefetch import prefetch_l2
 from ft.layers.pdl import wait_for_previous
 from ft.moe.kernels import int_dot
 from ft.moe.kernels.fp4_decode import decode_f32
@@ -96,35 +95,15 @@ def _plain_gate_up(x_row, rows, stride, n, N, nmask, K, LOOP_STAGES: tl.constexp
 
 
 @triton.jit
-def _prefetch_down(topk_ids, s_it, s_ik, pf_b, pf_s, s_pfb, s_pfs, pf_bytes_b, pf_bytes_s, TOPK: tl.constexpr,
-                   SHARED: tl.constexpr, B_CHUNKS: tl.constexpr, S_CHUNKS: tl.constexpr):  # fmt: skip
-    # the first program of a routed pair's row blocks asks L2 for its expert's down rows (codes or
-    # weights, and scales: pf_* are uint8 views, s_pf* an expert's stride in bytes), which the down
-    # launch after this one reads; an id < 0 (host rows) is left alone
-    p = tl.program_id(0)
-    slot = p % (TOPK + SHARED)
-    if (tl.program_id(1) == 0) & (slot < TOPK):
-        e = tl.load(topk_ids + (p // (TOPK + SHARED)) * s_it + slot * s_ik).to(tl.int64)
-        if e >= 0:
-            prefetch_l2(pf_b + e * s_pfb, pf_bytes_b, B_CHUNKS, False)
-            if S_CHUNKS > 0:
-                prefetch_l2(pf_s + e * s_pfs, pf_bytes_s, S_CHUNKS, False)
-
-
-@triton.jit
 def _gate_up_kernel(
     x, xq, xf, b, b_scale, b_global, host_b, host_scale, host_global, shared_b, act, topk_ids, N, K,
     s_xt, s_qt, s_ft, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
-    INT_DOT: tl.constexpr = False, ASM: tl.constexpr = True, pf_b=None, pf_s=None, s_pfb=0, s_pfs=0,
-    pf_bytes_b=0, pf_bytes_s=0, PF_B_CHUNKS: tl.constexpr = 0, PF_S_CHUNKS: tl.constexpr = 0,
+    INT_DOT: tl.constexpr = False, ASM: tl.constexpr = True,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
-    if PF_B_CHUNKS > 0:  # static: only with ``triton_moe_gemv.PREFETCH_DOWN``
-        _prefetch_down(topk_ids, s_it, s_ik, pf_b, pf_s, s_pfb, s_pfs, pf_bytes_b, pf_bytes_s, TOPK, SHARED,
-                       PF_B_CHUNKS, PF_S_CHUNKS)  # fmt: skip
     gate_up_tile(
         tl.program_id(0), tl.program_id(1), x, xq, xf, b, b_scale, b_global, host_b, host_scale, host_global,
         shared_b, act, topk_ids, N, K, s_xt, s_qt, s_ft, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik,

@@ -1,8 +1,7 @@
 """The MoE GEMV's operands as its kernels take them, for ``triton_moe_gemv``'s launcher: a bank's
 (codes or weights, scale bytes, globals) and their strides (``bank``, ``strides``), the offload
 backend's host store beside its slots, checked to share their layout (``host_operands``), whether
-NVFP4 codes can be read as words (``word_aligned``) and the gate/up launch's arguments that
-prefetch its experts' down rows (``down_prefetch``). Not here: the operand checks, tiles and
+NVFP4 codes can be read as words (``word_aligned``). Not here: the operand checks, tiles and
 launches (``triton_moe_gemv``), the kernels (``moe_gemv_kernels``).
 """
 
@@ -10,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ft.layers import l2_prefetch
-from ft.moe.kernels.triton_w4a16 import INTERPRETER
 from ft.quant.nvfp4 import NVFP4Tensor
 
 
@@ -36,22 +33,6 @@ def named_strides(b, scale, glob) -> dict:
     return dict(
         s_be=b.stride(0), s_bn=b.stride(1), s_se=scale.stride(0), s_sn=scale.stride(1), s_ge=glob.stride(0)
     )
-
-
-def down_prefetch(b2: torch.Tensor, s2: torch.Tensor, fp4: bool, threads: int) -> dict:
-    """The gate/up launch's arguments that prefetch its experts' down rows
-    (``triton_moe_gemv.PREFETCH_DOWN``), from programs of ``threads`` threads (none under the
-    interpreter)."""
-    if INTERPRETER:
-        return {}
-    codes = l2_prefetch.rows_args(b2, threads)
-    scales = l2_prefetch.rows_args(s2, threads) if fp4 else None
-    if codes is None or (fp4 and scales is None):
-        return {}
-    args = dict(zip(("pf_b", "s_pfb", "pf_bytes_b", "PF_B_CHUNKS"), codes))
-    if scales is not None:
-        args |= dict(zip(("pf_s", "s_pfs", "pf_bytes_s", "PF_S_CHUNKS"), scales))
-    return args
 
 
 def host_operands(w, host) -> tuple:

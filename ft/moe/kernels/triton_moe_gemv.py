@@ -37,7 +37,7 @@ from ft.moe.kernels import int_dot
 from ft.moe.kernels.fp4_decode import UNFOLD
 from ft.moe.kernels.moe_gemv_down import _down_pair_kernel
 from ft.moe.kernels.moe_gemv_kernels import _gate_up_kernel
-from ft.moe.kernels.moe_gemv_operands import bank, down_prefetch, host_operands, named_strides, word_aligned
+from ft.moe.kernels.moe_gemv_operands import bank, host_operands, named_strides, word_aligned
 from ft.moe.kernels.triton_moe import check_operands as check_bf16_operands
 from ft.moe.kernels.triton_w4a16 import INTERPRETER
 from ft.moe.kernels.w4a16_operands import check_operands
@@ -177,12 +177,6 @@ NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "1
 # run_gpu_tests.sh kernels gave 558 passed and the offload NVFP4 tests 19 passed (2026-12-02 05:10).
 FP4_INT_DOT = os.environ.get("FT_MOE_GEMV_FP4_INT_DOT", "1") != "0"
 NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
-# The gate/up launch asks L2 for its experts' down rows (``ft.layers.l2_prefetch``), so the down
-# launch after it, bound by the latency of its loads (~9 us for ~8 MB a layer of the 80B, 2026-12-05
-# census), finds them there. Results unchanged. OFF until timed (tests/gpu/l2_prefetch_timings.py's
-# MoE rows, then decode_variants.py ...:PREFETCH_DOWN); FT_MOE_GEMV_PREFETCH_DOWN=1 turns it on.
-# Resident rows only: not with host reads or separate down ids.
-PREFETCH_DOWN = os.environ.get("FT_MOE_GEMV_PREFETCH_DOWN", "0") == "1"
 
 
 def launch_moe_gemv(
@@ -259,7 +253,6 @@ def launch_moe_gemv(
     flags = dict(TOPK=topk, SHARED=int(shared is not None), FP4=fp4, HOST=host is not None)
     # unread without the integer products
     xq, xf = (blocks or int_dot.quantize_blocks(x)) if int_products else (x, x)
-    prefetch_down = PREFETCH_DOWN and host is None and down is None  # resident rows, gate/up's ids
     gate_up = dict(
         x=x, xq=xq, xf=xf, b=b13, b_scale=s13, b_global=g13, host_b=h13[0], host_scale=h13[1],
         host_global=h13[2], shared_b=sb13, act=act, topk_ids=ids, N=inter, K=h, s_xt=x.stride(0),
@@ -292,7 +285,6 @@ def launch_moe_gemv(
                       SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0)  # fmt: skip
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         **gate_up, **flags, **up_tiles, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER, **up_launch,
-        **(down_prefetch(b2, s2, fp4, 32 * num_warps) if prefetch_down else {}),
     )  # fmt: skip
     if before_down is not None:
         before_down()
