@@ -18,7 +18,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.layers.pdl", "EARLY", "FT_PDL"),
     ("ft.moe.kernels.triton_moe_gemv", "SHARED_AS_PAIR", "FT_SHARED_AS_PAIR"),
     ("ft.gdn.triton_conv", "DECODE_ONE_LAUNCH", "FT_CONV_DECODE_ONE_LAUNCH"),
-    ("ft.gdn.triton_decode_layer", "FUSED_DECODE", "FT_GDN_FUSED_DECODE"),
     ("ft.gdn.triton_conv_proj", "CONV_IN_PROJ", "FT_GDN_CONV_IN_PROJ"),
     ("ft.moe.kernels.triton_moe_gemv", "PIPELINE", "FT_MOE_GEMV_PIPELINE"),
     ("ft.moe.kernels.triton_moe_gemv", "FP4_PLANES", "FT_MOE_GEMV_FP4_PLANES"),

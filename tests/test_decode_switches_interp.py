@@ -143,31 +143,7 @@ def check_moe_gemv_fp4_planes() -> None:
                 require(err < 1e-2, f"{what}: relative error {err:.3g} against the torch reference")
 
 
-def check_gdn_decode_layer() -> None:
-    """``triton_decode_layer`` (a GDN decode step in one launch) gives the three kernels' bits:
-    fp16 and fp32, two and four value heads a key head, dk != dv, a dim that is not a power of 2,
-    a head over one program and over several (its output normalised by the last of them), the
-    programs in a random order (whose last draws each ticket)."""
-    from ft.gdn import triton_decode_layer
-    from tests.gpu.test_gdn_decode import check_decode_layer
-    from tests.test_moe_fusions_interp import programs_shuffled
-
-    cases = (
-        (2, 4, 16, 32, torch.float16, 32),
-        (2, 4, 16, 40, torch.float16, 16),
-        (1, 4, 32, 24, torch.float32, 8),
-    )
-    for seed, (hk, hv, dk, dv, dtype, bv) in enumerate(cases):
-        triton_decode_layer.BV = bv
-        for convolved in (False, True):  # from the conv input; from the conv's output (conv in in_proj)
-            with programs_shuffled(seed):
-                check_decode_layer(
-                    hk, hv, dk, dv, dtype, device="cpu", exact=True, seed=seed, convolved=convolved
-                )
-
-
 CHECKS = [
-    "check_gdn_decode_layer",
     "check_conv_decode_one_launch",
     "check_moe_gemv_down_order",
     "check_moe_gemv_fp4_planes",

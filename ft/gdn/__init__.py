@@ -8,11 +8,7 @@ A backend has
   ``ssm_state[slot]`` ([slots, Hv, dk, dv], fp32). Sequences with no context start from zeros;
 - optionally ``gated_delta_rule(mixed, b, a, A_log, dt_bias, ssm_state, batch) -> o``: the same
   from the conv output [T, 2·Hk·dk + Hv·dv] and the raw gate inputs b, a [T, Hv], so the backend
-  can fuse beta = sigmoid(b), g = -exp(A_log) · softplus(a + dt_bias) and the split into kernels;
-- optionally ``decode_step(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, ssm_state, norm,
-  batch, convolved=False) -> y or None``: the whole mixer between its projections (conv, delta rule,
-  gated norm ``norm(o, z)``) for a decode batch, or None where it does not take the batch; with
-  ``convolved`` qkv is the conv's output (in_proj's epilogue ran it) and the step starts after it.
+  can fuse beta = sigmoid(b), g = -exp(A_log) · softplus(a + dt_bias) and the split into kernels.
 
 "auto" picks flash-linear-attention (``fla``) on CUDA when it imports, the torch reference otherwise.
 """

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from ft.forward_context import ForwardBatch
-from ft.gdn import triton_decode_layer
 from ft.gdn.triton_conv import causal_conv1d_silu
 from ft.gdn.triton_decode import gdn_gates, gdn_recurrent
 from ft.utils import upload
@@ -61,21 +60,6 @@ class FlaGDN:
     def conv(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch):
         max_q = 1 if _is_decode(x.shape[0], batch) else max(batch.query_lens_cpu)
         return causal_conv1d_silu(x, weight, conv_state, batch, max_q)
-
-    def decode_step(
-        self, qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, ssm_state, norm, batch, convolved=False
-    ):
-        """y [B, Hv·dv] = norm(delta rule(conv(qkv)), z) for a decode batch in one launch
-        (``triton_decode_layer``, with ``FUSED_DECODE``), else None: the mixer's three steps.
-        ``convolved``: qkv is the conv's output already (in_proj's epilogue): the rest in one launch."""
-        if not (triton_decode_layer.FUSED_DECODE and _is_decode(qkv.shape[0], batch)):
-            return None
-        if not triton_decode_layer.fits(ssm_state) or qkv.stride(-1) != 1 or z.stride(-1) != 1:
-            return None
-        return triton_decode_layer.gdn_decode_layer(
-            qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, ssm_state, norm.weight, norm.eps, batch,
-            convolved,
-        )  # fmt: skip
 
     def gated_delta_rule(
         self,

@@ -115,12 +115,6 @@ class GatedDeltaNetMixer(nn.Module):
         convolved = self._conv_in_projection(x, ctx)
         qkv, z, b, a = self.project(x, convolved)
         snaps = ctx.batch.snapshots
-        step = getattr(ctx.gdn, "decode_step", None)  # (conv,) delta rule and norm in one (decode only)
-        if step is not None and snaps is None:
-            y = step(qkv, z, b, a, self.conv1d.weight[:, 0], self.conv_state, self.A_log, self.dt_bias,
-                     self.ssm_state, self.norm, ctx.batch, convolved=convolved)  # fmt: skip
-            if y is not None:
-                return self.out_proj(y)
         if snaps is not None:  # before the conv moves the slots' history past the points
             save_conv_snapshots(qkv, self.conv_state, ctx.batch, snaps)
         mixed = qkv if convolved else ctx.gdn.conv(qkv, self.conv1d.weight[:, 0], self.conv_state, ctx.batch)

@@ -30,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from ft.attention import triton_kernels  # noqa: E402
-from ft.gdn import triton_conv, triton_conv_proj, triton_decode, triton_decode_layer  # noqa: E402
+from ft.gdn import triton_conv, triton_conv_proj, triton_decode  # noqa: E402
 from ft.layers import triton_gemv, triton_norm, triton_rope  # noqa: E402
 from ft.moe.backends import host_stage  # noqa: E402
 from ft.moe.kernels import (  # noqa: E402
@@ -234,15 +234,6 @@ def entries():
            "context_lens": I32, "state_slots": I64, "o": BF}  # fmt: skip
     heads = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "VARLEN": False, "USE_PDL": 2}
     yield "GDN recurrent decode", triton_decode._recurrent_kernel, gdn, heads, 4, 3
-    step = {"qkv": BF, "z": BF, "b": BF, "a": BF, "conv_w": BF, "conv_state": BF, "A_log": F32,
-            "dt_bias": F32, "ssm_state": F32, "norm_w": BF, "context_lens": I32, "state_slots": I64,
-            "y": BF, "counters": I32}  # fmt: skip
-    dims = {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "KC": 4, "KP": 4, "BK": 128, "BV": 32, "DV_P": 128,
-            "ROUND_MID": True, "USE_PDL": 2}  # fmt: skip
-    yield "GDN decode step in one launch", triton_decode_layer._decode_layer_kernel, step, dims, 4, 3
-    convolved = {**dims, "KC": 1, "KP": 1, "CONV": False}  # after the conv in in_proj
-    label = "GDN decode step in one launch, conv in in_proj"
-    yield label, triton_decode_layer._decode_layer_kernel, step, convolved, 4, 3
     gemv = {"x": BF, "w": BF, "out": BF, "ws": F32, "counters": I32}
     for bn, bk, warps, stages in (triton_gemv.NARROW, triton_gemv.WIDE):  # the shipped tiles
         consts = {"M_P": 16, "BLOCK_N": bn, "BLOCK_K": bk, "EVEN_K": True, "USE_PDL": 2}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid|splits|gdnstep
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid|splits
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -71,9 +71,6 @@
 #            decoding after a 1,024- and a 131,072-token prompt at 128 (the defaults' row), 32, 64
 #            and 256, from one load (decode_variants.py --prompt; ~5-6 min, its own call: 90 + 480 s
 #            of timeouts). Not yet run
-#   gdnstep  the GDN decode step's recurrence and gated norm in one launch after the conv in in_proj
-#            (triton_decode_layer.FUSED_DECODE with CONV_IN_PROJ on): its GPU tests, then the 80B with
-#            NVFP4 experts resident, defaults against it (decode_variants.py; ~3 min). Not yet run
 #
 # Logs go to OUT_DIR; the last lines printed are the figures, for docs/benchmarks.md.
 set -uo pipefail
@@ -234,14 +231,6 @@ splits)
   timeout 480 python3 tests/gpu/decode_variants.py "$next" "$out/splits_decode.log" --nvfp4 --prompt=1024,131072 \
     "$splits=32" "$splits=64" "$splits=256" >"$out/splits_decode.out" 2>&1
   grep -E "tok/s" "$out/splits_decode.log" | cut -c1-200
-  ;;
-gdnstep)
-  timeout 120 python3 -m pytest -q -m gpu -p no:xdist tests/gpu/test_gdn_decode.py -k "decode_layer or mixer" \
-    >"$out/gdnstep_tests.log" 2>&1
-  tail -n 2 "$out/gdnstep_tests.log"
-  timeout 240 python3 tests/gpu/decode_variants.py "$next" "$out/gdnstep.log" --nvfp4 \
-    ft.gdn.triton_decode_layer:FUSED_DECODE >"$out/gdnstep.out" 2>&1
-  grep -E "tok/s" "$out/gdnstep.log" | cut -c1-200
   ;;
 *)
   echo "unknown stage $stage" >&2

@@ -91,7 +91,7 @@ def test_shared_expert_inside_the_gemv_stays_within_bf16_tolerance(ckpt, cpu_ref
 @pytest.mark.parametrize(
     "switch",
     ["ft.layers.triton_gemv:SPLIT_K", "ft.moe.kernels.triton_router_gemv:FUSED_ROUTER",
-     "ft.gdn.triton_decode_layer:FUSED_DECODE", "ft.gdn.triton_conv_proj:CONV_IN_PROJ"],
+     "ft.gdn.triton_conv_proj:CONV_IN_PROJ"],
 )  # fmt: skip
 def test_decode_switch_stays_within_bf16_tolerance(ckpt, cpu_ref, switch, monkeypatch):
     """Switches that change a decode kernel's rounding (sums in another order, launches fused): bf16
