@@ -174,3 +174,25 @@ def test_request_token_slices_equal_slices_of_all_tokens():
     for start in range(len(every) + 1):
         for stop in range(start, len(every) + 1):
             assert req.tokens(start, stop) == every[start:stop], (start, stop)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_recomputed_request_reports_the_cached_tokens_of_its_first_admission(hybrid):
+    """Preempted and recomputed, a request hits its own blocks, generated tokens included: that is
+    its own work again, not its prompt served by the cache. The tokens it reports cached (usage's
+    cached_tokens) stay those of its first admission, short of its prompt, and the engine's hit count
+    is their sum (a recompute once reported 32 of a 31-token prompt)."""
+    from tests import scheduler_sim as sim
+
+    sched, added, first = sim.make(Scheduler, 20, hybrid), [], {}
+    add = sched.add
+    sched.add = lambda req: (added.append(req), add(req))
+
+    def each_step(t, record, state):
+        for req in sched.running:
+            assert first.setdefault(req.request_id, req.num_cached_tokens) == req.num_cached_tokens
+
+    sim.run(sched, seed=0, each_step=each_step)
+    assert sched.num_preemptions > 20 and sum(r.num_cached_tokens > 0 for r in added) > 5
+    assert all(r.num_cached_tokens < r.prompt_len for r in added)
+    assert sched.prefix_hit_tokens == sum(r.num_cached_tokens for r in added)

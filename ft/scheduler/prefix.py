@@ -30,7 +30,7 @@ def take_hit(cache: RadixCache | None, req: Request, block_size: int, hybrid: bo
         return matched
     cache.acquire(nodes)
     req.cache_nodes, req.block_ids = list(nodes), [n.block for n in nodes]
-    req.num_computed_tokens = req.num_cached_tokens = len(nodes) * block_size
+    req.num_computed_tokens = len(nodes) * block_size
     req.restore_snapshot = nodes[-1].snapshot if hybrid else None
     return matched
 

@@ -30,7 +30,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV / state are in the cache
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
     block_ids: list[int] = field(default_factory=list)
     blocks_sent: int = 0  # how many of block_ids the ranks have been sent (``ScheduledSeq.new_blocks``)
     penalties_sent: bool = (

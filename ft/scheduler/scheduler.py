@@ -119,12 +119,14 @@ class Scheduler:
             if not self._grow(req, req.num_computed_tokens + n):
                 held = len(req.cache_nodes)
                 self._release(req)
-                req.num_computed_tokens = req.num_cached_tokens = 0
+                req.num_computed_tokens = 0
                 changes = self.cache.snapshot_changes if self.cache is not None else 0
                 self.refusal = Refusal(req, self.room, budget, matched, changes, held)
                 break
             self.refusal = None
-            self.prefix_hit_tokens += req.num_cached_tokens
+            if req.num_preemptions == 0:  # a recompute's hit is its own work again (its output too)
+                req.num_cached_tokens = req.num_computed_tokens
+                self.prefix_hit_tokens += req.num_cached_tokens
             self.waiting.popleft()
             req.state_slot = self.slots.allocate()
             req.status = Status.RUNNING
