@@ -128,3 +128,16 @@ def test_last_generated_token_needs_no_kv(ckpt):
         )
         with pytest.raises(ValueError, match="needs 17 tokens of KV cache"):
             llm.generate([prompt + [5]], params)
+
+
+def test_more_logprobs_than_the_vocabulary_are_refused(ckpt):
+    """A request asking more top log-probs than the vocabulary holds (96 tokens here) is refused
+    when it is added: the sampler's top n once failed the whole step, every request in it."""
+    good = SamplingParams(max_tokens=3, temperature=0.0, logprobs=96, prompt_logprobs=96)
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", progress=False, block_size=4) as llm:
+        for bad in (dict(logprobs=97), dict(prompt_logprobs=97)):
+            with pytest.raises(ValueError, match=f"{next(iter(bad))}=97 is more than the vocabulary's 96"):
+                llm.generate([PROMPTS[1], PROMPTS[0]], [good, SamplingParams(max_tokens=3, **bad)])
+            assert not llm.engine.has_unfinished_requests()
+        (out,) = llm.generate([PROMPTS[1]], good)
+        assert len(out.token_ids) == 3 and all(len(lp) == 96 for lp in out.logprobs)

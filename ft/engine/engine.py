@@ -129,6 +129,9 @@ class LLMEngine:
         biased = [t for t, _ in params.logit_bias if t >= vocab]
         if biased:
             raise ValueError(f"logit_bias token ids {biased[:5]} are outside the vocabulary [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):  # the sampler's top n would fail the whole step
+            if (n := getattr(params, name)) is not None and n > vocab:
+                raise ValueError(f"{name}={n} is more than the vocabulary's {vocab} tokens")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, [int(t) for t in prompt_token_ids], params)
         if params.prompt_logprobs is not None:
