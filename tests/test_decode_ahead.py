@@ -260,3 +260,18 @@ def test_decode_ahead_only_where_a_step_runs_without_the_host(
         assert engine.plan.moe.unattended_tokens == (host_reads.CPU_MAX_TOKENS if taken else 0)
         engine.shutdown()
     assert outs[True] == outs[False]
+
+
+def test_decode_ahead_switched_off_between_steps_issues_no_more(ckpt, cpu_run):
+    """``LLMEngine.decodes_ahead`` is public, for a benchmark to switch between steps: switched off
+    while a step ahead runs, the engine collects that one and issues no other (the steps ahead had
+    gone on to the request's end), with the same tokens."""
+    engine = make_engine(ckpt, True)
+    launches = counting(engine)
+    engine.add_request(PROMPTS[0], greedy(12), "a")
+    while launches[0] == 0:
+        engine.step()
+    engine.decodes_ahead, issued = False, launches[0]
+    out = run(engine, {})
+    assert out["a"][:2] == (cpu_run[0][:12], "length") and launches[0] == issued
+    engine.shutdown()

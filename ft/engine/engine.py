@@ -187,8 +187,10 @@ class LLMEngine:
             if not self.decodes_ahead:
                 return self._fold(seqs, self.executor.execute(seqs))
             launched = self.executor.launch(seqs)
-        # only a step that runs without the host mid-step (``MoeRuntime.runs_unattended``) gains
-        ahead = self.scheduler.schedule_ahead(seqs) if self.executor.runs_unattended(len(seqs)) else None
+        # only a step that runs without the host mid-step (``MoeRuntime.runs_unattended``) gains; none
+        # once ``decodes_ahead`` is switched off, though a step issued ahead before still runs
+        unattended = self.decodes_ahead and self.executor.runs_unattended(len(seqs))
+        ahead = self.scheduler.schedule_ahead(seqs) if unattended else None
         if ahead is not None:
             self._ahead = (ahead, self.executor.launch(ahead, ids_from=launched))
         outputs = self._fold(seqs, self.executor.collect(launched))
