@@ -136,12 +136,19 @@ QWEN4_EXP_REQUIRED = (
     "qsa_local_blocks", "qsa_index_heads", "qsa_index_head_dim",
 )  # fmt: skip
 QWEN4_EXP_OPTIONAL = dict(
-    shared_expert_intermediate_size=0, hc_mult=1, hc_sinkhorn_iters=1, hc_eps=1e-6, ple_heads=0,
+    shared_expert_intermediate_size=512, hc_mult=1, hc_sinkhorn_iters=1, hc_eps=1e-6, ple_heads=0,
     ple_head_dim=0, ple_pad_id=0,
+)  # fmt: skip
+# Fields the spec lists without a default take Qwen3-Next's (transformers' Qwen3NextConfig), as
+# the spec says where it is silent: a missing partial_rotary_factor rotates a quarter of each head.
+QWEN4_EXP_QWEN3_NEXT_DEFAULTS = dict(
+    num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, num_experts=512,
+    num_experts_per_tok=10, moe_intermediate_size=512,
 )  # fmt: skip
 
 
 def _qwen4_exp(raw: dict[str, Any]) -> ModelConfig:
+    raw = QWEN4_EXP_QWEN3_NEXT_DEFAULTS | raw
     for name in QWEN4_EXP_REQUIRED:
         if name not in raw:
             raise ValueError(f"config field {name}: required for qwen4_exp")
