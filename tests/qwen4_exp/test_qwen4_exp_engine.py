@@ -1,7 +1,7 @@
 """The engine on a tiny qwen4_exp (QSA genuinely sparse, PLE, hc_mult 2) against the float64 oracle
 of tests/reference: prompt log-probs, greedy decoding (incremental decode = full forward),
 chunked prefill = one-shot, QSA with a covering selection = dense attention, prefix-cache hit =
-miss."""
+miss, batched = alone."""
 
 from __future__ import annotations
 
@@ -68,3 +68,14 @@ def test_prefix_cache_hit_equals_miss(tiny):
     cold, warm = one_by_one(enable_prefix_cache=False), one_by_one()
     assert max_logprob_gap(warm, cold) < 5e-5  # as tests/test_prefix_cache.py: chunk shapes differ
     assert warm[1].num_cached_tokens == 28 and warm[2].num_cached_tokens == 28
+
+
+def test_batched_equals_alone(tiny):
+    """Sequences of one step read only their own PLE n-grams, QSA blocks and indexer keys: three
+    requests together, with chunks of 29 tokens so that prefill chunks and decodes of other
+    requests share steps, give each request's tokens and log-probs alone."""
+    path = tiny[0]
+    params = greedy(5, prompt_logprobs=0, logprobs=2)
+    options = dict(enable_prefix_cache=False, max_num_batched_tokens=29)
+    alone = [generate(path, [p], params, **options)[0] for p in PROMPTS]
+    assert max_logprob_gap(generate(path, PROMPTS, params, **options), alone) < 1e-5
