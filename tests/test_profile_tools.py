@@ -64,3 +64,35 @@ def test_overlap_counts_the_time_two_interval_lists_share():
     kernels = [(5, 25), (28, 29), (45, 60)]
     assert overlap(link, kernels) == 5 + 5 + 1 + 5
     assert overlap(kernels, link) == 16 and overlap(link, []) == 0
+
+
+def test_link_timeline_splits_a_step_into_link_and_compute_time(tmp_path):
+    """``profiling.link_timeline``: by time alone, whatever the streams: the link's time beside
+    compute and alone, compute alone, neither; the kernels that ran while the link idled."""
+    import json
+
+    from tests.gpu.profiling import link_timeline
+
+    def event(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": ts}}
+
+    events = [
+        event("_copy_rows_kernel", 0, 100),  # the prefetch copy, beside the mixer
+        event("mixer", 10, 40),
+        event("router", 100, 20),  # link idle from 100 to 120
+        event("_stage_kernel", 120, 60),  # alone
+        event("gate_up", 180, 10),  # link idle: 180-184 alone, 184-190 shared with down
+        event("down", 184, 20),  # then 190-204 alone
+        event("Memcpy HtoD (Pinned -> Device)", 300, 50, cat="gpu_memcpy"),  # after 96 us of nothing
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    lines = link_timeline(str(trace), steps=1)
+    assert lines[0] == (
+        "link busy 0.21 ms a step (0.04 beside compute, 0.17 alone), compute alone 0.04 ms, neither 0.10 ms"
+    )
+    assert lines[1:] == [
+        "    0.020 ms  router (link idle)",
+        "    0.017 ms  down (link idle)",  # 3 + 14
+        "    0.007 ms  gate_up (link idle)",  # 4 + 3
+    ]

@@ -12,7 +12,8 @@ idle, and the costliest kernels. At batch 1 the PCIe floor is the copies (or the
 MoE GEMV reads); what the wall has beyond the kernels is host time. ``DEV=cpu`` runs it on the
 CPU (a smoke test); ``QUANT=nvfp4`` quantises the experts while loading; ``BATCH=N`` decodes N
 requests at once (8: the copying path where host reads take only small batches); ``POLICY=lfu``
-picks the cache policy. Last, the busiest
+picks the cache policy. Last, the link's time beside the compute's and the kernels that run while
+it idles (``profiling.link_timeline``: what copies could still hide behind), and the busiest
 stream's critical path by kernel (``profiling.critical_path``)."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ft.config import EngineConfig  # noqa: E402
 from ft.engine.engine import LLMEngine  # noqa: E402
 from ft.moe.backends import expert_cache, host_reads, offload, prefetch, slot_map, transfer  # noqa: E402
 from ft.sampling_params import SamplingParams  # noqa: E402
-from tests.gpu.profiling import critical_path, cut_config, log_parts, logger, time_steps  # noqa: E402
+from tests.gpu.profiling import critical_path, cut_config, link_timeline, log_parts, logger, time_steps  # noqa: E402
 
 DEVICE = os.environ.get("DEV", "cuda")
 BATCH = int(os.environ.get("BATCH", "1"))
@@ -112,7 +113,7 @@ def main() -> None:
         log_profile(log, prof, wall, 4)
         trace = f"/tmp/ft_offload_decode_{os.getpid()}.json"
         prof.export_chrome_trace(trace)
-        for line in critical_path(trace, 4):
+        for line in link_timeline(trace, 4) + critical_path(trace, 4):
             log(line)
     engine.shutdown()
 

@@ -4,6 +4,7 @@ wrapped parts."""
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import time
@@ -99,5 +100,60 @@ def critical_path(trace: str, steps: int, top: int = 12) -> list[str]:
         f"  {us / per:7.3f} ms  {name}" for name, us in sorted(own.items(), key=lambda kv: -kv[1])[:top]
     ]
     lines += [f"  idle {us:7.1f} us after {a} before {b}" for us, a, b in sorted(gaps, reverse=True)[:5]]
-    lines += [f"stream {s}: busy {us / per:.2f} ms a step" for s, us in busy_by_stream.items() if s != main]
+    others = sorted(((us, s) for s, us in busy_by_stream.items() if s != main), reverse=True)
+    lines += [f"stream {s}: busy {us / per:.2f} ms a step" for us, s in others[:5]]
+    if len(others) > 5:  # a replayed graph's kernels each on a stream id of its own
+        rest = sum(us for us, _ in others[5:])
+        lines.append(f"{len(others) - 5} more streams: busy {rest / per:.2f} ms a step")
+    return lines
+
+
+LINK_KERNELS = ("_copy_rows_kernel", "_stage_kernel", "Memcpy HtoD")  # what crosses PCIe at decode
+
+
+def link_timeline(trace: str, steps: int, link=LINK_KERNELS, top: int = 10) -> list[str]:
+    """Lines on how an offload step's link time sits beside its compute, from a chrome trace of
+    ``torch.profiler`` by time alone (a replayed graph's kernels carry stream ids of their own):
+    per step, the time the link is busy (any event whose name starts with one of ``link``) with
+    compute and alone, compute alone, and neither, between the first event and the last; then the
+    compute kernels that run while the link idles, the time a batch-1 offload step could still
+    hide copies behind (a stretch shared by several kernels split between them)."""
+    events = json.loads(Path(trace).read_text())["traceEvents"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not gpu:
+        return ["no GPU events in the trace"]
+    edges = []
+    for e in gpu:
+        name = e["name"][:60]
+        is_link = name.startswith(link)
+        edges += [(e["ts"], 1, is_link, name), (e["ts"] + e["dur"], -1, is_link, name)]
+    edges.sort(key=lambda x: (x[0], x[1]))
+    links, active = 0, collections.Counter()
+    spent = collections.Counter()
+    unhidden = collections.Counter()  # compute kernel -> its time with the link idle
+    for (t, step, is_link, name), nxt in zip(edges, edges[1:] + [None]):
+        if is_link:
+            links += step
+        else:
+            active[name] += step
+            if active[name] == 0:
+                del active[name]
+        span = 0.0 if nxt is None else nxt[0] - t
+        if span <= 0:
+            continue
+        kind = ("both" if active else "link") if links else ("compute" if active else "neither")
+        spent[kind] += span
+        if kind == "compute":
+            for n in active:
+                unhidden[n] += span / len(active)
+    per = steps * 1e3  # us -> ms a step
+    lines = [
+        f"link busy {(spent['both'] + spent['link']) / per:.2f} ms a step ({spent['both'] / per:.2f} beside "
+        f"compute, {spent['link'] / per:.2f} alone), compute alone {spent['compute'] / per:.2f} ms, "
+        f"neither {spent['neither'] / per:.2f} ms"
+    ]
+    lines += [
+        f"  {us / per:7.3f} ms  {name} (link idle)"
+        for name, us in sorted(unhidden.items(), key=lambda kv: -kv[1])[:top]
+    ]
     return lines
