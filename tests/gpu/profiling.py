@@ -102,7 +102,7 @@ def critical_path(trace: str, steps: int, top: int = 12) -> list[str]:
     lines += [f"  idle {us:7.1f} us after {a} before {b}" for us, a, b in sorted(gaps, reverse=True)[:5]]
     others = sorted(((us, s) for s, us in busy_by_stream.items() if s != main), reverse=True)
     lines += [f"stream {s}: busy {us / per:.2f} ms a step" for us, s in others[:5]]
-    if len(others) > 5:  # a replayed graph's kernels each on a stream id of its own
+    if len(others) > 5:  # a replayed graph's kernels spread over many stream ids
         rest = sum(us for us, _ in others[5:])
         lines.append(f"{len(others) - 5} more streams: busy {rest / per:.2f} ms a step")
     return lines
@@ -113,7 +113,7 @@ LINK_KERNELS = ("_copy_rows_kernel", "_stage_kernel", "Memcpy HtoD")  # what cro
 
 def link_timeline(trace: str, steps: int, link=LINK_KERNELS, top: int = 10) -> list[str]:
     """Lines on how an offload step's link time sits beside its compute, from a chrome trace of
-    ``torch.profiler`` by time alone (a replayed graph's kernels carry stream ids of their own):
+    ``torch.profiler`` by time alone (a replayed graph's kernels spread over many stream ids):
     per step, the time the link is busy (any event whose name starts with one of ``link``) with
     compute and alone, compute alone, and neither, between the first event and the last; then the
     compute kernels that run while the link idles, the time a batch-1 offload step could still
