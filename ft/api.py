@@ -50,7 +50,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer files: pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)  # with its special tokens, as completions and vLLM do
         return [int(t) for t in prompt]
 
     def generate(

@@ -87,3 +87,19 @@ def test_shutdown_frees_the_runner_without_the_cycle_collector(tmp_path):
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_a_text_prompt_gets_the_tokenizers_special_tokens_as_the_servers_completions_do():
+    """vLLM's ``LLM.generate`` and ``/v1/completions`` encode a text prompt with the tokenizer's
+    special tokens (a BOS where the tokenizer adds one); ``LLM`` did not, so one prompt gave two
+    token sequences for a tokenizer that adds a BOS."""
+
+    class BosTokenizer:
+        def encode(self, text, add_special_tokens=True):
+            ids = [ord(c) for c in text]
+            return [1, *ids] if add_special_tokens else ids
+
+    llm = LLM.__new__(LLM)  # encode needs only the tokenizer
+    llm.tokenizer = BosTokenizer()
+    assert llm.encode("hi") == [1, ord("h"), ord("i")]
+    assert llm.encode([5, 6]) == [5, 6]
