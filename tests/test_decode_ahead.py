@@ -203,6 +203,9 @@ def test_schedule_ahead_only_when_the_next_batch_is_known(ckpt):
     sched.max_running = 1
     assert sched.schedule_ahead(batch) is not None  # it cannot be admitted: the place is taken
     sched.max_running = 64
+    budget, sched.max_batched_tokens = sched.max_batched_tokens, 1
+    assert sched.schedule_ahead(batch) is not None  # nor here: the decodes take the whole budget
+    sched.max_batched_tokens = budget
     sched.abort("waits")
     assert sched.schedule_ahead(batch) is not None
     req.params = greedy(2)  # the token in flight would be its second and last

@@ -151,7 +151,7 @@ class Scheduler:
         admits = self.waiting and len(self.running) < self.max_running and self.slots.num_free > 0
         # the next ``schedule`` would leave the head its budget less a decode token a running request
         left = self.max_batched_tokens - len(self.running)
-        admits = admits and not self._still_refused(self.waiting[0], left)
+        admits = admits and left > 0 and not self._still_refused(self.waiting[0], left)  # none at 0
         if admits or len(batch) != len(self.running):
             return None
         for seq, req in zip(batch, self.running):
