@@ -1,7 +1,7 @@
 """Host staging (``ft.moe.backends.host_stage``): a host-read layer's host experts copied into a
 device block before its MoE kernels, which read them there. The plan against a hand-worked case,
-the copy, an engine with it on against the resident backend (exact, fp32) with the bytes over
-PCIe counted as reading in place counts them, and the GPU kernel against the torch version under
+the copy, an engine with it on against the resident backend (exact, fp32) with each staged host row's
+bytes counted once, and the GPU kernel against the torch version under
 Triton's interpreter (``check_kernel``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ft.moe.backends import host_prefetch, host_reads, host_stage
 from ft.moe.backends.host_stage import StageBlock, plan, stage
 from ft.moe.backends.layout import ExpertLayout, Part
 from tests.interpreter import INTERPRETER, run_check
-from tests.offload.equality import assert_same, generate
+from tests.offload.equality import PARAMS, PROMPTS, assert_same, engine, generate
 
 # pairs 0 and 3 read host row 2, pair 2 host row 0, pair 5 host row 3; pairs 1 and 4 read slots
 ROWS = torch.tensor([[-3, 2, -1], [-3, 5, -4]])
@@ -48,19 +48,31 @@ def staging(monkeypatch):
 @pytest.mark.parametrize("prefetch_rows", [0, 2])
 def test_host_reads_with_staging_equal_resident(ckpt, refs, staging, monkeypatch, prefetch_rows):
     """Exactly the resident backend's outputs, without host prefetch and beside whole-expert
-    prefetch (its picks read from spare rows, the rest staged); the bytes over PCIe as without
-    staging."""
+    prefetch (its picks read from spare rows, the rest staged). The bytes over PCIe: a staged host
+    expert's row once, however many pairs of the batch read it, where reading in place counts it
+    for each pair (decode batches of three tokens share host experts here)."""
     monkeypatch.setattr(host_prefetch, "ROWS", prefetch_rows)
     monkeypatch.setattr(host_prefetch, "DOWN_ONLY", False)
-    calls = []
+    copied, pairs = [], []
     real_stage = host_stage.stage
-    monkeypatch.setattr(host_stage, "stage", lambda *a: calls.append(1) or real_stage(*a))
-    outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
+
+    def spy(rows, store, st):
+        copied.append(int((plan(rows)[0] >= 0).sum()))  # distinct host rows copied
+        pairs.append(int((rows < 0).sum()))  # pairs that read them
+        return real_stage(rows, store, st)
+
+    monkeypatch.setattr(host_stage, "stage", spy)
+    with engine(ckpt, moe_backend="offload", expert_cache_fraction=0.25) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+        s = llm.engine.stats()
+        payload = llm.engine.executor.runner.moe.stores[0].layout.payload_bytes
     assert_same(outs, refs[8192])
-    assert calls and s.moe_bytes_host_read > 0
+    assert copied and s.moe_bytes_host_read > 0 and sum(pairs) > sum(copied)
     monkeypatch.setattr(host_stage, "STAGE", False)
     _, unstaged = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
-    assert unstaged.moe_bytes_host_read == s.moe_bytes_host_read
+    assert unstaged.moe_bytes_host_read - s.moe_bytes_host_read == (sum(pairs) - sum(copied)) * payload
+    if prefetch_rows == 0:  # every byte read from the host was staged
+        assert s.moe_bytes_host_read == sum(copied) * payload
 
 
 def test_the_kernels_read_the_staged_rows(ckpt, refs, staging, monkeypatch):

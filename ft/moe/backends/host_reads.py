@@ -167,7 +167,9 @@ class HostReads:
             uses = self.uses.to("cpu", copy=True).numpy()  # [L, E]; waits for the step
             if uses.any():
                 self.uses.zero_()
-                self._count_and_promote(uses, tokens, [b.cache.published() for b in self.backends])
+                self._count_and_promote(
+                    uses, tokens, [b.cache.published() for b in self.backends], self._staged()
+                )
 
     def flush(self) -> None:
         """Count and promote the step ``DEFERRED`` still holds (waits for it), then publish: the
@@ -178,19 +180,20 @@ class HostReads:
         self.tables.publish()
 
     def _process_queued(self) -> None:
-        event, tokens, routes = self.queued
+        event, tokens, routes, staged = self.queued
         self.queued = None
         if event is not None:
             event.synchronize()
         uses = self.host_uses.numpy()
         if uses.any():
-            self._count_and_promote(uses, tokens, routes)
+            self._count_and_promote(uses, tokens, routes, staged)
 
     def _queue(self, tokens: int) -> None:
         """Process the step before's counts (done on the GPU by now: the host has since launched
         this step), then send this step's on their way, with the routes it read."""
         routes = [b.cache.published() for b in self.backends]  # what this step read; a publish
         # replaces these arrays, never changes them
+        staged = self._staged()
         if self.queued is not None:
             self._process_queued()
         self.host_uses.copy_(self.uses, non_blocking=True)
@@ -199,11 +202,19 @@ class HostReads:
         if self.uses.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self.queued = (event, tokens, routes)
+        self.queued = (event, tokens, routes, staged)
 
-    def _count_and_promote(self, uses: np.ndarray, tokens: int, routes: list[np.ndarray]) -> None:
+    def _staged(self) -> np.ndarray:
+        """[L] bool: whether each layer's host-read call copies its host experts into the staging
+        block first (``host_stage``; the decision of its last call, which a captured graph keeps)."""
+        return np.array([b.host_staged for b in self.backends])
+
+    def _count_and_promote(
+        self, uses: np.ndarray, tokens: int, routes: list[np.ndarray], staged: np.ndarray | None = None
+    ) -> None:
         """``uses`` [L, E + spare] of a host-read step of ``tokens`` tokens (each layer's uses of
-        its experts, then its prefetch's picks), which read ``routes`` (each layer's [E])."""
+        its experts, then its prefetch's picks), which read ``routes`` (each layer's [E]);
+        ``staged`` [L]: the layers that staged their host experts (None: none did)."""
         e = self.num_experts
         counts = uses[:, :e]
         assert counts.any(1).all(), "a host-read step reads in every MoE layer (one batch, one path)"
@@ -228,7 +239,12 @@ class HostReads:
             if down_only:  # a used pick's gate/up rows were still read from the host
                 used_picks = np.where(missed & picked, counts, 0).sum(1)
                 self.bytes_read += int(used_picks @ (self.payload - self.payload_down))
-        self.bytes_read += int(np.where(read, counts, 0).sum(1) @ self.payload)
+        # read in place, every pair reads its expert's rows; staged, each host expert's row crosses
+        # the link once, however many pairs then read it (``host_stage.plan``)
+        per_layer = np.where(read, counts, 0).sum(1)
+        if staged is not None:
+            per_layer = np.where(staged, read.sum(1), per_layer)
+        self.bytes_read += int(per_layer @ self.payload)
         self.credit += PROMOTE_SHARE * missed.sum(1)
         owed = self.credit.astype(np.int64)  # whole promotions (credit >= 0: a floor)
         self.credit -= owed

@@ -14,7 +14,8 @@ kernel of a program per (pair, 16 KB of a row): each pair whose route sends it t
 ``StageBlock`` row of the first pair reading it (so an expert two tokens share crosses PCIe once),
 and its id pointed there, -(staging row + 1). The MoE kernels take the block as their host
 operand: the same bytes reach the same arithmetic, so the result is bit for bit that of reading
-in place, and the bytes over PCIe are the ones host reads count. Nothing waits for the host, so
+in place; over PCIe each host expert's row crosses once (``HostReads`` counts it once, where
+reading in place counts it for every pair that reads it). Nothing waits for the host, so
 the step stays one CUDA graph. One block serves every layer of the rank (each layer's copy and
 kernels run in stream order); its rows are pairs of the largest batch host reads take, and the
 plan takes its bytes from the expert cache's share (142 MB for the NVFP4 80B: 8 tokens x 10).

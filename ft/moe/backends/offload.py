@@ -87,6 +87,7 @@ class OffloadBackend:
         self.reads: HostReads | None = None  # set with host reads on (``host_reads.py``)
         self.uses: torch.Tensor | None = None  # [E + spare] this layer's row of ``reads.uses``
         self.spare: Spare | None = None  # host reads' prefetch into spare rows (``host_prefetch.py``)
+        self.host_staged = False  # its last host-read call staged its host experts (``host_stage.py``)
 
     # ---- entry
     def __call__(
@@ -176,9 +177,11 @@ class OffloadBackend:
         route, route_down, join = routes(self)  # the down kernel's differs after a down-only prefetch
         rows = route_and_count(ids, real, route, self.map.null, self.uses)  # [T, k]
         down, host = None, self.store.tensors
+        staging = self.reads.stage is not None and host_stage.stages(self.reads.fmt)
+        self.host_staged = route_down is route and staging  # not beside a down-only prefetch
         if route_down is not route:
             down = (route_rows(ids, real, route_down, self.map.null), join)
-        elif self.reads.stage is not None and host_stage.stages(self.reads.fmt):  # host rows copied first
+        elif self.host_staged:  # host rows copied first
             rows, host = host_stage.stage(rows, self.store.block, self.reads.stage), self.reads.stage.tensors
         return bank.run(x, weights, rows, self.cache.tensors, shared, host=host, down=down)
 
