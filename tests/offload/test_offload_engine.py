@@ -89,10 +89,13 @@ def test_quantised_at_load_into_the_host_store(nvfp4):
         assert_close(got, want)
 
 
-@pytest.mark.parametrize("backend", ["offload", "hybrid"])
-def test_tp2_offload_equals_tp1(tmp_path, backend):
-    # 4 kv heads split over 2 ranks, each rank caching and streaming its half of every expert
-    write_checkpoint(tmp_path, "qwen3_next", seed=2, num_key_value_heads=4)
+@pytest.mark.parametrize(
+    "family, backend", [("qwen3_next", "offload"), ("qwen3_next", "hybrid"), ("qwen3_moe", "offload")]
+)
+def test_tp2_offload_equals_tp1(tmp_path, family, backend):
+    # 4 kv heads split over 2 ranks, each rank caching and streaming its half of every expert;
+    # without a shared expert (qwen3_moe) a streamed layer's sum goes to the all-reduce as it is
+    write_checkpoint(tmp_path, family, seed=2, num_key_value_heads=4)
     want, _ = generate(tmp_path, moe_backend="gpu")
     got, stats = generate(
         tmp_path, tp=2, moe_backend=backend, expert_cache_fraction=0.25, moe_staging_experts=3

@@ -521,6 +521,25 @@ def test_a_streamed_layers_terms_are_summed_by_pair_in_k_order(with_shared):
         Terms(x, k, with_shared).total(None if with_shared else torch.zeros(t, h, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_streamed_layers_sum_is_a_tensor_of_its_own(dtype):
+    """``Terms.total`` returns a fresh contiguous [T, H], in fp32 too (where ``.float()`` of the
+    first term would be a strided view of the buffer): the block's all-reduce sums it in place,
+    and gloo summed such a view as if contiguous (TP=2 qwen3_moe offloaded: wrong tokens)."""
+    from ft.moe.backends.pairs import Terms
+
+    t, k, h = 5, 3, 4
+    x = torch.zeros(t, h, dtype=dtype)
+    terms = Terms(x, k, shared=False)
+    pair = torch.arange(t * k)
+    terms.put(pair, torch.randn(t * k, h).to(dtype))
+    before = terms.buf.clone()
+    total = terms.total()
+    assert total.shape == (t, h) and total.dtype == dtype and total.is_contiguous()
+    assert total.untyped_storage().data_ptr() != terms.buf.untyped_storage().data_ptr()
+    assert torch.equal(terms.buf, before)  # the terms are left as they were written
+
+
 def test_terms_into_their_rows_beside_a_shared_slot(monkeypatch):
     """``Terms`` with the shared expert's slot ([T, k + 1, H]): the kernel's own writes
     (``DIRECT_TERMS``, rows through ``Into``) fill the rows ``put`` fills, so the totals agree bit

@@ -180,7 +180,9 @@ class Terms:
             from ft.moe.kernels.triton_combine import sum_topk
 
             return sum_topk(self.buf)
-        acc = self.buf[:, 0].float()
+        # a fresh, contiguous [T, H]: ``.float()`` of fp32 terms would be a strided view of ``buf``,
+        # which the block's all-reduce then sums as if contiguous (gloo: other rows' values)
+        acc = self.buf[:, 0].to(torch.float32, copy=True)
         for j in range(1, self.width):
             acc += self.buf[:, j].float()
         return acc.to(self.buf.dtype)
