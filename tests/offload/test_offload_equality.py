@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ft import LLM, SamplingParams
+from tests.checkpoints import write_checkpoint
 from tests.offload.equality import PARAMS, PROMPTS, assert_same, engine, generate
 
 CASES = {
@@ -576,3 +577,23 @@ def test_terms_into_their_rows_beside_a_shared_slot(monkeypatch):
             terms.run(Bank(), tensors, x, *run)
         totals[direct] = terms.total(shared)
     assert torch.equal(totals[True], totals[False])
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
+def test_four_experts_a_token_equal_resident(tmp_path, model_type):
+    """With more than two experts a token the order of a token's terms shows in fp32: every
+    backend sums them in routing order, the resident CPU kernel as the offloading paths (at two,
+    a + b == b + a hides any order)."""
+    write_checkpoint(tmp_path, model_type, seed=23, num_experts=16, num_experts_per_tok=4)
+    ref, _ = generate(tmp_path, moe_backend="gpu")
+    for options, tol in (
+        (dict(moe_backend="offload", expert_cache_fraction=1 / 16), 0.0),
+        (dict(moe_backend="offload", expert_cache_fraction=0.25, moe_prefetch=False), 0.0),
+        (dict(moe_backend="cpu"), 0.0),
+        # hybrid's decode adds the hits' sum (the device kernel) and the misses' (the CPU's): two
+        # partial sums, not the routing order's one (its prefill streams through ``Terms``: exact)
+        (dict(moe_backend="hybrid", expert_cache_fraction=0.25), 1e-5),
+    ):
+        outs = generate(tmp_path, **options)[0]
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref], options
+        assert_same(outs, ref, tol)

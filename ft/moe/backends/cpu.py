@@ -19,7 +19,7 @@ import torch
 
 from ft.moe.backends.graph_split import split_point
 from ft.moe.backends.host_store import HostStore
-from ft.moe.backends.pairs import Pairs, run_pairs, upload_pairs
+from ft.moe.backends.pairs import Pairs, pair_terms, upload_pairs
 from ft.moe.backends.slot_map import unique
 from ft.moe.backends.staging import Shared
 from ft.moe.kernels.select import select_moe_kernel
@@ -36,16 +36,23 @@ def cpu_kernel(fmt: str):
 def cpu_experts(
     bank, store: HostStore, x: torch.Tensor, weights: torch.Tensor, ids_h: np.ndarray, experts: np.ndarray
 ) -> tuple[torch.Tensor, int]:
-    """Sum over the pairs routed to ``experts`` -> ([T, H] on x's device, pairs computed)."""
-    out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H] on the host
+    """Sum over the pairs routed to ``experts`` -> ([T, H] on x's device, pairs computed): each
+    token's terms added in routing order, as the resident kernels and ``Terms`` add them."""
+    t, k = ids_h.shape
+    terms = torch.zeros(t * k, x.shape[1], dtype=torch.float32)  # [T*k, H] on the host, by pair
     pairs = Pairs(ids_h, store.num_experts).of(experts, store.rows(experts))
-    ((tok, pair_w, rows, _),) = upload_pairs([pairs], weights.cpu())  # the kernel runs here
-    run_pairs(CpuKernel(bank), store.tensors, x.cpu(), out, tok, pair_w, rows)
+    ((tok, pair_w, rows, pair),) = upload_pairs([pairs], weights.cpu())  # the kernel runs here
+    if len(tok) > 0:
+        terms[pair] = pair_terms(CpuKernel(bank), store.tensors, x.cpu(), tok, pair_w, rows).float()
+    terms = terms.view(t, k, -1)
+    out = terms[:, 0].clone()
+    for j in range(1, k):
+        out += terms[:, j]
     return out.to(device=x.device, dtype=x.dtype), len(tok)
 
 
 class CpuKernel:
-    """The bank as ``run_pairs`` sees it, with the CPU kernel of its format."""
+    """The bank as ``pair_terms`` sees it, with the CPU kernel of its format."""
 
     def __init__(self, bank) -> None:
         self.kernel, self.kernel_weights = cpu_kernel(bank.format), bank.kernel_weights

@@ -127,13 +127,6 @@ def pair_terms(bank, tensors, x, tok: torch.Tensor, pair_w: torch.Tensor, rows: 
     return bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows.unsqueeze(1), batch_tokens=len(x))
 
 
-def run_pairs(bank, tensors, x, out, tok: torch.Tensor, pair_w: torch.Tensor, rows: torch.Tensor) -> None:
-    """out[tok[i]] += ``pair_terms``' row i, in fp32: the sum of a token's terms in the order the
-    calls come (the CPU backend's; a streamed layer keeps them by pair: ``Terms``)."""
-    if len(tok) > 0:
-        out.index_add_(0, tok, pair_terms(bank, tensors, x, tok, pair_w, rows).float())
-
-
 class Terms:
     """A streamed layer's routed terms by (token, k) pair, [T, k (+ 1 for the shared expert's), H]
     in x's dtype: each kernel call writes its pairs' rows (``run``), the host CPU's share its own

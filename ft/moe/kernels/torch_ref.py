@@ -23,12 +23,14 @@ def fused_moe_ref(
     if into is not None:
         into.check(x, ids, False)
         return into.scatter(fused_moe_ref(into.gather(x), w13, w2, weights, ids))
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    terms = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float32, device=x.device)  # [T, k, H]
     inter = w13.shape[1] // 2
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
         h = F.linear(x[token], w13[e])
         act = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(act, w2[e]).float() * weights[token, slot, None]
-        out.index_add_(0, token, y)
+        terms[token, slot] = F.linear(act, w2[e]).float() * weights[token, slot, None]
+    out = terms[:, 0].clone()
+    for j in range(1, ids.shape[1]):  # a token's terms in routing order, as the GPU kernels and
+        out += terms[:, j]  # the offloading backends' ``Terms`` add them (an order shows in fp32 from k = 3)
     return out.to(x.dtype)
