@@ -102,6 +102,8 @@ def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
 def group_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum ``x`` over ``group`` in place: over the group's symmetric buffer when it has one and
     ``x`` fits it, otherwise through its backend (NCCL, gloo)."""
+    if not x.is_contiguous():  # gloo would sum the storage as if it were, other rows' values
+        raise ValueError(f"an all-reduce sums a contiguous tensor in place, got strides {x.stride()}")
     one_shot = _ONE_SHOT.get(group)
     if one_shot is not None and one_shot.takes(x):
         return one_shot(x)

@@ -94,6 +94,16 @@ def test_all_reduce_recording_notes_only_real_reduces_and_does_not_nest():
     assert calls == []
 
 
+def test_a_strided_tensor_is_refused_before_any_backend_sums_it():
+    """gloo sums a view's storage as if it were contiguous (other rows' values: a TP=2 offload
+    bug's cause, e5db9b6): the all-reduce refuses one before reaching a backend."""
+    from ft.distributed import group_all_reduce
+
+    view = torch.zeros(4, 3, 5)[:, 0]
+    with pytest.raises(ValueError, match="contiguous"):
+        group_all_reduce(view, group=None)
+
+
 def _agree(rank: int, init: str, out) -> None:
     from ft.distributed import init_process_group, min_over_ranks
 
