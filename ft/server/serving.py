@@ -81,20 +81,20 @@ class ServerState:
                 param=param,
                 code="context_length_exceeded",
             )
-        total = len(ids) + max_tokens
+        total = n + max_tokens
         if total > context:
             raise APIError(
                 400,
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the "
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the "
                 f"model's context of {context} tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        kv = kv_tokens(len(ids), max_tokens)
+        kv = kv_tokens(n, max_tokens)
         if kv > pool:  # every token but a generated last one is cached
             raise APIError(
                 400,
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs {kv} tokens of KV cache, "
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {kv} tokens of KV cache, "
                 f"this server's holds {pool}",
                 param="max_tokens",
                 code="context_length_exceeded",
@@ -226,7 +226,6 @@ class ServerState:
                 yield sse(APIError(500, f"the engine has stopped: {e}", "server_error").body())
             finally:
                 watcher.cancel()
-                gen.close()
             yield "data: [DONE]\n\n"
 
         return _Stream(
@@ -238,9 +237,10 @@ class ServerState:
 
 
 class _Stream(StreamingResponse):
-    """A stream that closes its generation however the response ends: a client that leaves before
-    the first chunk has the response cancelled before its body is iterated, so the body's own
-    ``finally`` never runs and the engine would compute the whole answer for no one."""
+    """A stream that closes its generation (aborts what still runs) however the response ends, not
+    in its body: a client that leaves before the first chunk has the response cancelled before the
+    body is iterated, so a ``finally`` there never runs and the engine would compute the whole
+    answer for no one."""
 
     def __init__(self, gen: Generation, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
