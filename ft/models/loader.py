@@ -41,10 +41,10 @@ def read_index(path: str) -> dict[str, str] | None:
     return {name: os.path.join(path, file) for name, file in weight_map.items()}
 
 
-def checkpoint_files(path: str) -> list[str]:
-    """The safetensors files of a checkpoint directory, from its index when there is one."""
+def checkpoint_files(path: str, weight_map: dict[str, str] | None) -> list[str]:
+    """The safetensors files of a checkpoint directory, from its index (``read_index``) when there
+    is one."""
     index = os.path.join(path, "model.safetensors.index.json")
-    weight_map = read_index(path)
     if weight_map is not None:
         files = sorted(set(weight_map.values()))
         for file in files:
@@ -104,9 +104,10 @@ def check_names(model: nn.Module, where: dict[str, str], path: str) -> dict[str,
 @torch.no_grad()
 def load_weights(model: nn.Module, path: str, progress: bool = True) -> int:
     """Load ``model`` from the checkpoint directory ``path``; returns the number of tensors read."""
-    files = checkpoint_files(path)
+    weight_map = read_index(path)
+    files = checkpoint_files(path, weight_map)
     where = read_headers(files)
-    for name, file in (read_index(path) or {}).items():
+    for name, file in (weight_map or {}).items():
         if where.get(name) != file:  # else a stale index reads as a missing tensor, or not at all
             raise CheckpointError(
                 f"tensor {name!r}: model.safetensors.index.json of {path} maps it to {file}, "
