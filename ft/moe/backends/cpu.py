@@ -23,6 +23,7 @@ from ft.moe.backends.pairs import Pairs, pair_terms, upload_pairs
 from ft.moe.backends.slot_map import unique
 from ft.moe.backends.staging import Shared
 from ft.moe.kernels.select import select_moe_kernel
+from ft.moe.kernels.torch_ref import sum_in_routing_order
 
 _CPU_KERNELS: dict[str, object] = {}
 
@@ -44,10 +45,7 @@ def cpu_experts(
     ((tok, pair_w, rows, pair),) = upload_pairs([pairs], weights.cpu())  # the kernel runs here
     if len(tok) > 0:
         terms[pair] = pair_terms(CpuKernel(bank), store.tensors, x.cpu(), tok, pair_w, rows).float()
-    terms = terms.view(t, k, -1)
-    out = terms[:, 0].clone()
-    for j in range(1, k):
-        out += terms[:, j]
+    out = sum_in_routing_order(terms.view(t, k, -1))
     return out.to(device=x.device, dtype=x.dtype), len(tok)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ft.moe.kernels.into import Into
+from ft.moe.kernels.torch_ref import sum_in_routing_order
 from ft.utils import upload
 
 # The pairs grouped on the device (``device_runs``) instead of on the host (``Pairs`` +
@@ -175,7 +176,4 @@ class Terms:
             return sum_topk(self.buf)
         # a fresh, contiguous [T, H]: ``.float()`` of fp32 terms would be a strided view of ``buf``,
         # which the block's all-reduce then sums as if contiguous (gloo: other rows' values)
-        acc = self.buf[:, 0].to(torch.float32, copy=True)
-        for j in range(1, self.width):
-            acc += self.buf[:, j].float()
-        return acc.to(self.buf.dtype)
+        return sum_in_routing_order(self.buf).to(self.buf.dtype)

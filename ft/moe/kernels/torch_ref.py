@@ -30,7 +30,14 @@ def fused_moe_ref(
         h = F.linear(x[token], w13[e])
         act = F.silu(h[:, :inter]) * h[:, inter:]
         terms[token, slot] = F.linear(act, w2[e]).float() * weights[token, slot, None]
-    out = terms[:, 0].clone()
-    for j in range(1, ids.shape[1]):  # a token's terms in routing order, as the GPU kernels and
-        out += terms[:, j]  # the offloading backends' ``Terms`` add them (an order shows in fp32 from k = 3)
-    return out.to(x.dtype)
+    return sum_in_routing_order(terms).to(x.dtype)
+
+
+def sum_in_routing_order(terms: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] -> [T, H] fp32, a fresh contiguous tensor: each token's terms added in routing
+    order, as the GPU kernels add them (``triton_combine.sum_topk``). Every CPU path sums so (this
+    kernel, the cpu backend's, a streamed layer's ``Terms``): from k = 3 an order shows in fp32."""
+    out = terms[:, 0].to(torch.float32, copy=True)
+    for j in range(1, terms.shape[1]):
+        out += terms[:, j]
+    return out
