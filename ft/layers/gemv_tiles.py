@@ -50,11 +50,12 @@ def gemv_tile(
 def split_k_sum(
     x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn,
     M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    EVEN_K: tl.constexpr, block, split,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    # The partial of column block ``block`` over split ``split``'s K_SPLIT inputs into ws[split]
-    # (a kernel's grid: (block, split)); returns (last, total): whether it drew its column block's
-    # last ticket, and then the partials summed in split order.
+    # This program's partial of its column block (program id 0) over its split's (program id 1)
+    # K_SPLIT inputs into ws[split]; returns (last, total): whether it drew its column block's last
+    # ticket, and then the partials summed in split order.
+    block, split = tl.program_id(0), tl.program_id(1)
     k_lo, k_hi = split_range(K, K_SPLIT, split)
     acc = gemv_tile(x, w, n, M, N, k_lo, k_hi, s_xm, s_wn, M_P, BLOCK_N, BLOCK_K, EVEN_K)
     m = tl.arange(0, M_P)

@@ -99,7 +99,7 @@ def _gemv_split_k_kernel(
     wait_for_previous(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     last, total = split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P, BLOCK_N,
-                              BLOCK_K, SPLITS, EVEN_K, tl.program_id(0), tl.program_id(1))  # fmt: skip
+                              BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
     if last:
         m = tl.arange(0, M_P)
         o_ptr = out + m[:, None].to(tl.int64) * s_om + n[None, :]

@@ -57,7 +57,7 @@ def _router_topk_kernel(
     # launch's). With BLOCKS column block 0 of each split also quantises the inputs it read (after
     # its ticket: ordered before their reader by the launch's end)
     last, total = gemv_tiles.split_k_sum(x, w, ws, counters, n, M, N, K, K_SPLIT, s_xm, s_wn, M_P,
-                                         BLOCK_N, BLOCK_K, SPLITS, EVEN_K, block, split)  # fmt: skip
+                                         BLOCK_N, BLOCK_K, SPLITS, EVEN_K)  # fmt: skip
     if BLOCKS:  # noqa: SIM102 (static: compiled only with blocks) the first column block of each split
         # quantises the inputs it read, x's int16 blocks for the MoE GEMV
         if block == 0:
