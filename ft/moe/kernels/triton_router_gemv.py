@@ -20,7 +20,6 @@ The logits buffer is an output: the shared expert's gate logit (weight row E, la
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import triton
@@ -96,37 +95,6 @@ def takes_fused(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-class Buffers(NamedTuple):
-    """A fused router launch's outputs and workspace."""
-
-    logits: torch.Tensor  # [T, E (+ 1)] in x's dtype
-    weights: torch.Tensor  # [T, k] fp32
-    ids: torch.Tensor  # [T, k] int64
-    ws: torch.Tensor  # [splits, T, E (+ 1)] fp32: the partials
-
-
-def operands(
-    x: torch.Tensor, w: torch.Tensor, top_k: int, shared_gate: bool, splits: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, triton_gemv.Plan, Buffers]:
-    """A fused router's checked operands, its plan over ``splits`` K splits (0:
-    ``triton_gemv.balanced_splits``) and its buffers: ``launch_router_topk``'s."""
-    x, w = triton_gemv.check_operands(x, w)
-    (t, h), n = x.shape, w.shape[0]
-    e = n - shared_gate
-    assert 0 < t <= MAX_TOKENS, f"{t} tokens: the fused router takes 1 .. {MAX_TOKENS}"
-    assert 1 <= top_k <= min(e, MAX_TOP_K), f"top_k={top_k} must be in [1, min(E={e}, {MAX_TOP_K})]"
-    assert e <= MAX_EXPERTS, f"E={e} experts exceed the {MAX_EXPERTS} one program holds"
-    p = triton_gemv.plan(n, h, splits or triton_gemv.balanced_splits(n, h, x.device))
-    assert p.blocks < triton_gemv.COUNTERS and p.splits * t * n < 2**31, f"N={n} too large to split"
-    buffers = Buffers(
-        torch.empty(t, n, dtype=x.dtype, device=x.device),
-        torch.empty(t, top_k, dtype=torch.float32, device=x.device),
-        torch.empty(t, top_k, dtype=torch.int64, device=x.device),
-        torch.empty(p.splits, t, n, dtype=torch.float32, device=x.device),
-    )
-    return x, w, p, buffers
-
-
 def launch_router_topk(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -141,9 +109,18 @@ def launch_router_topk(
     (0: ``triton_gemv.balanced_splits``). ``blocks``: buffers (``int_dot.empty_blocks``)
     the launch also fills with x's int16 blocks (``int_dot.quantize_range``), for the MoE
     GEMV's integer products. Without the device check (the interpreter runs it)."""
-    x, w, p, (logits, weights, ids, ws) = operands(x, w, top_k, shared_gate, splits)
+    x, w = triton_gemv.check_operands(x, w)
     (t, h), n = x.shape, w.shape[0]
     e = n - shared_gate
+    assert 0 < t <= MAX_TOKENS, f"{t} tokens: the fused router takes 1 .. {MAX_TOKENS}"
+    assert 1 <= top_k <= min(e, MAX_TOP_K), f"top_k={top_k} must be in [1, min(E={e}, {MAX_TOP_K})]"
+    assert e <= MAX_EXPERTS, f"E={e} experts exceed the {MAX_EXPERTS} one program holds"
+    p = triton_gemv.plan(n, h, splits or triton_gemv.balanced_splits(n, h, x.device))
+    assert p.blocks < triton_gemv.COUNTERS and p.splits * t * n < 2**31, f"N={n} too large to split"
+    logits = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, E (+ 1)]
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    ws = torch.empty(p.splits, t, n, dtype=torch.float32, device=x.device)  # the partials
     xq, xf = blocks if blocks is not None else (x, x)  # unwritten without blocks
     _router_topk_kernel[(p.blocks, p.splits)](
         x, w, logits, weights, ids, ws, triton_gemv.tickets(x.device), xq, xf, t, n, e, h, p.k_split,
