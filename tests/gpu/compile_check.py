@@ -134,6 +134,12 @@ def entries():
                               "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
                         label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
                         yield label, moe_gemv_down._down_pair_kernel, ptrs_pair, dp, dw, st
+                    if not host:  # the rows before the PDL wait (``EARLY_DOWN``), one K step
+                        en, ek, ew, es = triton_moe_gemv.NVFP4_DOWN_EARLY
+                        dp = {**common, "LOOP_STAGES": es, "PLANES": True, "BLOCK_N": en, "BLOCK_K": ek,
+                              "EVEN_K": even, "EARLY": True}  # fmt: skip
+                        label = f"MoE GEMV down by pair {tag}, {words}, early rows"
+                        yield label, moe_gemv_down._down_pair_kernel, ptrs_pair, dp, ew, es
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):

@@ -1,7 +1,8 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
     python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels]
-        [moe_gemv_planes] [moe_gemv_shared] [grouped] [grouped_w4a16] [grouped_w4a16_gluon] [conv] [extend]
+        [moe_gemv_planes] [moe_gemv_shared] [moe_gemv_early] [grouped] [grouped_w4a16]
+        [grouped_w4a16_gluon] [conv] [extend]
 
 (all sections when none is named). Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b,
 FT_SWEEP_MOE=E,I,H,k (Qwen3-30B: 128,768,2048,8; also the router section's E, H, k),
@@ -613,10 +614,11 @@ def two_passes(combos: list, set_combo: Callable, saved: dict, calls: list[Calla
     return times, {c: sum(v) / 2 for c, v in times.items() if None not in v}
 
 
-def nvfp4_two_passes(title: str, combos: list, set_combo: Callable, saved: dict, label: Callable) -> None:
+def nvfp4_two_passes(title: str, combos: list, set_combo: Callable, saved: dict, label: Callable) -> dict:
     """``two_passes`` of the NVFP4 MoE GEMV with the shared pair (``nvfp4_calls_with_shared_pair``)
     at T = 1 and 2: each combination's mean and both times, fastest first, then those that failed
-    or disagreed (``label(c)`` names a combination)."""
+    or disagreed (``label(c)`` names a combination). -> T=1's means (combination -> us)."""
+    first = {}
     for t in (1, 2):
         calls = nvfp4_calls_with_shared_pair(t)
         times, ok = two_passes(combos, set_combo, saved, calls, calls[0]())
@@ -626,6 +628,8 @@ def nvfp4_two_passes(title: str, combos: list, set_combo: Callable, saved: dict,
         for c in combos:
             if c not in ok:
                 print(f"  {label(c)}: failed", flush=True)
+        first = first or ok
+    return first
 
 
 def sweep_moe_gemv_shared() -> None:
@@ -720,10 +724,38 @@ def sweep_moe_gemv_stages() -> None:
     nvfp4_two_passes("NVFP4 MoE GEMV, loop stages", combos, set_combo, saved, label)
 
 
+def sweep_moe_gemv_early() -> None:
+    """The NVFP4 MoE GEMV's down kernel with its routed rows loaded before the PDL wait
+    (``EARLY_DOWN``, one K step for all of I) at several tiles, against the shipped down kernel;
+    gate/up as shipped, the bf16 shared pair, gate/up + down a call over 8 routings (in a graph, so
+    each down launch follows its gate/up as in a decode step), two passes. The last line names the
+    best early tile as an environment variable."""
+    mod = triton_moe_gemv
+    saved = {n: getattr(mod, n) for n in ("EARLY_DOWN", "NVFP4_DOWN_EARLY")}
+    tiles = [(8, 512, 2, 1), (4, 512, 2, 1), (2, 512, 2, 1), (8, 512, 4, 1), (4, 512, 4, 1), (16, 512, 8, 1)]
+    combos = [(False, saved["NVFP4_DOWN_EARLY"])] + [(True, tile) for tile in tiles]
+    if DRY:
+        combos = combos[:2]
+
+    def set_combo(c):
+        mod.EARLY_DOWN, mod.NVFP4_DOWN_EARLY = c
+
+    def label(c) -> str:
+        return f"early down {c[1]}" if c[0] else "shipped down"
+
+    first = nvfp4_two_passes("NVFP4 MoE GEMV, the down rows before the wait", combos, set_combo, saved, label)
+    early = [c for c in first if c[0]]
+    if early:
+        best = min(early, key=first.get)
+        tile = ",".join(map(str, best[1]))
+        print(f"best early tile at T=1: FT_MOE_GEMV_NVFP4_DOWN_EARLY={tile}", flush=True)
+
+
 SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router, "moe_gemv": sweep_moe_gemv,
             "moe_gemv_kernels": sweep_moe_gemv_kernels,
             "moe_gemv_planes": sweep_moe_gemv_planes, "moe_gemv_shared": sweep_moe_gemv_shared,
             "moe_gemv_int": sweep_moe_gemv_int, "moe_gemv_stages": sweep_moe_gemv_stages,
+            "moe_gemv_early": sweep_moe_gemv_early,
             "grouped": sweep_grouped, "grouped_w4a16": sweep_grouped_w4a16,
             "grouped_w4a16_gluon": sweep_grouped_w4a16_gluon, "conv": sweep_conv,
             "extend": sweep_extend}  # fmt: skip

@@ -177,6 +177,17 @@ NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "1
 # run_gpu_tests.sh kernels gave 558 passed and the offload NVFP4 tests 19 passed (2026-12-02 05:10).
 FP4_INT_DOT = os.environ.get("FT_MOE_GEMV_FP4_INT_DOT", "1") != "0"
 NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
+# The down kernel's NVFP4 routed rows asked for before its PDL wait (``EARLY_DOWN``, off until
+# timed): with PDL's early launch the down launch starts once every gate/up program has waited,
+# i.e. while gate/up's last wave runs, and its programs then have nothing to do but wait. Here each
+# routed program loads its pair's expert id, codes, scales, global and routing weight first (the
+# router that wrote ids and weights ended before gate/up's programs passed their waits), then waits
+# and reads only the activations: the expert-id -> rows chain of two DRAM latencies and the rows'
+# own transfer leave the step's critical path. One K step for the whole of I (I <= BLOCK_K), tiles
+# ``NVFP4_DOWN_EARLY``; device rows only (no host reads, no separate down ids). Same arithmetic as
+# the words at BLOCK_K = I (the shipped 256 sums two steps: another fp32 order).
+EARLY_DOWN = os.environ.get("FT_MOE_GEMV_EARLY_DOWN", "0") != "0"
+NVFP4_DOWN_EARLY = _tiles_from_env("NVFP4_DOWN_EARLY", (8, 512, 2, 1))
 
 
 def launch_moe_gemv(
@@ -266,7 +277,10 @@ def launch_moe_gemv(
     # words in the down kernel only beside words in gate/up (``FP4_PLANES=0``: bytes in both), codes
     # 4-byte aligned
     down_planes = planes and FP4_DOWN_PLANES and word_aligned(b2, *h2[:1])
-    down_n, down_k, down_warps, down_stages = NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
+    early = down_planes and EARLY_DOWN and host is None and down is None and inter <= NVFP4_DOWN_EARLY[1]
+    down_n, down_k, down_warps, down_stages = (
+        NVFP4_DOWN_EARLY if early else NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
+    )
     if host_stages is not None:
         down_stages = host_stages[1]
     bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
@@ -281,7 +295,7 @@ def launch_moe_gemv(
         s_it=down_ids.stride(0), s_ik=down_ids.stride(1), s_lt=logit.stride(0), unfold=UNFOLD,
     )  # fmt: skip
     down_tiles = dict(BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, PLANES=down_planes,
-                      LOOP_STAGES=down_stages if PIPELINE else 1,
+                      LOOP_STAGES=down_stages if PIPELINE else 1, EARLY=early,
                       SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0)  # fmt: skip
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         **gate_up, **flags, **up_tiles, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER, **up_launch,
