@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ft.layers.pdl import wait_for_previous
-from ft.moe.kernels.fp4_words import INPUT_BY, code, fp4_words, input_pair
+from ft.moe.kernels.fp4_words import INPUT_BY, code, fp4_words, input_pair, input_quads
 from ft.moe.kernels.moe_gemv_kernels import _expert, _inputs, _plain_rows, _rows
 
 
@@ -49,11 +49,16 @@ def _early_words(act_row, topk_ids, topk_w, b, b_scale, b_global, n, nmask, K, s
     glob = tl.load(g_e + n, mask=nmask, other=0.0)
     scale = tl.load(topk_w + tok * s_wt + slot * s_wk, cache_modifier=".cg").to(tl.float32)
     wait_for_previous(USE_PDL)
+    lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3 = input_quads(act_row, K, EVEN_K, BLOCK_K, INPUT_BY)
     bd = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
-    for q in tl.static_range(4):
-        lo, hi = input_pair(act_row, 0, q, K, EVEN_K, BLOCK_K, INPUT_BY)
-        bd += code(wd, 2 * q) * lo
-        bd += code(wd, 2 * q + 1) * hi
+    bd += code(wd, 0) * lo0
+    bd += code(wd, 1) * hi0
+    bd += code(wd, 2) * lo1
+    bd += code(wd, 3) * hi1
+    bd += code(wd, 4) * lo2
+    bd += code(wd, 5) * hi2
+    bd += code(wd, 6) * lo3
+    bd += code(wd, 7) * hi3
     dot = tl.sum(tl.sum(tl.sum(bd, axis=2, keep_dims=True) * sd, axis=2), axis=1)
     return dot * (glob * (scale * unfold))
 
