@@ -129,6 +129,11 @@ def entries():
                                   "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
                         label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
                         yield label, moe_gemv_kernels._gate_up_kernel, int_ptrs, consts, iw, st
+                        if st == i_s and not host:  # the loop unrolled (``GATE_UP_UNROLL``)
+                            for unroll in (2, 4):
+                                label_u = f"{label}, unrolled {unroll}"
+                                consts_u = {**consts, "UNROLL": unroll}
+                                yield label_u, moe_gemv_kernels._gate_up_kernel, int_ptrs, consts_u, iw, st
                     for st in (ds, *extra):  # the down kernel on words
                         dp = {**common, "LOOP_STAGES": st, "HOST": host, "PLANES": True, "BLOCK_N": dn,
                               "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip

@@ -726,22 +726,25 @@ def sweep_moe_gemv_stages() -> None:
 
 def sweep_moe_gemv_early() -> None:
     """The NVFP4 MoE GEMV's down kernel with its routed rows loaded before the PDL wait
-    (``EARLY_DOWN``, one K step for all of I) at several tiles, against the shipped down kernel;
-    gate/up as shipped, the bf16 shared pair, gate/up + down a call over 8 routings (in a graph, so
-    each down launch follows its gate/up as in a decode step), two passes. The last line names the
+    (``EARLY_DOWN``, one K step for all of I) at several tiles, and the integer gate/up loop
+    unrolled (``GATE_UP_UNROLL``), against the shipped kernels; the bf16 shared pair, gate/up +
+    down a call over 8 routings (in a graph, so each down launch follows its gate/up as in a decode
+    step), two passes. The last line names the
     best early tile as an environment variable."""
     mod = triton_moe_gemv
-    saved = {n: getattr(mod, n) for n in ("EARLY_DOWN", "NVFP4_DOWN_EARLY")}
+    saved = {n: getattr(mod, n) for n in ("EARLY_DOWN", "NVFP4_DOWN_EARLY", "GATE_UP_UNROLL")}
     tiles = [(8, 512, 2, 1), (4, 512, 2, 1), (2, 512, 2, 1), (8, 512, 4, 1), (4, 512, 4, 1), (16, 512, 8, 1)]
-    combos = [(False, saved["NVFP4_DOWN_EARLY"])] + [(True, tile) for tile in tiles]
+    shipped = saved["NVFP4_DOWN_EARLY"]
+    combos = [(False, shipped, 1), (False, shipped, 2), (False, shipped, 4)] + [(True, t, 1) for t in tiles]
     if DRY:
-        combos = combos[:2]
+        combos = combos[:1] + combos[-1:]
 
     def set_combo(c):
-        mod.EARLY_DOWN, mod.NVFP4_DOWN_EARLY = c
+        mod.EARLY_DOWN, mod.NVFP4_DOWN_EARLY, mod.GATE_UP_UNROLL = c
 
     def label(c) -> str:
-        return f"early down {c[1]}" if c[0] else "shipped down"
+        unrolled = f", gate/up unrolled {c[2]}" if c[2] > 1 else ""
+        return (f"early down {c[1]}" if c[0] else "shipped down") + unrolled
 
     first = nvfp4_two_passes("NVFP4 MoE GEMV, the down rows before the wait", combos, set_combo, saved, label)
     early = [c for c in first if c[0]]

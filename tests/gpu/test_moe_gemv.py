@@ -356,3 +356,16 @@ def test_early_down_rows_equal_the_words(t, inter, monkeypatch):
         graph.replay()
         for out, expected in zip(outs, want):
             assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_unrolled_integer_gate_up_gives_the_same_bits(t, monkeypatch):
+    """``triton_moe_gemv.GATE_UP_UNROLL`` (the integer gate/up loop unrolled) changes no bit."""
+    from ft.moe.kernels import triton_moe_gemv as mod
+
+    x, w13, w2, weights, ids = problem("nvfp4", t, 512, 512, 2048, 10, seed=30 + t)
+    shared = shared_pair(t, 512, seed=8)
+    want = mod.fused_moe_gemv(x, w13, w2, weights, ids, shared)
+    for unroll in (2, 4):
+        monkeypatch.setattr(mod, "GATE_UP_UNROLL", unroll)
+        assert torch.equal(mod.fused_moe_gemv(x, w13, w2, weights, ids, shared), want), unroll

@@ -101,14 +101,14 @@ def _gate_up_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
-    INT_DOT: tl.constexpr = False, ASM: tl.constexpr = True,
+    INT_DOT: tl.constexpr = False, ASM: tl.constexpr = True, UNROLL: tl.constexpr = 1,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     gate_up_tile(
         tl.program_id(0), tl.program_id(1), x, xq, xf, b, b_scale, b_global, host_b, host_scale, host_global,
         shared_b, act, topk_ids, N, K, s_xt, s_qt, s_ft, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_at, s_it, s_ik,
         unfold, TOPK, SHARED, FP4, EVEN_K, BLOCK_N, BLOCK_K, LOOP_STAGES, HOST, PLANES, SHARED_BLOCK_K,
-        INT_DOT, ASM,
+        INT_DOT, ASM, UNROLL,
     )  # fmt: skip
 
 
@@ -119,6 +119,7 @@ def gate_up_tile(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr, HOST: tl.constexpr,
     PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, INT_DOT: tl.constexpr, ASM: tl.constexpr,
+    UNROLL: tl.constexpr = 1,
 ):  # fmt: skip
     # act[p, n] = silu(gate) · up for pair p = (tok, slot), BLOCK_N rows n of I (up rows are N below)
     # in row block ``block``; with SHARED, slot TOPK of each token is the shared expert: bf16 rows
@@ -155,7 +156,8 @@ def gate_up_tile(
                 up = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
                 xq_row = xq + tok.to(tl.int64) * s_qt
                 xf_row = xf + tok.to(tl.int64) * s_ft
-                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                # UNROLL > 1: ptxas may issue a later step's loads before this step's products
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES, loop_unroll_factor=UNROLL):
                     g_lo, g_hi, sg = int_dot.fp4_blocks(
                         b_e, s_e, n, k0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K
                     )

@@ -186,6 +186,11 @@ NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
 # own transfer leave the step's critical path. One K step for the whole of I (I <= BLOCK_K), tiles
 # ``NVFP4_DOWN_EARLY``; device rows only (no host reads, no separate down ids). Same arithmetic as
 # the words at BLOCK_K = I (the shipped 256 sums two steps: another fp32 order).
+# The integer gate/up loop unrolled by GATE_UP_UNROLL (1: not, the default; Triton's
+# loop_unroll_factor): four 512-wide steps a row at Qwen3-Next's H, each waiting for its own loads
+# at one stage (more stages lost, 2026-12-03); unrolled, ptxas may issue a later step's loads
+# first (compiled for sm_90: 48 registers at 4 against 40). Same arithmetic, same bits. Untimed.
+GATE_UP_UNROLL = int(os.environ.get("FT_MOE_GEMV_GATE_UP_UNROLL", "1"))
 EARLY_DOWN = os.environ.get("FT_MOE_GEMV_EARLY_DOWN", "0") != "0"
 NVFP4_DOWN_EARLY = _tiles_from_env("NVFP4_DOWN_EARLY", (8, 512, 2, 1))
 
@@ -298,7 +303,8 @@ def launch_moe_gemv(
                       LOOP_STAGES=down_stages if PIPELINE else 1, EARLY=early,
                       SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0)  # fmt: skip
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
-        **gate_up, **flags, **up_tiles, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER, **up_launch,
+        **gate_up, **flags, **up_tiles, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER,
+        UNROLL=GATE_UP_UNROLL if int_products else 1, **up_launch,
     )  # fmt: skip
     if before_down is not None:
         before_down()
