@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# below this temperature a request is greedy, as in vLLM (its _SAMPLING_EPS): dividing the logits
+# by ~1e-38 overflows them to inf and their softmax to NaN
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -56,7 +60,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalises(self) -> bool:

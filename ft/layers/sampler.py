@@ -175,7 +175,7 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
     ) -> torch.Tensor:
-        """Tokens [R] for rows with temperature > 0, left on the device."""
+        """Tokens [R] for rows that are not ``greedy``, left on the device."""
         device, vocab = logits.device, logits.shape[-1]
         temperature = upload_values([p.temperature for p in params], torch.float32, device)
         scaled = logits.float() / temperature[:, None]  # [R, V]
