@@ -27,7 +27,8 @@ class SamplingParams:
     # logit by r and multiplies a negative one by r for every token of the prompt or the output so
     # far; ``frequency_penalty`` f and ``presence_penalty`` p take f x (its count in the output)
     # and p (once it is there) off a token's logit, in that order; then ``min_p`` drops the
-    # tokens less likely than min_p x the likeliest (sampled rows, after temperature, top-k, top-p)
+    # tokens less likely than min_p x the likeliest (sampled rows, after temperature and before
+    # top-k and top-p, as vLLM: top-p weighs what min-p keeps)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -24,3 +24,26 @@ def test_a_temperature_below_epsilon_is_greedy(temperature, seed):
     assert got == logits.argmax(-1).tolist()
     assert params.greedy
     assert not SamplingParams(temperature=1e-5).greedy  # vLLM's epsilon itself samples
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_min_p_cuts_before_top_p_weighs(seed):
+    """vLLM (v1) applies min-p after temperature and before top-k / top-p, so top-p weighs the
+    min-p survivors' renormalised mass. Here min-p 0.3 keeps tokens 0-2 ([4, 3, 2] / 9); top-p 0.75
+    then keeps 0 and 1 (4/9 < 0.75 <= 7/9). Top-p first, over the whole vocabulary, kept token 2
+    too (0.4 + 0.3 < 0.75)."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    params = SamplingParams(temperature=1.0, top_p=0.75, min_p=0.3, seed=seed)
+    n = 4000
+    picks = Sampler(CPU, 0)(probs.log().float().expand(n, -1), [params] * n, list(range(n)))
+    counts = torch.bincount(torch.tensor([r.token_id for r in picks]), minlength=4).double()
+    # the reference: min-p's cut, renormalise, then top-p's over the survivors
+    kept = probs * (probs >= params.min_p * probs.max())
+    kept = kept / kept.sum()
+    ahead = kept.sort(descending=True)
+    before = ahead.values.cumsum(0) - ahead.values  # the mass sorted ahead of each token
+    top = torch.zeros_like(kept).index_put_((ahead.indices,), ahead.values * (before < params.top_p))
+    want = top / top.sum()
+    assert bool((counts[want == 0] == 0).all()), counts.tolist()
+    sigma = (n * want * (1 - want)).sqrt()
+    assert bool(((counts - n * want).abs() <= 5 * sigma + 1e-9).all()), (counts.tolist(), want.tolist())

@@ -179,14 +179,15 @@ class Sampler:
         device, vocab = logits.device, logits.shape[-1]
         temperature = upload_values([p.temperature for p in params], torch.float32, device)
         scaled = logits.float() / temperature[:, None]  # [R, V]
-        if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-            threshold = keep_threshold(scaled, [p.top_k for p in params], [p.top_p for p in params])
-            scaled.masked_fill_(scaled < threshold, float("-inf"))
+        # min-p first, as vLLM: top-p then weighs the mass of the tokens min-p keeps
         if any(p.min_p > 0 for p in params):  # p / p_max >= min_p, in logits: s >= s_max + log(min_p)
             floor = upload_values(
                 [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], torch.float32, device
             )
             scaled.masked_fill_(scaled < scaled.amax(-1, keepdim=True) + floor[:, None], float("-inf"))
+        if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+            threshold = keep_threshold(scaled, [p.top_k for p in params], [p.top_p for p in params])
+            scaled.masked_fill_(scaled < threshold, float("-inf"))
         probs = scaled.softmax(-1)
         noise = torch.empty_like(probs)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
