@@ -18,13 +18,14 @@ CACHE_POLICIES = ("lru", "lfu")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
-def parse_size(size: str | int | None) -> int | None:
-    """Bytes of ``48GiB``, ``48G`` / ``48GB`` (decimal), ``512MiB``, ``1.5TiB`` or a plain integer."""
+def parse_size(size: str | int | None, what: str = "size") -> int | None:
+    """Bytes of ``48GiB``, ``48G`` / ``48GB`` (decimal), ``512MiB``, ``1.5TiB`` or a plain integer;
+    ``what`` names the value in the error."""
     if size is None or isinstance(size, int):
         return size
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", size.lower())
     if not m:
-        raise ValueError(f"size {size!r}: expected a number with an optional unit, e.g. 48GiB or 500MB")
+        raise ValueError(f"{what}={size!r}: expected a number with an optional unit, e.g. 48GiB or 500MB")
     number, unit, binary = m.groups()
     scale = 1024 ** "_kmgt".index(unit) if binary else _UNITS[unit]
     return int(float(number) * scale)
@@ -114,9 +115,14 @@ class EngineConfig:
                 f"(known: {', '.join(CACHE_POLICIES)})"
             )
         for name in ("max_gpu_memory", "max_host_memory"):
-            size = parse_size(getattr(self, name))
+            size = parse_size(getattr(self, name), f"EngineConfig.{name}")
             if size is not None and size <= 0:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be positive")
+        if self.dummy_routing_skew and self.load_format != "dummy":
+            raise ValueError(
+                f"EngineConfig.dummy_routing_skew={self.dummy_routing_skew!r} shapes the routers of dummy "
+                "weights only: it needs load_format='dummy' (--load-format dummy)"
+            )
         checks = [
             ("tp_size", self.tp_size >= 1),
             ("block_size", self.block_size >= 1),
@@ -128,6 +134,7 @@ class EngineConfig:
                 "max_num_batched_tokens",
                 self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
             ),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 1),
             ("dist_timeout_s", self.dist_timeout_s > 0),
             (
                 "expert_cache_fraction",
