@@ -26,3 +26,44 @@ def test_routing_skew_needs_dummy_weights(tmp_path):
 def test_unreadable_size_names_the_option(name, size):
     with pytest.raises(ValueError, match=rf"EngineConfig\.{name}={size!r}: expected a number"):
         EngineConfig(**DUMMY, **{name: size})
+
+
+def dummy_engine(tmp_path, raw: dict, **options):
+    import json
+
+    from ft.engine.engine import LLMEngine
+
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = EngineConfig(config_file=str(tmp_path / "config.json"), load_format="dummy", device="cpu",
+                       progress=False, **options)  # fmt: skip
+    return LLMEngine(cfg)
+
+
+@pytest.mark.parametrize(
+    "family,options,why",
+    [
+        ("qwen3_next", dict(tp_size=3), r"linear_num_key_heads over tp ranks: 2 is not divisible by 3"),
+        ("qwen3_moe", dict(tp_size=8), r"4 attention heads cannot be split over 8 ranks"),
+        ("qwen3_moe", dict(tp_size=4), r"moe_intermediate_size over tp ranks: 6 is not divisible by 4"),
+        ("qwen3_moe", dict(tp_size=2, quantize_experts="nvfp4"), r"NVFP4 experts: .* multiples of 16"),
+    ],
+)
+def test_tp_size_that_does_not_shard_the_model_is_refused_before_ranks_start(tmp_path, family, options, why):
+    """The sharding rules of the layers are checked in this process, on a model built on the meta
+    device, so the error names --tp-size and comes before any rank is spawned or weight read."""
+    from tests.checkpoints import QWEN3_MOE_BASE, QWEN3_NEXT_BASE
+
+    base = QWEN3_NEXT_BASE if family == "qwen3_next" else QWEN3_MOE_BASE
+    raw = base | dict(model_type=family, moe_intermediate_size=6 if options["tp_size"] == 4 else 16)
+    tp = options["tp_size"]
+    with pytest.raises(ValueError, match=rf"EngineConfig\.tp_size={tp} does not fit the model: {why}"):
+        dummy_engine(tmp_path, raw, **options)
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused(tmp_path):
+    from tests.checkpoints import QWEN3_MOE_BASE
+
+    raw = QWEN3_MOE_BASE | dict(model_type="qwen3_moe", max_position_embeddings=512)
+    with pytest.raises(ValueError, match=r"max_model_len=1024 .* max_position_embeddings of 512"):
+        dummy_engine(tmp_path, raw, max_model_len=1024)
+    assert dummy_engine(tmp_path, raw, max_model_len=512).max_model_len == 512

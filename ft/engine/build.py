@@ -30,6 +30,22 @@ def effective_model_config(cfg: EngineConfig, mc: ModelConfig) -> ModelConfig:
     return mc
 
 
+def check_fits(cfg: EngineConfig, mc: ModelConfig) -> None:
+    """Refuse options the model cannot take, in the caller's process before any rank starts: a
+    --max-model-len beyond its positions, or a --tp-size its layers cannot shard (whatever the
+    layers refuse, on a model for the first rank built on the meta device, reading nothing).
+    ``mc``: the effective config (``effective_model_config``)."""
+    if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
+        raise ValueError(
+            f"EngineConfig.max_model_len={cfg.max_model_len} is beyond the model's "
+            f"max_position_embeddings of {mc.max_position_embeddings}"
+        )
+    try:
+        build_model(mc, TPInfo(0, cfg.tp_size), "meta", cfg.torch_dtype(mc.dtype))
+    except ValueError as e:
+        raise ValueError(f"EngineConfig.tp_size={cfg.tp_size} does not fit the model: {e}") from None
+
+
 def build_model(
     mc: ModelConfig,
     tp: TPInfo,
