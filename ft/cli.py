@@ -161,10 +161,26 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
 
 
+def engine_config(command: str, options: dict):
+    """The ``EngineConfig`` of ``options``, checked against the model's config.json (reading no
+    weight), or an exit with the message that names the bad option: no traceback, nothing started."""
+    from ft.config import EngineConfig
+    from ft.engine.build import model_config_of
+
+    try:
+        cfg = EngineConfig(**options)
+        model_config_of(cfg)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"ft {command}: {e}") from None
+    return cfg
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ft import LLM, SamplingParams
 
-    with LLM(**engine_options(args)) as llm:
+    options = engine_options(args)
+    engine_config("generate", options)
+    with LLM(**options) as llm:
         prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -182,13 +198,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from ft.engine.build import tp_refusal
     from ft.models.config_json import load_model_config
     from ft.models.info import format_info
 
-    sizes = [int(s) for s in str(args.tp_size).split(",")]
-    mc = load_model_config(args.model or args.config_file)
+    try:
+        sizes = [int(s) for s in str(args.tp_size).split(",")]
+    except ValueError:
+        raise SystemExit(f"ft info: --tp-size {args.tp_size!r}: expected sizes like 1,2,4,8") from None
+    try:
+        mc = load_model_config(args.model or args.config_file)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"ft info: {e}") from None
     if args.quantize_experts:
         mc = replace(mc, expert_format=args.quantize_experts)
+    for tp in sizes:
+        why = "must be at least 1" if tp < 1 else tp_refusal(mc, tp)
+        if why:
+            raise SystemExit(f"ft info: --tp-size {tp}: {why}")
     print(format_info(mc, sizes))
     return 0
 

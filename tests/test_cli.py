@@ -71,3 +71,84 @@ def test_prefix_snapshot_slots_reach_the_state_pool(tmp_path):
         with LLM(model=str(tmp_path), device="cpu", progress=False, max_running_requests=4,
                  prefix_snapshot_slots=slots) as llm:  # fmt: skip
             assert llm.engine.plan.num_snapshots == want
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    import json
+
+    from tests.checkpoints import QWEN3_NEXT_BASE
+
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(QWEN3_NEXT_BASE | dict(model_type="qwen3_next")))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["--memory-ratio", "2"], r"memory_ratio=2\.0 is out of range"),
+        (["--max-gpu-memory", "lots"], r"max_gpu_memory='lots': expected a number"),
+        (["--tp-size", "3"], r"tp_size=3 does not fit the model: linear_num_key_heads"),
+        (["--max-model-len", "4096"], r"max_model_len=4096 is beyond the model's max_position_embeddings"),
+    ],
+)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "--prompt", "1", "--token-ids"],
+        ["bench", "offline", "--input-len", "8", "--output-len", "4", "--prefill-lens", ""],
+    ],
+)
+def test_bad_engine_options_exit_with_their_name(tiny_config, command, argv, why):
+    """Every command that starts an engine says which option is wrong, as a message (no traceback),
+    before any rank starts or weight is read."""
+    from ft.cli import main
+
+    argv = [*command, "--config", tiny_config, "--load-format", "dummy", "--device", "cpu", *argv]
+    with pytest.raises(SystemExit, match=rf"^ft {command[0]}: .*{why}"):
+        main(argv)
+
+
+def test_bench_says_it_chose_a_max_model_len_beyond_the_models_positions(tiny_config):
+    from ft.cli import main
+
+    argv = ["bench", "offline", "--config", tiny_config, "--load-format", "dummy", "--device", "cpu"]
+    why = r"max_model_len=32769 is beyond .* 512; ft bench sets max_model_len to its longest request"
+    with pytest.raises(SystemExit, match=why):
+        main(argv)
+
+
+def test_serve_refuses_a_tp_size_before_starting_the_engine(tiny_config, capsys):
+    from ft.cli import main
+
+    argv = ["serve", "--config", tiny_config, "--load-format", "dummy", "--device", "cpu", "--tp-size", "3"]
+    assert main(argv) == 2
+    assert "ft serve: EngineConfig.tp_size=3 does not fit the model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "tp,why",
+    [
+        ("0", r"--tp-size 0: must be at least 1"),
+        ("-2", r"--tp-size -2: must be at least 1"),
+        ("1,x", r"--tp-size '1,x': expected sizes like 1,2,4,8"),
+        ("", r"--tp-size '': expected sizes like 1,2,4,8"),
+        ("1,3", r"--tp-size 3: linear_num_key_heads over tp ranks: 2 is not divisible by 3"),
+    ],
+)
+def test_info_refuses_a_bad_tp_size_by_name(tiny_config, tp, why):
+    from ft.cli import main
+
+    with pytest.raises(SystemExit, match=rf"^ft info: {why}"):
+        main(["info", "--config", tiny_config, "--tp-size", tp])
+
+
+def test_info_names_a_config_it_cannot_read(tmp_path):
+    from ft.cli import main
+
+    with pytest.raises(SystemExit, match=r"^ft info: no config\.json at"):
+        main(["info", "--model", str(tmp_path)])
+    (tmp_path / "config.json").write_text('{"model_type": "llama9"}')
+    with pytest.raises(SystemExit, match=r"^ft info: .*config field model_type: 'llama9'"):
+        main(["info", "--model", str(tmp_path)])

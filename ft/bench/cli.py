@@ -112,8 +112,7 @@ def cmd_offline(args) -> int:
     from ft.bench.census import CENSUS_TOKENS
     from ft.bench.offline import bench
     from ft.bench.report import as_dict, format_report
-    from ft.cli import engine_options
-    from ft.config import EngineConfig
+    from ft.cli import engine_config, engine_options
     from ft.moe.backends.sizing import DEFAULT_RUNNING
 
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
@@ -134,9 +133,21 @@ def cmd_offline(args) -> int:
     options |= {"dummy_routing_skew": skews[0], "expert_cache_policy": policies[0]}
     census_len = args.input_len + CENSUS_TOKENS + args.census_batch if args.census else 0
     longest = max([n + 1 for n in prefill] + [args.input_len + args.output_len + 1, census_len])
-    options["max_model_len"] = options.get("max_model_len") or longest
+    hint = ""
+    if not options.get("max_model_len"):
+        options["max_model_len"] = longest
+        hint = (
+            f"; ft bench sets max_model_len to its longest request, {longest} tokens (--prefill-lens, "
+            "--input-len + --output-len): shorten those"
+        )
+    try:
+        cfg = engine_config("bench", options)
+    except SystemExit as e:
+        if hint and "max_model_len" in str(e):
+            raise SystemExit(f"{e}{hint}") from None
+        raise
     reports = bench(
-        EngineConfig(**options),
+        cfg,
         sizes,
         args.input_len,
         args.output_len,

@@ -16,6 +16,7 @@ import torch
 from ft.config import EngineConfig
 from ft.distributed import TPInfo, tp_context
 from ft.models.config import ModelConfig
+from ft.models.config_json import load_model_config
 from ft.models.registry import model_class
 from ft.moe.backends import banks_on
 
@@ -30,20 +31,36 @@ def effective_model_config(cfg: EngineConfig, mc: ModelConfig) -> ModelConfig:
     return mc
 
 
+def model_config_of(cfg: EngineConfig, mc: ModelConfig | None = None) -> ModelConfig:
+    """The config this engine builds (``effective_model_config``) of the checkpoint's (read from
+    ``cfg.model_path`` unless given), with the options it cannot take refused (``check_fits``)."""
+    mc = effective_model_config(cfg, mc or load_model_config(cfg.model_path))
+    check_fits(cfg, mc)
+    return mc
+
+
 def check_fits(cfg: EngineConfig, mc: ModelConfig) -> None:
     """Refuse options the model cannot take, in the caller's process before any rank starts: a
-    --max-model-len beyond its positions, or a --tp-size its layers cannot shard (whatever the
-    layers refuse, on a model for the first rank built on the meta device, reading nothing).
-    ``mc``: the effective config (``effective_model_config``)."""
+    --max-model-len beyond its positions, or a --tp-size its layers cannot shard. ``mc``: the
+    effective config (``effective_model_config``)."""
     if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
         raise ValueError(
             f"EngineConfig.max_model_len={cfg.max_model_len} is beyond the model's "
             f"max_position_embeddings of {mc.max_position_embeddings}"
         )
+    why = tp_refusal(mc, cfg.tp_size, cfg.torch_dtype(mc.dtype))
+    if why:
+        raise ValueError(f"EngineConfig.tp_size={cfg.tp_size} does not fit the model: {why}")
+
+
+def tp_refusal(mc: ModelConfig, tp_size: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why the layers cannot shard ``mc`` over ``tp_size`` ranks (None when they can): whatever
+    they refuse, on a model for the first rank built on the meta device, reading nothing."""
     try:
-        build_model(mc, TPInfo(0, cfg.tp_size), "meta", cfg.torch_dtype(mc.dtype))
+        build_model(mc, TPInfo(0, tp_size), "meta", dtype)
     except ValueError as e:
-        raise ValueError(f"EngineConfig.tp_size={cfg.tp_size} does not fit the model: {e}") from None
+        return str(e)
+    return None
 
 
 def build_model(

@@ -11,10 +11,9 @@ import itertools
 from dataclasses import dataclass, replace
 
 from ft.config import EngineConfig
-from ft.engine.build import check_fits, effective_model_config
+from ft.engine.build import model_config_of
 from ft.engine.executor import make_executor
 from ft.models.config import ModelConfig
-from ft.models.config_json import load_model_config
 from ft.sampling_params import RequestOutput, SamplingParams
 from ft.scheduler.kv_pool import BlockAllocator
 from ft.scheduler.radix_cache import RadixCache
@@ -96,8 +95,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, model_config: ModelConfig | None = None) -> None:
         self.cfg = cfg
-        self.model_config = effective_model_config(cfg, model_config or load_model_config(cfg.model_path))
-        check_fits(cfg, self.model_config)
+        self.model_config = model_config_of(cfg, model_config)
         self.executor = make_executor(cfg, self.model_config)
         plan = self.executor.plan
         self.plan = plan

@@ -55,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("ft serve: --max-waiting-requests must be at least 1", file=sys.stderr)
         return 2
     from ft.config import EngineConfig
+    from ft.engine.build import model_config_of
     from ft.generation_config import sampling_defaults
     from ft.server.engine_client import EngineClient, EngineDeadError
 
@@ -64,7 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
         )
         defaults = sampling_defaults(cfg.generation_config, cfg.model)
-    except ValueError as e:
+        model_config_of(cfg)  # options the model cannot take, before the engine process starts
+    except (ValueError, OSError) as e:
         print(f"ft serve: {e}", file=sys.stderr)
         return 2
     try:
