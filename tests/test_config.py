@@ -114,3 +114,35 @@ def test_truncated_checkpoint_read_for_a_config_fact_is_named(tmp_path):
         f.truncate(file.stat().st_size // 2)
     with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
         load_model_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("raw", [NEXT | dict(model_type="llama9"), NEXT | dict(num_experts_per_tok=9)])
+def test_a_field_error_names_the_file(tmp_path, raw):
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'config.json'}: config field"):
+        parse(tmp_path, raw)
+
+
+def test_a_file_that_is_not_an_object_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config\.json: not a JSON object"):
+        load_model_config(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("vocab_size", 0),
+        ("hidden_size", -1),
+        ("num_hidden_layers", 0),
+        ("num_attention_heads", 0),
+        ("head_dim", 0),
+        ("max_position_embeddings", 0),
+        ("num_hidden_layers", "4"),
+    ],
+)
+def test_sizes_below_one_are_named(tmp_path, field, value):
+    from tests.reference.qwen4_exp_ckpt import tiny_qwen4_exp_config
+
+    raw = tiny_qwen4_exp_config() | {field: value}
+    with pytest.raises(ValueError, match=rf"config field {field}: {value!r} must be a positive integer"):
+        parse(tmp_path, raw)

@@ -14,6 +14,12 @@ from ft.quant.declaration import QuantDeclaration
 
 LAYER_TYPES = ("full_attention", "linear_attention")
 MLP_TYPES = ("moe", "dense")
+# fields that must be positive integers, and the config.json names errors give them by
+POSITIVE = dict(
+    vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
+    num_heads="num_attention_heads", num_kv_heads="num_key_value_heads", head_dim="head_dim",
+    max_position_embeddings="max_position_embeddings",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,10 @@ class ModelConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"config field {name}: {why}")
 
+        for name, key in POSITIVE.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(key, f"{value!r} must be a positive integer")
         if len(self.layer_types) != self.num_layers:
             raise bad("layer_types", f"{len(self.layer_types)} entries for {self.num_layers} layers")
         for i, t in enumerate(self.layer_types):

@@ -61,9 +61,12 @@ def _common(raw: dict[str, Any]) -> dict[str, Any]:
     for name in COMMON_REQUIRED:  # transformers' defaults fill them, except for a family of ours
         if name not in raw:
             raise ValueError(f"config field {name}: required for {raw['model_type']}")
+        if not isinstance(raw[name], int) or raw[name] < 1:  # before the sizes derived from them
+            raise ValueError(f"config field {name}: {raw[name]!r} must be a positive integer")
     n = raw["num_hidden_layers"]
     theta, factor = _rope(raw)
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    head_dim = raw.get("head_dim")
+    head_dim = raw["hidden_size"] // raw["num_attention_heads"] if head_dim is None else head_dim
     quant = parse_declaration(raw.get("quantization_config"), raw.get("hf_quant_config"))
     mlp_types = _mlp_types(raw, n)
     moe = [i for i, t in enumerate(mlp_types) if t == "moe"]  # a dense layer 0 declares no expert format
@@ -186,14 +189,21 @@ SPEC_MODEL_TYPES = ("qwen4_exp",)
 def _read_json(file: str) -> dict[str, Any]:
     with open(file) as f:
         try:
-            return json.load(f)
+            body = json.load(f)
         except json.JSONDecodeError as e:  # its message names a line, not the file
             raise ValueError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise ValueError(f"{file}: not a JSON object (a {type(body).__name__})")
+    return body
+
+
+def _config_file(path: str) -> str:
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
 def load_raw_config(path: str) -> dict[str, Any]:
     """config.json of a checkpoint directory (or a config file), normalised by transformers if known."""
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    file = _config_file(path)
     if not os.path.exists(file):
         raise FileNotFoundError(f"no config.json at {path}")
     raw = _read_json(file)
@@ -234,4 +244,8 @@ def load_raw_config(path: str) -> dict[str, Any]:
 
 
 def load_model_config(path: str) -> ModelConfig:
-    return config_from_dict(load_raw_config(path))
+    raw = load_raw_config(path)
+    try:
+        return config_from_dict(raw)
+    except ValueError as e:  # its message names the field, not the file
+        raise ValueError(f"{_config_file(path)}: {e}") from None
