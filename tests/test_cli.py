@@ -152,3 +152,26 @@ def test_info_names_a_config_it_cannot_read(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama9"}')
     with pytest.raises(SystemExit, match=r"^ft info: .*config field model_type: 'llama9'"):
         main(["info", "--model", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["--load-format", "dummy", "--dummy-routing-skews", "0,-1"], r"skew=-1\.0 is out of range"),
+        (["--dummy-routing-skews", "0,1"], r"skew=1\.0 shapes the routers of dummy weights only"),
+        (["--load-format", "dummy", "--expert-cache-policies", "lru,mru"], r"expert_cache_policy: 'mru'"),
+        (["--load-format", "dummy", "--batch-sizes", "1,x"], r"--batch-sizes '1,x': expected"),
+        (["--load-format", "dummy", "--batch-sizes", "0"], r"--batch-sizes '0': expected"),
+        (["--load-format", "dummy", "--prefill-lens", "16,0"], r"--prefill-lens '16,0': expected"),
+    ],
+)
+def test_bench_variants_are_checked_before_the_model_loads(tiny_config, argv, why):
+    """Each variant ``ft bench offline`` switches to after loading is checked before it loads."""
+    import os
+
+    from ft.cli import main
+
+    argv = ["bench", "offline", "--model", os.path.dirname(tiny_config), "--device", "cpu", "--input-len",
+            "8", "--output-len", "4", "--prefill-lens", "", *argv]  # fmt: skip
+    with pytest.raises(SystemExit, match=rf"^ft bench: .*{why}"):
+        main(argv)

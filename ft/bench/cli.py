@@ -108,6 +108,17 @@ def add_offline_parser(bench_sub) -> None:
     p.set_defaults(func=cmd_offline)
 
 
+def _counts(flag: str, text: str) -> list[int]:
+    """The comma-separated positive integers of ``flag`` (empty: none)."""
+    try:
+        counts = [int(s) for s in text.split(",") if s]
+    except ValueError:
+        counts = [0]
+    if any(n < 1 for n in counts):
+        raise SystemExit(f"ft bench: {flag} {text!r}: expected positive integers, e.g. 1,8,16")
+    return counts
+
+
 def cmd_offline(args) -> int:
     from ft.bench.census import CENSUS_TOKENS
     from ft.bench.offline import bench
@@ -115,8 +126,8 @@ def cmd_offline(args) -> int:
     from ft.cli import engine_config, engine_options
     from ft.moe.backends.sizing import DEFAULT_RUNNING
 
-    sizes = [int(s) for s in args.batch_sizes.split(",") if s]
-    prefill = [int(s) for s in args.prefill_lens.split(",") if s]
+    sizes = _counts("--batch-sizes", args.batch_sizes)
+    prefill = _counts("--prefill-lens", args.prefill_lens)
     skews = [float(s) for s in (args.dummy_routing_skews or "").split(",") if s] or [args.dummy_routing_skew]
     policies = [s for s in (args.expert_cache_policies or "").split(",") if s] or [args.expert_cache_policy]
     variants = [(skew, policy) for skew in skews for policy in policies]
@@ -146,6 +157,8 @@ def cmd_offline(args) -> int:
         if hint and "max_model_len" in str(e):
             raise SystemExit(f"{e}{hint}") from None
         raise
+    for skew, policy in variants[1:]:  # switched to after the load: checked before it
+        engine_config("bench", options | {"dummy_routing_skew": skew, "expert_cache_policy": policy})
     reports = bench(
         cfg,
         sizes,
