@@ -24,7 +24,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.kernels.triton_moe_gemv", "FP4_DOWN_PLANES", "FT_MOE_GEMV_FP4_DOWN_PLANES"),
     ("ft.moe.kernels.triton_moe_gemv", "FP4_INT_DOT", "FT_MOE_GEMV_FP4_INT_DOT"),
     ("ft.moe.kernels.triton_moe_gemv", "HOST_TILES", "FT_MOE_GEMV_HOST_TILES"),
-    ("ft.moe.kernels.triton_moe_gemv", "EARLY_DOWN", "FT_MOE_GEMV_EARLY_DOWN"),
     ("ft.layers.triton_gemv", "SPLIT_K", "FT_GEMV_SPLIT_K"),
     ("ft.moe.kernels.triton_router_gemv", "FUSED_ROUTER", "FT_FUSED_ROUTER"),
     ("ft.moe.kernels.triton_router", "KEYS32", "FT_ROUTER_KEYS32"),

@@ -143,50 +143,10 @@ def check_moe_gemv_fp4_planes() -> None:
                 require(err < 1e-2, f"{what}: relative error {err:.3g} against the torch reference")
 
 
-def check_moe_gemv_early_down() -> None:
-    """``triton_moe_gemv.EARLY_DOWN`` (the down kernel's routed NVFP4 rows loaded before its PDL
-    wait, one K step for all of I) equals the words' down kernel at the same tiles bit for bit, and
-    the torch reference: k = 1, 3 and 10, I a power of two, one with a tail in its step (48) and one
-    of 320 (a 512 step), with and without a shared expert, programs in a shuffled order; an I over
-    the step (640) takes the shipped path."""
-    from ft.moe.kernels import triton_moe_gemv as mod
-    from ft.moe.kernels.nvfp4_torch import fused_moe_nvfp4_ref
-    from tests.nvfp4.test_w4a16_gpu import random_bank
-    from tests.test_moe_fusions_interp import programs_shuffled
-
-    gen = torch.Generator().manual_seed(3)
-    e, t, h = 12, 2, 64
-    mod.NVFP4_DOWN_PLANES = mod.NVFP4_DOWN_EARLY  # the words at the early tiles: the same sums
-    for k, inter, shared in ((10, 32, False), (3, 48, True), (1, 320, False), (3, 640, True)):
-        w13, w2 = random_bank(e, 2 * inter, h, gen), random_bank(e, h, inter, gen)
-        x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-        weights = torch.rand(t, k, generator=gen) / k
-        pair = None
-        if shared:
-            pair = (
-                (torch.randn(2 * inter, h, generator=gen) * h**-0.5).to(torch.bfloat16),
-                (torch.randn(h, inter, generator=gen) * inter**-0.5).to(torch.bfloat16),
-                torch.randn(t, 1, generator=gen).to(torch.bfloat16),
-            )
-        outs = []
-        for early in (False, True):
-            mod.EARLY_DOWN = early
-            with programs_shuffled(k + inter):
-                outs.append(mod.launch_moe_gemv(x, w13, w2, weights, ids, pair))
-        what = f"k={k} I={inter} shared={shared}"
-        require(torch.equal(outs[0], outs[1]), f"{what}: early down differs from the words' down")
-        if not shared:
-            want = fused_moe_nvfp4_ref(x.float(), w13, w2, weights, ids).float()
-            err = ((outs[1].float() - want).norm() / want.norm()).item()
-            require(err < 1e-2, f"{what}: relative error {err:.3g} against the torch reference")
-
-
 CHECKS = [
     "check_conv_decode_one_launch",
     "check_moe_gemv_down_order",
     "check_moe_gemv_fp4_planes",
-    "check_moe_gemv_early_down",
 ]
 
 

@@ -126,11 +126,12 @@ def entries():
                     int_ptrs = {**ptrs, "xq": "*i16", "xf": F32}
                     for st in (i_s, *extra):
                         consts = {**gu, "INT_DOT": True, "BLOCK_N": ib, "BLOCK_K": ik, "LOOP_STAGES": st,
-                                  "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK}  # fmt: skip
+                                  "SHARED_BLOCK_K": triton_moe_gemv.NVFP4_SHARED_BK,
+                                  "UNROLL": triton_moe_gemv.GATE_UP_UNROLL}  # fmt: skip
                         label = f"MoE GEMV gate/up {tag}, {words}, integer products, {st} stages"
                         yield label, moe_gemv_kernels._gate_up_kernel, int_ptrs, consts, iw, st
-                        if st == i_s and not host:  # the loop unrolled (``GATE_UP_UNROLL``)
-                            for unroll in (2, 4):
+                        if st == i_s and not host:  # the loop unrolled otherwise (``GATE_UP_UNROLL``)
+                            for unroll in {1, 4} - {triton_moe_gemv.GATE_UP_UNROLL}:
                                 label_u = f"{label}, unrolled {unroll}"
                                 consts_u = {**consts, "UNROLL": unroll}
                                 yield label_u, moe_gemv_kernels._gate_up_kernel, int_ptrs, consts_u, iw, st
@@ -139,12 +140,6 @@ def entries():
                               "BLOCK_K": dk, "EVEN_K": even}  # fmt: skip
                         label = f"MoE GEMV down by pair {tag}, {words}, {st} stages"
                         yield label, moe_gemv_down._down_pair_kernel, ptrs_pair, dp, dw, st
-                    if not host:  # the rows before the PDL wait (``EARLY_DOWN``), one K step
-                        en, ek, ew, es = triton_moe_gemv.NVFP4_DOWN_EARLY
-                        dp = {**common, "LOOP_STAGES": es, "PLANES": True, "BLOCK_N": en, "BLOCK_K": ek,
-                              "EVEN_K": even, "EARLY": True}  # fmt: skip
-                        label = f"MoE GEMV down by pair {tag}, {words}, early rows"
-                        yield label, moe_gemv_down._down_pair_kernel, ptrs_pair, dp, ew, es
     rope = {"q": BF, "k": BF, "v": BF, "q_w": BF, "k_w": BF, "positions": I64, "inv_freq": F32, "q_out": BF,
             "k_out": BF, "k_cache": BF, "v_cache": BF, "slots": I64}  # fmt: skip
     for store in (False, True):

@@ -1,7 +1,7 @@
 """Tile-config sweeps for the Triton kernels a decode step and a prefill launch most (not a test):
 
     python tests/gpu/config_sweep.py [gemv] [split_k] [router] [moe_gemv] [moe_gemv_kernels]
-        [moe_gemv_planes] [moe_gemv_shared] [moe_gemv_early] [grouped] [grouped_w4a16]
+        [moe_gemv_planes] [moe_gemv_shared] [moe_gemv_unroll] [grouped] [grouped_w4a16]
         [grouped_w4a16_gluon] [conv] [extend]
 
 (all sections when none is named). Shapes are Qwen3-Next's unless told: FT_SWEEP_GEMV=qwen3_30b,
@@ -614,11 +614,10 @@ def two_passes(combos: list, set_combo: Callable, saved: dict, calls: list[Calla
     return times, {c: sum(v) / 2 for c, v in times.items() if None not in v}
 
 
-def nvfp4_two_passes(title: str, combos: list, set_combo: Callable, saved: dict, label: Callable) -> dict:
+def nvfp4_two_passes(title: str, combos: list, set_combo: Callable, saved: dict, label: Callable) -> None:
     """``two_passes`` of the NVFP4 MoE GEMV with the shared pair (``nvfp4_calls_with_shared_pair``)
     at T = 1 and 2: each combination's mean and both times, fastest first, then those that failed
-    or disagreed (``label(c)`` names a combination). -> T=1's means (combination -> us)."""
-    first = {}
+    or disagreed (``label(c)`` names a combination)."""
     for t in (1, 2):
         calls = nvfp4_calls_with_shared_pair(t)
         times, ok = two_passes(combos, set_combo, saved, calls, calls[0]())
@@ -628,8 +627,6 @@ def nvfp4_two_passes(title: str, combos: list, set_combo: Callable, saved: dict,
         for c in combos:
             if c not in ok:
                 print(f"  {label(c)}: failed", flush=True)
-        first = first or ok
-    return first
 
 
 def sweep_moe_gemv_shared() -> None:
@@ -724,41 +721,27 @@ def sweep_moe_gemv_stages() -> None:
     nvfp4_two_passes("NVFP4 MoE GEMV, loop stages", combos, set_combo, saved, label)
 
 
-def sweep_moe_gemv_early() -> None:
-    """The NVFP4 MoE GEMV's down kernel with its routed rows loaded before the PDL wait
-    (``EARLY_DOWN``, one K step for all of I) at several tiles, and the integer gate/up loop
-    unrolled (``GATE_UP_UNROLL``), against the shipped kernels; the bf16 shared pair, gate/up +
-    down a call over 8 routings (in a graph, so each down launch follows its gate/up as in a decode
-    step), two passes. The last line names the
-    best early tile as an environment variable."""
+def sweep_moe_gemv_unroll() -> None:
+    """The NVFP4 MoE GEMV's integer gate/up loop unrolled (``GATE_UP_UNROLL``) 1, 2 and 4 times, the
+    down kernel as shipped, the bf16 shared pair; gate/up + down a call over 8 routings (in a
+    graph, as in a decode step), two passes. (2026-12-05 this section also timed the down kernel
+    with its rows loaded before the PDL wait, at six tiles: all slower, removed.)"""
     mod = triton_moe_gemv
-    saved = {n: getattr(mod, n) for n in ("EARLY_DOWN", "NVFP4_DOWN_EARLY", "GATE_UP_UNROLL")}
-    tiles = [(8, 512, 2, 1), (4, 512, 2, 1), (2, 512, 2, 1), (8, 512, 4, 1), (4, 512, 4, 1), (16, 512, 8, 1)]
-    shipped = saved["NVFP4_DOWN_EARLY"]
-    combos = [(False, shipped, 1), (False, shipped, 2), (False, shipped, 4)] + [(True, t, 1) for t in tiles]
-    if DRY:
-        combos = combos[:1] + combos[-1:]
+    saved = {"GATE_UP_UNROLL": mod.GATE_UP_UNROLL}
+    combos = [1, 2, 4][: 2 if DRY else 3]
 
     def set_combo(c):
-        mod.EARLY_DOWN, mod.NVFP4_DOWN_EARLY, mod.GATE_UP_UNROLL = c
+        mod.GATE_UP_UNROLL = c
 
-    def label(c) -> str:
-        unrolled = f", gate/up unrolled {c[2]}" if c[2] > 1 else ""
-        return (f"early down {c[1]}" if c[0] else "shipped down") + unrolled
-
-    first = nvfp4_two_passes("NVFP4 MoE GEMV, the down rows before the wait", combos, set_combo, saved, label)
-    early = [c for c in first if c[0]]
-    if early:
-        best = min(early, key=first.get)
-        tile = ",".join(map(str, best[1]))
-        print(f"best early tile at T=1: FT_MOE_GEMV_NVFP4_DOWN_EARLY={tile}", flush=True)
+    nvfp4_two_passes("NVFP4 MoE GEMV, the integer gate/up loop unrolled", combos, set_combo, saved,
+                     lambda c: f"gate/up unrolled {c}")  # fmt: skip
 
 
 SECTIONS = {"gemv": sweep_gemv, "split_k": sweep_split_k, "router": sweep_router, "moe_gemv": sweep_moe_gemv,
             "moe_gemv_kernels": sweep_moe_gemv_kernels,
             "moe_gemv_planes": sweep_moe_gemv_planes, "moe_gemv_shared": sweep_moe_gemv_shared,
             "moe_gemv_int": sweep_moe_gemv_int, "moe_gemv_stages": sweep_moe_gemv_stages,
-            "moe_gemv_early": sweep_moe_gemv_early,
+            "moe_gemv_unroll": sweep_moe_gemv_unroll,
             "grouped": sweep_grouped, "grouped_w4a16": sweep_grouped_w4a16,
             "grouped_w4a16_gluon": sweep_grouped_w4a16_gluon, "conv": sweep_conv,
             "extend": sweep_extend}  # fmt: skip

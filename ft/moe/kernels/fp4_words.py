@@ -85,39 +85,3 @@ def input_pair(
     if TIMES != 1.0:  # exact (a power of two)
         lo, hi = lo * TIMES, hi * TIMES
     return lo, hi
-
-
-@triton.jit
-def input_quads(a_row, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, TIMES: tl.constexpr = 1.0):
-    # ``input_pair`` for Q = 0..3 of one step from k = 0, from one load: (lo, hi) of each Q, eight
-    # fp32 [1, BK/16, 2]. The four pairs of a word's inputs sit side by side (16 bytes), loaded
-    # together as [.., 2 (Q // 2), 2 (Q % 2)] and taken apart by ``tl.split``, so no Q's load waits
-    # for the last Q's exchange through shared memory (what four ``input_pair`` loads of one step
-    # compiled to in the early down tile, 2026-12-05)
-    kb = tl.arange(0, BLOCK_K // 16)[None, :, None, None, None]
-    half = tl.arange(0, 2)[None, None, :, None, None]
-    qa = tl.arange(0, 2)[None, None, None, :, None]
-    qb = tl.arange(0, 2)[None, None, None, None, :]
-    ptr = a_row.to(tl.pointer_type(tl.uint32)) + 8 * kb + 4 * half + 2 * qa + qb
-    if EVEN_K:
-        pairs = tl.load(ptr)
-    else:
-        pairs = tl.load(ptr, mask=kb < K // 16, other=0)
-    even_b, odd_b = tl.split(pairs)  # Q % 2 == 0, 1: [1, BK/16, 2, 2 (Q // 2)]
-    q0, q2 = tl.split(even_b)
-    q1, q3 = tl.split(odd_b)
-    lo0, hi0 = _halves(q0, TIMES)
-    lo1, hi1 = _halves(q1, TIMES)
-    lo2, hi2 = _halves(q2, TIMES)
-    lo3, hi3 = _halves(q3, TIMES)
-    return lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3
-
-
-@triton.jit
-def _halves(pair, TIMES: tl.constexpr):
-    # a bf16 pair read as a 32-bit word -> (low, high) as fp32, times TIMES (exact: a power of two)
-    lo = (pair << 16).to(tl.float32, bitcast=True)
-    hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
-    if TIMES != 1.0:
-        lo, hi = lo * TIMES, hi * TIMES
-    return lo, hi

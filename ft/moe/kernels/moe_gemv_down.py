@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ft.layers.pdl import wait_for_previous
-from ft.moe.kernels.fp4_words import INPUT_BY, code, fp4_words, input_pair, input_quads
+from ft.moe.kernels.fp4_words import INPUT_BY, code, fp4_words, input_pair
 from ft.moe.kernels.moe_gemv_kernels import _expert, _inputs, _plain_rows, _rows
 
 
@@ -22,45 +22,14 @@ def _down_pair_kernel(
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr = 1, HOST: tl.constexpr = False,
     PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False, SHARED_BLOCK_K: tl.constexpr = 0,
-    EARLY: tl.constexpr = False,
 ):  # fmt: skip
-    if not EARLY:  # else the tile waits, once its weights are asked for
-        wait_for_previous(USE_PDL)
+    wait_for_previous(USE_PDL)
     down_tile(
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), act, b, b_scale, b_global,
         host_b, host_scale, host_global, shared_b, shared_logit, out, topk_w, topk_ids, ws, counters, N, K,
         s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold, TOPK, SHARED,
-        FP4, EVEN_K, BLOCK_N, BLOCK_K, LOOP_STAGES, HOST, PLANES, SHARED_BLOCK_K, USE_PDL, EARLY,
+        FP4, EVEN_K, BLOCK_N, BLOCK_K, LOOP_STAGES, HOST, PLANES, SHARED_BLOCK_K,
     )  # fmt: skip
-
-
-@triton.jit
-def _early_words(act_row, topk_ids, topk_w, b, b_scale, b_global, n, nmask, K, s_be, s_bn, s_se, s_sn, s_ge,
-                 s_it, s_ik, s_wt, s_wk, tok, slot, unfold, USE_PDL: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    # ``EARLY``'s routed term (K <= BLOCK_K: one step): the pair's expert, codes, scales, global and
-    # weight are loaded before the PDL wait, while the gate/up launch still runs; only the
-    # activations after it. The router that wrote ids and weights had ended before gate/up's
-    # programs passed their waits, so before this launch: they are read from L2 (.cg), past any
-    # stale line of an earlier layer's in this SM's L1; the weights never change.
-    e = tl.load(topk_ids + tok * s_it + slot * s_ik, cache_modifier=".cg").to(tl.int64)
-    b_e, s_e, g_e = b + e * s_be, b_scale + e * s_se, b_global + e * s_ge
-    wd, sd = fp4_words(b_e, s_e, n, 0, s_bn, s_sn, nmask, K, EVEN_K, BLOCK_N, BLOCK_K)
-    glob = tl.load(g_e + n, mask=nmask, other=0.0)
-    scale = tl.load(topk_w + tok * s_wt + slot * s_wk, cache_modifier=".cg").to(tl.float32)
-    wait_for_previous(USE_PDL)
-    lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3 = input_quads(act_row, K, EVEN_K, BLOCK_K, INPUT_BY)
-    bd = tl.zeros([BLOCK_N, BLOCK_K // 16, 2], tl.float32)
-    bd += code(wd, 0) * lo0
-    bd += code(wd, 1) * hi0
-    bd += code(wd, 2) * lo1
-    bd += code(wd, 3) * hi1
-    bd += code(wd, 4) * lo2
-    bd += code(wd, 5) * hi2
-    bd += code(wd, 6) * lo3
-    bd += code(wd, 7) * hi3
-    dot = tl.sum(tl.sum(tl.sum(bd, axis=2, keep_dims=True) * sd, axis=2), axis=1)
-    return dot * (glob * (scale * unfold))
 
 
 @triton.jit
@@ -70,8 +39,7 @@ def down_tile(
     s_at, s_be, s_bn, s_se, s_sn, s_ge, s_hn, s_ot, s_wt, s_wk, s_it, s_ik, s_lt, unfold,
     TOPK: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr, HOST: tl.constexpr,
-    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False,
+    PLANES: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # the term of pair (tok, slot) for BLOCK_N rows n of H (row block ``block`` of ``row_blocks``), weighted
     # and rounded to out's dtype, into ws[tok, slot, n]; the (tok, rows) block's last program writes
@@ -101,19 +69,12 @@ def down_tile(
         if SHARED:
             is_shared = slot == TOPK
         if is_shared:  # its own step (``SHARED_BLOCK_K``, 0: BLOCK_K)
-            if EARLY:
-                wait_for_previous(USE_PDL)
             SBK: tl.constexpr = SHARED_BLOCK_K or BLOCK_K
             sacc = tl.zeros([BLOCK_N, SBK], tl.float32)
             for k0 in tl.range(0, K, SBK, num_stages=LOOP_STAGES):
                 w = _plain_rows(shared_b, n, k0, s_hn, nmask, K, EVEN_K, BLOCK_N, SBK)
                 sacc += w * _inputs(a_row, k0, K, EVEN_K, SBK)
             term = tl.sum(sacc, axis=1) * tl.sigmoid(tl.load(shared_logit + tok * s_lt).to(tl.float32))
-        elif EARLY:  # NVFP4 words on the device, one K step (``triton_moe_gemv.EARLY_DOWN``)
-            term = _early_words(
-                a_row, topk_ids, topk_w, b, b_scale, b_global, n, nmask, K, s_be, s_bn, s_se, s_sn, s_ge,
-                s_it, s_ik, s_wt, s_wk, tok, slot, unfold, USE_PDL, EVEN_K, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
         else:
             e = tl.load(topk_ids + tok * s_it + slot * s_ik).to(tl.int64)
             b_e, s_e, g_e = _expert(

@@ -177,22 +177,15 @@ NVFP4_SHARED_BK_DOWN = int(os.environ.get("FT_MOE_GEMV_NVFP4_SHARED_BK_DOWN", "1
 # run_gpu_tests.sh kernels gave 558 passed and the offload NVFP4 tests 19 passed (2026-12-02 05:10).
 FP4_INT_DOT = os.environ.get("FT_MOE_GEMV_FP4_INT_DOT", "1") != "0"
 NVFP4_INT = _tiles_from_env("NVFP4_INT", (4, 512, 4, 1))  # its gate/up tiles
-# The down kernel's NVFP4 routed rows asked for before its PDL wait (``EARLY_DOWN``, off until
-# timed): with PDL's early launch the down launch starts once every gate/up program has waited,
-# i.e. while gate/up's last wave runs, and its programs then have nothing to do but wait. Here each
-# routed program loads its pair's expert id, codes, scales, global and routing weight first (the
-# router that wrote ids and weights ended before gate/up's programs passed their waits), then waits
-# and reads only the activations: the expert-id -> rows chain of two DRAM latencies and the rows'
-# own transfer leave the step's critical path. One K step for the whole of I (I <= BLOCK_K), tiles
-# ``NVFP4_DOWN_EARLY``; device rows only (no host reads, no separate down ids). Same arithmetic as
-# the words at BLOCK_K = I (the shipped 256 sums two steps: another fp32 order).
-# The integer gate/up loop unrolled by GATE_UP_UNROLL (1: not, the default; Triton's
-# loop_unroll_factor): four 512-wide steps a row at Qwen3-Next's H, each waiting for its own loads
-# at one stage (more stages lost, 2026-12-03); unrolled, ptxas may issue a later step's loads
-# first (compiled for sm_90: 48 registers at 4 against 40). Same arithmetic, same bits. Untimed.
-GATE_UP_UNROLL = int(os.environ.get("FT_MOE_GEMV_GATE_UP_UNROLL", "1"))
-EARLY_DOWN = os.environ.get("FT_MOE_GEMV_EARLY_DOWN", "0") != "0"
-NVFP4_DOWN_EARLY = _tiles_from_env("NVFP4_DOWN_EARLY", (8, 512, 2, 1))
+# The integer gate/up loop unrolled GATE_UP_UNROLL times (Triton's loop_unroll_factor; 1: not).
+# At Qwen3-Next's H a row is four 512-wide steps, each waiting for its own loads at one stage (more
+# stages lost, 2026-12-03); unrolled by two, ptxas issues the second step's loads before the first
+# step's products (compiled for sm_90: 40 registers, as at 1; 48 at 4). Same arithmetic, same bits.
+# H100 (2026-12-05, docs/benchmarks.md): config_sweep.py moe_gemv_unroll, gate/up + down with the
+# shared pair a call, T=1 19.7 -> 17.7 us, T=2 31.8 -> 28.8 (at 4: 19.4, 29.8); the NVFP4 80B's
+# batch-1 decode 307.0 / 305.8 -> 309.1 / 308.8 tok/s (at 4: 300.8). On at 2;
+# FT_MOE_GEMV_GATE_UP_UNROLL=1 turns it off for a process.
+GATE_UP_UNROLL = int(os.environ.get("FT_MOE_GEMV_GATE_UP_UNROLL", "2"))
 
 
 def launch_moe_gemv(
@@ -282,10 +275,7 @@ def launch_moe_gemv(
     # words in the down kernel only beside words in gate/up (``FP4_PLANES=0``: bytes in both), codes
     # 4-byte aligned
     down_planes = planes and FP4_DOWN_PLANES and word_aligned(b2, *h2[:1])
-    early = down_planes and EARLY_DOWN and host is None and down is None and inter <= NVFP4_DOWN_EARLY[1]
-    down_n, down_k, down_warps, down_stages = (
-        NVFP4_DOWN_EARLY if early else NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
-    )
+    down_n, down_k, down_warps, down_stages = NVFP4_DOWN_PLANES if down_planes else PAIR_DOWN
     if host_stages is not None:
         down_stages = host_stages[1]
     bk_down = min(down_k, max(32, triton.next_power_of_2(inter)))
@@ -300,11 +290,11 @@ def launch_moe_gemv(
         s_it=down_ids.stride(0), s_ik=down_ids.stride(1), s_lt=logit.stride(0), unfold=UNFOLD,
     )  # fmt: skip
     down_tiles = dict(BLOCK_N=down_n, EVEN_K=inter % bk_down == 0, BLOCK_K=bk_down, PLANES=down_planes,
-                      LOOP_STAGES=down_stages if PIPELINE else 1, EARLY=early,
+                      LOOP_STAGES=down_stages if PIPELINE else 1,
                       SHARED_BLOCK_K=min(NVFP4_SHARED_BK_DOWN, bk_down) if fp4 else 0)  # fmt: skip
     _gate_up_kernel[(t * pairs, triton.cdiv(inter, block_n))](
         **gate_up, **flags, **up_tiles, PLANES=planes, INT_DOT=int_products, ASM=not INTERPRETER,
-        UNROLL=GATE_UP_UNROLL if int_products else 1, **up_launch,
+        UNROLL=GATE_UP_UNROLL if int_products and not over_pcie else 1, **up_launch,  # host rows: untimed
     )  # fmt: skip
     if before_down is not None:
         before_down()
