@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 # below this temperature a request is greedy, as in vLLM (its _SAMPLING_EPS): dividing the logits
@@ -36,6 +37,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is taken too
 
     def __post_init__(self) -> None:
+        for name in ("max_tokens", "top_k", "min_tokens", "logprobs", "prompt_logprobs", "seed"):
+            v = getattr(self, name)  # a float here passed the range checks and failed mid-step
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise ValueError(f"SamplingParams.{name}={v!r} is not an integer")
+            object.__setattr__(self, name, None if v is None else int(v))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))

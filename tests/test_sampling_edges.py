@@ -1,8 +1,9 @@
 """Sampling at the edges of its knobs, against what vLLM does there: temperatures too small to
-divide by, and the order of min-p and top-p."""
+divide by, the order of min-p and top-p, and counts given as other types."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,3 +48,18 @@ def test_min_p_cuts_before_top_p_weighs(seed):
     assert bool((counts[want == 0] == 0).all()), counts.tolist()
     sigma = (n * want * (1 - want)).sqrt()
     assert bool(((counts - n * want).abs() <= 5 * sigma + 1e-9).all()), (counts.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("top_k", 20.0), ("max_tokens", 8.5), ("min_tokens", 1.0), ("logprobs", 2.0), ("prompt_logprobs", True),
+     ("seed", 3.7), ("max_tokens", "16")],
+)  # fmt: skip
+def test_an_integer_field_given_another_type_is_refused(field, value):
+    """A count or seed that is not an integer is refused when the request is made, naming the field:
+    ``top_k=20.0`` passed every range check and failed inside ``torch.topk`` during an engine step,
+    taking down every request of that batch."""
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: value})
+    SamplingParams(**{field: 3})  # an int is taken (numpy's too)
+    SamplingParams(**{field: np.int64(3)})
