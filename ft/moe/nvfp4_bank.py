@@ -134,6 +134,8 @@ class NVFP4ExpertBank(ExpertBank):
         ckpt.expect_dtype(FLOAT_DTYPES)
         # The whole projection is read because its amax sets the global; only the slice is kept.
         w = ckpt.read().to(self.device)  # quantised where the model runs, kept wherever the bank is
+        if not bool(torch.isfinite(w).all()):  # NVFP4 has no NaN or inf to keep it as
+            raise ckpt.error("has NaN or inf values, which NVFP4 cannot quantise")
         mine = w.narrow(1 if proj == 2 else 0, self.inter_start, self.local_inter)
         q = nvfp4.quantize(mine, nvfp4.global_scale_of(w))
         names = ("w2", "w2_scale", "w2_global") if proj == 2 else ("w13", "w13_scale", "w13_global")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -123,15 +124,18 @@ def test_bf16_bank_refuses_an_nvfp4_checkpoint(ckpt):
         build_model(mc, TPInfo(0, 1), "meta", torch.float32)
 
 
-def _corrupt(ckpt, tmp_path, edit):
+def _corrupt(ckpt, tmp_path, edit, source="nvfp4", expert_format=None):
     dst = tmp_path / "bad"
     dst.mkdir()
     for f in ("config.json", "hf_quant_config.json"):
-        (dst / f).write_text((ckpt / "nvfp4" / f).read_text())
-    tensors = load_file(str(ckpt / "nvfp4" / "model.safetensors"))
+        if (ckpt / source / f).exists():
+            (dst / f).write_text((ckpt / source / f).read_text())
+    tensors = load_file(str(ckpt / source / "model.safetensors"))
     edit(tensors)
     save_file(tensors, str(dst / "model.safetensors"))
-    model = build_model(load_model_config(str(dst)), TPInfo(0, 1), "cpu", torch.float32)
+    mc = load_model_config(str(dst))
+    mc = dataclasses.replace(mc, expert_format=expert_format or mc.expert_format)
+    model = build_model(mc, TPInfo(0, 1), "cpu", torch.float32)
     return lambda: load_weights(model, str(dst), progress=False)
 
 
@@ -164,6 +168,20 @@ def _corrupt(ckpt, tmp_path, edit):
 def test_strict_loading_names_the_bad_tensor(ckpt, tmp_path, edit, message):
     load = _corrupt(ckpt, tmp_path, edit)
     with pytest.raises(CheckpointError, match=message):
+        load()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_quantize_at_load_names_a_non_finite_expert(ckpt, tmp_path, value):
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+
+    def poison(tensors):
+        tensors[name] = tensors[name].clone()
+        tensors[name][7, 3] = value
+
+    load = _corrupt(ckpt, tmp_path, poison, source="bf16", expert_format="nvfp4")
+    where = rf"'{re.escape(name)}' in .*bad.model\.safetensors"
+    with pytest.raises(CheckpointError, match=rf"{where}.*NaN or inf"):
         load()
 
 
