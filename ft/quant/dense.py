@@ -6,12 +6,13 @@ start-up and naming the module, what cannot run: a dense format we have no layer
 dense projections), a fused projection whose on-disk parts disagree, a malformed block size.
 ``quantize_dense_linears`` asks it for every linear of a freshly built model and swaps in the
 block-FP8 twin where the checkpoint holds FP8, so the modules built and the tensors loaded can
-never disagree. Routed experts are not dense: their bank format is ``ModelConfig.expert_format``.
+never disagree; ``require_bf16_dense`` is the check of a family that has no FP8 twins. Routed
+experts are not dense: their bank format is ``ModelConfig.expert_format``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from torch import nn
 
@@ -63,15 +64,19 @@ def fp8_twin(module: nn.Module, block: Sequence[int]) -> nn.Module:
     return Fp8BlockColumnParallelLinear(inp, [Part(out, out, 0)], block, bias)
 
 
+def dense_formats(model: nn.Module, decl: QuantDeclaration) -> Iterator[tuple[str, nn.Module, str]]:
+    """(name, module, format) of every dense linear, router and lm_head of ``model``."""
+    packed = getattr(model, "packed_modules", {})
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (*SWAPPABLE, TopKRouter, ParallelLMHead)):
+            yield name, module, dense_quant_mode(decl, name, packed.get(name.rpartition(".")[2], ()))
+
+
 def quantize_dense_linears(model: nn.Module, decl: QuantDeclaration) -> None:
     """Swap each linear the checkpoint stores as block-FP8 for its FP8 twin (call inside the build)."""
     if decl.method is None:
         return
-    packed = getattr(model, "packed_modules", {})
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, (*SWAPPABLE, TopKRouter, ParallelLMHead)):
-            continue
-        fmt = dense_quant_mode(decl, name, packed.get(name.rpartition(".")[2], ()))
+    for name, module, fmt in dense_formats(model, decl):
         if fmt == "bf16":
             continue
         if not isinstance(module, SWAPPABLE):
@@ -81,3 +86,16 @@ def quantize_dense_linears(model: nn.Module, decl: QuantDeclaration) -> None:
             )
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, fp8_twin(module, decl.weight_block_size))
+
+
+def require_bf16_dense(model: nn.Module, decl: QuantDeclaration) -> None:
+    """For a family with no quantised dense layers: refuse, by name, a module declared quantised
+    (else its scales would surface as unexpected tensors, its codes as a wrong shape)."""
+    if decl.method is None:
+        return
+    for name, _, fmt in dense_formats(model, decl):
+        if fmt != "bf16":
+            raise ValueError(
+                f"{name}: the checkpoint stores it as {fmt}, but {type(model).__name__} runs its dense "
+                "projections in bf16 only; list it in the quantisation declaration's ignore patterns"
+            )

@@ -8,7 +8,7 @@ From one random transformers checkpoint (``tests.checkpoints``) this writes thre
   as ModelOpt does (``weight`` uint8, ``weight_scale`` float8_e4m3fn, ``weight_scale_2`` and
   ``input_scale`` fp32 scalars), declared in ``hf_quant_config.json`` or in config.json's
   ``quantization_config``, with exclude patterns for everything else (attention, GDN, router,
-  shared expert, embeddings, lm_head stay as they were);
+  shared expert, dense MLPs, embeddings, lm_head stay as they were);
 - ``dequant``: the same model with each quantised projection replaced by its dequantisation,
   which transformers loads as the fp32 oracle.
 """
@@ -27,6 +27,7 @@ from ft.quant import nvfp4
 from tests.checkpoints import write_checkpoint
 
 EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+DENSE_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$")
 EXCLUDE = [
     "lm_head",
     "model.embed_tokens",
@@ -46,11 +47,11 @@ def _write(dst: Path, src: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(dst / "model.safetensors"))
 
 
-def _declare(path: Path, declare: str) -> None:
+def _declare(path: Path, declare: str, exclude: list[str]) -> None:
     if declare == "hf_quant_config":
         body = {
             "producer": {"name": "modelopt", "version": "0.37.0"},
-            "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": EXCLUDE},
+            "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": exclude},
         }
         (path / "hf_quant_config.json").write_text(json.dumps(body, indent=2))
     elif declare == "config":
@@ -59,7 +60,7 @@ def _declare(path: Path, declare: str) -> None:
             "quant_method": "modelopt",
             "quant_algo": "NVFP4",
             "group_size": 16,
-            "ignore": EXCLUDE,
+            "ignore": exclude,
         }
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
     else:
@@ -94,6 +95,7 @@ def write_nvfp4_checkpoint(
         packed[f"{stem}.input_scale"] = torch.rand((), generator=gen) + 0.01
         dequant[name] = q.dequantize(w.dtype)
     _write(root / "nvfp4", src, packed)
-    _declare(root / "nvfp4", declare)
+    dense = sorted({m.group(1) for m in map(DENSE_MLP.match, source) if m})  # mlp_only_layers
+    _declare(root / "nvfp4", declare, EXCLUDE + [f"model.layers.{i}.mlp*" for i in dense])
     _write(root / "dequant", src, dequant)
     return AutoModelForCausalLM.from_pretrained(str(root / "dequant"), dtype=torch.float32).eval()

@@ -1,0 +1,57 @@
+"""What a ModelOpt NVFP4 declaration makes of each module of the Qwen3 families: the exclude
+patterns decide, and whatever is declared NVFP4 but cannot run that way (a dense projection, a
+router, lm_head) is refused when the model is built, naming the module (all CPU, on meta)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ft.distributed import TPInfo
+from ft.engine.build import build_model
+from ft.models.config import ModelConfig
+from ft.models.config_json import load_model_config
+from tests.checkpoints import QWEN3_MOE_BASE, QWEN3_NEXT_BASE
+from tests.nvfp4.modelopt_ckpt import EXCLUDE
+
+
+def config(tmp_path, model_type: str, exclude: list[str]) -> ModelConfig:
+    """The config of a tiny ``model_type`` checkpoint declaring its NVFP4 modules by ``exclude``."""
+    base = {"qwen3_moe": QWEN3_MOE_BASE, "qwen3_next": QWEN3_NEXT_BASE}[model_type]
+    declaration = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": exclude}
+    body = base | {"model_type": model_type, "quantization_config": declaration}
+    (tmp_path / "config.json").write_text(json.dumps(body))
+    return load_model_config(str(tmp_path))
+
+
+def build(mc: ModelConfig) -> torch.nn.Module:
+    return build_model(mc, TPInfo(0, 1), "meta", torch.float32)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize(
+    "kept,refusal",
+    [
+        (
+            "model.layers.*.self_attn*",
+            r"model\.layers\.\d\.self_attn\.(qkv|o)_proj \(tp_size 1\): dense nvfp4",
+        ),
+        ("lm_head", r"lm_head \(tp_size 1\): dense nvfp4"),
+        ("model.layers.*.mlp.gate", r"model\.layers\.\d\.mlp\.gate \(tp_size 1\)"),
+    ],
+)
+def test_quantised_dense_modules_are_refused_by_name(tmp_path, model_type, kept, refusal):
+    build(config(tmp_path, model_type, EXCLUDE))  # the declaration the tests load: experts only
+    with pytest.raises(ValueError, match=refusal):
+        build(config(tmp_path, model_type, [p for p in EXCLUDE if p != kept]))
+
+
+def test_quantised_gdn_and_shared_expert_are_refused_by_name(tmp_path):
+    for kept, module in (
+        ("model.layers.*.linear_attn*", r"model\.layers\.[02]\.linear_attn\.\w+_proj"),
+        ("model.layers.*.mlp.shared_expert*", r"model\.layers\.\d\.mlp\.(shared_expert\.\w+_proj|gate)"),
+    ):
+        with pytest.raises(ValueError, match=module):
+            build(config(tmp_path, "qwen3_next", [p for p in EXCLUDE if p != kept]))
