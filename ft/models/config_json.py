@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from ft.models.config import ModelConfig
-from ft.quant.declaration import parse_declaration
+from ft.quant.declaration import QuantDeclaration, parse_declaration
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, float]:
@@ -52,6 +52,23 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
             f"config field model_type: {model_type!r} is not supported (known: {sorted(PARSERS)})"
         )
     return PARSERS[model_type](raw)
+
+
+def _expert_format(quant: QuantDeclaration, moe_layers: list[int]) -> str:
+    """The one format the declaration gives every routed expert projection: a bank serves every
+    layer in one format, so a layer or projection excluded from NVFP4 alone is refused (it would
+    be quantised at load unasked, or, were it the first, refuse the next layer's bank)."""
+    example: dict[str, str] = {}
+    for i in moe_layers:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            module = f"model.layers.{i}.mlp.experts.0.{proj}"
+            example.setdefault(quant.format_of(module), module)
+    if len(example) > 1:
+        shown = " and ".join(f"{m} {f}" for f, m in sorted(example.items(), key=lambda fm: fm[0] == "bf16"))
+        raise ValueError(
+            f"routed experts must all have one format, but the quantisation declaration stores {shown}"
+        )
+    return next(iter(example))
 
 
 COMMON_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -92,7 +109,7 @@ def _common(raw: dict[str, Any]) -> dict[str, Any]:
         intermediate_size=raw.get("intermediate_size", 0),
         eos_token_ids=_eos(raw),
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16").replace("torch.", ""),
-        expert_format=quant.format_of(f"model.layers.{moe[0] if moe else 0}.mlp.experts.0.gate_proj"),
+        expert_format=_expert_format(quant, moe or [0]),
         quantization=quant,
     )
 

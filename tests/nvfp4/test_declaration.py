@@ -55,3 +55,24 @@ def test_quantised_gdn_and_shared_expert_are_refused_by_name(tmp_path):
     ):
         with pytest.raises(ValueError, match=module):
             build(config(tmp_path, "qwen3_next", [p for p in EXCLUDE if p != kept]))
+
+
+@pytest.mark.parametrize(
+    "kept,example",
+    [
+        (
+            "model.layers.0.mlp.experts*",
+            r"layers\.1\.mlp\.experts\.0\.gate_proj nvfp4.*layers\.0\.mlp\.experts",
+        ),
+        (
+            "model.layers.2.mlp.experts*",
+            r"layers\.0\.mlp\.experts\.0\.gate_proj nvfp4.*layers\.2\.mlp\.experts",
+        ),
+        ("*.down_proj", r"experts\.0\.gate_proj nvfp4.*experts\.0\.down_proj bf16"),
+    ],
+)
+def test_experts_declared_in_two_formats_are_refused(tmp_path, kept, example):
+    """One bank format serves every layer: a bf16 layer was quantised at load unasked (or, were it
+    the first, refused by the next layer's bank as if the engine had asked for bf16)."""
+    with pytest.raises(ValueError, match=rf"config\.json: routed experts.*{example}"):
+        config(tmp_path, "qwen3_moe", EXCLUDE + [kept])
