@@ -4,7 +4,7 @@ ModelOpt writes either ``quantization_config`` in config.json (``quant_method: "
 ``quant_algo``, ``ignore`` patterns) or a separate ``hf_quant_config.json`` (``quantization.quant_algo``,
 ``quantization.exclude_modules``). Block-FP8 checkpoints declare ``quant_method: "fp8"`` with
 ``weight_block_size``. Patterns are shell-style (``model.layers.*.mlp.gate``) and match module
-names; a module matching one stays unquantised.
+names; a module matching one stays unquantised. A quantised KV cache is refused.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
+
+KV_CACHE_FIELDS = ("kv_cache_quant_algo", "kv_cache_scheme")  # either names a quantised KV cache
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,19 @@ class QuantDeclaration:
         raise ValueError(f"unsupported quantisation declaration: method {self.method!r}, algo {self.algo!r}")
 
 
+def _refuse_kv_cache_quantisation(where: str, q: dict) -> None:
+    for key in KV_CACHE_FIELDS:
+        if q.get(key) is not None:
+            raise ValueError(
+                f"{where}.{key}: {q[key]!r} is not supported (the KV cache is kept in the model's dtype, "
+                "with no k/v scales to load)"
+            )
+
+
 def parse_declaration(quantization_config: dict | None, hf_quant_config: dict | None) -> QuantDeclaration:
     if hf_quant_config:
         q = hf_quant_config.get("quantization", hf_quant_config)
+        _refuse_kv_cache_quantisation("hf_quant_config.json quantization", q)
         return QuantDeclaration(
             "modelopt",
             q.get("quant_algo"),
@@ -52,6 +64,7 @@ def parse_declaration(quantization_config: dict | None, hf_quant_config: dict | 
     method = qc.get("quant_method")
     if method is None:
         return QuantDeclaration()
+    _refuse_kv_cache_quantisation("config field quantization_config", qc)
     if method == "modelopt":
         return QuantDeclaration(
             "modelopt", qc.get("quant_algo"), tuple(qc.get("ignore") or ()), None, dict(qc)

@@ -13,6 +13,7 @@ from ft.distributed import TPInfo
 from ft.engine.build import build_model
 from ft.models.config import ModelConfig
 from ft.models.config_json import load_model_config
+from ft.quant.declaration import parse_declaration
 from tests.checkpoints import QWEN3_MOE_BASE, QWEN3_NEXT_BASE
 from tests.nvfp4.modelopt_ckpt import EXCLUDE
 
@@ -76,3 +77,16 @@ def test_experts_declared_in_two_formats_are_refused(tmp_path, kept, example):
     the first, refused by the next layer's bank as if the engine had asked for bf16)."""
     with pytest.raises(ValueError, match=rf"config\.json: routed experts.*{example}"):
         config(tmp_path, "qwen3_moe", EXCLUDE + [kept])
+
+
+def test_kv_cache_quantisation_is_refused(tmp_path):
+    nvfp4 = {"quant_algo": "NVFP4", "exclude_modules": EXCLUDE}
+    assert parse_declaration(None, {"quantization": nvfp4 | {"kv_cache_quant_algo": None}}).algo == "NVFP4"
+    with pytest.raises(ValueError, match=r"kv_cache_quant_algo: 'FP8' is not supported"):
+        parse_declaration(None, {"quantization": nvfp4 | {"kv_cache_quant_algo": "FP8"}})
+    body = QWEN3_MOE_BASE | {"model_type": "qwen3_moe"}
+    body["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": EXCLUDE}
+    body["quantization_config"]["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    (tmp_path / "config.json").write_text(json.dumps(body))
+    with pytest.raises(ValueError, match=r"config\.json: .*kv_cache_scheme: .* is not supported"):
+        load_model_config(str(tmp_path))
