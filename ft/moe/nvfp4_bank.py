@@ -117,6 +117,8 @@ class NVFP4ExpertBank(ExpertBank):
         else:  # gate / up: this rank's rows, H packed or blocked
             ckpt.expect_shape((inter, hidden // per))
             part = ckpt.narrow(0, start, local)
+        if suffix == "weight_scale" and not bool((part.float() >= 0).all()):  # e4m3fn has NaN, no inf
+            raise ckpt.error("has NaN or negative block scales; they must be finite and >= 0")
         self.rows(param, e, proj).copy_(part)
 
     # ---- a bf16 checkpoint quantised at load: one tensor fills codes, scales and global

@@ -171,6 +171,19 @@ def test_strict_loading_names_the_bad_tensor(ckpt, tmp_path, edit, message):
         load()
 
 
+@pytest.mark.parametrize("value", [float("nan"), -2.0])
+def test_a_nan_or_negative_block_scale_is_named(ckpt, tmp_path, value):
+    name = "model.layers.1.mlp.experts.4.down_proj.weight_scale"
+
+    def poison(tensors):
+        scale = tensors[name].float()
+        scale[5, 2] = value
+        tensors[name] = scale.to(torch.float8_e4m3fn)
+
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(name)}' in .*bad.model\.safetensors.*>= 0"):
+        _corrupt(ckpt, tmp_path, poison)()
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_quantize_at_load_names_a_non_finite_expert(ckpt, tmp_path, value):
     name = "model.layers.2.mlp.experts.5.up_proj.weight"
