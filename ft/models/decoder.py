@@ -27,6 +27,7 @@ from torch import nn
 from ft.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ft.layers.norm import RMSNorm
 from ft.models.config import ModelConfig
+from ft.quant.declaration import KV_SCALES
 
 MIXER_NAMES = {"full_attention": "self_attn", "linear_attention": "linear_attn"}
 
@@ -93,6 +94,8 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.ignored_checkpoint_tensors = (*self.ignored_checkpoint_tensors, r"^lm_head\.weight$")
+        if cfg.quantization.kv_cache:  # a quantised KV cache declared: the cache stays in our dtype
+            self.ignored_checkpoint_tensors = (*self.ignored_checkpoint_tensors, KV_SCALES)
 
     def make_model(self, cfg: ModelConfig) -> nn.Module:
         """The stack under ``self.model``: embedding, layers, final norm (a family may wrap it)."""

@@ -4,7 +4,10 @@ ModelOpt writes either ``quantization_config`` in config.json (``quant_method: "
 ``quant_algo``, ``ignore`` patterns) or a separate ``hf_quant_config.json`` (``quantization.quant_algo``,
 ``quantization.exclude_modules``). Block-FP8 checkpoints declare ``quant_method: "fp8"`` with
 ``weight_block_size``. Patterns are shell-style (``model.layers.*.mlp.gate``) and match module
-names; a module matching one stays unquantised. A quantised KV cache is refused.
+names; a module matching one stays unquantised. A quantised KV cache (``kv_cache_quant_algo``,
+``kv_cache_scheme``: ModelOpt's NVFP4 exports often declare FP8) is not used: the cache stays in
+the model's dtype, as vLLM keeps it unless asked for an FP8 cache, and the checkpoint's k/v scale
+tensors (``KV_SCALES``) are skipped.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KV_CACHE_FIELDS = ("kv_cache_quant_algo", "kv_cache_scheme")  # either names a quantised KV cache
+KV_SCALES = r"\.(k|v|kv)_scale$"  # its scale tensors (e.g. ``self_attn.k_proj.k_scale``), skipped
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,7 @@ class QuantDeclaration:
     exclude: tuple[str, ...] = ()
     weight_block_size: tuple[int, ...] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    kv_cache: str | None = None  # a quantised KV cache as declared (not used: its scales are skipped)
 
     def excludes(self, module: str) -> bool:
         return any(
@@ -40,39 +45,34 @@ class QuantDeclaration:
         raise ValueError(f"unsupported quantisation declaration: method {self.method!r}, algo {self.algo!r}")
 
 
-def _refuse_kv_cache_quantisation(where: str, q: dict) -> None:
-    for key in KV_CACHE_FIELDS:
-        if q.get(key) is not None:
-            raise ValueError(
-                f"{where}.{key}: {q[key]!r} is not supported (the KV cache is kept in the model's dtype, "
-                "with no k/v scales to load)"
-            )
+def _kv_cache(q: dict) -> str | None:
+    """The KV-cache quantisation a declaration names, as text (None: none)."""
+    return next((f"{key}={q[key]!r}" for key in KV_CACHE_FIELDS if q.get(key) is not None), None)
 
 
 def parse_declaration(quantization_config: dict | None, hf_quant_config: dict | None) -> QuantDeclaration:
     if hf_quant_config:
         q = hf_quant_config.get("quantization", hf_quant_config)
-        _refuse_kv_cache_quantisation("hf_quant_config.json quantization", q)
         return QuantDeclaration(
             "modelopt",
             q.get("quant_algo"),
             tuple(q.get("exclude_modules") or ()),
             None,
             dict(hf_quant_config),
+            _kv_cache(q),
         )
     qc = quantization_config or {}
     method = qc.get("quant_method")
     if method is None:
         return QuantDeclaration()
-    _refuse_kv_cache_quantisation("config field quantization_config", qc)
     if method == "modelopt":
         return QuantDeclaration(
-            "modelopt", qc.get("quant_algo"), tuple(qc.get("ignore") or ()), None, dict(qc)
+            "modelopt", qc.get("quant_algo"), tuple(qc.get("ignore") or ()), None, dict(qc), _kv_cache(qc)
         )
     if method == "fp8":
         block = tuple(qc.get("weight_block_size") or ())
         ignore = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or qc.get("ignore") or ())
-        return QuantDeclaration("fp8", "FP8", ignore, block or None, dict(qc))
+        return QuantDeclaration("fp8", "FP8", ignore, block or None, dict(qc), _kv_cache(qc))
     raise ValueError(
         f"config field quantization_config.quant_method: {method!r} is not supported (known: modelopt, fp8)"
     )

@@ -79,14 +79,44 @@ def test_experts_declared_in_two_formats_are_refused(tmp_path, kept, example):
         config(tmp_path, "qwen3_moe", EXCLUDE + [kept])
 
 
-def test_kv_cache_quantisation_is_refused(tmp_path):
+def test_a_quantised_kv_cache_is_named_and_left_unused():
     nvfp4 = {"quant_algo": "NVFP4", "exclude_modules": EXCLUDE}
-    assert parse_declaration(None, {"quantization": nvfp4 | {"kv_cache_quant_algo": None}}).algo == "NVFP4"
-    with pytest.raises(ValueError, match=r"kv_cache_quant_algo: 'FP8' is not supported"):
-        parse_declaration(None, {"quantization": nvfp4 | {"kv_cache_quant_algo": "FP8"}})
-    body = QWEN3_MOE_BASE | {"model_type": "qwen3_moe"}
-    body["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": EXCLUDE}
-    body["quantization_config"]["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
-    (tmp_path / "config.json").write_text(json.dumps(body))
-    with pytest.raises(ValueError, match=r"config\.json: .*kv_cache_scheme: .* is not supported"):
-        load_model_config(str(tmp_path))
+    assert parse_declaration(None, {"quantization": nvfp4 | {"kv_cache_quant_algo": None}}).kv_cache is None
+    fp8 = parse_declaration(None, {"quantization": nvfp4 | {"kv_cache_quant_algo": "FP8"}})
+    assert fp8.algo == "NVFP4" and fp8.kv_cache == "kv_cache_quant_algo='FP8'"
+    scheme = {"dynamic": False, "num_bits": 8, "type": "float"}
+    qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": EXCLUDE, "kv_cache_scheme": scheme}
+    assert parse_declaration(qc, None).kv_cache.startswith("kv_cache_scheme=")
+
+
+def test_a_checkpoint_with_fp8_kv_scales_loads_them_unused(tmp_path):
+    """ModelOpt's NVFP4 exports often declare an FP8 KV cache and carry k/v scales: the checkpoint
+    loads, its KV cache in the model's dtype, the scales skipped, the outputs those of the same
+    checkpoint without them (they were refused as unexpected tensors before)."""
+    from safetensors.torch import load_file, save_file
+
+    from ft import LLM, SamplingParams
+    from tests.nvfp4.modelopt_ckpt import write_nvfp4_checkpoint
+
+    write_nvfp4_checkpoint(tmp_path, "qwen3_next", seed=5, moe_intermediate_size=64)
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+
+    def run():
+        with LLM(model=str(tmp_path / "nvfp4"), device="cpu", dtype="float32", progress=False) as llm:
+            return llm.generate([[5, 17, 3, 88, 41, 9]], params)[0]
+
+    want = run()
+    path = tmp_path / "nvfp4" / "model.safetensors"
+    tensors = load_file(str(path))
+    attn = sorted({n.rsplit(".", 2)[0] for n in tensors if ".self_attn.k_proj." in n})
+    assert attn  # the tiny Qwen3-Next has full-attention layers
+    for stem in attn:  # e.g. model.layers.3.self_attn: ModelOpt's names, and a shorter form
+        tensors[f"{stem}.k_proj.k_scale"] = torch.tensor(0.05)
+        tensors[f"{stem}.v_proj.v_scale"] = torch.tensor(0.07)
+        tensors[f"{stem}.kv_scale"] = torch.tensor(0.06)
+    save_file(tensors, str(path))
+    declaration = json.loads((tmp_path / "nvfp4" / "hf_quant_config.json").read_text())
+    declaration["quantization"]["kv_cache_quant_algo"] = "FP8"
+    (tmp_path / "nvfp4" / "hf_quant_config.json").write_text(json.dumps(declaration))
+    got = run()
+    assert got.token_ids == want.token_ids and got.prompt_logprobs == want.prompt_logprobs
