@@ -213,7 +213,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.quantize_experts:
         mc = replace(mc, expert_format=args.quantize_experts)
     for tp in sizes:
-        why = "must be at least 1" if tp < 1 else tp_refusal(mc, tp)
+        try:
+            why = "must be at least 1" if tp < 1 else tp_refusal(mc, tp)
+        except ValueError as e:  # the model itself, whatever the split
+            raise SystemExit(f"ft info: {e}") from None
         if why:
             raise SystemExit(f"ft info: --tp-size {tp}: {why}")
     print(format_info(mc, sizes))

@@ -67,3 +67,23 @@ def test_max_model_len_beyond_the_models_positions_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"max_model_len=1024 .* max_position_embeddings of 512"):
         dummy_engine(tmp_path, raw, max_model_len=1024)
     assert dummy_engine(tmp_path, raw, max_model_len=512).max_model_len == 512
+
+
+def test_a_model_refused_whatever_the_split_is_not_blamed_on_tp_size(monkeypatch):
+    """``tp_refusal``: a refusal the model gets at one rank too (a declaration we cannot run, say)
+    is raised as it is; only one that depends on the split names --tp-size."""
+    from ft.engine import build
+
+    def refuses(split_only: bool):
+        def build_model(mc, tp, device, dtype):
+            if tp.size > 1 or not split_only:
+                raise ValueError("the layers refuse")
+
+        return build_model
+
+    monkeypatch.setattr(build, "build_model", refuses(split_only=False))
+    for size in (1, 2):
+        with pytest.raises(ValueError, match="^the layers refuse$"):
+            build.tp_refusal(None, size)
+    monkeypatch.setattr(build, "build_model", refuses(split_only=True))
+    assert build.tp_refusal(None, 2) == "the layers refuse" and build.tp_refusal(None, 1) is None

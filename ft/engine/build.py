@@ -55,12 +55,21 @@ def check_fits(cfg: EngineConfig, mc: ModelConfig) -> None:
 
 def tp_refusal(mc: ModelConfig, tp_size: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why the layers cannot shard ``mc`` over ``tp_size`` ranks (None when they can): whatever
-    they refuse, on a model for the first rank built on the meta device, reading nothing."""
-    try:
-        build_model(mc, TPInfo(0, tp_size), "meta", dtype)
-    except ValueError as e:
-        return str(e)
-    return None
+    they refuse, on a model for the first rank built on the meta device, reading nothing. A model
+    refused whatever the split (one rank too) raises that refusal as a ValueError instead: it is
+    not the tensor parallelism's."""
+
+    def refusal(size: int) -> str | None:
+        try:
+            build_model(mc, TPInfo(0, size), "meta", dtype)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    why = refusal(tp_size)
+    if why is not None and (tp_size == 1 or refusal(1) is not None):
+        raise ValueError(why)
+    return why
 
 
 def build_model(
