@@ -19,14 +19,15 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
 def parse_size(size: str | int | None, what: str = "size") -> int | None:
-    """Bytes of ``48GiB``, ``48G`` / ``48GB`` (decimal), ``512MiB``, ``1.5TiB`` or a plain integer;
-    ``what`` names the value in the error."""
+    """Bytes of ``48GiB``, ``48G`` / ``48GB`` (decimal), ``512MiB``, ``1.5TiB``, ``4096B`` or an int;
+    ``what`` names the value in the error. A string without a unit (``48``) is refused: a user who
+    meant 48 GiB would get 48 bytes and an engine with no room for anything."""
     if size is None or isinstance(size, int):
         return size
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*", size.lower())
-    if not m:
-        raise ValueError(f"{what}={size!r}: expected a number with an optional unit, e.g. 48GiB or 500MB")
-    number, unit, binary = m.groups()
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", size.lower())
+    if not m or (not m.group(2) and (m.group(3) or not m.group(4))):
+        raise ValueError(f"{what}={size!r}: expected a number with a unit, e.g. 48GiB, 500MB or 4096B")
+    number, unit, binary, _ = m.groups()
     scale = 1024 ** "_kmgt".index(unit) if binary else _UNITS[unit]
     return int(float(number) * scale)
 

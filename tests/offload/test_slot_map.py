@@ -211,6 +211,10 @@ def test_sizes_and_config_checks():
     assert parse_size("48GiB") == 48 << 30 and parse_size("500MB") == 500 * 10**6 and parse_size(7) == 7
     with pytest.raises(ValueError, match="size"):
         parse_size("lots")
+    assert parse_size("4096B") == 4096 and parse_size("1.5k") == 1500 and parse_size("2 GiB") == 2 << 30
+    for bare in ("48", "48ib", " 1.5 "):  # no unit: not taken as bytes
+        with pytest.raises(ValueError, match="with a unit"):
+            parse_size(bare)
     cfg = EngineConfig(config_file="x", load_format="dummy", max_gpu_memory="48GiB")
     assert cfg.max_gpu_memory_bytes == 48 << 30
     bad_options = (
