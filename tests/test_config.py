@@ -137,6 +137,7 @@ def test_a_file_that_is_not_an_object_is_named(tmp_path):
         ("num_attention_heads", 0),
         ("head_dim", 0),
         ("max_position_embeddings", 0),
+        ("num_key_value_heads", 0),  # was taken as absent: every head its own kv head
         ("num_hidden_layers", "4"),
     ],
 )

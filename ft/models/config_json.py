@@ -71,6 +71,11 @@ def _expert_format(quant: QuantDeclaration, moe_layers: list[int]) -> str:
     return next(iter(example))
 
 
+def _default(value, default):
+    """``value`` unless it is None (not unless it is falsy: a 0 is the config's, and refused)."""
+    return default if value is None else value
+
+
 COMMON_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -97,7 +102,7 @@ def _common(raw: dict[str, Any]) -> dict[str, Any]:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         max_position_embeddings=raw.get("max_position_embeddings", 32768),
         num_heads=raw["num_attention_heads"],
-        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        num_kv_heads=_default(raw.get("num_key_value_heads"), raw["num_attention_heads"]),  # None: MHA
         head_dim=head_dim,
         rope_theta=theta,
         partial_rotary_factor=factor,
