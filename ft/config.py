@@ -15,6 +15,8 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MOE_BACKENDS = ("auto", "gpu", "offload", "hybrid", "cpu")
 CACHE_POLICIES = ("lru", "lfu")
+# options that size an expert cache: given, the auto backend offloads (``MoeRuntime._choose``)
+OFFLOAD_OPTIONS = ("expert_cache_fraction", "static_experts")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
@@ -119,6 +121,12 @@ class EngineConfig:
             size = parse_size(getattr(self, name), f"EngineConfig.{name}")
             if size is not None and size <= 0:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be positive")
+        cache_options = [f"{n}={getattr(self, n)!r}" for n in OFFLOAD_OPTIONS if getattr(self, n) is not None]
+        if self.moe_backend == "gpu" and cache_options:
+            raise ValueError(
+                f"EngineConfig.{cache_options[0]} sizes an expert cache, and the gpu MoE backend keeps every "
+                "expert resident: use --moe-backend offload (or hybrid), or leave the backend to choose"
+            )
         if self.dummy_routing_skew and self.load_format != "dummy":
             raise ValueError(
                 f"EngineConfig.dummy_routing_skew={self.dummy_routing_skew!r} shapes the routers of dummy "

@@ -128,6 +128,24 @@ def test_too_little_host_memory_fails_before_loading(tmp_path, monkeypatch):
             moe_backend="offload", max_host_memory="4KiB")  # fmt: skip
 
 
+def test_an_expert_cache_size_picks_offload_and_is_refused_beside_gpu(tmp_path, capsys):
+    """--expert-cache-fraction / --static-experts size an expert cache: with the backend left to
+    choose they offload, saying so (the auto backend picked gpu and ignored them); beside an
+    explicit --moe-backend gpu they are refused by name."""
+    from ft.config import EngineConfig
+
+    write_checkpoint(tmp_path, "qwen3_moe", seed=4)
+    with LLM(
+        model=str(tmp_path), device="cpu", dtype="float32", progress=False, expert_cache_fraction=0.5
+    ) as llm:
+        plan = llm.engine.executor.runner.moe.plan
+        assert llm.engine.executor.runner.moe.name == "offload" and plan.slots == 4
+    assert "--expert-cache-fraction given: experts offloaded" in capsys.readouterr().out
+    for option in (dict(expert_cache_fraction=0.5), dict(static_experts=2)):
+        with pytest.raises(ValueError, match=f"EngineConfig.{next(iter(option))}=.*gpu MoE backend"):
+            EngineConfig(model=str(tmp_path), moe_backend="gpu", **option)
+
+
 def test_plan_line_and_bench_offline_report_offload(tmp_path, capsys):
     write_checkpoint(tmp_path, "qwen3_moe", seed=4)
     args = ["bench", "offline", "--model", str(tmp_path), "--device", "cpu", "--dtype", "float32"]

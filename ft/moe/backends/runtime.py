@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import torch
 
-from ft.config import EngineConfig
+from ft.config import OFFLOAD_OPTIONS, EngineConfig
 from ft.distributed import TPInfo
 from ft.models.config import ModelConfig
 from ft.moe.backends import (
@@ -92,7 +92,14 @@ class MoeRuntime:
         cfg, mc = self.cfg, self.mc
         if cfg.moe_backend != "auto":
             return cfg.moe_backend
-        if "moe" not in mc.mlp_types or self.device.type != "cuda":
+        if "moe" not in mc.mlp_types:
+            return "gpu"
+        given = [n for n in OFFLOAD_OPTIONS if getattr(cfg, n) is not None]
+        if given:  # an expert cache asked for by size: offload, as the option means
+            if self.tp.is_first:
+                print(f"ft: --{given[0].replace('_', '-')} given: experts offloaded (--moe-backend offload)")
+            return "offload"
+        if self.device.type != "cuda":
             return "gpu"
         from ft.models.info import footprint
 
