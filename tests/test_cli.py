@@ -163,6 +163,7 @@ def test_info_names_a_config_it_cannot_read(tmp_path):
         (["--load-format", "dummy", "--batch-sizes", "1,x"], r"--batch-sizes '1,x': expected"),
         (["--load-format", "dummy", "--batch-sizes", "0"], r"--batch-sizes '0': expected"),
         (["--load-format", "dummy", "--prefill-lens", "16,0"], r"--prefill-lens '16,0': expected"),
+        (["--load-format", "dummy", "--dummy-routing-skews", "0,x"], r"-skews '0,x': expected numbers"),
     ],
 )
 def test_bench_variants_are_checked_before_the_model_loads(tiny_config, argv, why):

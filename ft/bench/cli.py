@@ -128,7 +128,13 @@ def cmd_offline(args) -> int:
 
     sizes = _counts("--batch-sizes", args.batch_sizes)
     prefill = _counts("--prefill-lens", args.prefill_lens)
-    skews = [float(s) for s in (args.dummy_routing_skews or "").split(",") if s] or [args.dummy_routing_skew]
+    try:
+        skews = [float(s) for s in (args.dummy_routing_skews or "").split(",") if s]
+    except ValueError:
+        raise SystemExit(
+            f"ft bench: --dummy-routing-skews {args.dummy_routing_skews!r}: expected numbers, e.g. 0,1"
+        ) from None
+    skews = skews or [args.dummy_routing_skew]
     policies = [s for s in (args.expert_cache_policies or "").split(",") if s] or [args.expert_cache_policy]
     variants = [(skew, policy) for skew in skews for policy in policies]
     if args.census_batch < 1:
