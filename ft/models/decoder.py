@@ -67,8 +67,11 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
         for layer, after in zip(layers, layers[1:]):
+            # an MLP's guess a layer early, from a layer whose MLP guesses too (after a dense MLP the
+            # layer guesses for itself: no MoE sublayer of the layer before to overlap)
             guess = getattr(getattr(after, "mlp", None), "lookahead", None)
-            if isinstance(layer, DecoderLayer) and guess is not None:
+            both = isinstance(layer, DecoderLayer) and isinstance(after, DecoderLayer)
+            if both and guess is not None and hasattr(layer.mlp, "lookahead"):
                 norm = after.post_attention_layernorm
                 layer.next_lookahead = functools.partial(guess, norm=norm, early=True)
 

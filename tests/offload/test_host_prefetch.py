@@ -293,3 +293,20 @@ def test_rows_and_what_they_copy_by_bank_format(env, want):
     run = subprocess.run([sys.executable, "-c", code], env=clean | env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[0] == want
+
+
+def test_only_a_moe_layer_chooses_for_the_next_one(tmp_path):
+    """``DecoderModel`` offers layer l + 1's guess (``AHEAD``) to layer l only when both have MoE
+    sublayers: after a dense MLP the layer guesses for itself, as without ``AHEAD``."""
+    import json
+
+    from ft.distributed import TPInfo
+    from ft.engine.build import build_model
+    from ft.models.config_json import load_model_config
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint(tmp_path, "qwen3_moe", seed=1, num_hidden_layers=4, mlp_only_layers=[1])
+    assert json.loads((tmp_path / "config.json").read_text())["mlp_only_layers"] == [1]
+    model = build_model(load_model_config(str(tmp_path)), TPInfo(0, 1), "meta", torch.float32)
+    offered = [layer.next_lookahead is not None for layer in model.model.layers]
+    assert offered == [False, False, True, False]  # 0 -> 1 dense, 1 dense -> 2, 2 -> 3, none after 3
