@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KV_CACHE_FIELDS = ("kv_cache_quant_algo", "kv_cache_scheme")  # either names a quantised KV cache
-KV_SCALES = r"\.(k|v|kv)_scale$"  # its scale tensors (e.g. ``self_attn.k_proj.k_scale``), skipped
+# its scale tensors (``self_attn.k_proj.k_scale``; an FP8 attention's q and softmax-probability
+# scales beside them), skipped
+KV_SCALES = r"\.(q|k|v|kv|prob)_scale$"
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,14 @@ def _kv_cache(q: dict) -> str | None:
 def parse_declaration(quantization_config: dict | None, hf_quant_config: dict | None) -> QuantDeclaration:
     if hf_quant_config:
         q = hf_quant_config.get("quantization", hf_quant_config)
+        kv = _kv_cache(q) or _kv_cache(quantization_config or {})  # either file may name the KV cache
         return QuantDeclaration(
             "modelopt",
             q.get("quant_algo"),
             tuple(q.get("exclude_modules") or ()),
             None,
             dict(hf_quant_config),
-            _kv_cache(q),
+            kv,
         )
     qc = quantization_config or {}
     method = qc.get("quant_method")

@@ -87,6 +87,8 @@ def test_a_quantised_kv_cache_is_named_and_left_unused():
     scheme = {"dynamic": False, "num_bits": 8, "type": "float"}
     qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": EXCLUDE, "kv_cache_scheme": scheme}
     assert parse_declaration(qc, None).kv_cache.startswith("kv_cache_scheme=")
+    # config.json's quantization_config may name it beside an hf_quant_config.json that does not
+    assert parse_declaration(qc, {"quantization": nvfp4}).kv_cache.startswith("kv_cache_scheme=")
 
 
 def test_a_checkpoint_with_fp8_kv_scales_loads_them_unused(tmp_path):
@@ -114,6 +116,8 @@ def test_a_checkpoint_with_fp8_kv_scales_loads_them_unused(tmp_path):
         tensors[f"{stem}.k_proj.k_scale"] = torch.tensor(0.05)
         tensors[f"{stem}.v_proj.v_scale"] = torch.tensor(0.07)
         tensors[f"{stem}.kv_scale"] = torch.tensor(0.06)
+        tensors[f"{stem}.q_scale"] = torch.tensor(0.04)  # an FP8 attention's, beside them
+        tensors[f"{stem}.prob_scale"] = torch.tensor(0.03)
     save_file(tensors, str(path))
     declaration = json.loads((tmp_path / "nvfp4" / "hf_quant_config.json").read_text())
     declaration["quantization"]["kv_cache_quant_algo"] = "FP8"
