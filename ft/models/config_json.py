@@ -87,8 +87,7 @@ def _common(raw: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"config field {name}: {raw[name]!r} must be a positive integer")
     n = raw["num_hidden_layers"]
     theta, factor = _rope(raw)
-    head_dim = raw.get("head_dim")
-    head_dim = raw["hidden_size"] // raw["num_attention_heads"] if head_dim is None else head_dim
+    head_dim = _default(raw.get("head_dim"), raw["hidden_size"] // raw["num_attention_heads"])
     quant = parse_declaration(raw.get("quantization_config"), raw.get("hf_quant_config"))
     mlp_types = _mlp_types(raw, n)
     moe = [i for i, t in enumerate(mlp_types) if t == "moe"]  # a dense layer 0 declares no expert format

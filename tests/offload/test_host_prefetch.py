@@ -123,12 +123,12 @@ def test_picks_chosen_a_layer_early_equal_resident(ckpt, refs, prefetching, monk
     real_start, real_issue, real_stage = host_prefetch.start, host_prefetch.issue, host_stage.stage
     real_read = OffloadBackend._read_in_place
 
-    def start(pred, real, backend, stream, now=True):
+    def start(pred, real, backend, now=True):
         events.append(("choose", layer(backend), now))
-        real_start(pred, real, backend, stream, now)
+        real_start(pred, real, backend, now)
 
     def issue(backend):
-        if backend.spare.due is not False:
+        if backend.spare.due:
             events.append(("copy", layer(backend)))
         real_issue(backend)
 

@@ -111,7 +111,7 @@ class Spare:
         self.scratch = torch.zeros(cache.map.num_experts, dtype=torch.int32, device=dev)
         self.done = torch.cuda.Event() if dev.type == "cuda" else None
         self.pending = False  # this forward's picks chosen; the layer's kernel joins their copy
-        self.due: torch.cuda.Stream | None | bool = False  # the copy not yet issued: its stream
+        self.due = False  # the pending copy not yet issued (``issue``)
         self.down_only = False  # what the pending copy moved: the down projections alone
         self.rows = 0  # the spare rows the pending copy fills
 
@@ -128,19 +128,17 @@ def down_payload(layout) -> int:
     return sum(p.nbytes for p in layout.parts if p.offset >= down_offset(layout))
 
 
-def start(
-    pred: torch.Tensor, real: torch.Tensor, backend, stream: torch.cuda.Stream | None, now: bool = True
-) -> None:
+def start(pred: torch.Tensor, real: torch.Tensor, backend, now: bool = True) -> None:
     """Pick and copy the layer ``backend``'s predicted host experts (``pred`` [T, k]) into its spare rows:
-    the choice on the current stream, the copy on ``stream`` after it (at once on a CPU), or, with
-    ``now`` false, when ``issue`` is called (at the latest when the layer's kernel joins it); its
-    MoE kernel then reads them there (``routes``)."""
+    the choice on the current stream, the copy on its host reads' stream after it (at once on a
+    CPU), or, with ``now`` false, when ``issue`` is called (at the latest when the layer's kernel
+    joins it); its MoE kernel then reads them there (``routes``)."""
     sp, fmt = backend.spare, backend.reads.fmt  # the bank's format: how many rows, what they copy
     n = min(rows(fmt), len(sp.src))  # the switch's rows, at most the spare rows sized at start
     src, picks = sp.src[:n], sp.picks[:n]  # picks past n stay 0 (the use counts zero every step)
     select_into(pred, real, backend.cache.route, sp.eff, src, picks, sp.scratch, sp.first_row)
     sp.down_only, sp.rows = down_only(fmt), n
-    sp.pending, sp.due = True, stream
+    sp.pending = sp.due = True
     if now:
         issue(backend)
 
@@ -148,10 +146,10 @@ def start(
 def issue(backend) -> None:
     """Start the copy of the picks ``start`` chose for ``backend``'s layer, if not yet started: on
     its stream after everything the current stream has queued so far (at once on a CPU)."""
-    sp = backend.spare
-    if sp is None or sp.due is False:
+    sp, stream = backend.spare, backend.reads.stream
+    if sp is None or not sp.due:
         return
-    stream, sp.due = sp.due, False
+    sp.due = False
     first = sp.down_from if sp.down_only else 0
     if stream is None:
         copy_rows(backend.store.block, backend.cache.block, sp.first_row, sp.src[: sp.rows], first)

@@ -211,13 +211,13 @@ class OffloadBackend:
             return
         if not reads.takes(block.experts, residual, decode_only()):
             return
-        if self.first and not early:
+        if self.first:  # (an early call never reaches the first layer)
             reads.begin_forward()
         if self.spare.pending:  # chosen a layer early, by the layer before (``AHEAD``)
             return
         pred = block.gate(norm(residual))[1]
         real = real_rows(len(residual), residual.device)
-        host_prefetch.start(pred, real, self, reads.stream, now=not early)
+        host_prefetch.start(pred, real, self, now=not early)
         if early:  # its copy starts after the layer before stages its own host experts
             reads.ahead = self
 
