@@ -9,6 +9,7 @@ beyond OpenAI's are vLLM's names for the same things (``top_k``, ``min_tokens``,
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -146,7 +147,25 @@ class ChatMessage(BaseModel):
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             out["content"] = "".join(part.text for part in self.content)
+        calls = out.get("tool_calls")
+        if self.role == "assistant" and isinstance(calls, list):
+            out["tool_calls"] = [_with_object_arguments(call) for call in calls]
         return out
+
+
+def _with_object_arguments(call):
+    """An assistant's earlier call as tool-use templates take it (and vLLM passes it): OpenAI sends
+    ``function.arguments`` as JSON text, a template writes ``arguments | tojson``, which would quote
+    that text again. Arguments that are not a JSON object stay as the client wrote them."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    text = function["arguments"]
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError):
+        return call
+    return call | {"function": function | {"arguments": args}} if isinstance(args, dict) else call
 
 
 class FunctionSpec(_Strict):

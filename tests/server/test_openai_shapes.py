@@ -1,0 +1,88 @@
+"""The shapes and meanings of the server's answers as the ``openai`` client reads them, over a
+scripted engine (``scripted.py``): which chunk says what, usage, log-probs, finish reasons, errors,
+and how a conversation the client sends back reaches the chat template."""
+
+from __future__ import annotations
+
+import json
+
+from tests.server.scripted import EOS, MODEL, client, collect, make_app, raw, run, tokenizer
+
+TOK = tokenizer()
+HI = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text, False)
+
+
+def test_streams_open_with_the_role_and_end_with_usage_alone():
+    """Chat: each choice's first chunk is the assistant's role; every choice's finish reason comes
+    on its own last chunk; with include_usage every chunk has usage null but the last, which has
+    no choices and counts the prompt once and every choice's tokens."""
+    app, _ = make_app(ids("hello world") + [EOS])
+
+    async def main():
+        stream = await client(app).chat.completions.create(
+            model=MODEL, messages=HI, n=2, stream=True, stream_options={"include_usage": True}
+        )
+        return await collect(stream)
+
+    chunks = run(main())
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    firsts = {}
+    for c in chunks:
+        for ch in c.choices:
+            firsts.setdefault(ch.index, ch.delta)
+    assert {i: (d.role, d.content) for i, d in firsts.items()} == {0: ("assistant", ""), 1: ("assistant", "")}
+    *body, last = chunks
+    assert all(c.usage is None and len(c.choices) == 1 for c in body)
+    for i in (0, 1):
+        mine = [c.choices[0] for c in body if c.choices[0].index == i]
+        assert "".join(ch.delta.content or "" for ch in mine) == "hello world"
+        assert [ch.finish_reason for ch in mine] == [None] * (len(mine) - 1) + ["stop"]
+    assert last.choices == [] and last.usage.completion_tokens == 2 * (len(ids("hello world")) + 1)
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+
+def test_a_stream_never_shows_part_of_a_stop_string():
+    """A stop string that spans tokens is cut from the text, and no chunk shows its beginning."""
+    app, _ = make_app(ids("hello world, the end") + [EOS])
+
+    async def main():
+        stream = await client(app).completions.create(
+            model=MODEL, prompt="x", max_tokens=30, stream=True, stop=["orld,"]
+        )
+        return await collect(stream)
+
+    chunks = run(main())
+    assert "".join(c.choices[0].text for c in chunks) == "hello w"  # what was sent stays sent
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_assistant_tool_calls_reach_the_template_with_their_arguments_as_objects():
+    """A conversation sent back with the assistant's calls (``arguments`` as OpenAI sends them,
+    JSON text) shows the template each call's arguments as an object, as vLLM and transformers'
+    tool-use templates expect: a template writing ``arguments | tojson`` gets the JSON once, not a
+    quoted string of it."""
+    template = (
+        "{% for m in messages %}{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+        "<call>{{ c.function.arguments | tojson }}</call>{% endfor %}{% endfor %}"
+    )
+    call = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
+    app, _ = make_app(ids(call) + [EOS])
+    app.state.ft.tokenizer.hf.chat_template = template
+
+    async def main():
+        c = client(app)
+        first = await c.chat.completions.create(model=MODEL, messages=HI, tools=[TOOL], max_tokens=99)
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls[0].function.name
+        again = HI + [message.model_dump(exclude_none=True)]
+        body = {"messages": again, "tools": [TOOL]}
+        return (await raw(app).post("/tokenize", json=body)).json()["tokens"]
+
+    prompt = TOK.decode(run(main()))
+    assert prompt.startswith("hi<call>") and prompt.endswith("</call>"), prompt
+    assert json.loads(prompt.removeprefix("hi<call>").removesuffix("</call>")) == {"city": "Paris"}
