@@ -32,12 +32,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     messages = [m.for_template() for m in req.messages]
     prompt = await state.chat_prompt(messages, req.add_generation_prompt, req.template_kwargs())
     ids = await state.encode(prompt, req.add_special_tokens)
+    limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = state.chat_max_tokens(len(ids))
-    state.check_prompt(ids, max_tokens, "messages")
+    state.check_prompt(ids, max_tokens, "messages", limit)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    gen = state.generation("chatcmpl", [ids], state.sampling_params(req, max_tokens, logprobs), req)
+    params = state.sampling_params(req, max_tokens, logprobs, limit=limit)
+    gen = state.generation("chatcmpl", [ids], params, req)
     writer = _Writer(state, req, gen, thinks(prompt) if state.reasoning_parser else None)
     if req.stream:
         return await state.stream(request, gen, writer.events())

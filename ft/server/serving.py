@@ -57,8 +57,11 @@ class ServerState:
                 400, f"token ids {bad[:5]} in {param} are outside the vocabulary [0, {vocab})", param=param
             )
 
-    def check_prompt(self, ids: list[int], max_tokens: int, param: str = "prompt") -> None:
-        """``param``: what the prompt came from (a chat's ``messages``), named when it is at fault."""
+    def check_prompt(
+        self, ids: list[int], max_tokens: int, param: str = "prompt", limit: str = "max_tokens"
+    ) -> None:
+        """``param``: what the prompt came from (a chat's ``messages``), named when it is at fault;
+        ``limit``: the field that gave ``max_tokens`` (a chat's ``max_completion_tokens``)."""
         if not ids:
             raise APIError(400, "the prompt is empty", param=param)
         self.check_token_ids(ids, param)
@@ -85,18 +88,18 @@ class ServerState:
         if total > context:
             raise APIError(
                 400,
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the "
+                f"prompt ({n} tokens) + {limit} ({max_tokens}) = {total} tokens exceeds the "
                 f"model's context of {context} tokens",
-                param="max_tokens",
+                param=limit,
                 code="context_length_exceeded",
             )
         kv = kv_tokens(n, max_tokens)
         if kv > pool:  # every token but a generated last one is cached
             raise APIError(
                 400,
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {kv} tokens of KV cache, "
+                f"prompt ({n} tokens) + {limit} ({max_tokens}) needs {kv} tokens of KV cache, "
                 f"this server's holds {pool}",
-                param="max_tokens",
+                param=limit,
                 code="context_length_exceeded",
             )
 
@@ -133,10 +136,16 @@ class ServerState:
         return min(rest, self.defaults.get("max_tokens", rest))
 
     def sampling_params(
-        self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        req,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        limit: str = "max_tokens",
     ) -> SamplingParams:
+        """``limit``: the field that gave ``max_tokens``, as ``check_prompt``'s."""
         if req.min_tokens > max_tokens:  # vLLM's rule; the engine would stop at max_tokens regardless
-            message = f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})"
+            message = f"min_tokens ({req.min_tokens}) is more than {limit} ({max_tokens})"
             raise APIError(400, message, param="min_tokens")
         vocab = self.info.vocab_size
         outside = [t for t in (req.logit_bias or {}) if int(t) >= vocab]

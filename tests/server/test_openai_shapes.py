@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 
+import openai
+import pytest
+
 from tests.server.scripted import EOS, MODEL, client, collect, make_app, raw, run, tokenizer
 
 TOK = tokenizer()
@@ -86,3 +89,20 @@ def test_assistant_tool_calls_reach_the_template_with_their_arguments_as_objects
     prompt = TOK.decode(run(main()))
     assert prompt.startswith("hi<call>") and prompt.endswith("</call>"), prompt
     assert json.loads(prompt.removeprefix("hi<call>").removesuffix("</call>")) == {"city": "Paris"}
+
+
+def test_a_limit_too_long_is_named_as_the_client_sent_it():
+    """A chat whose max_completion_tokens passes the context, or is under its min_tokens: the 400
+    (the client's BadRequestError) names max_completion_tokens, the field the client sent."""
+    app, _ = make_app(ids("x"))
+
+    async def refused(**kw) -> dict:
+        with pytest.raises(openai.BadRequestError) as e:
+            await client(app).chat.completions.create(model=MODEL, messages=HI, **kw)
+        return e.value.body
+
+    e = run(refused(max_completion_tokens=600))
+    assert e["param"] == "max_completion_tokens" and e["code"] == "context_length_exceeded"
+    assert "max_completion_tokens (600)" in e["message"] and "512" in e["message"], e
+    e = run(refused(max_completion_tokens=2, extra_body={"min_tokens": 3}))
+    assert e["param"] == "min_tokens" and "max_completion_tokens (2)" in e["message"], e
