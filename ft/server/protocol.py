@@ -120,9 +120,16 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: None = None
+    suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> None:
+        if v is not None:
+            raise ValueError("suffix is not supported: this server does not fill in the middle")
+        return v
 
     @field_validator("best_of")
     @classmethod

@@ -106,3 +106,15 @@ def test_a_limit_too_long_is_named_as_the_client_sent_it():
     assert "max_completion_tokens (600)" in e["message"] and "512" in e["message"], e
     e = run(refused(max_completion_tokens=2, extra_body={"min_tokens": 3}))
     assert e["param"] == "min_tokens" and "max_completion_tokens (2)" in e["message"], e
+
+
+def test_suffix_is_refused_saying_why():
+    app, _ = make_app(ids("x"))
+
+    async def main():
+        with pytest.raises(openai.BadRequestError) as e:
+            await client(app).completions.create(model=MODEL, prompt="def f(", suffix="return 1")
+        return e.value.body
+
+    e = run(main())
+    assert e["param"] == "suffix" and "not supported" in e["message"], e
