@@ -154,3 +154,15 @@ def test_unshardable_intermediate_size_is_named_at_build():
     build_model(cfg, TPInfo(0, 2), "meta", torch.float32)  # 15 rows per rank: fine
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         build_model(cfg, TPInfo(0, 4), "meta", torch.float32)
+
+
+def test_max_keys_is_what_the_selection_lets_a_query_read():
+    """Block 0, Lc local blocks and K selected ones: (1 + Lc + K)·B keys at most (the roofline's cap)."""
+    with tp_context(TPInfo(0, 1)):
+        qsa = QSAAttention(model_config(qsa_block_size=4, qsa_local_blocks=2, qsa_topk_blocks=3))
+    length, blocks = 64, 16
+    positions = torch.arange(length)
+    scores = torch.randn(length, blocks, generator=torch.Generator().manual_seed(0))
+    mask = select_blocks(scores, positions // 4, blocks, local=2, topk=3)
+    keys = (mask.repeat_interleave(4, dim=1) & (torch.arange(length)[None] <= positions[:, None])).sum(1)
+    assert int(keys.max()) == qsa.max_keys == (1 + 2 + 3) * 4

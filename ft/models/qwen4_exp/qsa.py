@@ -128,9 +128,9 @@ class QSAAttention(QKNormAttention):
 
     @property
     def max_keys(self) -> int:
-        """The keys a query attends at most: its local blocks and the selected ones (the prefill
-        roofline, ``ft.bench.roofline``)."""
-        return (self.local_blocks + self.topk) * self.block_size
+        """The keys a query attends at most: block 0, its local blocks and the selected ones (the
+        prefill roofline, ``ft.bench.roofline``)."""
+        return (1 + self.local_blocks + self.topk) * self.block_size
 
     def attend(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, around: QKNormGate
