@@ -104,14 +104,15 @@ def test_qsa_layer_equals_dense_attention_when_selection_covers_all_blocks():
     assert (sparse[16:23] - expected[16:23]).abs().amax(-1).min() > 1e-4
 
 
-def test_ple_rows_match_the_oracle_across_chunks():
-    cfg = model_config()
+@pytest.mark.parametrize("pad_id", [0, 77])  # 77: not 0, so "before the request" must read ple_pad_id
+def test_ple_rows_match_the_oracle_across_chunks(pad_id):
+    cfg = model_config(ple_pad_id=pad_id)
     tokens = PROMPTS[0][:12]
     with tp_context(TPInfo(0, 1)):
         table = PLETable(cfg)
     table.primes.copy_(torch.tensor([[[1_000_003, 999_983], [524_287, 131_071]], [[65_537, 8191], [127, 7]]]))
     table.multipliers.copy_(torch.randint(-(2**63), 2**63 - 1, table.multipliers.shape))
-    expected = ple_rows(tokens, table.multipliers, table.primes, [2, 3], pad_id=0)  # [U, T, O, heads]
+    expected = ple_rows(tokens, table.multipliers, table.primes, [2, 3], pad_id=pad_id)  # [U, T, O, heads]
     for cut in (1, 2, 5):  # the second chunk starts inside an n-gram that began in the first
         ids = torch.tensor(tokens)
         batch = batch_of([(0, cut), (cut, 12 - cut)], page=4, history=[[], tokens[max(0, cut - 8) : cut]])
