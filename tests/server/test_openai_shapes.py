@@ -118,3 +118,29 @@ def test_suffix_is_refused_saying_why():
 
     e = run(main())
     assert e["param"] == "suffix" and "not supported" in e["message"], e
+
+
+def test_completion_choices_stream_as_they_answer_whole():
+    """Two prompts, n=2, echo and log-probs: choice p*n+i answers prompt p, streamed or not; a
+    stream's chunks per index add up to the whole answer's text and tokens; usage counts each
+    prompt once and every choice's tokens."""
+    app, _ = make_app(lambda prompt: prompt[::-1] + [EOS])
+    body = dict(model=MODEL, prompt=["ab", "cde"], max_tokens=3, n=2, echo=True, logprobs=1)
+
+    async def main():
+        c = client(app)
+        whole = await c.completions.create(**body)
+        stream = await c.completions.create(**body, stream=True, stream_options={"include_usage": True})
+        return whole, await collect(stream)
+
+    whole, chunks = run(main())
+    assert [(ch.index, ch.text, ch.finish_reason) for ch in whole.choices] == [
+        (0, "abba", "stop"), (1, "abba", "stop"), (2, "cdeedc", "length"), (3, "cdeedc", "length")
+    ]  # fmt: skip
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (5, 12)
+    for want in whole.choices:
+        mine = [ch for c in chunks for ch in c.choices if ch.index == want.index]
+        assert "".join(ch.text for ch in mine) == want.text
+        assert [t for ch in mine for t in ch.logprobs.tokens] == want.logprobs.tokens
+        assert [ch.finish_reason for ch in mine][-1] == want.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
