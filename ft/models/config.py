@@ -126,11 +126,11 @@ class ModelConfig:
             raise bad("hc_sinkhorn_iters", f"{self.hc_sinkhorn_iters} must be >= 1")
         if not self.ple_layers:
             return
-        if sorted(set(self.ple_layers)) != list(self.ple_layers) or not all(
+        if len(set(self.ple_layers)) != len(self.ple_layers) or not all(
             0 <= i < self.num_layers for i in self.ple_layers
-        ):
+        ):  # a layer's u is its index in the list, in any order (spec section 7)
             raise bad(
-                "ple_layers", f"{list(self.ple_layers)} must be increasing layer indices < {self.num_layers}"
+                "ple_layers", f"{list(self.ple_layers)} must be distinct layer indices < {self.num_layers}"
             )
         if not self.ple_ngram_orders or not all(1 <= n <= HISTORY + 1 for n in self.ple_ngram_orders):
             raise bad(

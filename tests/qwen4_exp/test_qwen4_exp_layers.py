@@ -141,6 +141,7 @@ def test_single_stream_without_ple_matches_the_oracle(tmp_path):
         (dict(layer_types=["linear_attention"]), "layer_types"),
         (dict(ple_ngram_orders=[2, 12]), "ple_ngram_orders"),
         (dict(ple_layers=[0, 7]), "ple_layers"),
+        (dict(ple_layers=[2, 2]), "ple_layers"),  # one layer, two values of u
         (dict(qsa_block_size=0), "qsa_block_size"),
     ],
 )
@@ -167,3 +168,13 @@ def test_max_keys_is_what_the_selection_lets_a_query_read():
     mask = select_blocks(scores, positions // 4, blocks, local=2, topk=3)
     keys = (mask.repeat_interleave(4, dim=1) & (torch.arange(length)[None] <= positions[:, None])).sum(1)
     assert int(keys.max()) == qsa.max_keys == (1 + 2 + 3) * 4
+
+
+def test_ple_layers_in_any_order_match_the_oracle(tmp_path):
+    """``u`` is a layer's index in ``ple_layers`` (spec section 7), which need not be sorted."""
+    config = tiny_qwen4_exp_config(ple_layers=[3, 0])
+    write_qwen4_exp_checkpoint(tmp_path, config, seed=6)
+    weights, _ = load_checkpoint(tmp_path)
+    out = generate(tmp_path, PROMPTS[:1], greedy(1, prompt_logprobs=0))[0]
+    ref = torch.log_softmax(reference_logits(weights, config, PROMPTS[0] + out.token_ids), dim=-1)
+    assert prompt_gaps(out, ref).max() < 1e-4
