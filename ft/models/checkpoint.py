@@ -44,10 +44,13 @@ class CheckpointTensor:
         if self.dtype not in allowed:
             raise self.error(f"dtype {self.dtype}, expected one of {[str(d) for d in allowed]}")
 
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        """Read ``[start, start + length)`` along ``dim`` and nothing else."""
+    def check_range(self, dim: int, start: int, length: int) -> None:
         if start < 0 or start + length > self.shape[dim]:
             raise self.error(f"slice [{start}, {start + length}) of dim {dim} is outside {list(self.shape)}")
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Read ``[start, start + length)`` along ``dim`` and nothing else."""
+        self.check_range(dim, start, length)
         index = [slice(None)] * len(self.shape)
         index[dim] = slice(start, start + length)
         return self._slice[tuple(index)]

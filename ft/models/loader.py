@@ -18,6 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ft.models.checkpoint import CheckpointError, CheckpointTensor, open_file
+from ft.quant import nvfp4_dense
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,18 @@ def read_headers(files: list[str]) -> dict[str, str]:
     return where
 
 
+def nvfp4_modules(model: nn.Module, expected: dict[str, Target]) -> list[str]:
+    """The dense modules the checkpoint stores as NVFP4 (``model.nvfp4_dense``, checkpoint names,
+    set at build by ``ft.quant.dense``), of those whose weight the model loads."""
+    return [m for m in getattr(model, "nvfp4_dense", ()) if f"{m}.weight" in expected]
+
+
 def check_names(model: nn.Module, where: dict[str, str], path: str) -> dict[str, Target]:
     expected = expected_tensors(model)
     ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_tensors", ())]
+    beside = {c for m in nvfp4_modules(model, expected) for c in nvfp4_dense.companions(m)}
     for name, file in where.items():
-        if name not in expected and not any(p.search(name) for p in ignored):
+        if name not in expected and name not in beside and not any(p.search(name) for p in ignored):
             raise CheckpointError(f"unexpected tensor {name!r} in {file}: the model has no parameter for it")
     for name, target in expected.items():
         if name not in where:
@@ -114,15 +122,16 @@ def load_weights(model: nn.Module, path: str, progress: bool = True) -> int:
                 "which does not hold it"
             )
     expected = check_names(model, where, path)
+    dequantized = {f"{m}.weight": m for m in nvfp4_modules(model, expected)}
     todo = [n for n in where if n in expected]
     bar = tqdm(total=len(todo), desc="loading weights", unit="tensor", disable=not progress)
     for file in files:
         with safe_open(file, "pt") as handle:
             for name in (n for n in todo if where[n] == file):
-                target = expected[name]
-                target.param.weight_loader(
-                    target.param, CheckpointTensor(name, file, handle), target.shard_id
-                )
+                target, ckpt = expected[name], CheckpointTensor(name, file, handle)
+                if name in dequantized:  # the layer loads it as a float tensor
+                    ckpt = nvfp4_dense.open_dequantized(ckpt, dequantized[name], where)
+                target.param.weight_loader(target.param, ckpt, target.shard_id)
                 bar.update()
     bar.close()
     return len(todo)

@@ -67,10 +67,23 @@ def _declare(path: Path, declare: str, exclude: list[str]) -> None:
         raise ValueError(declare)
 
 
+def _quantised(name: str, w: torch.Tensor, dense: bool) -> bool:
+    """Whether the checkpoint stores ``name`` as NVFP4: a routed expert's projection, and with
+    ``dense`` every other linear weight too (attention, GDN, shared expert, dense MLP, router,
+    shared-expert gate, lm_head) whose input is a whole number of 16-wide blocks, as ModelOpt's
+    default recipe leaves only what its patterns exclude."""
+    if EXPERT.match(name):
+        return True
+    linear = name.endswith(".weight") and w.dim() == 2 and "embed_tokens" not in name
+    return dense and linear and w.shape[1] % nvfp4.BLOCK == 0
+
+
 def write_nvfp4_checkpoint(
-    root: Path, model_type: str, seed: int = 0, declare: str = "hf_quant_config", **overrides
-):
-    """Write ``root/{bf16,nvfp4,dequant}``; returns transformers' fp32 model on the dequantised weights."""
+    root: Path, model_type: str, seed: int = 0, declare: str = "hf_quant_config", dense: bool = False,
+    **overrides,
+):  # fmt: skip
+    """Write ``root/{bf16,nvfp4,dequant}``; returns transformers' fp32 model on the dequantised
+    weights. ``dense``: the dense linears are NVFP4 too, everything else excluded by name."""
     from transformers import AutoModelForCausalLM
 
     src = root / "bf16"
@@ -83,9 +96,12 @@ def write_nvfp4_checkpoint(
 
     gen = torch.Generator().manual_seed(seed)
     packed, dequant = {}, {}
+    kept = ["model.embed_tokens"]
     for name, w in source.items():
-        if not EXPERT.match(name):
+        if not _quantised(name, w, dense):
             packed[name] = dequant[name] = w
+            if w.dim() == 2 and name.endswith(".weight"):
+                kept.append(name.removesuffix(".weight"))
             continue
         q = nvfp4.quantize(w)
         stem = name.removesuffix(".weight")
@@ -95,7 +111,10 @@ def write_nvfp4_checkpoint(
         packed[f"{stem}.input_scale"] = torch.rand((), generator=gen) + 0.01
         dequant[name] = q.dequantize(w.dtype)
     _write(root / "nvfp4", src, packed)
-    dense = sorted({m.group(1) for m in map(DENSE_MLP.match, source) if m})  # mlp_only_layers
-    _declare(root / "nvfp4", declare, EXCLUDE + [f"model.layers.{i}.mlp*" for i in dense])
+    if dense:
+        _declare(root / "nvfp4", declare, kept)
+    else:
+        mlp_only = sorted({m.group(1) for m in map(DENSE_MLP.match, source) if m})
+        _declare(root / "nvfp4", declare, EXCLUDE + [f"model.layers.{i}.mlp*" for i in mlp_only])
     _write(root / "dequant", src, dequant)
     return AutoModelForCausalLM.from_pretrained(str(root / "dequant"), dtype=torch.float32).eval()

@@ -1,10 +1,12 @@
 """What a ModelOpt NVFP4 declaration makes of each module of the Qwen3 families: the exclude
-patterns decide, and whatever is declared NVFP4 but cannot run that way (a dense projection, a
-router, lm_head) is refused when the model is built, naming the module (all CPU, on meta)."""
+patterns decide; a dense projection, router or lm_head declared NVFP4 is built in float and
+noted for the loader to dequantise (``ft.quant.nvfp4_dense``); experts in two formats and
+block-FP8 dense modules are refused when the model is built, naming the module (all CPU, on meta)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -33,29 +35,50 @@ def build(mc: ModelConfig) -> torch.nn.Module:
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
 @pytest.mark.parametrize(
-    "kept,refusal",
+    "kept,noted",
     [
-        (
-            "model.layers.*.self_attn*",
-            r"model\.layers\.\d\.self_attn\.(qkv|o)_proj \(tp_size 1\): dense nvfp4",
-        ),
-        ("lm_head", r"lm_head \(tp_size 1\): dense nvfp4"),
-        ("model.layers.*.mlp.gate", r"model\.layers\.\d\.mlp\.gate \(tp_size 1\)"),
+        ("model.layers.*.self_attn*", r"model\.layers\.\d\.self_attn\.[qkvo]_proj"),
+        ("lm_head", r"lm_head"),
+        ("model.layers.*.mlp.gate", r"model\.layers\.\d\.mlp\.gate"),
     ],
 )
-def test_quantised_dense_modules_are_refused_by_name(tmp_path, model_type, kept, refusal):
-    build(config(tmp_path, model_type, EXCLUDE))  # the declaration the tests load: experts only
-    with pytest.raises(ValueError, match=refusal):
-        build(config(tmp_path, model_type, [p for p in EXCLUDE if p != kept]))
+def test_dense_modules_declared_nvfp4_build_in_float_for_the_loader_to_dequantise(
+    tmp_path, model_type, kept, noted
+):
+    assert not build(config(tmp_path, model_type, EXCLUDE)).nvfp4_dense  # the experts only
+    model = build(config(tmp_path, model_type, [p for p in EXCLUDE if p != kept]))
+    assert model.nvfp4_dense and all(re.fullmatch(noted, m) for m in model.nvfp4_dense), model.nvfp4_dense
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if ".experts." not in n)
 
 
-def test_quantised_gdn_and_shared_expert_are_refused_by_name(tmp_path):
+def test_gdn_and_shared_expert_declared_nvfp4_are_noted_by_checkpoint_part(tmp_path):
     for kept, module in (
-        ("model.layers.*.linear_attn*", r"model\.layers\.[02]\.linear_attn\.\w+_proj"),
-        ("model.layers.*.mlp.shared_expert*", r"model\.layers\.\d\.mlp\.(shared_expert\.\w+_proj|gate)"),
+        (
+            "model.layers.*.linear_attn*",
+            r"model\.layers\.[02]\.linear_attn\.(in_proj_qkvz|in_proj_ba|out_proj)",
+        ),
+        ("model.layers.*.mlp.shared_expert*", r"model\.layers\.\d\.mlp\.shared_expert(\.\w+_proj|_gate)"),
     ):
-        with pytest.raises(ValueError, match=module):
-            build(config(tmp_path, "qwen3_next", [p for p in EXCLUDE if p != kept]))
+        noted = build(config(tmp_path, "qwen3_next", [p for p in EXCLUDE if p != kept])).nvfp4_dense
+        assert noted and all(re.fullmatch(module, m) for m in noted), noted
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
+def test_block_fp8_dense_modules_are_refused_by_name(tmp_path, model_type):
+    """These families have no block-FP8 twins (GDN's in_proj reorders its rows as it loads)."""
+    base = {"qwen3_moe": QWEN3_MOE_BASE, "qwen3_next": QWEN3_NEXT_BASE}[model_type]
+    fp8 = {
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "ignored_layers": ["lm_head", "*.experts*"],
+    }
+    (tmp_path / "config.json").write_text(
+        json.dumps(base | {"model_type": model_type, "quantization_config": fp8})
+    )
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.\w+\.\w+: the checkpoint stores it as fp8_block"
+    ):
+        build(load_model_config(str(tmp_path)))
 
 
 @pytest.mark.parametrize(

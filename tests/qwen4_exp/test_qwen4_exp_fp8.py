@@ -101,28 +101,28 @@ def test_dense_quant_mode_decides_and_refuses_by_name():
     nvfp4 = parse_declaration(
         {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"]}, None
     )
-    refusal = r"model\.layers\.0\.linear_attn\.in_proj \(tp_size 2\): dense nvfp4"
-    with pytest.raises(ValueError, match=refusal), tp_context(TPInfo(0, 2)):
-        dense_quant_mode(nvfp4, "model.layers.0.linear_attn.in_proj")
+    with tp_context(TPInfo(0, 2)):  # built in float, its NVFP4 tensors dequantised as they load
+        assert dense_quant_mode(nvfp4, "model.layers.0.linear_attn.in_proj") == "bf16"
     half = parse_declaration(FP8_DECLARATION | {"ignored_layers": ["model.layers.*.self_attn.k_proj"]}, None)
-    with pytest.raises(ValueError, match="qkv_proj.*a fused projection needs one"):
+    with pytest.raises(ValueError, match="qkv_proj.*block-FP8 needs them all"):
         dense_quant_mode(half, "model.layers.1.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"))
     bad = parse_declaration(FP8_DECLARATION | {"weight_block_size": [128]}, None)
     with pytest.raises(ValueError, match="weight_block_size"):
         dense_quant_mode(bad, "model.layers.1.self_attn.o_proj")
 
 
-def test_unsupported_dense_format_fails_at_build():
+def test_nvfp4_dense_modules_build_in_float_and_are_noted_for_the_loader():
     raw = tiny_qwen4_exp_config() | {"ple_table_rows": 546}
     raw["quantization_config"] = {
         "quant_method": "modelopt",
         "quant_algo": "NVFP4",
         "ignore": ["lm_head", "*.mlp.gate", "*.self_attn.*"],
     }
-    with pytest.raises(
-        ValueError, match=r"model\.layers\.0\.linear_attn\.\w+_proj \(tp_size 1\): dense nvfp4"
-    ):
-        build_model(config_from_dict(raw), TPInfo(0, 1), "meta", torch.float32)
+    model = build_model(config_from_dict(raw), TPInfo(0, 1), "meta", torch.float32)
+    assert "model.layers.0.linear_attn.in_proj" in model.nvfp4_dense
+    assert "model.layers.0.linear_attn.out_proj" in model.nvfp4_dense
+    assert not any(".self_attn." in m or m.endswith("mlp.gate") for m in model.nvfp4_dense)
+    assert model.get_submodule("model.layers.0.linear_attn.in_proj").weight.dtype == torch.float32
 
 
 def is_dense_linear(name: str, tensor: torch.Tensor) -> bool:
@@ -152,6 +152,42 @@ def test_fp8_block_checkpoint_matches_the_oracle_on_dequantised_weights(tmp_path
     options = {"quantize_experts": "nvfp4"} if experts == "nvfp4" else {}
     for tp in (1, 2):
         out = generate(tmp_path, PROMPTS[:1], params, tp_size=tp, **options)[0]
+        ref = torch.log_softmax(reference_logits(dequantised, config, PROMPTS[0] + out.token_ids), dim=-1)
+        assert prompt_gaps(out, ref).max() < 1e-4, f"tp {tp}"
+        assert out.token_ids == ref[len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist()
+
+
+def test_nvfp4_dense_checkpoint_matches_the_oracle_on_dequantised_weights(tmp_path):
+    """The spec's third dense format (section 8): NVFP4 projections in the ModelOpt layout, which
+    load dequantised into the float layers; routed experts excluded (bf16)."""
+    config = tiny_qwen4_exp_config()
+    tensors = write_qwen4_exp_checkpoint(tmp_path, config, seed=8)
+    dequantised = dict(tensors)
+    quantised = 0
+    for name, w in list(tensors.items()):
+        if is_dense_linear(name, w):
+            q, stem = nvfp4.quantize(w), name.removesuffix(".weight")
+            tensors[name], tensors[f"{stem}.weight_scale"] = q.weight, q.weight_scale
+            tensors[f"{stem}.weight_scale_2"] = q.weight_scale_2.clone()
+            dequantised[name] = q.dequantize(torch.float64)
+            quantised += 1
+    assert quantised == 2 * 2 + 2 * 5 + 4 * 2 + 2 * 2  # GDN 2, QSA 5 (3 indexer), shared 2, PLE 2
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    declaration = {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "ignore": [
+            "lm_head",
+            "model.embed_tokens",
+            "*.mlp.gate",
+            "*.mlp.shared_expert_gate",
+            "*.mlp.experts*",
+        ],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": declaration}))
+    params = greedy(3, prompt_logprobs=0)
+    for tp in (1, 2):
+        out = generate(tmp_path, PROMPTS[:1], params, tp_size=tp)[0]
         ref = torch.log_softmax(reference_logits(dequantised, config, PROMPTS[0] + out.token_ids), dim=-1)
         assert prompt_gaps(out, ref).max() < 1e-4, f"tp {tp}"
         assert out.token_ids == ref[len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist()
