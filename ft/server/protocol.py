@@ -152,8 +152,8 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict:
         out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            out["content"] = "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # one text, its parts a line apart, as vLLM joins them
+            out["content"] = "\n".join(part.text for part in self.content)
         calls = out.get("tool_calls")
         if self.role == "assistant" and isinstance(calls, list):
             out["tool_calls"] = [_with_object_arguments(call) for call in calls]

@@ -144,3 +144,17 @@ def test_completion_choices_stream_as_they_answer_whole():
         assert [t for ch in mine for t in ch.logprobs.tokens] == want.logprobs.tokens
         assert [ch.finish_reason for ch in mine][-1] == want.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_text_parts_reach_the_template_a_line_apart():
+    """A message's content as a list of text parts is one text, the parts joined by newlines, as
+    vLLM joins them: the same request gives the same prompt."""
+    app, engine = make_app(ids("ok") + [EOS])
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+
+    async def main():
+        await client(app).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}])
+
+    run(main())
+    prompt = TOK.decode(engine.added[0][1], skip_special_tokens=False)
+    assert "<|im_start|>user\none\ntwo<|im_end|>" in prompt, prompt
