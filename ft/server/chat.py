@@ -32,8 +32,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     messages = [m.for_template() for m in req.messages]
     prompt = await state.chat_prompt(messages, req.add_generation_prompt, req.template_kwargs())
     ids = await state.encode(prompt, req.add_special_tokens)
-    limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    # vLLM's rule: max_completion_tokens when it is more than 0, else max_tokens
+    limit = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = state.chat_max_tokens(len(ids))
     state.check_prompt(ids, max_tokens, "messages", limit)

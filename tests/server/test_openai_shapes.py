@@ -158,3 +158,17 @@ def test_text_parts_reach_the_template_a_line_apart():
     run(main())
     prompt = TOK.decode(engine.added[0][1], skip_special_tokens=False)
     assert "<|im_start|>user\none\ntwo<|im_end|>" in prompt, prompt
+
+
+def test_max_completion_tokens_0_gives_way_to_max_tokens():
+    """vLLM takes ``max_completion_tokens or max_tokens``: a 0 there leaves max_tokens in force."""
+    app, engine = make_app(ids("abcdef"))
+
+    async def main():
+        return await client(app).chat.completions.create(
+            model=MODEL, messages=HI, max_completion_tokens=0, max_tokens=3
+        )
+
+    answer = run(main())
+    assert engine.added[0][2].max_tokens == 3
+    assert answer.choices[0].message.content == "abc" and answer.choices[0].finish_reason == "length"
