@@ -147,6 +147,7 @@ class ServerState:
         if req.min_tokens > max_tokens:  # vLLM's rule; the engine would stop at max_tokens regardless
             message = f"min_tokens ({req.min_tokens}) is more than {limit} ({max_tokens})"
             raise APIError(400, message, param="min_tokens")
+        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         vocab = self.info.vocab_size
         outside = [t for t in (req.logit_bias or {}) if int(t) >= vocab]
         if outside:

@@ -172,3 +172,21 @@ def test_max_completion_tokens_0_gives_way_to_max_tokens():
     answer = run(main())
     assert engine.added[0][2].max_tokens == 3
     assert answer.choices[0].message.content == "abc" and answer.choices[0].finish_reason == "length"
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused():
+    """A stop token the model cannot emit is the client's mistake: a 400 naming the field and the
+    id, on both endpoints, before anything reaches the engine."""
+    app, engine = make_app(ids("x"))
+
+    async def main():
+        c, extra = client(app), {"stop_token_ids": [5, 100000]}
+        with pytest.raises(openai.BadRequestError) as chat:
+            await c.chat.completions.create(model=MODEL, messages=HI, extra_body=extra)
+        with pytest.raises(openai.BadRequestError) as completion:
+            await c.completions.create(model=MODEL, prompt="x", extra_body=extra)
+        return chat.value.body, completion.value.body
+
+    for e in run(main()):
+        assert e["param"] == "stop_token_ids" and "100000" in e["message"] and "5," not in e["message"], e
+    assert engine.added == []
