@@ -3,9 +3,10 @@ prefill's FLOPs over the matmul rate, both rates measured now.
 
 A decode step reads every dense weight once (attention / GDN projections, shared experts,
 routers, norms, lm_head), the distinct routed experts the batch activates (for B tokens routed
-uniformly to k of E experts, E·(1 − (1 − k/E)^B) per layer), each sequence's KV cache, and reads
-and writes each sequence's GDN state. Its time can be no less than those bytes over the memory
-bandwidth.
+uniformly to k of E experts, E·(1 − (1 − k/E)^B) per layer), each sequence's KV cache (what each
+attention layer says a query must read, ``decode_cache_reads``: a sparse one its ``max_keys`` keys
+and its indexer's block summaries), and reads and writes each sequence's GDN state. Its time can
+be no less than those bytes over the memory bandwidth.
 
 A prefill of L tokens multiplies every token by every dense matrix and by its k routed experts'
 (2 FLOPs a weight), attends each query to the keys before it (QK^T and PV: 4·d FLOPs a head and a
@@ -80,9 +81,8 @@ def decode_step_bytes(
         experts_total += int(bank.weight_bytes() / e * distinct)
     kv = state = 0
     for m in model.modules():
-        if hasattr(m, "cache_shape"):
-            h, d = m.cache_shape()
-            kv += 2 * h * d * act_bytes * context * batch
+        if hasattr(m, "decode_cache_reads"):
+            kv += m.decode_cache_reads(context) * act_bytes * batch
         if hasattr(m, "state_shapes"):
             conv, ssm = m.state_shapes()
             state += 2 * (math.prod(conv) * act_bytes + math.prod(ssm) * 4) * batch

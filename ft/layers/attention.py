@@ -100,6 +100,12 @@ class QKNormAttention(nn.Module):
     def cache_shape(self) -> tuple[int, int]:
         return self.num_kv_heads, self.head_dim
 
+    def decode_cache_reads(self, context: int) -> int:
+        """Cache elements a decode query of a sequence with ``context`` cached tokens must read
+        (the decode roofline, ``ft.bench.roofline``): every earlier key and value."""
+        h, d = self.cache_shape()
+        return 2 * h * d * context
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)

@@ -178,3 +178,20 @@ def test_ple_layers_in_any_order_match_the_oracle(tmp_path):
     out = generate(tmp_path, PROMPTS[:1], greedy(1, prompt_logprobs=0))[0]
     ref = torch.log_softmax(reference_logits(weights, config, PROMPTS[0] + out.token_ids), dim=-1)
     assert prompt_gaps(out, ref).max() < 1e-4
+
+
+def test_the_decode_roofline_counts_what_a_qsa_query_reads():
+    """Past ``max_keys`` cached tokens a QSA layer's decode reads ``max_keys`` keys and values and
+    one mean indexer key a complete block, not the whole context (a dense layer would)."""
+    from ft.bench.roofline import decode_step_bytes
+
+    mc = config_from_dict(tiny_qwen4_exp_config() | {"ple_table_rows": 546})
+    model = build_model(mc, TPInfo(0, 1), "meta", torch.bfloat16)
+    qsa = [m for m in model.modules() if isinstance(m, QSAAttention)]
+    assert qsa
+    h, d = qsa[0].cache_shape()
+    context = 50 * qsa[0].max_keys
+    per_layer = 2 * h * d * qsa[0].max_keys + context // qsa[0].block_size * qsa[0].indexer.head_dim
+    assert decode_step_bytes(model, mc, 3, context).kv == 3 * 2 * len(qsa) * per_layer
+    short = qsa[0].block_size - 1  # no complete block yet: every key, no block summary
+    assert decode_step_bytes(model, mc, 1, short).kv == 2 * len(qsa) * 2 * h * d * short

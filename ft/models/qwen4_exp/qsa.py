@@ -132,6 +132,13 @@ class QSAAttention(QKNormAttention):
         prefill roofline, ``ft.bench.roofline``)."""
         return (1 + self.local_blocks + self.topk) * self.block_size
 
+    def decode_cache_reads(self, context: int) -> int:
+        """At most ``max_keys`` keys and values, and one mean indexer key per complete block (what
+        the scores need; this engine still reads every token's kI to take the means)."""
+        h, d = self.cache_shape()
+        blocks = context // self.block_size
+        return 2 * h * d * min(context, self.max_keys) + blocks * self.indexer.head_dim
+
     def attend(
         self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, around: QKNormGate
     ) -> torch.Tensor:
