@@ -297,19 +297,39 @@ def bench_hf(cfg: EngineConfig, input_len: int, output_len: int) -> dict[str, fl
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
     ids = torch.randint(hf_config.vocab_size, (1, input_len), device=device)
 
-    def timed(n: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    def timed() -> tuple[float, float]:
+        """(time to the first new token, time from it to the last) of one generate call, both
+        read off the token stream of that one call: a tiny model's few steps are smaller than a
+        busy host's noise between two calls (a 2-core machine timed a 4-token call shorter than
+        a 1-token one, a negative decode rate)."""
+        stamps = TokenTimes(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+            model.generate(
+                ids,
+                max_new_tokens=output_len + 1,
+                min_new_tokens=output_len + 1,
+                do_sample=False,
+                streamer=stamps,
+            )
+        first, last = stamps.times[1], stamps.times[-1]  # times[0]: generate hands over the prompt
+        return first - t0, last - first
 
-    timed(2)  # warm-up
-    # the least of three runs each: a tiny model's few decode steps are smaller than a busy host's
-    # noise in one run (a 2-core CI machine once timed the 4-token run shorter than the 1-token one)
-    ttft = min(timed(1) for _ in range(3))
-    total = min(timed(output_len + 1) for _ in range(3))
-    return {"single_stream_tok_s": output_len / (total - ttft), "ttft_ms": 1e3 * ttft}
+    timed()  # warm-up
+    ttft, decode = (sorted(runs)[1] for runs in zip(*(timed() for _ in range(3))))  # the middle of three
+    return {"single_stream_tok_s": output_len / decode, "ttft_ms": 1e3 * ttft}
+
+
+class TokenTimes:
+    """A ``generate`` streamer that notes when each batch of tokens reaches it (the prompt first)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times = device, []
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
