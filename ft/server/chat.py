@@ -58,6 +58,7 @@ class _Writer:
         indices = [c.index for c in gen.choices]
         self.reasoning = {i: ReasoningStream(thinking) for i in indices} if thinking is not None else {}
         self.calls = {i: ToolCallStream() for i in indices} if req.calls_tools else {}
+        self._held: dict[int, tuple[list[int], list[Logprobs]]] = {}  # a stream's tokens of no chunk yet
 
     def _header(self, obj: str) -> dict:
         return {"id": self.gen.id, "object": obj, "created": self.gen.created, "model": self.state.model_name}
@@ -105,11 +106,15 @@ class _Writer:
             }
             yield self._header("chat.completion.chunk") | {"choices": [first]} | extra
         async for u in self.gen.updates():
-            yield self._header("chat.completion.chunk") | {"choices": [self._chunk_choice(u)]} | extra
+            choice = self._chunk_choice(u)
+            if choice is not None:
+                yield self._header("chat.completion.chunk") | {"choices": [choice]} | extra
         if self.req.include_usage:
             yield self._header("chat.completion.chunk") | {"choices": [], "usage": usage(self.gen)}
 
-    def _chunk_choice(self, u: Update) -> dict:
+    def _chunk_choice(self, u: Update) -> dict | None:
+        """The choice's chunk, or None while it has nothing to say (text held back as the start of
+        a tag or a stop string, as vLLM sends no chunk then): its tokens go with the next one."""
         text, finish = u.text, u.choice.finish_reason if u.finished else None
         delta = {}
         thoughts = self.reasoning.get(u.choice.index)
@@ -128,16 +133,21 @@ class _Writer:
                 finish = "tool_calls" if stream.calls and finish == "stop" else finish
             if calls:
                 delta["tool_calls"] = [c.as_dict(stream.calls - len(calls) + i) for i, c in enumerate(calls)]
-        if text or not (u.finished or delta):
+        if text:
             delta = {"content": text} | delta
+        ids, rows = self._held.pop(u.choice.index, ([], []))
+        ids, rows = ids + u.token_ids, rows + (u.logprobs or [])
+        if not (delta or u.finished):
+            self._held[u.choice.index] = ids, rows
+            return None
         entry = {
             "index": u.choice.index,
             "delta": delta,
-            "logprobs": self._logprobs(u.token_ids, u.logprobs),
+            "logprobs": self._logprobs(ids, rows),
             "finish_reason": finish,
         }
         if self.req.return_token_ids:
-            entry["token_ids"] = u.token_ids
+            entry["token_ids"] = ids
         return entry
 
 

@@ -190,3 +190,27 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused():
     for e in run(main()):
         assert e["param"] == "stop_token_ids" and "100000" in e["message"] and "5," not in e["message"], e
     assert engine.added == []
+
+
+def test_a_chat_stream_sends_no_empty_chunks():
+    """While text is held back (the start of a stop string here) no chunk is sent, as in vLLM: every
+    chunk but the role's first and the finish reason's last has content. The held tokens' ids and
+    log-probs come with the next chunk, so a stream's still add up to the whole answer's."""
+    app, _ = make_app(ids("hello world. the end") + [EOS])
+    body = dict(
+        model=MODEL, messages=HI, stop=["world!"], logprobs=True, extra_body={"return_token_ids": True}
+    )
+
+    async def main():
+        c = client(app)
+        whole = await c.chat.completions.create(**body)
+        return whole, await collect(await c.chat.completions.create(**body, stream=True))
+
+    whole, chunks = run(main())
+    first, *middle, last = [c.choices[0] for c in chunks]
+    assert first.delta.role == "assistant" and last.finish_reason == "stop"
+    assert all(ch.delta.content for ch in middle) and len(middle) < len(whole.choices[0].token_ids) - 1
+    streamed = middle + [last]
+    assert "".join(ch.delta.content or "" for ch in streamed) == "hello world. the end"
+    assert [t for ch in streamed for t in ch.token_ids] == whole.choices[0].token_ids
+    assert [t for ch in streamed for t in ch.logprobs.content] == whole.choices[0].logprobs.content
