@@ -8,14 +8,16 @@ released whole, so the deltas always add up to ``decode(all tokens)``.
 
 ``TextStream`` sits on top and applies stop strings: text that might be the start of a stop
 string is held back until it is known not to be one; when a stop string appears the text is cut
-just before it and the stream reports that it stopped. Before a request's ``min_tokens`` tokens
-no stop string counts, as in vLLM: one that ends in them is passed over, one that begins in them
-and ends after is still found.
+just before it (just after it with ``include_stop``, vLLM's ``include_stop_str_in_output``, which
+holds nothing back) and the stream reports which one stopped it. Before a request's
+``min_tokens`` tokens no stop string counts, as in vLLM: one that ends in them is passed over, one
+that begins in them and ends after is still found.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ft.server.tokenizer import Tokenizer
 
@@ -61,17 +63,32 @@ class IncrementalDetokenizer:
         return text[len(prefix) :]
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """What a request asks of its text: ``stop`` strings end it; ``include_stop``: the stop string
+    that ended it stays in it, and so does a stop token's text (vLLM's
+    ``include_stop_str_in_output``)."""
+
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+
+
 class TextStream:
     """One choice's text: detokenized, cut at the first stop string, released when safe."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: list[str], min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, options: TextOptions, min_tokens: int = 0) -> None:
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.stop = [s for s in stop if s]
+        self.stop = [s for s in options.stop if s]
+        self.include_stop = options.include_stop
         self.min_tokens = min_tokens
         self.text = ""  # everything decoded so far (cut at the stop string once one is seen)
         self.sent = 0  # characters of ``text`` already released
-        self.stopped = False  # a stop string was found
+        self.stop_string: str | None = None  # the stop string found
         self._searched = 0  # stop strings cannot start before this index
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_string is not None
 
     def add(self, token_ids: list[int], final: bool, generated: int | None = None) -> str:
         """Feed new tokens (``final``: the request has ended; ``generated``: the tokens it has
@@ -87,17 +104,21 @@ class TextStream:
             self._searched = max(0, len(self.text) - max(len(s) for s in self.stop) + 1)
         elif self.stop and self._cut():
             final = True
-        end = len(self.text) if final else len(self.text) - held_back(self.text, self.stop)
+        # what is released stays, so text that may begin a stop string waits, unless it is kept
+        hold = 0 if final or self.include_stop else held_back(self.text, self.stop)
+        end = len(self.text) - hold
         out = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return out
 
     def _cut(self) -> bool:
         longest = max(len(s) for s in self.stop)
-        hits = [i for s in self.stop if (i := self.text.find(s, self._searched)) >= 0]
+        # the earliest; of two at one place, the first listed (as vLLM, which tries them in order)
+        hits = [(i, k) for k, s in enumerate(self.stop) if (i := self.text.find(s, self._searched)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
+            at, k = min(hits)
+            self.stop_string = self.stop[k]
+            self.text = self.text[: at + len(self.stop_string) if self.include_stop else at]
             return True
         self._searched = max(0, len(self.text) - longest + 1)
         return False

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from ft.sampling_params import Logprobs, SamplingParams
-from ft.server.detokenizer import TextStream
+from ft.server.detokenizer import TextOptions, TextStream
 from ft.server.engine_client import EngineClient, EngineDeadError
 from ft.server.engine_process import Delta
 from ft.server.metrics import Metrics
@@ -59,7 +59,7 @@ class Generation:
         prompts: list[list[int]],
         params: SamplingParams,
         n: int,
-        stop: list[str],
+        text: TextOptions,
         max_waiting: int | None,
     ) -> None:
         self.client, self.metrics, self.max_waiting = client, metrics, max_waiting
@@ -68,13 +68,14 @@ class Generation:
         self.id = request_id
         self.choices: list[Choice] = []
         self._params: list[SamplingParams] = []
+        self._options = text
         for p, prompt in enumerate(prompts):
             for i in range(n):
                 # each choice draws its own sample: a seeded request seeds choice i with seed + i
                 seed = None if params.seed is None else params.seed + i
                 self._params.append(replace(params, seed=seed))
-                text = TextStream(tokenizer, stop, params.min_tokens)
-                self.choices.append(Choice(p * n + i, f"{request_id}-{p * n + i}", prompt, text))
+                stream = TextStream(tokenizer, text, params.min_tokens)
+                self.choices.append(Choice(p * n + i, f"{request_id}-{p * n + i}", prompt, stream))
         self._n = n
         self._by_id = {c.request_id: c for c in self.choices}
         self._prompt_tokens = sum(len(p) for p in prompts)
@@ -154,8 +155,10 @@ class Generation:
             choice.prompt_logprobs = d.prompt_logprobs
         choice.num_cached_tokens = d.num_cached_tokens
         final = d.finish_reason is not None
-        # a stop token (eos, stop_token_ids) counts as generated but is not part of the text
-        text_ids = d.token_ids[:-1] if d.finish_reason == "stop" and d.token_ids else d.token_ids
+        # a stop token (eos, stop_token_ids) counts as generated but is not part of the text,
+        # unless the request keeps what stopped it
+        stop_token = d.finish_reason == "stop" and d.token_ids and not self._options.include_stop
+        text_ids = d.token_ids[:-1] if stop_token else d.token_ids
         text = choice.text.add(text_ids, final, len(choice.token_ids))
         if choice.text.stopped:
             if not final:

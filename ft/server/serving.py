@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ft.sampling_params import SamplingParams
 from ft.scheduler.request import kv_tokens
+from ft.server.detokenizer import TextOptions
 from ft.server.engine_client import EngineClient, EngineDeadError, EngineRequestError
 from ft.server.engine_process import EngineInfo
 from ft.server.generation import Generation
@@ -186,7 +187,7 @@ class ServerState:
             prompts,
             params,
             req.n,
-            req.stop_strings,
+            TextOptions(tuple(req.stop_strings), req.include_stop_str_in_output),
             self.max_waiting,
         )
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from ft.server.completions import TextOffsets
-from ft.server.detokenizer import IncrementalDetokenizer, TextStream
+from ft.server.detokenizer import IncrementalDetokenizer, TextOptions, TextStream
 from ft.server.tokenizer import Tokenizer
 from tests.tiny_tokenizer import VOCAB_SIZE, build_tokenizer
 
@@ -51,7 +51,7 @@ def test_held_back_character_is_released_at_the_end(tok):
 
 
 def stream(tok, text, stop, final=True):
-    s = TextStream(tok, stop)
+    s = TextStream(tok, TextOptions(tuple(stop)))
     ids = tok.encode(text, add_special_tokens=False)
     out = [s.add([t], final=final and i == len(ids) - 1) for i, t in enumerate(ids)]
     return s, out
@@ -64,7 +64,7 @@ def test_stop_string_is_cut_and_never_released(tok):
 
 
 def test_partial_stop_string_is_held_until_it_cannot_match(tok):
-    s = TextStream(tok, ["ab!"])
+    s = TextStream(tok, TextOptions(("ab!",)))
     assert s.add(tok.encode("xa", False), final=False) == "x"  # "a" might begin "ab!"
     assert s.add(tok.encode("b", False), final=False) == ""  # "ab" still might
     assert s.add(tok.encode("c", False), final=False) == "abc"
@@ -77,12 +77,21 @@ def test_earliest_of_several_stop_strings_wins(tok):
     assert s.stopped and "".join(out) == "one "
 
 
+def test_a_stop_string_kept_ends_the_text_and_nothing_waits_for_it(tok):
+    """``include_stop`` (vLLM's include_stop_str_in_output): the text ends just after the stop
+    string, and text that may begin one is released at once, since it stays either way."""
+    s = TextStream(tok, TextOptions(("ab!", "b!"), include_stop=True))
+    assert s.add(tok.encode("xa", False), final=False) == "xa"
+    assert s.add(tok.encode("b!cd", False), final=False) == "b!"
+    assert s.stop_string == "ab!" and s.text == "xab!"  # two end there: the earliest start wins
+
+
 def test_no_stop_string_ends_before_min_tokens(tok):
     """Below ``min_tokens`` no stop string counts (vLLM's rule): one that ends within the first
     tokens is passed over; one that begins there and ends after is found and cut; with
     ``generated`` given, the count is the request's (a stop token is not part of the text)."""
     ids = tok.encode("ab, ab, ab", False)
-    s = TextStream(tok, [", "], min_tokens=len(ids))
+    s = TextStream(tok, TextOptions((", ",)), min_tokens=len(ids))
     out = [s.add([t], final=False) for t in ids[:-1]]
     assert not s.stopped
     out.append(s.add(ids[-1:], final=True))
@@ -90,10 +99,10 @@ def test_no_stop_string_ends_before_min_tokens(tok):
     # ", a" begins before the min_tokens-th token and ends after: found once the count is reached
     ids = tok.encode("xy, az", False)
     first = next(i for i in range(len(ids)) if ", a" in tok.decode(ids[: i + 1]))
-    s = TextStream(tok, [", a"], min_tokens=first + 1)
+    s = TextStream(tok, TextOptions((", a",)), min_tokens=first + 1)
     out = [s.add([t], final=False) for t in ids]
     assert s.stopped and "".join(out) == "xy"
-    s = TextStream(tok, [", "], min_tokens=3)
+    s = TextStream(tok, TextOptions((", ",)), min_tokens=3)
     assert s.add(tok.encode("q, ", False), final=False, generated=1) == "q, "  # ended too soon: text
     assert not s.stopped
 

@@ -214,3 +214,27 @@ def test_a_chat_stream_sends_no_empty_chunks():
     assert "".join(ch.delta.content or "" for ch in streamed) == "hello world. the end"
     assert [t for ch in streamed for t in ch.token_ids] == whole.choices[0].token_ids
     assert [t for ch in streamed for t in ch.logprobs.content] == whole.choices[0].logprobs.content
+
+
+def test_include_stop_str_in_output_keeps_what_stopped_the_text():
+    """vLLM's include_stop_str_in_output: the stop string that ended a choice stays at the end of
+    its text, streamed or not, chat or completion; so does a stop token's text."""
+    app, _ = make_app(ids("hello world, the end") + [EOS])
+    keep = {"include_stop_str_in_output": True}
+    cases = [dict(stop=["orld"], extra_body=keep), dict(extra_body=keep | {"stop_token_ids": ids(",")})]
+
+    async def texts(c, kw) -> tuple[str, str, str]:
+        whole = await c.completions.create(model=MODEL, prompt="x", max_tokens=30, **kw)
+        stream = await c.completions.create(model=MODEL, prompt="x", max_tokens=30, stream=True, **kw)
+        chat = await c.chat.completions.create(model=MODEL, messages=HI, stream=True, **kw)
+        return (
+            whole.choices[0].text,
+            "".join(ch.choices[0].text for ch in await collect(stream)),
+            "".join(ch.choices[0].delta.content or "" for ch in await collect(chat)),
+        )
+
+    async def main():
+        c = client(app)
+        return [await texts(c, kw) for kw in cases]
+
+    assert run(main()) == [("hello world",) * 3, ("hello world,",) * 3]
