@@ -62,7 +62,8 @@ class _Writer:
         self.tok = state.tokenizer
         self.echo_texts = texts if req.echo else None
         self._echoed: set[int] = set()
-        self._offsets = {c.index: TextOffsets(self.tok) for c in gen.choices}  # streamed: each choice's
+        skip = req.skip_special_tokens
+        self._offsets = {c.index: TextOffsets(self.tok, skip) for c in gen.choices}  # streamed: each choice's
 
     def _header(self, obj: str) -> dict:
         return {"id": self.gen.id, "object": obj, "created": self.gen.created, "model": self.state.model_name}
@@ -81,7 +82,7 @@ class _Writer:
                 "finish_reason": c.finish_reason,
             }
             if self.req.logprobs is not None:
-                offsets = TextOffsets(self.tok)
+                offsets = TextOffsets(self.tok, self.req.skip_special_tokens)
                 where = offsets.prompt(c.prompt_token_ids, prefix) if self.req.echo else []
                 where += offsets.generated(c.token_ids)
                 ids, lps = self._logprob_rows(c, c.token_ids, c.logprobs, echo=self.req.echo)
@@ -137,13 +138,14 @@ class _Writer:
 class TextOffsets:
     """Where each token's text begins in a choice's ``text``, token by token as they come: an
     echoed prompt's tokens as the echo shows them (special tokens and all), then the generated
-    ones as the answer shows them (special tokens skipped). The offsets follow the tokens, not the
-    text a stream has released (a stop string's start is held back), so a stream's add up to the
-    whole answer's; a token that is half a character shares its character's offset."""
+    ones as the answer shows them (special tokens skipped unless the request keeps them). The
+    offsets follow the tokens, not the text a stream has released (a stop string's start is held
+    back), so a stream's add up to the whole answer's; a token that is half a character shares
+    its character's offset."""
 
-    def __init__(self, tok: Tokenizer | None) -> None:
+    def __init__(self, tok: Tokenizer | None, skip_special_tokens: bool = True) -> None:
         self.tok, self.at = tok, 0
-        self._detok = IncrementalDetokenizer(tok) if tok is not None else None
+        self._detok = IncrementalDetokenizer(tok, skip_special_tokens) if tok is not None else None
 
     def prompt(self, ids: list[int], text: str) -> list[int]:
         """The echoed prompt's offsets; the generated text begins after ``text``, the echo."""

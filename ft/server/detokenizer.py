@@ -67,17 +67,19 @@ class IncrementalDetokenizer:
 class TextOptions:
     """What a request asks of its text: ``stop`` strings end it; ``include_stop``: the stop string
     that ended it stays in it, and so does a stop token's text (vLLM's
-    ``include_stop_str_in_output``)."""
+    ``include_stop_str_in_output``); ``skip_special_tokens``: special tokens have no text."""
 
     stop: tuple[str, ...] = ()
     include_stop: bool = False
+    skip_special_tokens: bool = True
 
 
 class TextStream:
     """One choice's text: detokenized, cut at the first stop string, released when safe."""
 
     def __init__(self, tokenizer: Tokenizer | None, options: TextOptions, min_tokens: int = 0) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        skip = options.skip_special_tokens
+        self.detok = IncrementalDetokenizer(tokenizer, skip) if tokenizer is not None else None
         self.stop = [s for s in options.stop if s]
         self.include_stop = options.include_stop
         self.min_tokens = min_tokens

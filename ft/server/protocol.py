@@ -4,7 +4,8 @@ Fields are typed strictly (a string is not a number, 1.5 is not an integer) and 
 finite, so a malformed request fails here with a message that names the field, before anything
 reaches the engine. Unknown fields are ignored: clients send many we have no use for. Fields
 beyond OpenAI's are vLLM's names for the same things (``top_k``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``add_special_tokens``).
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``return_token_ids``,
+``add_special_tokens``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # either way: the detokenizer (transformers' decode) puts no space between special tokens, nor
+    # does vLLM's for a fast tokenizer, whatever this says; typed, so that a wrong value is named
+    spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

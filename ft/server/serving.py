@@ -187,7 +187,7 @@ class ServerState:
             prompts,
             params,
             req.n,
-            TextOptions(tuple(req.stop_strings), req.include_stop_str_in_output),
+            TextOptions(tuple(req.stop_strings), req.include_stop_str_in_output, req.skip_special_tokens),
             self.max_waiting,
         )
 

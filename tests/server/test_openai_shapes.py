@@ -238,3 +238,41 @@ def test_include_stop_str_in_output_keeps_what_stopped_the_text():
         return [await texts(c, kw) for kw in cases]
 
     assert run(main()) == [("hello world",) * 3, ("hello world,",) * 3]
+
+
+def test_skip_special_tokens_false_keeps_their_text():
+    """vLLM's skip_special_tokens: by default a special token has no text; false keeps it, and the
+    log-probs' text offsets follow. The stop token stays out unless include_stop_str_in_output;
+    spaces_between_special_tokens changes nothing (no space either way, as vLLM's fast-tokenizer
+    detokenizer) but a value that is not a bool is named."""
+    start = TOK.hf.convert_tokens_to_ids("<|im_start|>")
+    app, _ = make_app(ids("a") + [start] + ids("b") + [EOS])
+
+    async def texts(c, extra) -> list[str]:
+        kw = dict(model=MODEL, prompt="x", max_tokens=9, logprobs=0, extra_body=extra)
+        whole = await c.completions.create(**kw)
+        stream = await c.completions.create(**kw, stream=True)
+        chat = await c.chat.completions.create(model=MODEL, messages=HI, stream=True, extra_body=extra)
+        assert whole.choices[0].logprobs.text_offset[2] == len(whole.choices[0].text.split("b")[0])
+        return [
+            whole.choices[0].text,
+            "".join(ch.choices[0].text for ch in await collect(stream)),
+            "".join(ch.choices[0].delta.content or "" for ch in await collect(chat)),
+        ]
+
+    async def main():
+        c, keep = client(app), {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+        out = [
+            await texts(c, {}),
+            await texts(c, keep),
+            await texts(c, keep | {"include_stop_str_in_output": True}),
+        ]
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(
+                model=MODEL, prompt="x", extra_body={"spaces_between_special_tokens": "no"}
+            )
+        return out, e.value.body
+
+    out, e = run(main())
+    assert out == [["ab"] * 3, ["a<|im_start|>b"] * 3, ["a<|im_start|>b<|im_end|>"] * 3]
+    assert e["param"] == "spaces_between_special_tokens", e
