@@ -88,6 +88,7 @@ class _Writer:
                 "message": message,
                 "logprobs": self._logprobs(c.token_ids, c.logprobs),
                 "finish_reason": finish,
+                "stop_reason": c.stop_reason,
             }
             if self.req.return_token_ids:
                 entry["prompt_token_ids"], entry["token_ids"] = c.prompt_token_ids, c.token_ids
@@ -146,6 +147,8 @@ class _Writer:
             "logprobs": self._logprobs(ids, rows),
             "finish_reason": finish,
         }
+        if u.finished:
+            entry["stop_reason"] = u.choice.stop_reason
         if self.req.return_token_ids:
             entry["token_ids"] = ids
         return entry

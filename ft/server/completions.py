@@ -80,6 +80,7 @@ class _Writer:
                 "text": prefix + c.text.text,
                 "logprobs": None,
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
             if self.req.logprobs is not None:
                 offsets = TextOffsets(self.tok, self.req.skip_special_tokens)
@@ -122,6 +123,8 @@ class _Writer:
             "logprobs": None,
             "finish_reason": c.finish_reason if u.finished else None,
         }
+        if u.finished:
+            entry["stop_reason"] = c.stop_reason
         if self.req.logprobs is not None:
             offsets = self._offsets[c.index]
             where = offsets.prompt(c.prompt_token_ids, self._prompt_text(c)) if echo else []

@@ -33,6 +33,9 @@ class Choice:
     logprobs: list[Logprobs] = field(default_factory=list)
     prompt_logprobs: list[Logprobs | None] | None = None
     finish_reason: str | None = None
+    # what ended a "stop" choice, as vLLM reports it: the stop string, or the stop_token_ids id;
+    # None for eos (checked first, as vLLM), a length or an abort
+    stop_reason: str | int | None = None
     num_cached_tokens: int = 0
 
     @property
@@ -69,6 +72,8 @@ class Generation:
         self.choices: list[Choice] = []
         self._params: list[SamplingParams] = []
         self._options = text
+        self._stop_ids = set(params.stop_token_ids)
+        self._eos = tokenizer.eos_token_id if tokenizer is not None and not params.ignore_eos else None
         for p, prompt in enumerate(prompts):
             for i in range(n):
                 # each choice draws its own sample: a seeded request seeds choice i with seed + i
@@ -164,8 +169,12 @@ class Generation:
             if not final:
                 self.client.release([choice.request_id])
             choice.finish_reason, final = "stop", True
+            choice.stop_reason = choice.text.stop_string
         elif final:
             choice.finish_reason = d.finish_reason
+            last = d.token_ids[-1] if d.finish_reason == "stop" and d.token_ids else None
+            if last in self._stop_ids and last != self._eos:
+                choice.stop_reason = last
         if final:
             self.metrics.finished(choice.finish_reason, time.monotonic() - self.arrival)
         if not (d.token_ids or final or text):

@@ -276,3 +276,33 @@ def test_skip_special_tokens_false_keeps_their_text():
     out, e = run(main())
     assert out == [["ab"] * 3, ["a<|im_start|>b"] * 3, ["a<|im_start|>b<|im_end|>"] * 3]
     assert e["param"] == "spaces_between_special_tokens", e
+
+
+def test_stop_reason_says_what_ended_a_choice():
+    """vLLM's stop_reason, on a choice and on a stream's last chunk for it: the stop string or the
+    stop_token_ids id that ended the choice; null for eos (even one listed in stop_token_ids, as
+    vLLM checks eos first) and for a length."""
+    app, _ = make_app(ids("hello world, the end") + [EOS])
+    comma = ids(",")[0]
+    cases = {
+        "orld": dict(stop=["orld"]),
+        comma: dict(extra_body={"stop_token_ids": [comma]}),
+        None: dict(extra_body={"stop_token_ids": [EOS]}),
+        "length": dict(max_tokens=2),
+    }
+
+    async def reasons(c, kw) -> set:
+        kw = {"max_tokens": 30} | kw
+        whole = await c.completions.create(model=MODEL, prompt="x", **kw)
+        stream = await collect(await c.completions.create(model=MODEL, prompt="x", stream=True, **kw))
+        chat = await c.chat.completions.create(model=MODEL, messages=HI, **kw)
+        chunks = await collect(await c.chat.completions.create(model=MODEL, messages=HI, stream=True, **kw))
+        assert "stop_reason" not in (stream[0].choices[0].model_extra or {})  # not a last chunk
+        finals = [whole.choices[0], stream[-1].choices[0], chat.choices[0], chunks[-1].choices[0]]
+        return {ch.model_extra["stop_reason"] for ch in finals}
+
+    async def main():
+        c = client(app)
+        return {want: await reasons(c, kw) for want, kw in cases.items()}
+
+    assert run(main()) == {"orld": {"orld"}, comma: {comma}, None: {None}, "length": {None}}

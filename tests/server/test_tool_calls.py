@@ -92,7 +92,8 @@ def writer(text: str, finish: str = "stop", tools: bool = True, thinking: bool |
         body["tools"] = [{"type": "function", "function": {"name": "weather"}}]
     req = ChatCompletionRequest.model_validate(body)
     choice = SimpleNamespace(index=0, text=SimpleNamespace(text=text), token_ids=[1], logprobs=[],
-                             finish_reason=finish, prompt_token_ids=[1], num_cached_tokens=0)  # fmt: skip
+                             finish_reason=finish, stop_reason=None, prompt_token_ids=[1],
+                             num_cached_tokens=0)  # fmt: skip
     pieces = [text[i : i + 7] for i in range(0, len(text), 7)] or [""]
 
     async def updates():
