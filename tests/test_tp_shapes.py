@@ -132,3 +132,12 @@ def test_intermediate_width_a_rank_below_16_is_bf16_only(tmp_path):
     quantised = dataclasses.replace(mc, expert_format="nvfp4")  # as --quantize-experts nvfp4 asks
     with pytest.raises(ValueError, match=r"40 over 4 tp ranks gives 10 rows per rank.*tp size"):
         build_model(quantised, TPInfo(0, 4), "meta", torch.float32)
+
+
+@pytest.mark.parametrize("tp", [4, 6])
+def test_fewer_query_heads_than_ranks_are_refused_alike(tmp_path, tp):
+    """3 query heads cannot go over 4 ranks nor over 6: query heads are never replicated (only kv
+    heads are), so both refusals say so, not that a rank count that is a multiple would do."""
+    mc = config(tmp_path, "qwen3_moe", num_attention_heads=3, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=rf"^3 attention heads cannot be split over {tp} ranks"):
+        build_model(mc, TPInfo(0, tp), "meta", torch.float32)

@@ -120,13 +120,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
     ) -> None:
         tp = get_tp_info()
+        if num_heads < tp.size:  # before heads_part, which would offer to replicate them as kv heads
+            raise ValueError(f"{num_heads} attention heads cannot be split over {tp.size} ranks")
         parts = (
             heads_part(num_heads, q_head_rows or head_dim, tp, "attention heads"),
             heads_part(num_kv_heads, head_dim, tp, "kv heads"),
             heads_part(num_kv_heads, head_dim, tp, "kv heads"),
         )
-        if num_heads < tp.size:
-            raise ValueError(f"{num_heads} attention heads cannot be split over {tp.size} ranks")
         super().__init__(hidden_size, (), bias, parts=parts)
         self.num_heads = parts[0].local // (q_head_rows or head_dim)
         self.num_kv_heads = parts[1].local // head_dim
