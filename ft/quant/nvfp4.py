@@ -29,6 +29,7 @@ E4M3_MAX = 448.0
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=torch.float32,
+    device="cpu",  # not the device of a `with torch.device(...)` around this module's first import
 )
 
 # Midpoints between adjacent magnitudes. A magnitude exactly on a midpoint rounds to the even

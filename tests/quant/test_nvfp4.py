@@ -216,3 +216,19 @@ def test_cuda_matches_cpu() -> None:
         assert torch.equal(gpu.weight.cpu(), cpu.weight)
         assert torch.equal(gpu.weight_scale.cpu().view(torch.uint8), cpu.weight_scale.view(torch.uint8))
         assert torch.equal(gpu.dequantize().cpu(), cpu.dequantize())
+
+
+def test_the_code_table_stays_on_the_cpu_when_first_imported_under_a_meta_device():
+    """A model built under ``with torch.device("meta")`` may import this module first: its table
+    must not become a meta tensor (every later dequantisation failed: 'no data')."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "with torch.device('meta'):\n"
+        "    from ft.quant import nvfp4\n"
+        "print(nvfp4.E2M1_VALUES.device)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "cpu"
