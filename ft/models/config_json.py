@@ -55,7 +55,8 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
 
 
 def _expert_format(quant: QuantDeclaration, moe_layers: list[int]) -> str:
-    """The one format the declaration gives every routed expert projection: a bank serves every
+    """The bank format of the one format the declaration gives every routed expert projection
+    (block-FP8 experts fill a bf16 bank, dequantised as they load): a bank serves every
     layer in one format, so a layer or projection excluded from NVFP4 alone is refused (it would
     be quantised at load unasked, or, were it the first, refuse the next layer's bank)."""
     example: dict[str, str] = {}
@@ -68,7 +69,8 @@ def _expert_format(quant: QuantDeclaration, moe_layers: list[int]) -> str:
         raise ValueError(
             f"routed experts must all have one format, but the quantisation declaration stores {shown}"
         )
-    return next(iter(example))
+    fmt = next(iter(example))
+    return "bf16" if fmt == "fp8_block" else fmt  # block-FP8 experts load dequantised (ft.quant.dequantized)
 
 
 def _default(value, default):

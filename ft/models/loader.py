@@ -18,7 +18,8 @@ from torch import nn
 from tqdm import tqdm
 
 from ft.models.checkpoint import CheckpointError, CheckpointTensor, open_file
-from ft.quant import nvfp4_dense
+from ft.quant import dequantized
+from ft.quant.dequantized import Dequantize
 
 
 @dataclass(frozen=True)
@@ -89,16 +90,18 @@ def read_headers(files: list[str]) -> dict[str, str]:
     return where
 
 
-def nvfp4_modules(model: nn.Module, expected: dict[str, Target]) -> list[str]:
-    """The dense modules the checkpoint stores as NVFP4 (``model.nvfp4_dense``, checkpoint names,
-    set at build by ``ft.quant.dense``), of those whose weight the model loads."""
-    return [m for m in getattr(model, "nvfp4_dense", ()) if f"{m}.weight" in expected]
+def dequantized_modules(model: nn.Module, expected: dict[str, Target]) -> dict[str, Dequantize]:
+    """The checkpoint modules stored quantised whose weight the model loads as float
+    (``model.dequantized``, set at build by ``ft.quant.dense``), of those it loads at all."""
+    return {m: how for m, how in getattr(model, "dequantized", {}).items() if f"{m}.weight" in expected}
 
 
 def check_names(model: nn.Module, where: dict[str, str], path: str) -> dict[str, Target]:
     expected = expected_tensors(model)
     ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_tensors", ())]
-    beside = {c for m in nvfp4_modules(model, expected) for c in nvfp4_dense.companions(m)}
+    beside = {
+        c for m, how in dequantized_modules(model, expected).items() for c in dequantized.companions(m, how)
+    }
     for name, file in where.items():
         if name not in expected and name not in beside and not any(p.search(name) for p in ignored):
             raise CheckpointError(f"unexpected tensor {name!r} in {file}: the model has no parameter for it")
@@ -122,15 +125,15 @@ def load_weights(model: nn.Module, path: str, progress: bool = True) -> int:
                 "which does not hold it"
             )
     expected = check_names(model, where, path)
-    dequantized = {f"{m}.weight": m for m in nvfp4_modules(model, expected)}
+    as_float = {f"{m}.weight": (m, how) for m, how in dequantized_modules(model, expected).items()}
     todo = [n for n in where if n in expected]
     bar = tqdm(total=len(todo), desc="loading weights", unit="tensor", disable=not progress)
     for file in files:
         with safe_open(file, "pt") as handle:
             for name in (n for n in todo if where[n] == file):
                 target, ckpt = expected[name], CheckpointTensor(name, file, handle)
-                if name in dequantized:  # the layer loads it as a float tensor
-                    ckpt = nvfp4_dense.open_dequantized(ckpt, dequantized[name], where)
+                if name in as_float:  # the layer loads it as a float tensor
+                    ckpt = dequantized.open_dequantized(ckpt, *as_float[name], where)
                 target.param.weight_loader(target.param, ckpt, target.shard_id)
                 bar.update()
     bar.close()

@@ -11,7 +11,7 @@ from ft.layers.attention import QKNormAttention
 from ft.models.config import ModelConfig
 from ft.models.decoder import CausalLM, DecoderLayer
 from ft.moe.block import GatedMLP, SparseMoeBlock
-from ft.quant.dense import require_float_dense
+from ft.quant.dense import dequantize_dense, dequantize_experts
 
 
 def attention(cfg: ModelConfig) -> QKNormAttention:
@@ -47,7 +47,8 @@ def mlp(cfg: ModelConfig, index: int) -> nn.Module:
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        require_float_dense(self, cfg.quantization)
+        dequantize_dense(self, cfg.quantization)
+        dequantize_experts(self, cfg.quantization)
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         return DecoderLayer(cfg, "full_attention", attention(cfg), mlp(cfg, index))

@@ -23,7 +23,7 @@ from ft.models.config import ModelConfig
 from ft.models.decoder import CausalLM, DecoderLayer
 from ft.models.qwen3_moe import attention, mlp
 from ft.moe.block import SHARED_GATE_PACKING
-from ft.quant.dense import require_float_dense
+from ft.quant.dense import dequantize_dense, dequantize_experts
 
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNetMixer):
@@ -83,7 +83,8 @@ class Qwen3NextForCausalLM(CausalLM):
         super().__init__(cfg)
         if cfg.shared_expert_intermediate_size:
             self.packed_modules = self.packed_modules | SHARED_GATE_PACKING
-        require_float_dense(self, cfg.quantization)
+        dequantize_dense(self, cfg.quantization)
+        dequantize_experts(self, cfg.quantization)
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         kind = cfg.layer_types[index]

@@ -40,6 +40,9 @@ except ImportError:  # no triton (CPU-only installs): no kernel hands anything t
     GEMV_RULES = {}
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# checkpoint formats a bank reads as float: bf16 itself, block-FP8 dequantised by the loader
+# (``ft.quant.dequantized``)
+FLOAT_SOURCES = ("bf16", "fp8_block")
 
 
 def weight_parts(num_experts: int, suffix: str = "weight") -> tuple[list, list]:
@@ -158,7 +161,7 @@ class BF16ExpertBank(ExpertBank):
         self, num_experts: int, hidden_size: int, intermediate_size: int, checkpoint_format: str = "bf16"
     ) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size)
-        if checkpoint_format != "bf16":
+        if checkpoint_format not in FLOAT_SOURCES:
             raise ValueError(
                 f"the checkpoint stores these experts as {checkpoint_format}; a bf16 expert bank "
                 "cannot load them (the model's expert_format must match)"

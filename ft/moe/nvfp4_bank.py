@@ -26,7 +26,7 @@ import torch
 
 from ft.layers.loading import new_param
 from ft.models.checkpoint import FLOAT_DTYPES, CheckpointTensor
-from ft.moe.banks import PROJECTIONS, ExpertBank, weight_parts
+from ft.moe.banks import FLOAT_SOURCES, PROJECTIONS, ExpertBank, weight_parts
 from ft.quant import nvfp4
 from ft.quant.nvfp4 import BLOCK, NVFP4Tensor
 
@@ -75,7 +75,7 @@ class NVFP4ExpertBank(ExpertBank):
             self.input_scale = new_param(e, 3, dtype=fp32)
             self.input_scale.logical_numel = 0
             self._expect_modelopt()
-        elif checkpoint_format == "bf16":
+        elif checkpoint_format in FLOAT_SOURCES:  # quantised at load
             self._expect_bf16()
         else:
             raise ValueError(f"an NVFP4 expert bank cannot load {checkpoint_format!r} experts")

@@ -1,14 +1,16 @@
-"""Which format a rank builds and loads for each dense projection, decided in one place.
+"""Which format a rank builds and loads for each dense projection (and which checkpoint modules
+load dequantised), decided in one place.
 
-``dense_quant_mode`` turns the checkpoint's quantisation declaration into the format of one
-dense linear module (``bf16``, meaning unquantised float, or ``fp8_block``) and refuses, at
-start-up and naming the module, what cannot run: a block-FP8 projection whose on-disk parts
-disagree, a malformed block size. A module (or part) stored as NVFP4 is built in float and
-loads dequantised (``ft.quant.nvfp4_dense``): ``dense_formats`` notes those for the loader.
-``quantize_dense_linears`` asks it for every linear of a freshly built model and swaps in the
-block-FP8 twin where the checkpoint holds FP8, so the modules built and the tensors loaded can
-never disagree; ``require_float_dense`` is the check of a family that has no FP8 twins. Routed
-experts are not dense: their bank format is ``ModelConfig.expert_format``.
+``dense_quant_mode`` turns the checkpoint's quantisation declaration into the format a family
+with block-FP8 twins (qwen4_exp) builds for one dense linear module (``bf16``, meaning
+unquantised float, or ``fp8_block``) and refuses, at start-up and naming the module, what cannot
+run: a block-FP8 projection whose on-disk parts disagree, a malformed block size.
+``quantize_dense_linears`` swaps in those twins, so the modules built and the tensors loaded can
+never disagree. Everything else a checkpoint stores quantised loads into float layers through
+``ft.quant.dequantized``, each such checkpoint module noted on ``model.dequantized`` here: NVFP4
+dense modules in every family, block-FP8 ones in the families without twins
+(``dequantize_dense``), block-FP8 routed experts (``dequantize_experts``: NVFP4 experts the bank
+reads as they are).
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from torch import nn
 from ft.distributed import try_get_tp_info
 from ft.layers.embedding import ParallelLMHead
 from ft.layers.linear import ColumnParallelLinear, Part, ReplicatedLinear, RowParallelLinear
+from ft.moe.banks import PROJECTIONS
+from ft.moe.block import SparseMoeBlock
 from ft.moe.router import TopKRouter
 from ft.quant.declaration import QuantDeclaration
+from ft.quant.dequantized import Dequantize
 from ft.quant.fp8_block import Fp8BlockColumnParallelLinear, Fp8BlockRowParallelLinear
 
 SWAPPABLE = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
@@ -35,26 +40,35 @@ def checkpoint_names(module: str, parts: Sequence[str] = ()) -> list[str]:
 
 
 def dense_quant_mode(decl: QuantDeclaration, module: str, parts: Sequence[str] = ()) -> str:
-    """The format rank r of the current TP group builds for linear ``module``: ``fp8_block`` or
-    ``bf16`` (unquantised float; NVFP4 parts are dequantised into it as they load,
-    ``ft.quant.nvfp4_dense``).
+    """The format rank r of the current TP group builds for linear ``module`` in a family with
+    block-FP8 twins (qwen4_exp): ``fp8_block`` or ``bf16`` (unquantised float; NVFP4 parts are
+    dequantised into it as they load, ``ft.quant.dequantized``).
 
     A block-FP8 module's parts must all be block-FP8. Works without an engine: outside a TP
     context it answers for one rank. Every TP split of a block-FP8 weight can run
     (``Fp8BlockLinear`` slices its scales per row), so TP only names the failing case.
     """
-    tp = try_get_tp_info()
-    where = f"{module} (tp_size {1 if tp is None else tp.size})"
+    where = _where(module)
     names = checkpoint_names(module, parts)
     formats = sorted({decl.format_of(n) for n in names})
     if "fp8_block" not in formats:
         return "bf16"
     if len(formats) > 1:
         raise ValueError(f"{where}: its parts {names} are stored as {formats}; block-FP8 needs them all")
+    fp8_block_size(decl, where)
+    return "fp8_block"
+
+
+def _where(module: str) -> str:
+    tp = try_get_tp_info()
+    return f"{module} (tp_size {1 if tp is None else tp.size})"
+
+
+def fp8_block_size(decl: QuantDeclaration, where: str) -> tuple[int, int]:
     block = decl.weight_block_size
     if block is None or len(block) != 2 or min(block) < 1:
         raise ValueError(f"{where}: fp8 weight_block_size {block} must be two positive sizes")
-    return "fp8_block"
+    return (int(block[0]), int(block[1]))
 
 
 def fp8_twin(module: nn.Module, block: Sequence[int]) -> nn.Module:
@@ -67,25 +81,41 @@ def fp8_twin(module: nn.Module, block: Sequence[int]) -> nn.Module:
     return Fp8BlockColumnParallelLinear(inp, [Part(out, out, 0)], block, bias)
 
 
-def dense_formats(model: nn.Module, decl: QuantDeclaration) -> list[tuple[str, nn.Module, str]]:
-    """(name, module, format) of every dense linear, router and lm_head of ``model``; notes the
-    checkpoint modules stored as NVFP4 on ``model.nvfp4_dense``, for the loader to dequantise."""
+def dense_linears(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
+    """(name, module, checkpoint parts) of every dense linear, router and lm_head of ``model``."""
     packed = getattr(model, "packed_modules", {})
-    out, nvfp4 = [], set()
-    for name, module in list(model.named_modules()):
-        if isinstance(module, (*SWAPPABLE, TopKRouter, ParallelLMHead)):
-            parts = packed.get(name.rpartition(".")[2], ())
-            nvfp4.update(n for n in checkpoint_names(name, parts) if decl.format_of(n) == "nvfp4")
-            out.append((name, module, dense_quant_mode(decl, name, parts)))
-    model.nvfp4_dense = frozenset(nvfp4)
-    return out
+    return [
+        (name, module, packed.get(name.rpartition(".")[2], ()))
+        for name, module in model.named_modules()
+        if isinstance(module, (*SWAPPABLE, TopKRouter, ParallelLMHead))
+    ]
+
+
+def note_dequantized(
+    model: nn.Module, decl: QuantDeclaration, modules: list[str], formats: Sequence[str]
+) -> None:
+    """Note on ``model.dequantized`` each checkpoint module of ``modules`` the declaration stores
+    in one of ``formats``, for the loader to hand its layer the float dequantisation."""
+    noted = dict(getattr(model, "dequantized", {}))
+    for module in modules:
+        fmt = decl.format_of(module)
+        if fmt in formats:
+            block = fp8_block_size(decl, _where(module)) if fmt == "fp8_block" else None
+            noted[module] = Dequantize(fmt, block)
+    model.dequantized = noted
 
 
 def quantize_dense_linears(model: nn.Module, decl: QuantDeclaration) -> None:
-    """Swap each linear the checkpoint stores as block-FP8 for its FP8 twin (call inside the build)."""
+    """Swap each linear the checkpoint stores as block-FP8 for its FP8 twin (call inside the
+    build); NVFP4 ones load dequantised."""
     if decl.method is None:
         return
-    for name, module, fmt in dense_formats(model, decl):
+    dense = dense_linears(model)
+    note_dequantized(
+        model, decl, [n for name, _, parts in dense for n in checkpoint_names(name, parts)], ["nvfp4"]
+    )
+    for name, module, parts in dense:
+        fmt = dense_quant_mode(decl, name, parts)
         if fmt == "bf16":
             continue
         if not isinstance(module, SWAPPABLE):
@@ -97,14 +127,26 @@ def quantize_dense_linears(model: nn.Module, decl: QuantDeclaration) -> None:
         setattr(model.get_submodule(parent), leaf, fp8_twin(module, decl.weight_block_size))
 
 
-def require_float_dense(model: nn.Module, decl: QuantDeclaration) -> None:
-    """For a family with no block-FP8 twins (its fused loaders reorder rows a twin would not):
-    refuse, by name, a module declared block-FP8; NVFP4 ones load dequantised."""
+def dequantize_dense(model: nn.Module, decl: QuantDeclaration) -> None:
+    """For a family without block-FP8 twins (its fused loaders reorder rows a twin would not):
+    every dense linear, router and lm_head the checkpoint stores as NVFP4 or block-FP8 loads
+    dequantised into its float layer, part by part."""
     if decl.method is None:
         return
-    for name, _, fmt in dense_formats(model, decl):
-        if fmt != "bf16":
-            raise ValueError(
-                f"{name}: the checkpoint stores it as {fmt}, but {type(model).__name__} runs its dense "
-                "projections in bf16 only; list it in the quantisation declaration's ignore patterns"
-            )
+    names = [n for name, _, parts in dense_linears(model) for n in checkpoint_names(name, parts)]
+    note_dequantized(model, decl, names, ["nvfp4", "fp8_block"])
+
+
+def dequantize_experts(model: nn.Module, decl: QuantDeclaration) -> None:
+    """Routed experts the checkpoint stores as block-FP8 (Qwen's FP8 releases) load dequantised
+    into their bank (bf16, or NVFP4 quantised at load); NVFP4 ones the bank reads as they are."""
+    if decl.method is None:
+        return
+    experts = [
+        f"{name}.experts.{e}.{proj}"
+        for name, m in model.named_modules()
+        if isinstance(m, SparseMoeBlock)
+        for e in range(m.experts.num_experts)
+        for proj in PROJECTIONS
+    ]
+    note_dequantized(model, decl, experts, ["fp8_block"])

@@ -1,7 +1,7 @@
 """What a ModelOpt NVFP4 declaration makes of each module of the Qwen3 families: the exclude
 patterns decide; a dense projection, router or lm_head declared NVFP4 is built in float and
-noted for the loader to dequantise (``ft.quant.nvfp4_dense``); experts in two formats and
-block-FP8 dense modules are refused when the model is built, naming the module (all CPU, on meta)."""
+noted for the loader to dequantise (``ft.quant.dequantized``), as is a block-FP8 one; experts in
+two formats are refused when the model is built, naming the module (all CPU, on meta)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ft.engine.build import build_model
 from ft.models.config import ModelConfig
 from ft.models.config_json import load_model_config
 from ft.quant.declaration import parse_declaration
+from ft.quant.dequantized import Dequantize
 from tests.checkpoints import QWEN3_MOE_BASE, QWEN3_NEXT_BASE
 from tests.nvfp4.modelopt_ckpt import EXCLUDE
 
@@ -45,9 +46,10 @@ def build(mc: ModelConfig) -> torch.nn.Module:
 def test_dense_modules_declared_nvfp4_build_in_float_for_the_loader_to_dequantise(
     tmp_path, model_type, kept, noted
 ):
-    assert not build(config(tmp_path, model_type, EXCLUDE)).nvfp4_dense  # the experts only
+    assert not build(config(tmp_path, model_type, EXCLUDE)).dequantized  # the experts only: read as NVFP4
     model = build(config(tmp_path, model_type, [p for p in EXCLUDE if p != kept]))
-    assert model.nvfp4_dense and all(re.fullmatch(noted, m) for m in model.nvfp4_dense), model.nvfp4_dense
+    got = model.dequantized
+    assert got and all(re.fullmatch(noted, m) and h.format == "nvfp4" for m, h in got.items()), got
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if ".experts." not in n)
 
 
@@ -59,25 +61,27 @@ def test_gdn_and_shared_expert_declared_nvfp4_are_noted_by_checkpoint_part(tmp_p
         ),
         ("model.layers.*.mlp.shared_expert*", r"model\.layers\.\d\.mlp\.shared_expert(\.\w+_proj|_gate)"),
     ):
-        noted = build(config(tmp_path, "qwen3_next", [p for p in EXCLUDE if p != kept])).nvfp4_dense
+        noted = build(config(tmp_path, "qwen3_next", [p for p in EXCLUDE if p != kept])).dequantized
         assert noted and all(re.fullmatch(module, m) for m in noted), noted
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
-def test_block_fp8_dense_modules_are_refused_by_name(tmp_path, model_type):
-    """These families have no block-FP8 twins (GDN's in_proj reorders its rows as it loads)."""
+def test_block_fp8_modules_are_noted_with_their_block(tmp_path, model_type):
+    """These families have no block-FP8 twins (GDN's in_proj reorders its rows as it loads): their
+    FP8 dense projections and experts load dequantised, each noted with the declared block."""
     base = {"qwen3_moe": QWEN3_MOE_BASE, "qwen3_next": QWEN3_NEXT_BASE}[model_type]
-    fp8 = {
-        "quant_method": "fp8",
-        "weight_block_size": [128, 128],
-        "ignored_layers": ["lm_head", "*.experts*"],
-    }
-    (tmp_path / "config.json").write_text(
-        json.dumps(base | {"model_type": model_type, "quantization_config": fp8})
-    )
-    with pytest.raises(
-        ValueError, match=r"model\.layers\.0\.\w+\.\w+: the checkpoint stores it as fp8_block"
-    ):
+    fp8 = {"quant_method": "fp8", "weight_block_size": [64, 32], "ignored_layers": ["lm_head", "*.mlp.gate"]}
+    body = base | {"model_type": model_type, "quantization_config": fp8}
+    (tmp_path / "config.json").write_text(json.dumps(body))
+    mc = load_model_config(str(tmp_path))
+    assert mc.expert_format == "bf16"  # the bank a block-FP8 checkpoint fills
+    noted = build(mc).dequantized
+    assert {h for h in noted.values()} == {Dequantize("fp8_block", (64, 32))}
+    assert "model.layers.1.mlp.experts.0.down_proj" in noted and "lm_head" not in noted
+    assert "model.layers.1.self_attn.o_proj" in noted
+    bad = fp8 | {"weight_block_size": [64]}
+    (tmp_path / "config.json").write_text(json.dumps(body | {"quantization_config": bad}))
+    with pytest.raises(ValueError, match=r"\(tp_size 1\): fp8 weight_block_size \(64,\) must be two positive sizes"):
         build(load_model_config(str(tmp_path)))
 
 

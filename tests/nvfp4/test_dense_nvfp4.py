@@ -1,5 +1,5 @@
 """Checkpoints whose dense projections are NVFP4 too (ModelOpt's default recipe quantises every
-linear its patterns leave): they load dequantised into the float layers (``ft.quant.nvfp4_dense``)
+linear its patterns leave): they load dequantised into the float layers (``ft.quant.dequantized``)
 and equal transformers' fp32 forward on the dequantised weights; TP=2 equals TP=1; a broken
 companion tensor is named with its file."""
 
@@ -53,7 +53,7 @@ def test_dense_nvfp4_at_tp2_equals_tp1(tmp_path):
 @pytest.mark.parametrize(
     "tensor,change,says",
     [
-        ("weight_scale", "drop", r"missing tensor '.*o_proj\.weight_scale': .* declared NVFP4"),
+        ("weight_scale", "drop", r"missing tensor '.*o_proj\.weight_scale': .* declared nvfp4"),
         ("weight_scale_2", "nan", r"o_proj\.weight_scale_2.*finite and positive"),
         ("weight_scale", "negative", r"o_proj\.weight_scale' in .*model\.safetensors: block scale \[0, 0\]"),
         ("weight", "float", r"o_proj\.weight' in .*model\.safetensors: dtype torch\.float32"),

@@ -119,9 +119,10 @@ def test_nvfp4_dense_modules_build_in_float_and_are_noted_for_the_loader():
         "ignore": ["lm_head", "*.mlp.gate", "*.self_attn.*"],
     }
     model = build_model(config_from_dict(raw), TPInfo(0, 1), "meta", torch.float32)
-    assert "model.layers.0.linear_attn.in_proj" in model.nvfp4_dense
-    assert "model.layers.0.linear_attn.out_proj" in model.nvfp4_dense
-    assert not any(".self_attn." in m or m.endswith("mlp.gate") for m in model.nvfp4_dense)
+    noted = model.dequantized
+    assert noted["model.layers.0.linear_attn.in_proj"].format == "nvfp4"
+    assert noted["model.layers.0.linear_attn.out_proj"].format == "nvfp4"
+    assert not any(".self_attn." in m or m.endswith("mlp.gate") or ".experts." in m for m in noted)
     assert model.get_submodule("model.layers.0.linear_attn.in_proj").weight.dtype == torch.float32
 
 

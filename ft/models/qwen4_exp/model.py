@@ -30,7 +30,7 @@ from ft.models.qwen4_exp.hyper import HyperHead, residual
 from ft.models.qwen4_exp.ple import PLELayer, PLETable
 from ft.models.qwen4_exp.qsa import QSAAttention
 from ft.moe.block import SHARED_GATE_PACKING
-from ft.quant.dense import quantize_dense_linears
+from ft.quant.dense import dequantize_experts, quantize_dense_linears
 
 
 class Qwen4ExpLayer(nn.Module):
@@ -94,6 +94,7 @@ class Qwen4ExpForCausalLM(CausalLM):
         if cfg.shared_expert_intermediate_size:
             self.packed_modules = SHARED_GATE_PACKING
         quantize_dense_linears(self, cfg.quantization)
+        dequantize_experts(self, cfg.quantization)
 
     def make_model(self, cfg: ModelConfig) -> nn.Module:
         return Qwen4ExpModel(cfg)

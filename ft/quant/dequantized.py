@@ -1,0 +1,140 @@
+"""Quantised checkpoint weights read as float: NVFP4 and block-FP8 tensors dequantised as they load.
+
+A checkpoint may store, as NVFP4 or block-FP8, weights that the model keeps in float:
+
+- dense projections (attention, GDN, shared expert, a dense MLP, even a router or lm_head):
+  ModelOpt's NVFP4 recipe quantises every linear its ignore patterns leave, Qwen's official FP8
+  releases every linear but a few; our dense layers and their kernels are bf16;
+- routed experts stored as block-FP8 (Qwen's FP8 releases), for a bf16 bank, or for an NVFP4
+  bank that quantises them at load (``--quantize-experts nvfp4``).
+
+The model notes such checkpoint modules at build (``Dequantize`` by module name on
+``model.dequantized``, ``ft.quant.dense``), and the loader hands the layer's own weight loader
+``Nvfp4Tensor`` / ``Fp8BlockTensor``: the checkpoint tensor as its fp32 dequantisation. Every
+sharding and reordering loader (column parts, row-parallel columns, GDN's key-head groups, vocab
+rows, an expert's intermediate slice) reads it as it reads a float tensor, so the model computes
+what transformers computes on the dequantised weights, at any tensor-parallel size. NVFP4's
+``input_scale`` (W4A4's activation scale) is read and not used, as the experts' is.
+
+Not here: quantised storage or kernels for these weights (their memory is the float one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ft.models.checkpoint import FLOAT_DTYPES, CheckpointError, CheckpointTensor, open_file
+from ft.quant import nvfp4
+from ft.utils import cdiv
+
+# beside ``weight``: what each format stores (the first ones required; NVFP4's input_scale may be absent)
+COMPANIONS = {"nvfp4": ("weight_scale", "weight_scale_2", "input_scale"), "fp8_block": ("weight_scale_inv",)}
+REQUIRED = {"nvfp4": 2, "fp8_block": 1}
+
+
+@dataclass(frozen=True)
+class Dequantize:
+    """How a checkpoint module's weight is stored: ``nvfp4``, or ``fp8_block`` in ``block`` blocks."""
+
+    format: str
+    block: tuple[int, int] | None = None
+
+
+class Nvfp4Tensor(CheckpointTensor):
+    """A ``CheckpointTensor`` of shape ``[out, in]``, dtype fp32, over an NVFP4 weight's codes
+    (read by rows, lazily) and its block scales and global (read whole: in/16 bytes a row)."""
+
+    def __init__(self, codes: CheckpointTensor, scale: CheckpointTensor, global_scale: CheckpointTensor):
+        self.name, self.file = codes.name, codes.file
+        codes.expect_dtype([torch.uint8])
+        if len(codes.shape) != 2:
+            raise codes.error(f"shape {list(codes.shape)}: NVFP4 codes are [out, in/2]")
+        out, half = codes.shape
+        if (2 * half) % nvfp4.BLOCK:
+            raise codes.error(f"{2 * half} inputs a row, not a multiple of NVFP4's {nvfp4.BLOCK}-wide blocks")
+        scale.expect_dtype([torch.float8_e4m3fn])
+        scale.expect_shape((out, 2 * half // nvfp4.BLOCK))
+        global_scale.expect_dtype([torch.float32])
+        if global_scale.shape not in ((), (1,)):
+            raise global_scale.error(f"shape {list(global_scale.shape)}: a weight_scale_2 is one number")
+        self._codes, self._scale = codes, _checked_scales(scale)
+        self._global = global_scale.read().reshape(())
+        if not torch.isfinite(self._global) or self._global <= 0:
+            raise global_scale.error(f"value {self._global.item()}: a global scale is finite and positive")
+        self.shape, self.dtype = (out, 2 * half), torch.float32
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        self.check_range(dim, start, length)
+        if dim == 0:  # the rows alone: a rank's column-parallel share
+            codes, scale = self._codes.narrow(0, start, length), self._scale[start : start + length]
+            return nvfp4.dequantize(codes, scale, self._global)
+        return self.read().narrow(dim, start, length)
+
+    def read(self) -> torch.Tensor:
+        return nvfp4.dequantize(self._codes.read(), self._scale, self._global)
+
+
+class Fp8BlockTensor(CheckpointTensor):
+    """A ``CheckpointTensor`` of shape ``[out, in]``, dtype fp32, over a block-FP8 weight (read by
+    rows, lazily) and its ``weight_scale_inv`` per ``bn × bk`` block (read whole; fp32, or bf16
+    as some releases store it): ``w[r, c] = weight[r, c] · scale_inv[r // bn, c // bk]``."""
+
+    def __init__(self, weight: CheckpointTensor, scale_inv: CheckpointTensor, block: tuple[int, int]):
+        self.name, self.file = weight.name, weight.file
+        weight.expect_dtype([torch.float8_e4m3fn])
+        if len(weight.shape) != 2:
+            raise weight.error(f"shape {list(weight.shape)}: a block-FP8 weight is [out, in]")
+        bn, bk = block
+        out, inp = weight.shape
+        scale_inv.expect_dtype(FLOAT_DTYPES)
+        scale_inv.expect_shape((cdiv(out, bn), cdiv(inp, bk)))
+        self._weight, self._scale, self._block = weight, _checked_scales(scale_inv).float(), block
+        self.shape, self.dtype = (out, inp), torch.float32
+
+    def _rows(self, start: int, length: int) -> torch.Tensor:
+        bn, bk = self._block
+        scale = self._scale[torch.arange(start, start + length) // bn]  # [length, in / bk]
+        scale = scale[:, torch.arange(self.shape[1]) // bk]  # [length, in]
+        return self._weight.narrow(0, start, length).float() * scale
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        self.check_range(dim, start, length)
+        return self._rows(start, length) if dim == 0 else self.read().narrow(dim, start, length)
+
+    def read(self) -> torch.Tensor:
+        return self._rows(0, self.shape[0])
+
+
+def _checked_scales(scale: CheckpointTensor) -> torch.Tensor:
+    """The scales, read whole; a NaN or negative one is named with its index."""
+    values = scale.read()
+    bad = ~torch.isfinite(values.float()) | (values.float() < 0)
+    if bad.any():
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise scale.error(f"block scale [{row}, {col}] is {values[row, col].item()}: NaN or negative")
+    return values
+
+
+def companions(module: str, how: Dequantize) -> list[str]:
+    """The tensors stored beside ``{module}.weight`` in ``how``'s format."""
+    return [f"{module}.{c}" for c in COMPANIONS[how.format]]
+
+
+def open_dequantized(
+    weight: CheckpointTensor, module: str, how: Dequantize, where: dict[str, str]
+) -> CheckpointTensor:
+    """``module``'s weight as float, its scales read from whichever files hold them (``where``:
+    tensor name -> file, the checkpoint's headers)."""
+    names = companions(module, how)[: REQUIRED[how.format]]
+    for name in names:
+        if name not in where:
+            raise CheckpointError(
+                f"missing tensor {name!r}: {module} is declared {how.format} ({weight.file})"
+            )
+    with open_file(where[names[0]]) as a, open_file(where[names[-1]]) as b:
+        first = CheckpointTensor(names[0], where[names[0]], a)
+        if how.format == "nvfp4":
+            return Nvfp4Tensor(weight, first, CheckpointTensor(names[1], where[names[1]], b))
+        return Fp8BlockTensor(weight, first, how.block)
