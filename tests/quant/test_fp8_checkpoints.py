@@ -122,3 +122,14 @@ def test_a_broken_fp8_scale_is_named_with_its_file(tmp_path, change, says):
     save_file(tensors, str(path))
     with pytest.raises(CheckpointError, match=says):
         generate(tmp_path / "fp8")
+
+
+@pytest.mark.parametrize("backend", ["offload", "cpu"])
+def test_fp8_experts_in_the_host_store_equal_resident_ones(tmp_path, backend):
+    """The offload / cpu backends fill their host store through the same loaders: the same
+    dequantised experts, the same outputs as the resident bank."""
+    write_fp8_checkpoint(tmp_path, "qwen3_next", seed=25)
+    resident = generate(tmp_path / "fp8")
+    hosted = generate(tmp_path / "fp8", moe_backend=backend, expert_cache_fraction=0.3)
+    assert [o.token_ids for o in hosted] == [o.token_ids for o in resident]
+    assert logprobs(hosted) == logprobs(resident)
