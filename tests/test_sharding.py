@@ -149,11 +149,15 @@ HEADS_16 = dict(num_attention_heads=16, num_key_value_heads=16)  # so that the M
         ),
     ],
 )
-def test_tp_that_cannot_split_an_mlp_names_its_size(model_type, overrides, field):
-    from ft.models.config_json import config_from_dict
+def test_tp_that_cannot_split_an_mlp_names_its_size(tmp_path, model_type, overrides, field):
+    from ft.models.config_json import load_model_config
     from tests.checkpoints import make_hf_model
 
-    mc = config_from_dict(make_hf_model(model_type, **HEADS_16, **overrides).config.to_dict())
+    # through config.json as a checkpoint has it (transformers' to_dict() names the experts
+    # num_local_experts, which config_from_dict alone reads as a model without any)
+    make_hf_model(model_type, **HEADS_16, **overrides).config.save_pretrained(tmp_path)
+    mc = load_model_config(str(tmp_path))
+    assert "moe" in mc.mlp_types  # the experts split: the dense or shared MLP is what cannot
     with pytest.raises(ValueError, match=rf"^{field} over tp ranks: 40 is not divisible by 16"):
         build_model(mc, TPInfo(0, 16), "meta", torch.float32)
 
