@@ -45,7 +45,7 @@ def dummy_engine(tmp_path, raw: dict, **options):
         ("qwen3_next", dict(tp_size=3), r"linear_num_key_heads over tp ranks: 2 is not divisible by 3"),
         ("qwen3_moe", dict(tp_size=8), r"4 attention heads cannot be split over 8 ranks"),
         ("qwen3_moe", dict(tp_size=4), r"moe_intermediate_size over tp ranks: 6 is not divisible by 4"),
-        ("qwen3_moe", dict(tp_size=2, quantize_experts="nvfp4"), r"NVFP4 experts: .* multiples of 16"),
+        ("qwen3_moe", dict(tp_size=2, quantize_experts="nvfp4"), r"NVFP4 .* per rank, which must be"),
     ],
 )
 def test_tp_size_that_does_not_shard_the_model_is_refused_before_ranks_start(tmp_path, family, options, why):

@@ -52,11 +52,16 @@ class NVFP4ExpertBank(ExpertBank):
     ) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size)
         e, h, local = num_experts, hidden_size, self.local_inter
-        if local % BLOCK or h % BLOCK:
+        if h % BLOCK:
+            raise ValueError(
+                f"NVFP4 experts: hidden_size {h} must be a multiple of {BLOCK} (one fp8 scale block); "
+                "this model's experts cannot be NVFP4 at any tp size"
+            )
+        if local % BLOCK:
             raise ValueError(
                 f"NVFP4 experts: moe_intermediate_size {intermediate_size} over {self.tp.size} tp ranks "
-                f"gives {local} rows per rank and hidden_size is {h}; both must be multiples of {BLOCK} "
-                "(one fp8 scale block), so choose a tp size that keeps I/P a multiple of 16"
+                f"gives {local} rows per rank, which must be a multiple of {BLOCK} (one fp8 scale "
+                f"block), so choose a tp size that keeps I/P a multiple of {BLOCK}"
             )
         fp8, fp32 = torch.float8_e4m3fn, torch.float32
         with self.allocating():

@@ -209,6 +209,12 @@ def test_refuses_intermediate_per_rank_not_a_multiple_of_16(ckpt):
         assert NVFP4ExpertBank(8, 48, 64).w2_scale.shape == (8, 48, 1)  # 16 per rank: one block
 
 
+def test_a_hidden_size_off_the_16_grid_is_refused_without_blaming_the_tp_size():
+    why = r"hidden_size 40 must be a multiple of 16.*at any tp size"
+    with tp_context(TPInfo(0, 1)), torch.device("meta"), pytest.raises(ValueError, match=why):
+        NVFP4ExpertBank(8, 40, 64)
+
+
 def test_kernel_selection_for_nvfp4():
     name, kernel = select_moe_kernel("nvfp4", "cpu", tp_size=4, dtype=torch.float32)
     assert name == "torch-nvfp4" and kernel is fused_moe_nvfp4_ref
