@@ -126,7 +126,17 @@ def open_dequantized(
     weight: CheckpointTensor, module: str, how: Dequantize, where: dict[str, str]
 ) -> CheckpointTensor:
     """``module``'s weight as float, its scales read from whichever files hold them (``where``:
-    tensor name -> file, the checkpoint's headers)."""
+    tensor name -> file, the checkpoint's headers). A weight stored in float without any of the
+    format's companions loads as it is: tools read exclusion lists differently (ModelOpt's
+    patterns as globs, transformers' ``modules_to_not_convert`` as name fragments), so a module
+    the declaration seems to quantise may have been left out; its tensors decide."""
+    if weight.dtype in FLOAT_DTYPES:
+        beside = [c for c in companions(module, how) if c in where]
+        if beside:
+            raise weight.error(
+                f"stored as {weight.dtype} beside {beside[0]!r}: neither float nor {how.format}"
+            )
+        return weight
     names = companions(module, how)[: REQUIRED[how.format]]
     for name in names:
         if name not in where:

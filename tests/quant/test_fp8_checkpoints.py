@@ -133,3 +133,27 @@ def test_fp8_experts_in_the_host_store_equal_resident_ones(tmp_path, backend):
     hosted = generate(tmp_path / "fp8", moe_backend=backend, expert_cache_fraction=0.3)
     assert [o.token_ids for o in hosted] == [o.token_ids for o in resident]
     assert logprobs(hosted) == logprobs(resident)
+
+
+def test_a_module_the_declaration_seems_to_quantise_loads_as_stored_in_float(tmp_path):
+    """transformers reads ``modules_to_not_convert`` entries as name fragments ("mlp.gate" keeps
+    every router in float), our patterns as globs: a float weight with no scale beside it is a
+    module the tool left out, and loads as it is; one with a scale beside it is refused by name."""
+    hf = write_fp8_checkpoint(tmp_path, "qwen3_moe", seed=26)
+    config_path = tmp_path / "fp8" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.embed_tokens"]
+    config_path.write_text(json.dumps(config))  # the routers now look quantised to our globs
+    ids = PROMPTS[0]
+    out = generate(tmp_path / "fp8")[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for pos in range(1, len(ids)):
+        for tok, lp in out.prompt_logprobs[pos].items():
+            assert abs(lp - float(ref[pos - 1, tok])) < 1e-4
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.layers.0.mlp.gate.weight_scale_inv"] = torch.ones(1, 2)
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match=r"mlp\.gate\.weight' in .*: stored as torch\.float32 beside"):
+        generate(tmp_path / "fp8")
