@@ -10,7 +10,7 @@ import pytest
 
 from ft.cli import main
 from ft.models.config_json import load_model_config
-from ft.models.info import footprint
+from ft.models.info import footprint, format_info
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 NEXT = os.path.join(CONFIGS, "qwen3_next_80b_a3b.json")
@@ -59,3 +59,17 @@ def test_cli_info_touches_no_weight_memory(capsys, config):
         assert f"tp_size {tp}: weight bytes per rank" in out
         assert f"  rank {tp - 1}: dense" in out
     assert "experts" in out and grown_gib < 2  # a 60-160 GB model never materialised
+
+
+def test_info_says_which_quantised_modules_load_dequantised(tmp_path):
+    """A block-FP8 checkpoint (Qwen's releases) is held in float: ft info says how many modules of
+    each kind load dequantised, beside byte figures that are the float ones."""
+    from tests.quant.test_fp8_checkpoints import write_fp8_checkpoint
+
+    write_fp8_checkpoint(tmp_path, "qwen3_moe", seed=1)
+    out = format_info(load_model_config(str(tmp_path / "fp8")), [1])
+    mc = load_model_config(str(tmp_path / "fp8"))
+    projections = 3 * mc.num_experts * mc.mlp_types.count("moe")
+    assert f"{projections:,} expert projections fp8_block" in out
+    assert "dense modules fp8_block" in out and "dequantised to" in out
+    assert "dequantised" not in format_info(load_model_config(str(tmp_path / "dequant")), [1])

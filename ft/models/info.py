@@ -21,6 +21,7 @@ class RankFootprint:
     params: dict[str, int]  # kind -> parameters on this rank
     bytes: dict[str, int]  # kind -> bytes on this rank
     shapes: dict[str, tuple[int, ...]]  # parameter name -> local shape (first layers of each type)
+    dequantized: dict[tuple[str, str], int]  # (kind, checkpoint format) -> modules loaded as float
 
     @property
     def total_bytes(self) -> int:
@@ -52,7 +53,11 @@ def footprint(
         nbytes[kind] = nbytes.get(kind, 0) + p.numel() * p.element_size()
         if not name.startswith("model.layers.") or any(name.startswith(s) for s in show):
             shapes[name] = tuple(p.shape)
-    return RankFootprint(tp_size, rank, params, nbytes, shapes)
+    dequantized: dict[tuple[str, str], int] = {}
+    for module, how in getattr(model, "dequantized", {}).items():
+        key = (param_kind(f"{module}.weight"), how.format)
+        dequantized[key] = dequantized.get(key, 0) + 1
+    return RankFootprint(tp_size, rank, params, nbytes, shapes, dequantized)
 
 
 def expert_bytes(mc: ModelConfig, tp_size: int, fmt: str) -> int:
@@ -89,6 +94,10 @@ def format_info(mc: ModelConfig, tp_sizes: list[int]) -> str:
     for kind in ("dense", "experts", "embeddings"):
         lines.append(f"  {kind:<11} {full.params.get(kind, 0):>16,}")
     lines.append(f"  {'total':<11} {sum(full.params.values()):>16,}")
+    if full.dequantized:  # stored quantised, held in float (ft.quant.dequantized): the bytes below
+        what = {"experts": "expert projections", "dense": "dense modules", "embeddings": "lm_head"}
+        held = ", ".join(f"{n:,} {what[kind]} {fmt}" for (kind, fmt), n in sorted(full.dequantized.items()))
+        lines.append(f"checkpoint: {held}, dequantised to {mc.dtype} as they load")
     for tp in tp_sizes:
         ranks = [footprint(mc, tp, r) for r in range(tp)]
         lines.append(f"tp_size {tp}: weight bytes per rank")
