@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
@@ -128,13 +127,42 @@ def load_weights(model: nn.Module, path: str, progress: bool = True) -> int:
     as_float = {f"{m}.weight": (m, how) for m, how in dequantized_modules(model, expected).items()}
     todo = [n for n in where if n in expected]
     bar = tqdm(total=len(todo), desc="loading weights", unit="tensor", disable=not progress)
-    for file in files:
-        with safe_open(file, "pt") as handle:
+    with OpenFiles(where) as opened:
+        for file in files:
             for name in (n for n in todo if where[n] == file):
-                target, ckpt = expected[name], CheckpointTensor(name, file, handle)
+                target, ckpt = expected[name], opened.tensor(name)
                 if name in as_float:  # the layer loads it as a float tensor
-                    ckpt = dequantized.open_dequantized(ckpt, *as_float[name], where)
+                    ckpt = dequantized.open_dequantized(ckpt, *as_float[name], where, opened.tensor)
                 target.param.weight_loader(target.param, ckpt, target.shard_id)
                 bar.update()
+            opened.close(file)
     bar.close()
     return len(todo)
+
+
+class OpenFiles:
+    """The checkpoint's files, each opened once while it loads and whenever a tensor loading from
+    another file needs one of its tensors (a dequantised weight's scales): an open parses the
+    file's whole header, tens of milliseconds for a shard of a 512-expert model, so one per
+    dequantised tensor added minutes to a block-FP8 load."""
+
+    def __init__(self, where: dict[str, str]) -> None:
+        self.where, self.handles = where, {}
+
+    def tensor(self, name: str) -> CheckpointTensor:
+        file = self.where[name]
+        if file not in self.handles:
+            self.handles[file] = open_file(file).__enter__()
+        return CheckpointTensor(name, file, self.handles[file])
+
+    def close(self, file: str) -> None:
+        handle = self.handles.pop(file, None)
+        if handle is not None:
+            handle.__exit__(None, None, None)
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for file in list(self.handles):
+            self.close(file)

@@ -21,11 +21,12 @@ Not here: quantised storage or kernels for these weights (their memory is the fl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ft.models.checkpoint import FLOAT_DTYPES, CheckpointError, CheckpointTensor, open_file
+from ft.models.checkpoint import FLOAT_DTYPES, CheckpointError, CheckpointTensor
 from ft.quant import nvfp4
 from ft.utils import cdiv
 
@@ -123,10 +124,15 @@ def companions(module: str, how: Dequantize) -> list[str]:
 
 
 def open_dequantized(
-    weight: CheckpointTensor, module: str, how: Dequantize, where: dict[str, str]
+    weight: CheckpointTensor,
+    module: str,
+    how: Dequantize,
+    where: dict[str, str],
+    tensor: Callable[[str], CheckpointTensor],
 ) -> CheckpointTensor:
     """``module``'s weight as float, its scales read from whichever files hold them (``where``:
-    tensor name -> file, the checkpoint's headers). A weight stored in float without any of the
+    tensor name -> file, the checkpoint's headers; ``tensor``: a checkpoint tensor by name, from
+    the loader's open files). A weight stored in float without any of the
     format's companions loads as it is: tools read exclusion lists differently (ModelOpt's
     patterns as globs, transformers' ``modules_to_not_convert`` as name fragments), so a module
     the declaration seems to quantise may have been left out; its tensors decide."""
@@ -143,8 +149,6 @@ def open_dequantized(
             raise CheckpointError(
                 f"missing tensor {name!r}: {module} is declared {how.format} ({weight.file})"
             )
-    with open_file(where[names[0]]) as a, open_file(where[names[-1]]) as b:
-        first = CheckpointTensor(names[0], where[names[0]], a)
-        if how.format == "nvfp4":
-            return Nvfp4Tensor(weight, first, CheckpointTensor(names[1], where[names[1]], b))
-        return Fp8BlockTensor(weight, first, how.block)
+    if how.format == "nvfp4":
+        return Nvfp4Tensor(weight, tensor(names[0]), tensor(names[1]))
+    return Fp8BlockTensor(weight, tensor(names[0]), how.block)
