@@ -131,64 +131,51 @@ def is_dense_linear(name: str, tensor: torch.Tensor) -> bool:
     return name.endswith(".weight") and tensor.dim() == 2 and not any(s in name for s in skip)
 
 
-@pytest.mark.parametrize("experts", ["bf16", "nvfp4"])
-def test_fp8_block_checkpoint_matches_the_oracle_on_dequantised_weights(tmp_path, experts):
-    """fp8_block dense weights; routed experts bf16, or NVFP4 (the bank quantises them on load)."""
+def fp8_dense(name: str, w: torch.Tensor, tensors: dict) -> torch.Tensor:
+    """Store ``name`` as block-FP8 in ``tensors``; its dequantisation in fp64."""
+    q, s = quantize_fp8_block(w, (128, 128))
+    tensors[name], tensors[name + "_scale_inv"] = q, s
+    return dequantize_fp8_block(q, s, (128, 128), torch.float64)
+
+
+def nvfp4_dense(name: str, w: torch.Tensor, tensors: dict) -> torch.Tensor:
+    """Store ``name`` as NVFP4 in the ModelOpt layout in ``tensors``; its dequantisation in fp64."""
+    q, stem = nvfp4.quantize(w), name.removesuffix(".weight")
+    tensors[name], tensors[f"{stem}.weight_scale"] = q.weight, q.weight_scale
+    tensors[f"{stem}.weight_scale_2"] = q.weight_scale_2.clone()
+    return q.dequantize(torch.float64)
+
+
+NVFP4_DECLARATION = {  # routed experts excluded: bf16, or quantised at load
+    "quant_method": "modelopt",
+    "quant_algo": "NVFP4",
+    "ignore": ["lm_head", "model.embed_tokens", "*.mlp.gate", "*.mlp.shared_expert_gate", "*.mlp.experts*"],
+}
+DENSE = {"fp8_block": (fp8_dense, FP8_DECLARATION), "nvfp4": (nvfp4_dense, NVFP4_DECLARATION)}
+
+
+@pytest.mark.parametrize("dense,experts", [("fp8_block", "bf16"), ("fp8_block", "nvfp4"), ("nvfp4", "bf16")])
+def test_quantised_dense_checkpoint_matches_the_oracle_on_dequantised_weights(tmp_path, dense, experts):
+    """Dense weights block-FP8 (kept so, in twins) or NVFP4 (the spec's third dense format, loaded
+    dequantised); routed experts bf16, or NVFP4 (the bank quantises them on load)."""
     config = tiny_qwen4_exp_config()
     tensors = write_qwen4_exp_checkpoint(tmp_path, config, seed=7)
     dequantised = dict(tensors)
+    store, declaration = DENSE[dense]
     quantised = 0
     for name, w in list(tensors.items()):
         if is_dense_linear(name, w):
-            q, s = quantize_fp8_block(w, (128, 128))
-            tensors[name], tensors[name + "_scale_inv"] = q, s
-            dequantised[name] = dequantize_fp8_block(q, s, (128, 128), torch.float64)
+            dequantised[name] = store(name, w, tensors)
             quantised += 1
         elif experts == "nvfp4" and ".mlp.experts." in name:
             dequantised[name] = nvfp4.quantize(w).dequantize(torch.float64)
     assert quantised == 2 * 2 + 2 * 5 + 4 * 2 + 2 * 2  # GDN 2, QSA 5 (3 indexer), shared 2, PLE 2
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": FP8_DECLARATION}))
+    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": declaration}))
     params = greedy(3, prompt_logprobs=0)
     options = {"quantize_experts": "nvfp4"} if experts == "nvfp4" else {}
     for tp in (1, 2):
         out = generate(tmp_path, PROMPTS[:1], params, tp_size=tp, **options)[0]
-        ref = torch.log_softmax(reference_logits(dequantised, config, PROMPTS[0] + out.token_ids), dim=-1)
-        assert prompt_gaps(out, ref).max() < 1e-4, f"tp {tp}"
-        assert out.token_ids == ref[len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist()
-
-
-def test_nvfp4_dense_checkpoint_matches_the_oracle_on_dequantised_weights(tmp_path):
-    """The spec's third dense format (section 8): NVFP4 projections in the ModelOpt layout, which
-    load dequantised into the float layers; routed experts excluded (bf16)."""
-    config = tiny_qwen4_exp_config()
-    tensors = write_qwen4_exp_checkpoint(tmp_path, config, seed=8)
-    dequantised = dict(tensors)
-    quantised = 0
-    for name, w in list(tensors.items()):
-        if is_dense_linear(name, w):
-            q, stem = nvfp4.quantize(w), name.removesuffix(".weight")
-            tensors[name], tensors[f"{stem}.weight_scale"] = q.weight, q.weight_scale
-            tensors[f"{stem}.weight_scale_2"] = q.weight_scale_2.clone()
-            dequantised[name] = q.dequantize(torch.float64)
-            quantised += 1
-    assert quantised == 2 * 2 + 2 * 5 + 4 * 2 + 2 * 2  # GDN 2, QSA 5 (3 indexer), shared 2, PLE 2
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    declaration = {
-        "quant_method": "modelopt",
-        "quant_algo": "NVFP4",
-        "ignore": [
-            "lm_head",
-            "model.embed_tokens",
-            "*.mlp.gate",
-            "*.mlp.shared_expert_gate",
-            "*.mlp.experts*",
-        ],
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": declaration}))
-    params = greedy(3, prompt_logprobs=0)
-    for tp in (1, 2):
-        out = generate(tmp_path, PROMPTS[:1], params, tp_size=tp)[0]
         ref = torch.log_softmax(reference_logits(dequantised, config, PROMPTS[0] + out.token_ids), dim=-1)
         assert prompt_gaps(out, ref).max() < 1e-4, f"tp {tp}"
         assert out.token_ids == ref[len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist()
