@@ -79,8 +79,8 @@ class Nvfp4Tensor(CheckpointTensor):
 
 class Fp8BlockTensor(CheckpointTensor):
     """A ``CheckpointTensor`` of shape ``[out, in]``, dtype fp32, over a block-FP8 weight (read by
-    rows, lazily) and its ``weight_scale_inv`` per ``bn × bk`` block (read whole; fp32, or bf16
-    as some releases store it): ``w[r, c] = weight[r, c] · scale_inv[r // bn, c // bk]``."""
+    rows or columns, lazily) and its ``weight_scale_inv`` per ``bn × bk`` block (read whole; fp32,
+    or bf16 as some releases store it): ``w[r, c] = weight[r, c] · scale_inv[r // bn, c // bk]``."""
 
     def __init__(self, weight: CheckpointTensor, scale_inv: CheckpointTensor, block: tuple[int, int]):
         self.name, self.file = weight.name, weight.file
@@ -94,18 +94,21 @@ class Fp8BlockTensor(CheckpointTensor):
         self._weight, self._scale, self._block = weight, _checked_scales(scale_inv).float(), block
         self.shape, self.dtype = (out, inp), torch.float32
 
-    def _rows(self, start: int, length: int) -> torch.Tensor:
-        bn, bk = self._block
-        scale = self._scale[torch.arange(start, start + length) // bn]  # [length, in / bk]
-        scale = scale[:, torch.arange(self.shape[1]) // bk]  # [length, in]
-        return self._weight.narrow(0, start, length).float() * scale
-
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows or columns ``[start, start + length)``, reading only those (a row-parallel rank's
+        columns: an expert's down projection under TP)."""
         self.check_range(dim, start, length)
-        return self._rows(start, length) if dim == 0 else self.read().narrow(dim, start, length)
+        bn, bk = self._block
+        rows, cols = (torch.arange(n) for n in self.shape)
+        if dim == 0:
+            rows = rows[start : start + length]
+        else:
+            cols = cols[start : start + length]
+        scale = self._scale[rows // bn][:, cols // bk]  # [rows, cols]
+        return self._weight.narrow(dim, start, length).float() * scale
 
     def read(self) -> torch.Tensor:
-        return self._rows(0, self.shape[0])
+        return self.narrow(0, 0, self.shape[0])
 
 
 def _checked_scales(scale: CheckpointTensor) -> torch.Tensor:

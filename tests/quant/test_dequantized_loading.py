@@ -146,3 +146,33 @@ def test_exclude_patterns_decide_as_shell_patterns_on_the_module_and_below(patte
     for module in modules:
         want = fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(module, pattern + ".*")
         assert decl.excludes(module) == want, (pattern, module)
+
+
+def test_fp8_block_tensor_dequantises_by_block_and_reads_only_a_rank_slice(tmp_path):
+    """``w[r, c] = weight[r, c] · scale_inv[r // bn, c // bk]`` on ragged last blocks, for rows and
+    for columns from inside a block; a rank's columns (row-parallel, an expert's down projection
+    under TP) read those columns, not the whole weight dequantised."""
+    from safetensors import safe_open
+
+    from ft.models.checkpoint import CheckpointTensor
+    from ft.quant.dequantized import Fp8BlockTensor
+
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(37, 70, generator=gen) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 3, generator=gen) + 0.5  # blocks of 16 x 32: 37 = 16 + 16 + 5, 70 = 32 + 32 + 6
+    save_file({"w": weight, "s": scale}, str(tmp_path / "t.safetensors"))
+    want = torch.tensor(
+        [[float(weight[r, c]) * float(scale[r // 16, c // 32]) for c in range(70)] for r in range(37)]
+    )
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as handle:
+        t = Fp8BlockTensor(CheckpointTensor("w", "f", handle), CheckpointTensor("s", "f", handle), (16, 32))
+        asked = []
+        narrow = t._weight.narrow
+        t._weight.narrow = lambda dim, start, length: (
+            asked.append((dim, start, length)) or narrow(dim, start, length)
+        )
+        assert torch.equal(t.read(), want)
+        assert torch.equal(t.narrow(0, 13, 22), want[13:35])
+        asked.clear()
+        assert torch.equal(t.narrow(1, 20, 45), want[:, 20:65])
+        assert asked == [(1, 20, 45)]
