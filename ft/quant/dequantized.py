@@ -62,8 +62,8 @@ class Nvfp4Tensor(CheckpointTensor):
             raise global_scale.error(f"shape {list(global_scale.shape)}: a weight_scale_2 is one number")
         self._codes, self._scale = codes, _checked_scales(scale)
         self._global = global_scale.read().reshape(())
-        if not torch.isfinite(self._global) or self._global <= 0:
-            raise global_scale.error(f"value {self._global.item()}: a global scale is finite and positive")
+        if not torch.isfinite(self._global) or self._global < 0:  # 0: an all-zero weight's
+            raise global_scale.error(f"value {self._global.item()}: a global scale is finite and >= 0")
         self.shape, self.dtype = (out, 2 * half), torch.float32
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:

@@ -176,3 +176,25 @@ def test_fp8_block_tensor_dequantises_by_block_and_reads_only_a_rank_slice(tmp_p
         asked.clear()
         assert torch.equal(t.narrow(1, 20, 45), want[:, 20:65])
         assert asked == [(1, 20, 45)]
+
+
+def test_an_all_zero_nvfp4_projection_loads_as_zeros(tmp_path):
+    """ModelOpt's global is amax / (6 · 448): 0 for an all-zero weight, as ``nvfp4.quantize`` makes
+    it and the NVFP4 expert bank takes it; a dense projection takes it too (a negative is refused)."""
+    from safetensors import safe_open
+
+    from ft.models.checkpoint import CheckpointError, CheckpointTensor
+    from ft.quant import nvfp4
+    from ft.quant.dequantized import Nvfp4Tensor
+
+    q = nvfp4.quantize(torch.zeros(8, 32))
+    assert float(q.weight_scale_2) == 0.0
+    tensors = {"w": q.weight, "s": q.weight_scale, "g": q.weight_scale_2, "neg": torch.tensor(-1.0)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        codes, scale = CheckpointTensor("w", "f", f), CheckpointTensor("s", "f", f)
+        assert torch.equal(
+            Nvfp4Tensor(codes, scale, CheckpointTensor("g", "f", f)).read(), torch.zeros(8, 32)
+        )
+        with pytest.raises(CheckpointError, match=r"'neg' in f: value -1\.0"):
+            Nvfp4Tensor(codes, scale, CheckpointTensor("neg", "f", f))
