@@ -198,3 +198,32 @@ def test_an_all_zero_nvfp4_projection_loads_as_zeros(tmp_path):
         )
         with pytest.raises(CheckpointError, match=r"'neg' in f: value -1\.0"):
             Nvfp4Tensor(codes, scale, CheckpointTensor("neg", "f", f))
+
+
+@pytest.mark.parametrize(
+    "model_type,tp,overrides",
+    [("qwen3_moe", 4, {}), ("qwen3_next", 2, {"num_key_value_heads": 1, "tie_word_embeddings": True})],
+)
+def test_every_rank_holds_the_slices_of_the_dequantised_checkpoint(tmp_path, model_type, tp, overrides):
+    """Replicated kv heads (2 over 4 ranks, 1 over 2), expert rows inside a 16-row block, row-parallel
+    columns inside a 32-column one, GDN's key-head groups, tied embeddings, MTP tensors ignored:
+    each rank's parameters from the FP8 checkpoint equal those from its fp32 dequantisation."""
+    write_fp8_checkpoint(tmp_path, model_type, seed=32, **overrides)
+    if model_type == "qwen3_next":  # an MTP layer, stored FP8 like the rest, which we do not run
+        path = tmp_path / "fp8" / "model.safetensors"
+        tensors = load_file(str(path))
+        tensors["mtp.fc.weight"] = torch.zeros(48, 96).to(torch.float8_e4m3fn)
+        tensors["mtp.fc.weight_scale_inv"] = torch.ones(3, 3)
+        save_file(tensors, str(path))
+    for rank in range(tp):
+        states = []
+        for sub in ("fp8", "dequant"):
+            model = build_model(
+                load_model_config(str(tmp_path / sub)), TPInfo(rank, tp), "cpu", torch.float32
+            )
+            load_weights(model, str(tmp_path / sub), progress=False)
+            states.append(model.state_dict())
+        fp8, dequant = states
+        assert fp8.keys() == dequant.keys()
+        for name, value in fp8.items():
+            assert torch.equal(value, dequant[name]), (rank, name)
