@@ -36,9 +36,11 @@ class QuantDeclaration:
     def excludes(self, module: str) -> bool:
         """Whether a pattern matches ``module`` or a module it is part of (``p`` or ``p.*``)."""
         names, globs = self._patterns
-        parts = module.split(".")
-        if any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1)):
-            return True
+        name = module
+        while name:  # the module, then each module it is part of
+            if name in names:
+                return True
+            name = name.rpartition(".")[0]
         return globs is not None and globs.match(module) is not None
 
     @functools.cached_property

@@ -97,11 +97,14 @@ def note_dequantized(
     """Note on ``model.dequantized`` each checkpoint module of ``modules`` the declaration stores
     in one of ``formats``, for the loader to hand its layer the float dequantisation."""
     noted = dict(getattr(model, "dequantized", {}))
+    how: dict[str, Dequantize] = {}  # one a format: the block size is the declaration's
     for module in modules:
         fmt = decl.format_of(module)
         if fmt in formats:
-            block = fp8_block_size(decl, _where(module)) if fmt == "fp8_block" else None
-            noted[module] = Dequantize(fmt, block)
+            if fmt not in how:
+                block = fp8_block_size(decl, _where(module)) if fmt == "fp8_block" else None
+                how[fmt] = Dequantize(fmt, block)
+            noted[module] = how[fmt]
     model.dequantized = noted
 
 
