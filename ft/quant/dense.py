@@ -110,7 +110,7 @@ def note_dequantized(
 
 def quantize_dense_linears(model: nn.Module, decl: QuantDeclaration) -> None:
     """Swap each linear the checkpoint stores as block-FP8 for its FP8 twin (call inside the
-    build); NVFP4 ones load dequantised."""
+    build); NVFP4 ones, and a block-FP8 router or lm_head (no twin), load dequantised."""
     if decl.method is None:
         return
     dense = dense_linears(model)
@@ -122,10 +122,8 @@ def quantize_dense_linears(model: nn.Module, decl: QuantDeclaration) -> None:
         if fmt == "bf16":
             continue
         if not isinstance(module, SWAPPABLE):
-            raise ValueError(
-                f"{name}: a {type(module).__name__} cannot be stored as {fmt}; "
-                "list it in the quantisation declaration's ignore patterns"
-            )
+            note_dequantized(model, decl, checkpoint_names(name, parts), ["fp8_block"])
+            continue
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, fp8_twin(module, decl.weight_block_size))
 
@@ -143,7 +141,7 @@ def dequantize_dense(model: nn.Module, decl: QuantDeclaration) -> None:
 def dequantize_experts(model: nn.Module, decl: QuantDeclaration) -> None:
     """Routed experts the checkpoint stores as block-FP8 (Qwen's FP8 releases) load dequantised
     into their bank (bf16, or NVFP4 quantised at load); NVFP4 ones the bank reads as they are."""
-    if decl.method is None:
+    if decl.method != "fp8":  # only block-FP8 declarations store block-FP8 experts
         return
     experts = [
         f"{name}.experts.{e}.{proj}"

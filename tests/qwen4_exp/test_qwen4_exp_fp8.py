@@ -126,6 +126,18 @@ def test_nvfp4_dense_modules_build_in_float_and_are_noted_for_the_loader():
     assert model.get_submodule("model.layers.0.linear_attn.in_proj").weight.dtype == torch.float32
 
 
+def test_a_block_fp8_router_or_lm_head_has_no_twin_and_loads_dequantised():
+    raw = tiny_qwen4_exp_config() | {"ple_table_rows": 546}
+    experts_only = ["model.layers.*.mlp.experts.*"]
+    raw["quantization_config"] = FP8_DECLARATION | {"ignored_layers": experts_only}
+    model = build_model(config_from_dict(raw), TPInfo(0, 1), "meta", torch.float32)
+    noted = model.dequantized
+    assert noted["lm_head"].format == noted["model.layers.0.mlp.gate"].format == "fp8_block"
+    assert noted["model.layers.0.mlp.shared_expert_gate"].block == (128, 128)
+    assert not any("proj" in m for m in noted)  # the projections are block-FP8 twins
+    assert model.get_submodule("model.layers.0.mlp.gate").weight.dtype == torch.float32
+
+
 def is_dense_linear(name: str, tensor: torch.Tensor) -> bool:
     skip = ("embed_tokens", "lm_head", "mlp.gate.", "shared_expert_gate", "mlp.experts.")
     return name.endswith(".weight") and tensor.dim() == 2 and not any(s in name for s in skip)
