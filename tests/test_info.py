@@ -3,6 +3,7 @@ bytes for tp 1/2/4/8, built on the meta device without allocating weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 
@@ -70,6 +71,8 @@ def test_info_says_which_quantised_modules_load_dequantised(tmp_path):
     out = format_info(load_model_config(str(tmp_path / "fp8")), [1])
     mc = load_model_config(str(tmp_path / "fp8"))
     projections = 3 * mc.num_experts * mc.mlp_types.count("moe")
-    assert f"{projections:,} expert projections fp8_block" in out
-    assert "dense modules fp8_block" in out and "dequantised to" in out
+    assert f"{projections:,} expert projections fp8_block -> {mc.dtype}" in out
+    assert f"dense modules fp8_block -> {mc.dtype}" in out and "dequantised as they load" in out
+    nvfp4 = format_info(dataclasses.replace(mc, expert_format="nvfp4"), [1])  # --quantize-experts nvfp4
+    assert f"{projections:,} expert projections fp8_block -> NVFP4" in nvfp4
     assert "dequantised" not in format_info(load_model_config(str(tmp_path / "dequant")), [1])

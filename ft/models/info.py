@@ -96,8 +96,12 @@ def format_info(mc: ModelConfig, tp_sizes: list[int]) -> str:
     lines.append(f"  {'total':<11} {sum(full.params.values()):>16,}")
     if full.dequantized:  # stored quantised, held in float (ft.quant.dequantized): the bytes below
         what = {"experts": "expert projections", "dense": "dense modules", "embeddings": "lm_head"}
-        held = ", ".join(f"{n:,} {what[kind]} {fmt}" for (kind, fmt), n in sorted(full.dequantized.items()))
-        lines.append(f"checkpoint: {held}, dequantised to {mc.dtype} as they load")
+        to = {"experts": "NVFP4"} if mc.expert_format == "nvfp4" else {}  # quantised again at load
+        held = ", ".join(
+            f"{n:,} {what[kind]} {fmt} -> {to.get(kind, mc.dtype)}"
+            for (kind, fmt), n in sorted(full.dequantized.items())
+        )
+        lines.append(f"checkpoint: {held}, dequantised as they load")
     for tp in tp_sizes:
         ranks = [footprint(mc, tp, r) for r in range(tp)]
         lines.append(f"tp_size {tp}: weight bytes per rank")
