@@ -29,7 +29,7 @@ if [[ $stage == all || $stage == kernels ]]; then
   logs+=("$out/kernels.log")
 fi
 if [[ $stage == all || $stage == engines ]]; then
-  serial engines tests/gpu/test_engine_cuda.py tests/gpu/test_symm_all_reduce.py || rc=1
+  serial engines tests/gpu/test_engine_cuda.py tests/gpu/test_symm_all_reduce.py tests/gpu/test_dequantized_cuda.py || rc=1
   logs+=("$out/engines.log")
 fi
 if [[ $stage == all || $stage == offload ]]; then
