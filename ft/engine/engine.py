@@ -33,7 +33,7 @@ class EngineStats:
     generation_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int = 0
-    # MoE placement (the first rank's; ft.moe.backends): cumulative since start
+    # MoE placement (the first rank's; ft.moe.backends): cumulative over requests (docs/serving.md)
     moe_backend: str = "gpu"
     moe_layers: int = 0
     moe_experts: int = 0  # routed experts per layer
@@ -48,7 +48,7 @@ class EngineStats:
     moe_bytes_host_read: int = 0  # expert bytes kernels read from the host store in place (host reads)
     moe_bytes_d2d: int = 0
     moe_copy_seconds: float = 0.0  # busy time of those host -> device copies
-    moe_tokens: int = 0  # tokens through the MoE layers
+    moe_tokens: int = 0  # tokens the model computed (prompt and decode; not a graphed batch's padding)
     moe_cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU
     moe_prestaged_layers: int = 0  # layers a batch computed from experts staged while idle (staging.PRESTAGE)
 

@@ -52,7 +52,7 @@ def main() -> None:
                 uses[i, rng.choice(experts, k, replace=False)] += 1
         routes = [b.cache.published() for b in backends]
         t0 = time.perf_counter()
-        reads._count_and_promote(uses, tokens, routes)
+        reads._count_and_promote(uses, routes)
         t1 = time.perf_counter()
         reads.tables.publish()
         return t1 - t0, time.perf_counter() - t1

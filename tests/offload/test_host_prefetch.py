@@ -260,7 +260,7 @@ def test_picked_experts_count_their_copy_once_and_their_uses_not_as_host_reads(m
     uses[0, [0, 1]] = 1  # layer 0: two hits
     uses[1, [0, 5, 6]] = [1, 3, 1]  # layer 1: a hit, miss 5 (three uses, picked), miss 6 (one use)
     uses[1, 8:] = [5 + 1, 7 + 1]  # its picks: 5 (used) and 7 (not used)
-    reads._count_and_promote(uses, 2, [b.cache.published() for b in backends])
+    reads._count_and_promote(uses, [b.cache.published() for b in backends])
     payload = layout.payload_bytes
     assert payload == 24
     if down_only:  # two copies of 8 bytes, pick 5's gate/up read three times, miss 6 read once

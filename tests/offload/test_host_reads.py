@@ -271,9 +271,9 @@ def test_copies_landing_late_are_read_only_once_landed(ckpt, refs, reads_on, mon
     monkeypatch.setattr(Transfer, "wait", lambda tr, event=None: copies.wait(tr, event))
     after_step = host_reads.HostReads.after_step
 
-    def counted(reads, tokens):
+    def counted(reads):
         copies.step += 1
-        return after_step(reads, tokens)
+        return after_step(reads)
 
     monkeypatch.setattr(host_reads.HostReads, "after_step", counted)
     monkeypatch.setattr(host_reads, "PROMOTE_SHARE", 1.0)

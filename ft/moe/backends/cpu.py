@@ -62,7 +62,7 @@ class CpuBackend:
     def __init__(self, store: HostStore, shared: Shared, first: bool) -> None:
         self.store, self.shared, self.first = store, shared, first
         self.map = self.cache = self.prefetch = None
-        self.experts_seen = 0
+        self.experts_seen = 0  # the misses it counts: every expert a batch routes to (no map)
 
     def __call__(self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         y = torch.empty_like(x)  # [T, H], filled on the host (at a graph break when captured)
@@ -73,7 +73,6 @@ class CpuBackend:
         ids_h = ids.cpu().numpy()
         if self.first:
             self.shared.step += 1
-            self.shared.tokens += len(ids_h)
         experts = unique(ids_h, self.store.num_experts)
         self.experts_seen += len(experts)
         part, pairs = cpu_experts(bank, self.store, x, weights, ids_h, experts)

@@ -96,7 +96,7 @@ class HostReads:
         pin = device.type == "cuda"
         self.host_uses = torch.zeros(len(backends), e + spare, dtype=torch.int32, pin_memory=pin)  # DEFERRED
         self.stream = torch.cuda.Stream(device) if spare and device.type == "cuda" else None  # its copies
-        self.queued: tuple | None = None  # (event, tokens, the routes its step read): DEFERRED
+        self.queued: tuple | None = None  # (event, the routes its step read, staged): DEFERRED
         self.credit = np.zeros(len(backends))  # promotions owed to each layer, fractional
         self.bytes_read = 0  # expert bytes kernels read from the host store
         self.taken = False  # a batch took host reads (eagerly or while a graph was captured)
@@ -159,19 +159,17 @@ class HostReads:
         never smaller than its tokens, so a batch that pads into host reads publishes too."""
         self.tables.publish()
 
-    def after_step(self, tokens: int) -> None:
-        """Between steps (``tokens``: the last step's): count what its host-read layers used and
-        promote some misses (published before the next step that reads them, ``before_step``)."""
+    def after_step(self) -> None:
+        """Between steps: count what the last step's host-read layers used and promote some misses
+        (published before the next step that reads them, ``before_step``)."""
         if self.taken and DEFERRED:
-            self._queue(tokens)
+            self._queue()
         elif self.taken:  # else nothing was counted: the offload backend's own paths ran
             self.queued = None  # a step DEFERRED left: its counts are dropped, not double-counted
             uses = self.uses.to("cpu", copy=True).numpy()  # [L, E]; waits for the step
             if uses.any():
                 self.uses.zero_()
-                self._count_and_promote(
-                    uses, tokens, [b.cache.published() for b in self.backends], self._staged()
-                )
+                self._count_and_promote(uses, [b.cache.published() for b in self.backends], self._staged())
 
     def flush(self) -> None:
         """Count and promote the step ``DEFERRED`` still holds (waits for it), then publish: the
@@ -182,15 +180,15 @@ class HostReads:
         self.tables.publish()
 
     def _process_queued(self) -> None:
-        event, tokens, routes, staged = self.queued
+        event, routes, staged = self.queued
         self.queued = None
         if event is not None:
             event.synchronize()
         uses = self.host_uses.numpy()
         if uses.any():
-            self._count_and_promote(uses, tokens, routes, staged)
+            self._count_and_promote(uses, routes, staged)
 
-    def _queue(self, tokens: int) -> None:
+    def _queue(self) -> None:
         """Process the step before's counts (done on the GPU by now: the host has since launched
         this step), then send this step's on their way, with the routes it read."""
         routes = [b.cache.published() for b in self.backends]  # what this step read; a publish
@@ -204,7 +202,7 @@ class HostReads:
         if self.uses.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self.queued = (event, tokens, routes, staged)
+        self.queued = (event, routes, staged)
 
     def _staged(self) -> np.ndarray:
         """[L] bool: whether each layer's host-read call copies its host experts into the staging
@@ -212,16 +210,17 @@ class HostReads:
         return np.array([b.host_staged for b in self.backends])
 
     def _count_and_promote(
-        self, uses: np.ndarray, tokens: int, routes: list[np.ndarray], staged: np.ndarray | None = None
+        self, uses: np.ndarray, routes: list[np.ndarray], staged: np.ndarray | None = None
     ) -> None:
-        """``uses`` [L, E + spare] of a host-read step of ``tokens`` tokens (each layer's uses of
-        its experts, then its prefetch's picks), which read ``routes`` (each layer's [E]);
-        ``staged`` [L]: the layers that staged their host experts (None: none did)."""
+        """``uses`` [L, E + spare] of a host-read step (each layer's uses of its experts, then its
+        prefetch's picks), which read ``routes`` (each layer's [E]); ``staged`` [L]: the layers
+        that staged their host experts (None: none did). Its tokens were counted as it ran
+        (``MoeRuntime.after_step``)."""
         e = self.num_experts
         counts = uses[:, :e]
         assert counts.any(1).all(), "a host-read step reads in every MoE layer (one batch, one path)"
         sh = self.backends[0].shared
-        sh.begin_step(tokens)
+        sh.begin_step()
         # every layer's hits and misses as the step read them, whatever moved since
         used, hit = self.tables.maps.classify_step(counts, np.stack(routes))
         missed = used & ~hit

@@ -120,7 +120,7 @@ class OffloadBackend:
         with record_function("ft.offload.ids_to_host"):  # a range of profiles (profile_offload_prefill.py)
             route = host_route(ids, pred, self.store.num_experts)
         if self.first:
-            self.shared.begin_step(len(ids))
+            self.shared.begin_step()
         return route
 
     def _resolve(self, ids: torch.Tensor, pred: torch.Tensor | None) -> Callable[[], None]:

@@ -267,10 +267,14 @@ class MoeRuntime:
         prestage.idle(self.cfg, self.device, sh, self.backends)
 
     def after_step(self, tokens: int) -> None:
-        """After each forward (``tokens``: its batch's): host reads' counting and promotions (their
-        routes are published before the next batch that reads them, ``before_step``)."""
+        """After each forward (``tokens``: its batch's real tokens, which the statistics count
+        here: a graphed batch's MoE layers see the rows that pad it too): host reads' counting and
+        promotions (their routes are published before the next batch that reads them,
+        ``before_step``)."""
+        if self.shared is not None:
+            self.shared.tokens += tokens
         if self.reads is not None:
-            self.reads.after_step(tokens)
+            self.reads.after_step()
 
     def flush(self) -> None:
         """Count the step deferred host reads still hold (the engine calls it when idle, so the
@@ -279,9 +283,17 @@ class MoeRuntime:
             self.reads.flush()
 
     def discard_uses(self) -> None:
-        """Forget what warming up and capturing the decode graphs used (host reads)."""
+        """Forget what warming up and capturing the decode graphs used and counted (their forwards
+        on padding rows copy, evict and count uses on the copying, hybrid and cpu paths): the
+        statistics count requests' traffic only, as they leave out the start-up fill
+        (``wiring.build``)."""
         if self.reads is not None:
             self.reads.discard()
+        if self.shared is not None:
+            self.shared.reset_counts()
+        for backend in self.backends:
+            if hasattr(backend, "experts_seen"):  # the cpu backend's misses
+                backend.experts_seen = 0
 
     def restart_caches(self) -> None:
         """Every expert cache back to its start-up fill (``SlotMap.restart``), copied in now, so

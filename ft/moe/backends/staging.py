@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ft.moe.backends.layout import ExpertLayout
+from ft.moe.backends.slot_map import SlotCounts
 from ft.moe.backends.transfer import Transfer
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ class Shared:
     ahead: Ahead | None = None  # the next layer's first group, staged early
     ahead_used: int = 0  # groups staged ahead and then computed (tests read it)
     step: int = 0
-    tokens: int = 0  # tokens through the first MoE layer (for bytes per token)
+    tokens: int = 0  # real tokens of every forward (``MoeRuntime.after_step``; for bytes per token)
     cpu_pairs: int = 0  # (token, expert) pairs computed on the CPU (hybrid, cpu)
     prestaged: dict = field(default_factory=dict)  # backend -> Prestaged, in layer order
     # pre-staging's copies on a stream of their own (the same counts): a layer that waits for
@@ -132,12 +133,23 @@ class Shared:
     activation_per_token: int = 0  # a batch's activations a token (``sizing.activation_bytes_per_token``)
     prestage_used: int = 0  # pre-staged layers a batch then computed (tests read it)
 
-    def begin_step(self, num_tokens: int) -> None:
-        """A forward of ``num_tokens`` tokens starts: every layer's slot map pins for a new step."""
+    def begin_step(self) -> None:
+        """A forward starts: every layer's slot map pins for a new step."""
         self.step += 1
-        self.tokens += num_tokens
         for m in self.maps:
             m.begin_step(self.step)
+
+    def reset_counts(self) -> None:
+        """Every count back to zero (``MoeRuntime.discard_uses``): the maps' uses, evictions and
+        prefetches, the copies' bytes and time, the tokens, the pairs on the CPU, the layers
+        computed from pre-staged or staged-ahead experts."""
+        for m in self.maps:
+            m.counts = SlotCounts()
+        self.transfer.reset_counts()
+        if self.prestage_transfer is not None:  # its copies go into the same counts
+            self.prestage_transfer.reset_counts()
+            self.prestage_transfer.counts = self.transfer.counts
+        self.tokens = self.cpu_pairs = self.prestage_used = self.ahead_used = 0
 
     def fit_prestaged(self, num_tokens: int) -> None:
         """Keep the pre-staged layers, the first ones first, that leave a batch of ``num_tokens``
