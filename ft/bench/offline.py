@@ -9,9 +9,10 @@ TTFT and each prefill beside their compute floor (the prompt's FLOPs over the de
 measured on the device, ``roofline.prefill_flops``).
 
 When experts are offloaded (``--moe-backend offload|hybrid|cpu``), each row also gives the decode
-steps' expert-cache hit rate, the expert bytes copied host -> device per generated token, and
-the PCIe floor: a decode step can be no faster than its copied bytes over the measured pinned
-host -> device bandwidth plus its HBM roofline time. ``--dummy-routing-skews 0,1`` and
+steps' expert-cache hit rate (hits over (layer, expert) uses, as EngineStats counts them), the
+expert bytes over PCIe per generated token (copied host -> device, and read in place by host
+reads), and the PCIe floor: a decode step can be no faster than those bytes over the measured
+pinned host -> device bandwidth plus its HBM roofline time. ``--dummy-routing-skews 0,1`` and
 ``--expert-cache-policies lru,lfu`` measure every combination on one loaded model (the engine
 switches in place, ``LLMEngine.set_moe_variant``, and each variant's expert caches start again
 from the start-up fill, so no row inherits the one before), one report each.
@@ -53,7 +54,7 @@ def offloads(engine: LLMEngine) -> bool:
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
     """Run prompts to completion; returns wall time, first-token time and pure-decode step times,
-    and for offloaded experts the decode steps' hit rate and bytes copied per token. The MoE
+    and for offloaded experts the decode steps' hit rate and bytes over PCIe per token. The MoE
     counters are read twice a run (before the first decode step of the whole batch and at the
     end), not around every step: reading them resolves the copy timings of every layer, which
     a per-step read added to the wall time the single-stream and aggregate figures measure.

@@ -19,7 +19,7 @@ class Row:
     step_gb: float
     wall_s: float
     moe_hit_rate: float | None = None  # decode steps only
-    moe_mb_per_token: float | None = None  # expert MB copied host -> device per generated token
+    moe_mb_per_token: float | None = None  # expert MB over PCIe (copied, read in place) per generated token
     pcie_floor_tok_s: float | None = None
     moe_prefetched_per_token: float | None = None  # experts prefetched (all layers) per token
     moe_prefetch_used: float | None = None  # of those, the share its layer then read

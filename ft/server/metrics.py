@@ -67,15 +67,15 @@ _GAUGES = [
     ("ft_moe_expert_residency", "moe_residency", "Fraction of routed experts resident on the GPU"),
     ("ft_moe_resident_experts", "moe_resident", "Routed experts resident on the GPU, all layers"),
     ("ft_moe_cache_slots_per_layer", "moe_slots", "GPU expert-cache slots per MoE layer"),
-    ("ft_moe_expert_hit_rate", "moe_hit_rate", "Expert uses that found the expert resident (cumulative)"),
-    ("ft_moe_bytes_per_token", "moe_bytes_per_token", "Expert bytes over PCIe per token, copied or read"),
+    ("ft_moe_expert_hit_rate", "moe_hit_rate", "Hits over expert uses, cumulative"),
+    ("ft_moe_bytes_per_token", "moe_bytes_per_token", "Expert bytes over PCIe (copied, read) per token"),
     ("ft_moe_pcie_gb_per_second", "moe_pcie_gb_s", "Effective host-to-device bandwidth of expert copies"),
 ]
 _COUNTERS = [
     ("ft_prompt_tokens", "prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)"),
     ("ft_generation_tokens", "generation_tokens", "Tokens generated"),
     ("ft_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
-    ("ft_moe_expert_hits", "moe_hits", "Expert uses that found the expert resident on the GPU"),
+    ("ft_moe_expert_hits", "moe_hits", "Expert uses ((layer, expert) a forward routes to) found resident"),
     ("ft_moe_expert_misses", "moe_misses", "Expert uses that did not (copied, streamed or run on the CPU)"),
     ("ft_moe_expert_evictions", "moe_evictions", "Experts evicted from the GPU cache"),
     ("ft_moe_experts_prefetched", "moe_prefetched", "Experts copied ahead of need"),
