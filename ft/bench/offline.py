@@ -3,10 +3,10 @@
 Prompts are random token ids. For each batch size N, N prompts of ``input_len`` tokens generate
 ``output_len`` tokens each: aggregate tok/s is all output tokens over the wall time (prefill
 included); decode tok/s is N over the mean time of a pure decode step, compared with the decode
-roofline (``ft.bench.roofline``). Also: single-stream decode (output_len / (time − TTFT)), TTFT
-at ``input_len`` (median of 5), and prefill tok/s of one long prompt per ``--prefill-lens``, the
-TTFT and each prefill beside their compute floor (the prompt's FLOPs over the dense matmul rate
-measured on the device, ``roofline.prefill_flops``).
+roofline (``ft.bench.roofline``). Also: single-stream decode (output_len / (time − that run's own
+first-token time)), TTFT at ``input_len`` (median of 5), and prefill tok/s of one long prompt per
+``--prefill-lens``, the TTFT and each prefill beside their compute floor (the prompt's FLOPs over
+the dense matmul rate measured on the device, ``roofline.prefill_flops``).
 
 When experts are offloaded (``--moe-backend offload|hybrid|cpu``), each row also gives the decode
 steps' expert-cache hit rate (hits over (layer, expert) uses, as EngineStats counts them), the
