@@ -30,8 +30,8 @@ from ft.engine.model_runner import SeqResult
 from ft.layers.sampler import SampleResult
 from tests.checkpoints import write_checkpoint
 
-PREFILL_S = 1e-3  # a prompt token
-DECODE_S, DECODE_SEQ_S = 10e-3, 2e-3  # a decode step, and a sequence in it
+PREFILL_S = 2.5e-3  # a prompt token
+DECODE_S, DECODE_SEQ_S = 25e-3, 5e-3  # a decode step, and a sequence in it
 HITS, MISSES, MISS_BYTES = 3, 1, 1_500_000  # a decoded token's expert uses; bytes over PCIe a miss
 PREFILL_BYTES = 500_000  # over PCIe a prompt token
 
@@ -211,9 +211,9 @@ def test_bench_serve_times_each_stream_on_the_clients_clock(timed_server):
             slack = late + (tail if k in ("p90", "p99") else 0.0)
             assert v - early <= got[k] < v + slack, (k, got[k], v)
 
-    over(r["ttft_s"], BENCH_PREFILL_S, late=0.015, tail=0.03)
+    over(r["ttft_s"], BENCH_PREFILL_S, late=0.02, tail=0.03)  # a 30 ms lateness is caught
     # a chunk that arrives late makes the gap after it short
-    over(r["itl_s"], [DECODE_S] * 8 * (BENCH_OUT - 1), late=0.004, early=0.002, tail=0.01)
+    over(r["itl_s"], [DECODE_S] * 8 * (BENCH_OUT - 1), late=0.008, early=0.002, tail=0.015)
     e2e = [p + (BENCH_OUT - 1) * DECODE_S for p in BENCH_PREFILL_S]
     over(r["e2e_s"], e2e, late=0.025, tail=0.03)
     # four at a time: the next request starts as the first of those in flight ends
