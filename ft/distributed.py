@@ -159,8 +159,9 @@ def all_gather_last_dim(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """Concatenate each rank's ``x`` along the last dimension, in rank order."""
     if tp.size == 1:
         return x
+    x = x.contiguous()  # and so every part: empty_like keeps a strided input's layout
     parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    dist.all_gather(parts, x, group=tp.group)
     return torch.cat(parts, dim=-1)
 
 
