@@ -95,12 +95,15 @@ def dequantized_modules(model: nn.Module, expected: dict[str, Target]) -> dict[s
     return {m: how for m, how in getattr(model, "dequantized", {}).items() if f"{m}.weight" in expected}
 
 
-def check_names(model: nn.Module, where: dict[str, str], path: str) -> dict[str, Target]:
+def check_names(
+    model: nn.Module, where: dict[str, str], path: str
+) -> tuple[dict[str, Target], dict[str, Dequantize]]:
+    """(checkpoint tensor -> target, the modules whose weight loads dequantised), after checking
+    that every tensor has a target or is a dequantised weight's companion, and the reverse."""
     expected = expected_tensors(model)
     ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_tensors", ())]
-    beside = {
-        c for m, how in dequantized_modules(model, expected).items() for c in dequantized.companions(m, how)
-    }
+    as_float = dequantized_modules(model, expected)
+    beside = {c for m, how in as_float.items() for c in dequantized.companions(m, how)}
     for name, file in where.items():
         if name not in expected and name not in beside and not any(p.search(name) for p in ignored):
             raise CheckpointError(f"unexpected tensor {name!r} in {file}: the model has no parameter for it")
@@ -108,7 +111,7 @@ def check_names(model: nn.Module, where: dict[str, str], path: str) -> dict[str,
         if name not in where:
             part = f" (a part of fused parameter {target.fused_into})" if target.fused_into else ""
             raise CheckpointError(f"missing tensor {name!r}{part}: not found in any file of {path}")
-    return expected
+    return expected, as_float
 
 
 @torch.no_grad()
@@ -123,8 +126,8 @@ def load_weights(model: nn.Module, path: str, progress: bool = True) -> int:
                 f"tensor {name!r}: model.safetensors.index.json of {path} maps it to {file}, "
                 "which does not hold it"
             )
-    expected = check_names(model, where, path)
-    as_float = {f"{m}.weight": (m, how) for m, how in dequantized_modules(model, expected).items()}
+    expected, dequantize = check_names(model, where, path)
+    as_float = {f"{m}.weight": (m, how) for m, how in dequantize.items()}
     todo = [n for n in where if n in expected]
     bar = tqdm(total=len(todo), desc="loading weights", unit="tensor", disable=not progress)
     with OpenFiles(where) as opened:
