@@ -114,6 +114,13 @@ def check_names(
     return expected, as_float
 
 
+def dequantize_device(param: torch.Tensor) -> torch.device:
+    """Where a weight that loads into ``param`` dequantised is computed: on ``param``'s device, so
+    that a layer's loader copies device to device, or on the CPU for a ``meta`` one (an offloaded
+    bank's, its experts in host rows and cache slots: ``ft.moe.backends.placement``)."""
+    return torch.device("cpu") if param.device.type == "meta" else param.device
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, path: str, progress: bool = True) -> int:
     """Load ``model`` from the checkpoint directory ``path``; returns the number of tensors read."""
@@ -135,7 +142,10 @@ def load_weights(model: nn.Module, path: str, progress: bool = True) -> int:
             for name in (n for n in todo if where[n] == file):
                 target, ckpt = expected[name], opened.tensor(name)
                 if name in as_float:  # the layer loads it as a float tensor
-                    ckpt = dequantized.open_dequantized(ckpt, *as_float[name], where, opened.tensor)
+                    device = dequantize_device(target.param)
+                    ckpt = dequantized.open_dequantized(
+                        ckpt, *as_float[name], where, opened.tensor, device=device
+                    )
                 target.param.weight_loader(target.param, ckpt, target.shard_id)
                 bar.update()
             opened.close(file)

@@ -10,7 +10,9 @@ A checkpoint may store, as NVFP4 or block-FP8, weights that the model keeps in f
 
 The model notes such checkpoint modules at build (``Dequantize`` by module name on
 ``model.dequantized``, ``ft.quant.dense``), and the loader hands the layer's own weight loader
-``Nvfp4Tensor`` / ``Fp8BlockTensor``: the checkpoint tensor as its fp32 dequantisation. Every
+``Nvfp4Tensor`` / ``Fp8BlockTensor``: the checkpoint tensor as its fp32 dequantisation, computed
+on the device of the parameter it loads (only the stored bytes asked for travel there: on a GPU
+an 80B block-FP8 checkpoint's dequantisation is not minutes of CPU time). Every
 sharding and reordering loader (column parts, row-parallel columns, GDN's key-head groups, vocab
 rows, an expert's intermediate slice) reads it as it reads a float tensor, so the model computes
 what transformers computes on the dequantised weights, at any tensor-parallel size. NVFP4's
@@ -45,10 +47,17 @@ class Dequantize:
 
 class Nvfp4Tensor(CheckpointTensor):
     """A ``CheckpointTensor`` of shape ``[out, in]``, dtype fp32, over an NVFP4 weight's codes
-    (read by rows, lazily) and its block scales and global (read whole: in/16 bytes a row)."""
+    (read by rows or by 16-wide column blocks, lazily) and its block scales and global (read
+    whole: in/16 bytes a row); dequantised on ``device``."""
 
-    def __init__(self, codes: CheckpointTensor, scale: CheckpointTensor, global_scale: CheckpointTensor):
-        self.name, self.file = codes.name, codes.file
+    def __init__(
+        self,
+        codes: CheckpointTensor,
+        scale: CheckpointTensor,
+        global_scale: CheckpointTensor,
+        device: torch.device | str = "cpu",
+    ):
+        self.name, self.file, self.device = codes.name, codes.file, torch.device(device)
         codes.expect_dtype([torch.uint8])
         if len(codes.shape) != 2:
             raise codes.error(f"shape {list(codes.shape)}: NVFP4 codes are [out, in/2]")
@@ -69,21 +78,36 @@ class Nvfp4Tensor(CheckpointTensor):
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         self.check_range(dim, start, length)
         if dim == 0:  # the rows alone: a rank's column-parallel share
-            codes, scale = self._codes.narrow(0, start, length), self._scale[start : start + length]
-            return nvfp4.dequantize(codes, scale, self._global)
-        return self.read().narrow(dim, start, length)
+            return self._dequantize(self._codes.narrow(0, start, length), self._scale[start : start + length])
+        # the blocks holding the columns (a row-parallel rank's share), then the columns of those
+        block = nvfp4.BLOCK
+        first, end = start // block, cdiv(start + length, block)
+        codes = self._codes.narrow(1, first * block // 2, (end - first) * block // 2)
+        return self._dequantize(codes, self._scale[:, first:end]).narrow(1, start - first * block, length)
 
     def read(self) -> torch.Tensor:
-        return nvfp4.dequantize(self._codes.read(), self._scale, self._global)
+        return self._dequantize(self._codes.read(), self._scale)
+
+    def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        # the stored bytes travel (a byte holds two weights, a scale sixteen), the fp32 is made there
+        device = self.device
+        return nvfp4.dequantize(codes.to(device), scale.to(device), self._global.to(device))
 
 
 class Fp8BlockTensor(CheckpointTensor):
     """A ``CheckpointTensor`` of shape ``[out, in]``, dtype fp32, over a block-FP8 weight (read by
     rows or columns, lazily) and its ``weight_scale_inv`` per ``bn × bk`` block (read whole; fp32,
-    or bf16 as some releases store it): ``w[r, c] = weight[r, c] · scale_inv[r // bn, c // bk]``."""
+    or bf16 as some releases store it): ``w[r, c] = weight[r, c] · scale_inv[r // bn, c // bk]``,
+    computed on ``device``."""
 
-    def __init__(self, weight: CheckpointTensor, scale_inv: CheckpointTensor, block: tuple[int, int]):
-        self.name, self.file = weight.name, weight.file
+    def __init__(
+        self,
+        weight: CheckpointTensor,
+        scale_inv: CheckpointTensor,
+        block: tuple[int, int],
+        device: torch.device | str = "cpu",
+    ):
+        self.name, self.file, self.device = weight.name, weight.file, torch.device(device)
         weight.expect_dtype([torch.float8_e4m3fn])
         if len(weight.shape) != 2:
             raise weight.error(f"shape {list(weight.shape)}: a block-FP8 weight is [out, in]")
@@ -98,14 +122,17 @@ class Fp8BlockTensor(CheckpointTensor):
         """Rows or columns ``[start, start + length)``, reading only those (a row-parallel rank's
         columns: an expert's down projection under TP)."""
         self.check_range(dim, start, length)
-        bn, bk = self._block
-        rows, cols = (torch.arange(n) for n in self.shape)
-        if dim == 0:
-            rows = rows[start : start + length]
-        else:
-            cols = cols[start : start + length]
-        scale = self._scale[rows // bn][:, cols // bk]  # [rows, cols]
-        return self._weight.narrow(dim, start, length).float() * scale
+        (bn, bk), device = self._block, self.device
+        spans = [(0, n) for n in self.shape]
+        spans[dim] = (start, start + length)
+        (r0, r1), (c0, c1) = spans
+        # the fp8 bytes and the blocks' scales travel; each element's scale is picked out there
+        # (expanded here it would be four bytes an element against the weight's one)
+        scale = self._scale[r0 // bn : cdiv(r1, bn), c0 // bk : cdiv(c1, bk)].to(device)
+        rows = torch.arange(r0, r1, device=device) // bn - r0 // bn
+        cols = torch.arange(c0, c1, device=device) // bk - c0 // bk
+        weight = self._weight.narrow(dim, start, length).to(device)
+        return weight.float() * scale[rows][:, cols]  # [rows, cols]
 
     def read(self) -> torch.Tensor:
         return self.narrow(0, 0, self.shape[0])
@@ -132,13 +159,15 @@ def open_dequantized(
     how: Dequantize,
     where: dict[str, str],
     tensor: Callable[[str], CheckpointTensor],
+    device: torch.device | str = "cpu",
 ) -> CheckpointTensor:
     """``module``'s weight as float, its scales read from whichever files hold them (``where``:
     tensor name -> file, the checkpoint's headers; ``tensor``: a checkpoint tensor by name, from
-    the loader's open files). A weight stored in float without any of the
-    format's companions loads as it is: tools read exclusion lists differently (ModelOpt's
-    patterns as globs, transformers' ``modules_to_not_convert`` as name fragments), so a module
-    the declaration seems to quantise may have been left out; its tensors decide."""
+    the loader's open files), dequantised on ``device`` as it is read. A weight stored in float
+    without any of the format's companions loads as it is: tools read exclusion lists
+    differently (ModelOpt's patterns as globs, transformers' ``modules_to_not_convert`` as name
+    fragments), so a module the declaration seems to quantise may have been left out; its
+    tensors decide."""
     if weight.dtype in FLOAT_DTYPES:
         beside = [c for c in companions(module, how) if c in where]
         if beside:
@@ -153,5 +182,5 @@ def open_dequantized(
                 f"missing tensor {name!r}: {module} is declared {how.format} ({weight.file})"
             )
     if how.format == "nvfp4":
-        return Nvfp4Tensor(weight, tensor(names[0]), tensor(names[1]))
-    return Fp8BlockTensor(weight, tensor(names[0]), how.block)
+        return Nvfp4Tensor(weight, tensor(names[0]), tensor(names[1]), device)
+    return Fp8BlockTensor(weight, tensor(names[0]), how.block, device)
