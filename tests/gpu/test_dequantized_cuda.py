@@ -1,8 +1,10 @@
 """Quantised checkpoints held in float, loaded onto a GPU (``ft.quant.dequantized``): a block-FP8
 checkpoint and a ModelOpt one with NVFP4 dense projections give, on CUDA, the very parameters and
 greedy tokens of a float checkpoint of their dequantisation, resident and offloaded, and with
---quantize-experts nvfp4 (the bank quantises the same values). The CPU tests check the maths;
-these the device paths (loaders copying into CUDA parameters, the host store's pinned views).
+--quantize-experts nvfp4 (the bank quantises the same values); the weights, dequantised on the
+GPU for a CUDA parameter, have the very bits of the CPU's, read whole, by rows and by columns.
+The CPU tests check the maths; these the device paths (dequantising on CUDA, loaders copying
+CUDA tensors into CUDA parameters and CPU ones into the host store's pinned views).
 Not yet run on a GPU (written 2026-12-05 without a device)."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from ft import LLM, SamplingParams
 from tests.nvfp4.modelopt_ckpt import write_nvfp4_checkpoint
+from tests.quant.test_dequantized_device import READS, bits, read, tensors_on, write_tensors
 from tests.quant.test_fp8_checkpoints import PROMPTS, write_fp8_checkpoint
 
 pytestmark = [
@@ -52,3 +55,18 @@ def test_nvfp4_dense_on_cuda_equals_its_dequantisation(tmp_path):
     for name, value in want_state.items():
         if ".experts." not in name:
             assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_dequantised_on_cuda_has_the_cpu_reads_bits(tmp_path, fmt):
+    """fp32 products of the same numbers in the same order: the same bits on either device."""
+    from safetensors import safe_open
+
+    write_tensors(tmp_path / "t.safetensors")
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as handle:
+        cpu = tensors_on(handle, torch.device("cpu"))[fmt]
+        cuda = tensors_on(handle, torch.device("cuda"))[fmt]
+        for what, dim, start, length in READS:
+            got = read(cuda, dim, start, length, what)
+            assert got.is_cuda and got.dtype == torch.float32, what
+            assert torch.equal(bits(got), bits(read(cpu, dim, start, length, what))), what
