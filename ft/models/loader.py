@@ -115,9 +115,14 @@ def check_names(
 
 
 def dequantize_device(param: torch.Tensor) -> torch.device:
-    """Where a weight that loads into ``param`` dequantised is computed: on ``param``'s device, so
-    that a layer's loader copies device to device, or on the CPU for a ``meta`` one (an offloaded
-    bank's, its experts in host rows and cache slots: ``ft.moe.backends.placement``)."""
+    """Where a weight that loads into ``param`` dequantised is computed: on the device the model
+    runs on for an offloaded bank's experts (``dequantize_on``: their host rows and cache slots,
+    ``ft.moe.backends.placement``; a checkpoint's FP8 bytes cross PCIe and the bf16 ones come
+    back, where the CPU would spend minutes of an 80B load), else on ``param``'s device, so that a
+    layer's loader copies device to device, or on the CPU for a ``meta`` one."""
+    on = getattr(param, "dequantize_on", None)
+    if on is not None:
+        return on
     return torch.device("cpu") if param.device.type == "meta" else param.device
 
 

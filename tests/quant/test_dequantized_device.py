@@ -126,3 +126,22 @@ def test_the_loader_dequantises_on_each_parameters_device(tmp_path, monkeypatch)
     assert {device for _, device in asked} == {torch.device("cpu")}
     assert dequantize_device(torch.empty(2, device="meta")) == torch.device("cpu")
     assert dequantize_device(torch.empty(2)) == torch.device("cpu")
+
+
+def test_offloaded_experts_are_dequantised_where_the_model_runs(tmp_path):
+    """An offloaded bank's experts live in host rows (and, lean, cache slots): their checkpoint's
+    FP8 is dequantised on the device the model runs on (``dequantize_on``), not on the CPU that
+    holds the rows, nor by the parameter's own device (``meta`` when lean)."""
+    from ft.models.loader import dequantize_device
+    from ft.moe.backends.placement import placed
+    from ft.moe.backends.runtime import moe_blocks
+
+    write_fp8_checkpoint(tmp_path, "qwen3_next", seed=34)
+    options = dict(dtype="float32", moe_backend="offload", expert_cache_fraction=0.3, progress=False)
+    with ft.LLM(model=str(tmp_path / "fp8"), device="cpu", **options) as llm:
+        banks = [b.experts for b in moe_blocks(llm.engine.executor.runner.model)]
+        homes = [(p, bank.device) for bank in banks for p in bank.parameters() if placed(p)]
+        assert homes and all(p.dequantize_on == device for p, device in homes)
+    lean = torch.nn.Parameter(torch.empty(2, device="meta"), requires_grad=False)
+    lean.dequantize_on = torch.device("cuda", 1)
+    assert dequantize_device(lean) == torch.device("cuda", 1)

@@ -65,6 +65,7 @@ def place(bank: nn.Module, store: HostStore, cache: ExpertCache | None = None) -
         new = nn.Parameter(host if r == 0 else old.data, requires_grad=False)
         new.__dict__.update(old.__dict__)  # weight_loader, checkpoint_parts, logical_numel
         new.placed = PlacedTensor(spans)
+        new.dequantize_on = bank.device  # a quantised checkpoint's experts are dequantised there
         setattr(bank, name, new)
 
 
