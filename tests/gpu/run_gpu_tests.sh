@@ -8,7 +8,8 @@
 # engine sizes its KV pool and expert cache from the GPU's free memory, so engines started side by
 # side by xdist fail against each other. Two-GPU tests skip on one GPU. Logs go to OUT_DIR. On a
 # cold Triton cache (2026-12-01, one H200) the kernels took 2 min, the engine file over 8 min and
-# the offload file 2.5 min: a device call is limited to 10, so give each stage its own call there.
+# the offload file 2.5 min (2026-12-06, 76 tests: its first 24 alone took ~250 s on a cold cache,
+# after test_dequantized_cuda's 75 s): a device call is limited to 10, so give each stage its own call.
 set -uo pipefail
 out=${1:-/tmp/ft_gpu_tests}
 stage=${2:-all}
