@@ -180,7 +180,7 @@ def dequantize(
     )
 
     codes = unpack_codes(weight)  # [..., out, in]
-    values = E2M1_VALUES.to(weight.device)[codes.long()]
+    values = E2M1_VALUES.to(weight.device)[codes.int()]  # int32: half int64's temporary, same values
     values = values.unflatten(-1, (weight_scale.shape[-1], BLOCK))  # [..., out, in/16, 16]
     # e2m1 * e4m3 is exact in fp32, so the only rounding is the multiply by the global.
     w = values * weight_scale.float().unsqueeze(-1)
