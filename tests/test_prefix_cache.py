@@ -196,3 +196,17 @@ def test_a_recomputed_request_reports_the_cached_tokens_of_its_first_admission(h
     assert sched.num_preemptions > 20 and sum(r.num_cached_tokens > 0 for r in added) > 5
     assert all(r.num_cached_tokens < r.prompt_len for r in added)
     assert sched.prefix_hit_tokens == sum(r.num_cached_tokens for r in added)
+
+
+def test_a_recomputed_cached_block_gets_the_snapshot_it_lacked(tmp_path):
+    """On a hybrid model a hit ends at a block with a GDN snapshot: B shares two cached blocks
+    with A, whose one snapshot sits at its fourth, so B computes from the start and its chunk's
+    snapshot (at its second block) belongs on A's cached second block, though B's own copy of
+    that block does not enter the cache. C, sharing those two blocks, then hits them."""
+    write_checkpoint(tmp_path, "qwen3_next", seed=9)
+    prompts = [SHARED, SHARED[:9] + [50, 51], SHARED[:9] + [60, 61]]
+    cold, _ = run(tmp_path, prompts, enable_prefix_cache=False)
+    warm, _ = run(tmp_path, prompts)
+    for a, b in zip(warm, cold):
+        assert_same(a, b)
+    assert [o.num_cached_tokens for o in warm] == [0, 0, 8]

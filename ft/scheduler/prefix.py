@@ -5,8 +5,8 @@ A newly admitted request starts after the longest cached prefix of its tokens (w
 leaving at least one token to compute; on hybrid models only up to a block that has a GDN state
 snapshot); one asking for prompt log-probs computes its whole prompt. After each step the
 request's newly full blocks enter the cache, and the GDN state snapshot its chunk saved is
-attached to the cached block it ends at, or given back when that block is not cached or already
-has one.
+attached to the cached block it ends at (the request's own, or the one cached before it under
+another block), or given back when that block is not cached or already has one.
 """
 
 from __future__ import annotations
@@ -48,8 +48,17 @@ def insert_computed(cache: RadixCache, req: Request, seq: ScheduledSeq, block_si
         parent = node
     if seq.snapshot_to is not None:
         depth = (seq.start + seq.snapshot_len) // bs
-        node = req.cache_nodes[depth - 1] if len(req.cache_nodes) >= depth else None
+        node = req.cache_nodes[depth - 1] if len(req.cache_nodes) >= depth else cached(cache, req, depth, bs)
         if node is not None and node.snapshot is None:
             cache.attach_snapshot(node, seq.snapshot_to)
         else:
             cache.give_back_snapshot(seq.snapshot_to)
+
+
+def cached(cache: RadixCache, req: Request, depth: int, block_size: int) -> Node | None:
+    """The cached node of ``req``'s first ``depth`` blocks when they are cached under other
+    blocks than its own (its hit fell back to an earlier snapshot, so it recomputed blocks that
+    another request had cached without one): the snapshot it took there belongs to that node,
+    or every later request sharing the prefix falls back the same way."""
+    path = cache.match(req.tokens(0, depth * block_size))
+    return path[depth - 1] if len(path) >= depth else None
