@@ -67,16 +67,24 @@ def test_hybrid_prompt_is_one_chunk_with_a_snapshot_inside():
     assert len(seq.token_ids) == 18 and seq.snapshot_to is not None and seq.snapshot_len == 16
 
 
-def test_generated_tokens_are_cached_for_the_next_turn(tmp_path):
-    write_checkpoint(tmp_path, "qwen3_moe", seed=6)
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
+def test_generated_tokens_are_cached_for_the_next_turn(tmp_path, model_type):
+    """A chat's next turn hits the tokens generated in the last one. On a hybrid model that needs
+    the GDN state at a block boundary inside the generated tokens: a decode step that fills a
+    block snapshots it (a request keeps its latest such snapshot only)."""
+    write_checkpoint(tmp_path, model_type, seed=6)
     first, _ = run(tmp_path, [SHARED])
     turn2 = SHARED + first[0].token_ids + [12, 13]
     cold, _ = run(tmp_path, [turn2], enable_prefix_cache=False)
     with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False, block_size=4) as llm:
         llm.generate([SHARED], PARAMS)
+        cache = llm.engine.scheduler.cache
+        held = sorted(n.depth for n in cache._snapshotted)
         warm = llm.generate([turn2], PARAMS)[0]
     assert warm.num_cached_tokens == 24  # 18 prompt + 7 computed generated tokens, in whole blocks
     assert_same(warm, cold[0])
+    # the prompt's snapshot (block 4), then the latest decode one (block 6; block 5's dropped)
+    assert held == ([4, 6] if model_type == "qwen3_next" else [])
 
 
 def test_small_pool_evicts_cached_blocks(tmp_path):
@@ -210,3 +218,15 @@ def test_a_recomputed_cached_block_gets_the_snapshot_it_lacked(tmp_path):
     for a, b in zip(warm, cold):
         assert_same(a, b)
     assert [o.num_cached_tokens for o in warm] == [0, 0, 8]
+
+
+def test_a_decode_snapshot_is_taken_on_every_rank(tmp_path):
+    """Each tensor-parallel rank holds its share of the GDN state: the next turn's hit on the
+    generated tokens restores every rank's copy (a rank without it would restore stale rows)."""
+    write_checkpoint(tmp_path, "qwen3_next", seed=6)
+    first, _ = run(tmp_path, [SHARED])
+    turn2 = SHARED + first[0].token_ids + [12, 13]
+    cold, _ = run(tmp_path, [turn2], enable_prefix_cache=False)
+    warm, _ = run(tmp_path, [SHARED, turn2], tp_size=2)
+    assert warm[1].num_cached_tokens == 24
+    assert_same(warm[1], cold[0], tol=1e-4)

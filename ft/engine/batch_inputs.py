@@ -70,7 +70,7 @@ def batch_inputs(
     points = [
         SnapshotPoint(i, s.snapshot_len, s.state_slot, snapshot_base + s.snapshot_to)
         for i, s in enumerate(seqs)
-        if s.snapshot_to is not None
+        if s.snapshot_to is not None and not s.snapshot_after  # those: copied after the step
     ]
     if points and gdn:
         batch.snapshots = state_snapshots(batch, points)

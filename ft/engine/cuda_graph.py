@@ -85,7 +85,8 @@ class CudaGraphRunner:
     def can_run(self, seqs: list[ScheduledSeq]) -> bool:
         return (
             len(seqs) <= self.max_bs
-            and all(len(s.token_ids) == 1 and s.restore_from is None and s.snapshot_to is None for s in seqs)
+            and all(len(s.token_ids) == 1 and s.restore_from is None for s in seqs)
+            and all(s.snapshot_to is None or s.snapshot_after for s in seqs)  # copied after the graph
             and all(not s.prompt_targets for s in seqs)
             and max(s.num_blocks for s in seqs) <= self.max_blocks
         )

@@ -227,6 +227,9 @@ class LLMEngine:
         live = self.scheduler.requests
         if self._ahead is not None and not any(s.request_id in live for s in self._ahead[0]):
             self.executor.collect(self._ahead[1])
+            for seq in self._ahead[0]:  # a decode's block-filling snapshot, never to be attached
+                if seq.snapshot_to is not None:
+                    self.scheduler.cache.give_back_snapshot(seq.snapshot_to)
             self._ahead = None
 
     def idle(self) -> None:

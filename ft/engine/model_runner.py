@@ -246,6 +246,9 @@ class ModelRunner:
             broadcast_from_first(ids, self.tp)
         self.moe.before_step(tokens)
         logits, prompt = self._forward(seqs, ids)  # [S, V]; GDN layers save the snapshots as they run
+        # a snapshot at a chunk's end (a decode step's) is the slot's state now, copied before any
+        # later step is issued (decode ahead included)
+        self._copy_states([(s.state_slot, base + s.snapshot_to) for s in seqs if s.snapshot_after])
         self.moe.after_step(tokens)
         out = Launched(seqs, logits, prompt)
         if not self.tp.is_first:

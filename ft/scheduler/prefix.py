@@ -6,7 +6,9 @@ leaving at least one token to compute; on hybrid models only up to a block that 
 snapshot); one asking for prompt log-probs computes its whole prompt. After each step the
 request's newly full blocks enter the cache, and the GDN state snapshot its chunk saved is
 attached to the cached block it ends at (the request's own, or the one cached before it under
-another block), or given back when that block is not cached or already has one.
+another block), or given back when that block is not cached or already has one. A decode step
+that fills a block snapshots the state after it, so a chat's next turn hits the generated tokens
+too; a request keeps only its latest such snapshot.
 """
 
 from __future__ import annotations
@@ -48,11 +50,26 @@ def insert_computed(cache: RadixCache, req: Request, seq: ScheduledSeq, block_si
         parent = node
     if seq.snapshot_to is not None:
         depth = (seq.start + seq.snapshot_len) // bs
-        node = req.cache_nodes[depth - 1] if len(req.cache_nodes) >= depth else cached(cache, req, depth, bs)
+        own = len(req.cache_nodes) >= depth
+        node = req.cache_nodes[depth - 1] if own else cached(cache, req, depth, bs)
         if node is not None and node.snapshot is None:
             cache.attach_snapshot(node, seq.snapshot_to)
+            if seq.start >= req.prompt_len:  # a decode step's: the request keeps its latest alone
+                keep_latest_decode_snapshot(cache, req, node if own else None)
         else:
             cache.give_back_snapshot(seq.snapshot_to)
+
+
+def keep_latest_decode_snapshot(cache: RadixCache, req: Request, own: Node | None) -> None:
+    """Drop the snapshot ``req``'s previous decode step attached to one of its own blocks, and
+    remember ``own``, the block of its own that took this one (None: a block cached under another
+    request, ``cached``, not held, so it may be evicted and is not tracked). A generation snapshots
+    every block it fills, and the blocks a running request holds are never evicted: without this
+    a long reply would take the snapshot pool from every other prefix."""
+    previous = req.decode_snapshot
+    if previous is not None and previous.snapshot is not None:
+        cache.drop_snapshot(previous)
+    req.decode_snapshot = own
 
 
 def cached(cache: RadixCache, req: Request, depth: int, block_size: int) -> Node | None:

@@ -143,10 +143,12 @@ class RadixCache:
         self.snapshot_changes += 1
         self._snapshotted.add(node)
 
-    def take_snapshot_slot(self) -> int | None:
+    def take_snapshot_slot(self, evict: bool = True) -> int | None:
         """A free snapshot slot, dropping the least recently used unreferenced snapshot if needed
-        (of equally recent ones, the deepest: shorter prefixes are shared more)."""
+        (of equally recent ones, the deepest: shorter prefixes are shared more) and ``evict``."""
         if not self._free_snapshots:
+            if not evict:
+                return None
             held = [n for n in self._snapshotted if n.ref == 0]
             if not held:
                 return None
@@ -156,6 +158,13 @@ class RadixCache:
             self._free_snapshots.append(victim.snapshot)
             victim.snapshot = None
         return self._free_snapshots.pop()
+
+    def drop_snapshot(self, node: Node) -> None:
+        """Free ``node``'s snapshot slot; the node stays cached."""
+        self.snapshot_changes += 1
+        self._snapshotted.discard(node)
+        self._free_snapshots.append(node.snapshot)
+        node.snapshot = None
 
     def give_back_snapshot(self, slot: int) -> None:
         self._free_snapshots.append(slot)

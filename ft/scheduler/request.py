@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ft.sampling_params import Logprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from ft.scheduler.radix_cache import Node
 
 
 def kv_tokens(prompt_len: int, max_tokens: int) -> int:
@@ -44,6 +48,7 @@ class Request:
     cache_nodes: list = field(default_factory=list)  # prefix-cache nodes held, one per leading block
     cache_stopped: bool = False  # a later block of this prefix is cached under another request's block
     restore_snapshot: int | None = None  # GDN state snapshot to start from after a prefix hit
+    decode_snapshot: Node | None = None  # its own cached block holding its latest decode snapshot
 
     @property
     def prompt_len(self) -> int:

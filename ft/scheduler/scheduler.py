@@ -142,18 +142,22 @@ class Scheduler:
         running place or state slot is taken, or the head's refusal would repeat: a loaded
         server's steady state), so the next
         ``schedule`` would build the same batch; when no request's token in flight is its last by
-        length (a step for it would be wasted for sure); and when blocks for one more token each
-        are free without preempting anyone. A request that ``batch`` ends frees its place one
-        step later than without the step ahead.
+        length (a step for it would be wasted for sure); when blocks for one more token each
+        are free without preempting anyone; and, with a head only its refusal keeps out, when
+        ``batch`` attaches no GDN snapshot (one could lengthen the head's hit). A request that
+        ``batch`` ends frees its place one step later than without the step ahead.
         Each sequence's token is ``PENDING_TOKEN``: the runner takes it from ``batch``'s samples
         on the device. A request that ``batch`` ends (a stop token) had its step ahead run for
         nothing; the engine drops its result."""
         admits = self.waiting and len(self.running) < self.max_running and self.slots.num_free > 0
         # the next ``schedule`` would leave the head its budget less a decode token a running request
         left = self.max_batched_tokens - len(self.running)
-        admits = admits and left > 0 and not self._still_refused(self.waiting[0], left)  # none at 0
+        refused = admits and left > 0  # only the head's refusal may keep it out
+        admits = refused and not self._still_refused(self.waiting[0], left)  # none at 0
         if admits or len(batch) != len(self.running):
             return None
+        if refused and any(s.snapshot_to is not None for s in batch):
+            return None  # the snapshots ``batch`` attaches may lengthen the head's hit
         for seq, req in zip(batch, self.running):
             if (
                 seq.request_id != req.request_id
@@ -171,6 +175,7 @@ class Scheduler:
     def _ahead(self, req: Request) -> ScheduledSeq:
         start = req.num_tokens  # the position of the token in flight
         new, first = self._unsent_blocks(req)
+        snapshot, at = self._snapshot(req, start, 1)
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=[PENDING_TOKEN],
@@ -183,6 +188,8 @@ class Scheduler:
             output_index=len(req.output_token_ids) + 1,
             prompt_targets=None,
             history=req.tokens(max(0, start - HISTORY), start),
+            snapshot_to=snapshot,
+            snapshot_len=at,
         )
 
     def refused_again(self, req: Request, budget: int) -> bool:
@@ -222,12 +229,7 @@ class Scheduler:
         targets = None
         if req.wants_prompt_logprobs:
             targets = req.prompt_token_ids[start + 1 : min(start + n + 1, req.prompt_len)]
-        snapshot, at = None, 0
-        if self.hybrid and self.cache is not None:
-            # the last block boundary in (start, start + n] that a later request could hit
-            bs = self.blocks.block_size
-            at = min(start + n, req.num_tokens - 1) // bs * bs - start
-            snapshot = self.cache.take_snapshot_slot() if at > 0 else None
+        snapshot, at = self._snapshot(req, start, n)
         restore, req.restore_snapshot = req.restore_snapshot, None
         sample = start + n == req.num_tokens
         seen = None
@@ -248,9 +250,26 @@ class Scheduler:
             history=req.tokens(max(0, start - HISTORY), start),
             restore_from=restore,
             snapshot_to=snapshot,
-            snapshot_len=at if snapshot is not None else 0,
+            snapshot_len=at,
             seen=seen,
         )
+
+    def _snapshot(self, req: Request, start: int, n: int) -> tuple[int | None, int]:
+        """(the snapshot slot a step of ``req``'s tokens [start, start + n) saves its GDN state
+        into, after how many of them), on a hybrid model with a prefix cache, else (None, 0)."""
+        if not (self.hybrid and self.cache is not None):
+            return None, 0
+        bs = self.blocks.block_size
+        decode = n == 1 and start >= req.prompt_len
+        if decode:  # the state after its token, if that fills a block: a chat's next turn hits the
+            # generated tokens. Only from a free slot (a prompt's snapshot, shared more, is never
+            # dropped for one), and not while a head waits refused: a snapshot on its prefix could
+            # let it in, so no decode could be scheduled ahead of the step that attaches it
+            at = n if (start + n) % bs == 0 and self.refusal is None else 0
+        else:  # the last block boundary in (start, start + n] that a later request could hit
+            at = min(start + n, req.num_tokens - 1) // bs * bs - start
+        snapshot = self.cache.take_snapshot_slot(evict=not decode) if at > 0 else None
+        return snapshot, at if snapshot is not None else 0
 
     @staticmethod
     def _unsent_blocks(req: Request) -> tuple[list[int], int]:
@@ -278,6 +297,7 @@ class Scheduler:
             self.cache.release(req.cache_nodes)
         self.blocks.free([b for b in req.block_ids if b not in held])
         req.block_ids, req.cache_nodes, req.cache_stopped, req.restore_snapshot = [], [], False, None
+        req.decode_snapshot = None
         req.blocks_sent, req.penalties_sent = 0, False
         if req.state_slot is not None:
             self.slots.free(req.state_slot)

@@ -33,6 +33,14 @@ class ScheduledSeq:
     restore_from: int | None = None  # copy this GDN snapshot into the state slot before running
     snapshot_to: int | None = None  # save the GDN state after ``snapshot_len`` tokens into this snapshot
     snapshot_len: int = 0
+
+    @property
+    def snapshot_after(self) -> bool:
+        """Whether the snapshot point is the chunk's end (a decode step's): the slot's state after
+        the step, copied once it ran (``ModelRunner.launch``), not split out of the GDN layers'
+        delta rule (``ft.gdn.snapshots``); a captured decode graph can then run the step."""
+        return self.snapshot_to is not None and self.snapshot_len == len(self.token_ids)
+
     # the first sampling row of a request with a penalty since it was admitted: its prompt and
     # output tokens so far (the request's own lists), from which the sampler keeps its counts
     # (``ft.layers.penalties.PenaltyState``)
