@@ -112,3 +112,27 @@ def engine(monkeypatch, model: str, hybrid: bool, **options):
     eng = engine_module.LLMEngine(cfg)
     eng.executor.requests = eng.scheduler.requests
     return eng
+
+
+def alone(monkeypatch, model: str, hybrid: bool, block_size: int):
+    """The oracle engine of the fuzz tests: one request at a time, no prefix cache, no decode
+    ahead, room for any workload's request."""
+    return engine(
+        monkeypatch, model, hybrid, block_size=block_size, num_tokens=1024, max_running_requests=1,
+        enable_prefix_cache=False, decode_ahead=False,
+    )  # fmt: skip
+
+
+def random_options(rng, block_size: int, need: int) -> dict:
+    """Engine options a fuzz case draws: a pool of ``need`` tokens and a little more (down to
+    preemption), chunks that split blocks or hold several, the prefix cache on or off with one
+    to 16 snapshot slots, few running requests, decode ahead on or off."""
+    return dict(
+        block_size=block_size,
+        num_tokens=need + block_size * rng.choice([0, 0, 1, 3, 50]),
+        max_num_batched_tokens=rng.choice([1, 2, 3, 5, 7, 16, 64]),
+        enable_prefix_cache=rng.random() < 0.85,
+        prefix_snapshot_slots=rng.choice([1, 2, 16]),
+        max_running_requests=rng.choice([1, 2, 3, 8]),
+        decode_ahead=rng.random() < 0.5,
+    )

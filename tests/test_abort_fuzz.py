@@ -52,20 +52,8 @@ def test_aborts_lose_nothing_and_leak_nothing(tmp_path, monkeypatch):
         rng = random.Random(seed)
         bs, hybrid = rng.choice([1, 2, 3, 4, 8]), rng.random() < 0.6
         jobs = exactness.workload(rng, vocab, bs, sampling=True)
-        alone = symbolic_runner.engine(
-            monkeypatch, model, hybrid, block_size=bs, num_tokens=1024, max_running_requests=1,
-            enable_prefix_cache=False, decode_ahead=False,
-        )  # fmt: skip
-        want = exactness.run(alone, jobs)
-        options = dict(
-            block_size=bs,
-            num_tokens=exactness.kv_need(jobs, bs) + bs * rng.choice([0, 0, 1, 3, 50]),
-            max_num_batched_tokens=rng.choice([1, 2, 3, 5, 7, 16, 64]),
-            enable_prefix_cache=rng.random() < 0.85,
-            prefix_snapshot_slots=rng.choice([1, 2, 16]),
-            max_running_requests=rng.choice([1, 2, 3, 8]),
-            decode_ahead=rng.random() < 0.5,
-        )
+        want = exactness.run(symbolic_runner.alone(monkeypatch, model, hybrid, bs), jobs)
+        options = symbolic_runner.random_options(rng, bs, exactness.kv_need(jobs, bs))
         eng = symbolic_runner.engine(monkeypatch, model, hybrid, **options)
         got, aborted = run_with_aborts(eng, jobs, rng, kinds)
         for i in set(range(len(jobs))) - aborted:

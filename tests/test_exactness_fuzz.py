@@ -45,22 +45,11 @@ def symbolic_case(monkeypatch, model: str, vocab: int, seed: int) -> tuple[int, 
     rng = random.Random(seed)
     bs, hybrid = rng.choice([1, 2, 3, 4, 8]), rng.random() < 0.6
     jobs = exactness.workload(rng, vocab, bs, sampling=True)
-    alone = symbolic_runner.engine(
-        monkeypatch, model, hybrid, block_size=bs, num_tokens=1024, max_running_requests=1,
-        enable_prefix_cache=False, decode_ahead=False,
-    )  # fmt: skip
+    alone = symbolic_runner.alone(monkeypatch, model, hybrid, bs)
     want = exactness.run(alone, jobs)
     turns = exactness.next_turns(rng, jobs, want, vocab)
     want += exactness.run(alone, turns)
-    options = dict(
-        block_size=bs,
-        num_tokens=exactness.kv_need(jobs + turns, bs) + bs * rng.choice([0, 0, 1, 3, 50]),
-        max_num_batched_tokens=rng.choice([1, 2, 3, 5, 7, 16, 64]),
-        enable_prefix_cache=rng.random() < 0.85,
-        prefix_snapshot_slots=rng.choice([1, 2, 16]),
-        max_running_requests=rng.choice([1, 2, 3, 8]),
-        decode_ahead=rng.random() < 0.5,
-    )
+    options = symbolic_runner.random_options(rng, bs, exactness.kv_need(jobs + turns, bs))
     eng = symbolic_runner.engine(monkeypatch, model, hybrid, **options)
     got = exactness.run(eng, jobs + turns)
     for i, (g, w) in enumerate(zip(got, want)):
