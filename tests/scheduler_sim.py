@@ -61,8 +61,7 @@ def step(sched: Scheduler, ahead: bool, state: dict) -> list:
     for seq in seqs:
         req = sched.requests.get(seq.request_id)
         if req is None:  # ended by the step before its step ahead
-            if seq.snapshot_to is not None:
-                sched.cache.give_back_snapshot(seq.snapshot_to)
+            sched.discard(seq)
             continue
         req.num_computed_tokens += len(seq.token_ids)
         sched.cache_computed(req, seq)

@@ -204,8 +204,7 @@ class LLMEngine:
             # aborted while the batch ran, or ended by the batch before (ahead); either way its id
             # may since name a new request, which starts from its own prompt
             if req is None or req.num_computed_tokens != seq.start:
-                if seq.snapshot_to is not None:
-                    self.scheduler.cache.give_back_snapshot(seq.snapshot_to)
+                self.scheduler.discard(seq)
                 continue
             req.num_computed_tokens += len(seq.token_ids)
             self.scheduler.cache_computed(req, seq)
@@ -228,8 +227,7 @@ class LLMEngine:
         if self._ahead is not None and not any(s.request_id in live for s in self._ahead[0]):
             self.executor.collect(self._ahead[1])
             for seq in self._ahead[0]:  # a decode's block-filling snapshot, never to be attached
-                if seq.snapshot_to is not None:
-                    self.scheduler.cache.give_back_snapshot(seq.snapshot_to)
+                self.scheduler.discard(seq)
             self._ahead = None
 
     def idle(self) -> None:

@@ -54,7 +54,7 @@ def insert_computed(cache: RadixCache, req: Request, seq: ScheduledSeq, block_si
         node = req.cache_nodes[depth - 1] if own else cached(cache, req, depth, bs)
         if node is not None and node.snapshot is None:
             cache.attach_snapshot(node, seq.snapshot_to)
-            if seq.start >= req.prompt_len:  # a decode step's: the request keeps its latest alone
+            if req.decodes(seq.start, len(seq.token_ids)):  # the request keeps its latest alone
                 keep_latest_decode_snapshot(cache, req, node if own else None)
         else:
             cache.give_back_snapshot(seq.snapshot_to)

@@ -54,6 +54,10 @@ class Request:
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
 
+    def decodes(self, start: int, n: int) -> bool:
+        """Whether a step of its tokens [start, start + n) is a decode step: one generated token."""
+        return n == 1 and start >= self.prompt_len
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -260,7 +260,7 @@ class Scheduler:
         if not (self.hybrid and self.cache is not None):
             return None, 0
         bs = self.blocks.block_size
-        decode = n == 1 and start >= req.prompt_len
+        decode = req.decodes(start, n)
         if decode:  # the state after its token, if that fills a block: a chat's next turn hits the
             # generated tokens. Only from a free slot (a prompt's snapshot, shared more, is never
             # dropped for one), and not while a head waits refused: a snapshot on its prefix could
@@ -285,6 +285,12 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def discard(self, seq: ScheduledSeq) -> None:
+        """A scheduled step whose result is not folded (its request aborted or ended meanwhile):
+        the snapshot slot it took goes back."""
+        if seq.snapshot_to is not None:
+            self.cache.give_back_snapshot(seq.snapshot_to)
 
     def cache_computed(self, req: Request, seq: ScheduledSeq) -> None:
         """After a step: enter the request's newly full blocks (and a state snapshot) into the cache."""
