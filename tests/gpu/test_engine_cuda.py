@@ -148,6 +148,29 @@ def check_prefix_hit(path: str, budget: int) -> None:
     assert [o.num_cached_tokens for o in warm] == [0, 64, 32 if budget == 5 else 0]
 
 
+def test_next_turn_hits_the_tokens_a_graphed_decode_generated(tmp_path):
+    """A decode step that fills a block snapshots the GDN state after it, also when the step runs
+    as a captured CUDA graph and the next one is issued ahead: the next turn hits the generated
+    tokens (64, where the prompt's own snapshot gives 48) and equals the uncached run. In a fresh
+    process with IEEE fp32 dots, as ``check_prefix_hit``."""
+    call = f"check_next_turn({str(tmp_path)!r})"
+    ieee = {"TRITON_F32_DEFAULT": "ieee"}
+    run_fresh(f"from tests.gpu.test_engine_cuda import check_next_turn; {call}", ieee)
+
+
+def check_next_turn(path: str) -> None:
+    tmp_path = Path(path)
+    write_checkpoint(tmp_path, "qwen3_next", seed=6)
+    prompt = (SHARED * 4)[:60]  # blocks of 16: the prompt snapshots at 48, its decode steps fill 64
+    opts = dict(device="cuda", block_size=16, prefix_snapshot_slots=64)
+    first, _ = run(tmp_path, [prompt], **opts)
+    turn2 = prompt + first[0].token_ids + [12, 13]
+    cold, _ = run(tmp_path, [turn2], enable_prefix_cache=False, **opts)
+    warm, _ = run(tmp_path, [prompt, turn2], **opts)
+    assert warm[1].num_cached_tokens == 64
+    assert_same(warm[1], cold[0], tol=1e-3)
+
+
 def test_cuda_device_is_used():
     assert torch.cuda.is_available()
 
