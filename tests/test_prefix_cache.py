@@ -4,6 +4,7 @@ hits are counted, and cached blocks are evicted, never lost, when the pool runs 
 from __future__ import annotations
 
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ft import LLM, SamplingParams
 from ft.scheduler.kv_pool import BlockAllocator
@@ -230,3 +231,35 @@ def test_a_decode_snapshot_is_taken_on_every_rank(tmp_path):
     warm, _ = run(tmp_path, [SHARED, turn2], tp_size=2)
     assert warm[1].num_cached_tokens == 24
     assert_same(warm[1], cold[0], tol=1e-4)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("gdn_layers", [2, 5])
+def test_state_copies_take_the_same_ops_whatever_the_layer_count(tmp_path, gdn_layers):
+    """A step that restores or takes a GDN snapshot copies the rows of every GDN layer: the rows
+    sit in one tensor a state kind for all layers, so the copy is a few device ops (here: the
+    upload of its row lists, then a gather and a scatter a stack), not two more a layer (a
+    batch-1 decode step of the 80B has ~460 launches; a copy per layer added ~150)."""
+    layers = ["linear_attention"] * gdn_layers + ["full_attention"]
+    write_checkpoint(tmp_path, "qwen3_next", seed=6, num_hidden_layers=len(layers), layer_types=layers)
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False, block_size=4) as llm:
+        runner = llm.engine.executor.runner
+        gdn = runner.gdn_layers
+        assert len(gdn) == gdn_layers
+        for i, m in enumerate(gdn):
+            m.conv_state[1].fill_(i + 1)
+            m.ssm_state[1].fill_(-i - 1)
+        with _CountOps() as count:
+            runner._copy_states([(1, 3), (1, 2)])
+        assert count.ops == 9, count.ops  # 5 for the upload, 2 a stack: conv and recurrent
+        for i, m in enumerate(gdn):
+            assert (m.conv_state[2:4] == i + 1).all() and (m.ssm_state[2:4] == -i - 1).all()

@@ -177,7 +177,7 @@ class ModelRunner:
         return plan_pools(self.cfg, self.mc, self.layers, self.device, self.dtype, self.moe, self.tp)
 
     def _allocate_pools(self, plan: PoolPlan) -> PoolPlan:
-        allocate_pools(plan, self.cfg, self.layers, self.device, self.dtype)
+        self.state_stacks = allocate_pools(plan, self.cfg, self.layers, self.device, self.dtype)
         slots, bs = plan.num_slots + 1, self.cfg.block_size
         self.snapshot_base = slots  # snapshot k lives in state row slots + k
         max_len = min(self.cfg.model_len(self.mc.max_position_embeddings), plan.num_blocks * bs)
@@ -188,7 +188,7 @@ class ModelRunner:
         return replace(plan, weight_bytes=weights)
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy GDN state rows src -> dst in every GDN layer (restoring snapshots)."""
+        """Copy GDN state rows src -> dst in every GDN layer (restoring or taking snapshots)."""
         if not pairs:
             return
         n = len(pairs)
@@ -196,9 +196,8 @@ class ModelRunner:
             [([p[0] for p in pairs], torch.int64, (n,)), ([p[1] for p in pairs], torch.int64, (n,))],
             self.device,
         )
-        for m in self.gdn_layers:
-            m.conv_state[dst] = m.conv_state[src]
-            m.ssm_state[dst] = m.ssm_state[src]
+        for stack in self.state_stacks:  # [layers, rows, ...]: every layer's rows at once
+            stack.index_copy_(1, dst, stack.index_select(1, src))
 
     # ---- one step
     def _forward(

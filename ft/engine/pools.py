@@ -121,8 +121,13 @@ def plan_pools(cfg: EngineConfig, mc, layers: CacheLayers, device, dtype, moe, t
     return PoolPlan(num_blocks, running, 0, kv_bytes, state_bytes, snaps, bool(layers.gdn), None, chunk)
 
 
-def allocate_pools(plan: PoolPlan, cfg: EngineConfig, layers: CacheLayers, device, dtype) -> None:
-    """The planned KV and state tensors, on the layers that own them."""
+def allocate_pools(
+    plan: PoolPlan, cfg: EngineConfig, layers: CacheLayers, device, dtype
+) -> list[torch.Tensor]:
+    """The planned KV and state tensors, on the layers that own them. Returns the GDN state
+    stacks: the layers' conv and recurrent states of one shape are views of one tensor
+    ``[layers, rows, ...]``, so a step's snapshot copies are one gather and one scatter a stack
+    (``ModelRunner._copy_states``), not two a layer."""
     bs, rows = cfg.block_size, plan.state_rows
     for m in layers.attention:
         h, d = m.cache_shape()
@@ -130,7 +135,15 @@ def allocate_pools(plan: PoolPlan, cfg: EngineConfig, layers: CacheLayers, devic
         # per-token caches beside k/v (e.g. an indexer's keys), paged like them: [blocks, bs, *shape]
         for name, shape in getattr(m, "extra_paged_caches", dict)().items():
             setattr(m, name, torch.zeros(plan.num_blocks, bs, *shape, dtype=dtype, device=device))
+    groups: dict[tuple, list] = {}  # (conv shape, ssm shape) -> its layers
     for m in layers.gdn:
         conv, ssm = m.state_shapes()
-        m.conv_state = torch.zeros(rows, *conv, dtype=dtype, device=device)
-        m.ssm_state = torch.zeros(rows, *ssm, dtype=torch.float32, device=device)
+        groups.setdefault((tuple(conv), tuple(ssm)), []).append(m)
+    stacks = []
+    for (conv, ssm), members in groups.items():
+        convs = torch.zeros(len(members), rows, *conv, dtype=dtype, device=device)
+        ssms = torch.zeros(len(members), rows, *ssm, dtype=torch.float32, device=device)
+        for i, m in enumerate(members):
+            m.conv_state, m.ssm_state = convs[i], ssms[i]
+        stacks += [convs, ssms]
+    return stacks
