@@ -387,6 +387,24 @@ def test_host_route_counts_as_the_host_would(monkeypatch):
     assert host_route.host_route(ids, None, 16).predicted is None
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_host_route_counts_only_the_real_rows(monkeypatch, on_device):
+    """A replayed decode graph's padding rows route too: their experts (and their guesses) are
+    not counted, so the copying decode path neither copies nor prefetches them."""
+    from ft.moe.backends import host_route
+
+    if on_device:
+        monkeypatch.setattr(host_route, "DEVICE_COUNTS_MIN_PAIRS", 0)
+    ids = torch.tensor([[0, 1], [2, 3], [9, 10], [1, 4]])
+    pred = torch.tensor([[5, 6], [5, 7], [11, 12], [6, 8]])
+    real = torch.tensor([True, True, False, True])
+    route = host_route.host_route(ids, pred, 16, real)
+    assert route.experts.tolist() == [0, 1, 2, 3, 4] and route.counts[1] == 2
+    assert route.predicted_experts.tolist() == [5, 6, 7, 8] and route.predicted[6] == 2
+    assert route.ids_h.tolist() == ids.tolist()  # every row, as the kernels read them
+    assert host_route.host_route(ids, None, 16, real).experts.tolist() == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.parametrize(
     "case", ["1-slot-prefetch", "2-slots-lru-staging-2", "5-slots-lfu-d2d", "hybrid-2-slots", "chunked"]
 )

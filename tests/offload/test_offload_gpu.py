@@ -219,6 +219,34 @@ def test_graphed_offload_decode_equals_eager(ckpt, copying_decode):
     assert max_logprob_diff(graphed, eager) < 1e-5
 
 
+def test_graphed_copying_decode_copies_no_padding_rows_experts(tmp_path, copying_decode):
+    """Decode batches of 3, 5, 6 and 7 replay the graphs of 4 and 8: their padding rows route
+    too, but the experts they pick are neither copied in nor prefetched, so from the same cache
+    contents the graphed run hits, misses, prefetches and copies what the eager run does."""
+    write_checkpoint(tmp_path, "qwen3_moe", seed=7, weight_scale=0.8, num_experts=32)
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(9 + i)] for i in range(7)]
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(7)]
+    keys = ("moe_hits", "moe_misses", "moe_prefetched", "moe_evictions", "moe_bytes_h2d")
+
+    def run(**options):
+        with LLM(
+            model=str(tmp_path), progress=False, device="cuda", dtype="bfloat16", **OFFLOAD, **options
+        ) as llm:
+            llm.engine.set_moe_variant()  # the start-up fill again: the graphs' capture copied some
+            before = llm.engine.stats()
+            outs = llm.generate(prompts, params)
+            after = llm.engine.stats()
+            graphs = llm.engine.executor.runner.graphs
+            sizes = sorted(graphs.graphs) if graphs is not None else []
+            return outs, {k: getattr(after, k) - getattr(before, k) for k in keys}, sizes
+
+    graphed, counts, sizes = run()
+    eager, eager_counts, _ = run(disable_cuda_graph=True)
+    assert sizes == [1, 2, 4, 8]  # 16 of 32 slots, top-2
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert counts == eager_counts and counts["moe_misses"] > 0
+
+
 def test_lean_equals_resident_with_graphed_decode(ckpt, copying_decode):
     """Static experts loaded straight into device slots: fp32 exactly the resident outputs (also
     with dummy weights, drawn on the device and split between slots and host rows), bf16 with

@@ -54,16 +54,29 @@ class HostRoute:
         return self.copied
 
 
-def host_route(ids: torch.Tensor, pred: torch.Tensor | None, num_experts: int) -> HostRoute:
-    """``ids`` [T, k] (and ``pred``, the guess) read by the host: the layer's synchronisation."""
+def host_route(
+    ids: torch.Tensor, pred: torch.Tensor | None, num_experts: int, real: torch.Tensor | None = None
+) -> HostRoute:
+    """``ids`` [T, k] (and ``pred``, the guess) read by the host: the layer's synchronisation.
+    ``real`` [T] bool: the rows counted (a replayed decode graph's padding rows route too, and
+    their experts would be copied in and prefetched for nothing); None: all."""
     e, k = num_experts, ids.shape[1]
     if ids.numel() < DEVICE_COUNTS_MIN_PAIRS:
-        both = ids if pred is None else torch.cat([ids, pred], dim=1)
-        h = both.cpu().numpy()
-        guess = None if pred is None else np.bincount(h[:, k:].reshape(-1), minlength=e)
-        return HostRoute(np.bincount(h[:, :k].reshape(-1), minlength=e), guess, ids, h[:, :k])
+        rows = [] if real is None else [real[:, None].to(ids.dtype)]
+        parts = [ids] + ([] if pred is None else [pred]) + rows
+        h = torch.cat(parts, dim=1).cpu().numpy() if len(parts) > 1 else ids.cpu().numpy()  # one copy
+        copied = h[:, :k]
+        if real is not None:
+            h = h[h[:, -1] != 0]  # the real rows (``ids_h`` stays every row of ``ids``)
+            copied = None
+        guess = None if pred is None else np.bincount(h[:, k : k + pred.shape[1]].reshape(-1), minlength=e)
+        return HostRoute(np.bincount(h[:, :k].reshape(-1), minlength=e), guess, ids, copied)
     flat = ids.reshape(-1) if pred is None else torch.cat([ids.reshape(-1), pred.reshape(-1) + e])
     flat = flat.long()
+    ones = torch.ones_like(flat)
+    if real is not None:  # [T] -> a weight a pair, the guess's pairs after the batch's
+        shapes = [ids.shape] + ([] if pred is None else [pred.shape])
+        ones = torch.cat([real[:, None].expand(shape).reshape(-1) for shape in shapes]).long()
     counts = torch.zeros(2 * e if pred is not None else e, dtype=torch.int64, device=ids.device)
-    counts = counts.scatter_add_(0, flat, torch.ones_like(flat)).cpu().numpy()  # (bincount syncs twice more)
+    counts = counts.scatter_add_(0, flat, ones).cpu().numpy()  # (bincount syncs twice more)
     return HostRoute(counts[:e], None if pred is None else counts[e:], ids)

@@ -97,8 +97,10 @@ class OffloadBackend:
             return self._read_in_place(bank, x, weights, ids, shared)
         ahead = streaming.take_ahead(self)
         pred = self._predict(x)
-        if capturing():
-            split_point(lambda: self._resolve(ids, pred))  # its prefetch runs after the next segment's launch
+        if capturing():  # the padding rows' experts are neither copied nor prefetched
+            real = real_rows(len(x), x.device)
+            # its prefetch runs after the next segment's launch
+            split_point(lambda: self._resolve(ids, pred, real))
             return self._cached(bank, x, weights, ids, shared)
         route = self._route(ids, pred)
         experts = route.experts
@@ -114,17 +116,21 @@ class OffloadBackend:
     def _predict(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.prefetch.predict(x) if self.prefetch is not None else None
 
-    def _route(self, ids: torch.Tensor, pred: torch.Tensor | None) -> HostRoute:
-        """The batch's routing on the host (the one synchronisation of the layer); the first MoE
-        layer starts the step's slot pins."""
+    def _route(
+        self, ids: torch.Tensor, pred: torch.Tensor | None, real: torch.Tensor | None = None
+    ) -> HostRoute:
+        """The batch's routing on the host (the one synchronisation of the layer), of the ``real``
+        rows (None: all); the first MoE layer starts the step's slot pins."""
         with record_function("ft.offload.ids_to_host"):  # a range of profiles (profile_offload_prefill.py)
-            route = host_route(ids, pred, self.store.num_experts)
+            route = host_route(ids, pred, self.store.num_experts, real)
         if self.first:
             self.shared.begin_step()
         return route
 
-    def _resolve(self, ids: torch.Tensor, pred: torch.Tensor | None) -> Callable[[], None]:
-        route = self._route(ids, pred)
+    def _resolve(
+        self, ids: torch.Tensor, pred: torch.Tensor | None, real: torch.Tensor
+    ) -> Callable[[], None]:
+        route = self._route(ids, pred, real)
         experts = route.experts
         if not self.map.fits(experts):
             raise RuntimeError(
