@@ -263,3 +263,31 @@ def test_state_copies_take_the_same_ops_whatever_the_layer_count(tmp_path, gdn_l
         assert count.ops == 9, count.ops  # 5 for the upload, 2 a stack: conv and recurrent
         for i, m in enumerate(gdn):
             assert (m.conv_state[2:4] == i + 1).all() and (m.ssm_state[2:4] == -i - 1).all()
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_later_twin_pins_no_decode_snapshot_on_the_blocks_it_follows(tmp_path, monkeypatch, ahead):
+    """B repeats A's prompt 5 steps later and decodes A's tokens behind it (filling its blocks on
+    the steps A fills none): its blocks are cached under A's, which A holds and whose decode
+    snapshots A's keep-latest rule has dropped. B's must not go there (held while A runs, kept
+    by neither request): the pool's 8 slots stay free for C's prompt, arriving while A and B
+    decode, so D, repeating C, hits it (B once took them all: C got none, D hit 0)."""
+    from tests import symbolic_runner
+
+    write_checkpoint(tmp_path, "qwen3_moe", seed=3)
+    options = dict(block_size=2, num_tokens=256, max_running_requests=3, prefix_snapshot_slots=8)
+    eng = symbolic_runner.engine(monkeypatch, str(tmp_path), True, decode_ahead=ahead, **options)
+    twin, other = [5, 9, 2, 7, 3], [8, 8, 1, 4, 6, 2, 9]
+    long, short = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (60, 2))
+    arrivals = {0: [("a", twin, long)], 5: [("b", twin, long)], 40: [("c", other, short)]}
+    outs, step = {}, 0
+    while step < 50 or eng.has_unfinished_requests():
+        for rid, prompt, params in arrivals.get(step, []):
+            eng.add_request(prompt, params, rid)
+        outs.update((o.request_id, o) for o in eng.step())
+        step += 1
+    assert outs["a"].token_ids == outs["b"].token_ids and len(outs["a"].token_ids) == 60
+    eng.add_request(other, short, "d")
+    while eng.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in eng.step())
+    assert outs["d"].num_cached_tokens == 6

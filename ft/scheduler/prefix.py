@@ -52,9 +52,14 @@ def insert_computed(cache: RadixCache, req: Request, seq: ScheduledSeq, block_si
         depth = (seq.start + seq.snapshot_len) // bs
         own = len(req.cache_nodes) >= depth
         node = req.cache_nodes[depth - 1] if own else cached(cache, req, depth, bs)
+        decode = req.decodes(seq.start, len(seq.token_ids))
+        if decode and not own and node is not None and node.ref > 0:
+            # the blocks of a request ahead of it with the same tokens, which keeps its own latest
+            # decode snapshot alone: one put there would be held by neither rule until it ends
+            node = None
         if node is not None and node.snapshot is None:
             cache.attach_snapshot(node, seq.snapshot_to)
-            if req.decodes(seq.start, len(seq.token_ids)):  # the request keeps its latest alone
+            if decode:  # the request keeps its latest alone
                 keep_latest_decode_snapshot(cache, req, node if own else None)
         else:
             cache.give_back_snapshot(seq.snapshot_to)
