@@ -291,3 +291,25 @@ def test_a_later_twin_pins_no_decode_snapshot_on_the_blocks_it_follows(tmp_path,
     while eng.has_unfinished_requests():
         outs.update((o.request_id, o) for o in eng.step())
     assert outs["d"].num_cached_tokens == 6
+
+
+def test_chats_sharing_an_unaligned_system_prompt_hit_it(tmp_path):
+    """Chats whose system prompt ends inside a block: the first chat snapshots only its own
+    boundaries, so the second falls back to no hit. It recomputes the cached system blocks and
+    takes its snapshot at the last of them (the deepest block it matched, cached without one):
+    the third chat hits the system prompt, and so does the second's next turn (its own blocks
+    past the recomputed ones are not cached); the first's and third's next turns hit their
+    generated tokens. Outputs equal the uncached runs."""
+    write_checkpoint(tmp_path, "qwen3_next", seed=6)
+    system = SHARED + [40, 41, 42, 43]  # 22 tokens: whole blocks of 4 up to 20
+    users = [[50 + i, 60 + i, 70 + i, 80 + i, 90 - i] for i in range(3)]
+    with LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False, block_size=4) as llm:
+        first = [llm.generate([system + u], PARAMS)[0] for u in users]
+        turns = [system + u + f.token_ids + [12, 13] for u, f in zip(users, first)]
+        second = [llm.generate([t], PARAMS)[0] for t in turns]
+    assert [o.num_cached_tokens for o in first] == [0, 0, 20]
+    # 27 prompt tokens + 7 computed generated ones: whole blocks to 32, a decode snapshot there
+    assert [o.num_cached_tokens for o in second] == [32, 20, 32]
+    cold, _ = run(tmp_path, [system + u for u in users] + turns, enable_prefix_cache=False)
+    for got, want in zip(first + second, cold):
+        assert_same(got, want)

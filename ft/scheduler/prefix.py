@@ -6,7 +6,9 @@ leaving at least one token to compute; on hybrid models only up to a block that 
 snapshot); one asking for prompt log-probs computes its whole prompt. After each step the
 request's newly full blocks enter the cache, and the GDN state snapshot its chunk saved is
 attached to the cached block it ends at (the request's own, or the one cached before it under
-another block), or given back when that block is not cached or already has one. A decode step
+another block), or given back when that block is not cached or already has one. A chunk
+snapshots at the deepest block it shares with the cache that lacks a snapshot, else at its last
+block boundary (``shared_point``). A decode step
 that fills a block snapshots the state after it, so a chat's next turn hits the generated tokens
 too; a request keeps only its latest such snapshot.
 """
@@ -84,3 +86,22 @@ def cached(cache: RadixCache, req: Request, depth: int, block_size: int) -> Node
     or every later request sharing the prefix falls back the same way."""
     path = cache.match(req.tokens(0, depth * block_size))
     return path[depth - 1] if len(path) >= depth else None
+
+
+def shared_point(cache: RadixCache, req: Request, start: int, n: int, block_size: int) -> int:
+    """The tokens of ``req``'s chunk [start, start + n) before the deepest block boundary in it
+    that the cache holds without a GDN state snapshot (0: none), short of the request's last
+    token: a prefix another request cached and this one shares up to there (a system prompt that
+    ends inside a block, the chat that cached it having snapshotted its own boundaries only).
+    Until a snapshot sits there every request sharing it falls back to an earlier one, and this
+    one's own snapshot further on would be given back (its blocks past a prefix it recomputed
+    do not enter the cache, ``insert_computed``)."""
+    bs = block_size
+    held = len(req.cache_nodes)
+    end = min(start + n, req.num_tokens - 1) // bs
+    top = req.cache_nodes[-1] if held else cache.root
+    below = cache.descend(top, req.tokens(held * bs, end * bs))
+    depth = held + len(below)
+    if not below or depth * bs <= start or below[-1].snapshot is not None:
+        return 0
+    return depth * bs - start

@@ -101,6 +101,17 @@ class RadixCache:
                 if not n.children:
                     self._leaves.add(n)
 
+    def descend(self, node: Node, tokens: list[int]) -> list[Node]:
+        """The cached nodes below ``node`` that spell ``tokens``' whole blocks, as far as they
+        go; a look that leaves recency as it is (``match`` counts as a use)."""
+        path = []
+        for key in self._keys(tokens, len(tokens) // self.block_size):
+            node = node.children.get(key)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def insert(self, parent: Node, key: tuple[int, ...], block: int) -> Node | None:
         """Add ``block`` as the child of ``parent`` for ``key``, held once by the caller.
         None when that prefix is already cached under another block."""

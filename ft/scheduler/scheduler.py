@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 
 from ft.scheduler.kv_pool import BlockAllocator
-from ft.scheduler.prefix import insert_computed, take_hit
+from ft.scheduler.prefix import insert_computed, shared_point, take_hit
 from ft.scheduler.radix_cache import RadixCache
 from ft.scheduler.refusal import Refusal
 from ft.scheduler.request import Request, Status, kv_tokens
@@ -266,8 +266,10 @@ class Scheduler:
             # dropped for one), and not while a head waits refused: a snapshot on its prefix could
             # let it in, so no decode could be scheduled ahead of the step that attaches it
             at = n if (start + n) % bs == 0 and self.refusal is None else 0
-        else:  # the last block boundary in (start, start + n] that a later request could hit
-            at = min(start + n, req.num_tokens - 1) // bs * bs - start
+        else:  # a shared block lacking a snapshot, else the last boundary in (start, start + n]
+            # that a later request could hit
+            last = min(start + n, req.num_tokens - 1) // bs * bs - start
+            at = shared_point(self.cache, req, start, n, bs) or last
         snapshot = self.cache.take_snapshot_slot(evict=not decode) if at > 0 else None
         return snapshot, at if snapshot is not None else 0
 
