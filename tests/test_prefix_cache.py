@@ -103,8 +103,8 @@ def test_radix_cache_lru_eviction_keeps_held_blocks():
     a = cache.insert(cache.root, (1, 2), block=10)
     b = cache.insert(a, (3, 4), block=11)
     c = cache.insert(cache.root, (5, 6), block=12)
-    assert cache.insert(cache.root, (1, 2), block=13) is None  # already cached under block 10
-    cache.release([a, b, c])
+    assert cache.insert(cache.root, (1, 2), block=13) is a and a.ref == 2  # cached under block 10
+    cache.release([a, a, b, c])
     assert [n.block for n in cache.match([1, 2, 3, 4, 9])] == [10, 11]
     cache.acquire([c])
     assert cache.evict(5) == [11, 10]  # leaves first, least recent first; c is held
@@ -210,8 +210,8 @@ def test_a_recomputed_request_reports_the_cached_tokens_of_its_first_admission(h
 def test_a_recomputed_cached_block_gets_the_snapshot_it_lacked(tmp_path):
     """On a hybrid model a hit ends at a block with a GDN snapshot: B shares two cached blocks
     with A, whose one snapshot sits at its fourth, so B computes from the start and its chunk's
-    snapshot (at its second block) belongs on A's cached second block, though B's own copy of
-    that block does not enter the cache. C, sharing those two blocks, then hits them."""
+    snapshot (at its second block) belongs on A's cached second block, whose copy B takes in
+    place of its own. C, sharing those two blocks, then hits them."""
     write_checkpoint(tmp_path, "qwen3_next", seed=9)
     prompts = [SHARED, SHARED[:9] + [50, 51], SHARED[:9] + [60, 61]]
     cold, _ = run(tmp_path, prompts, enable_prefix_cache=False)
@@ -293,13 +293,13 @@ def test_a_later_twin_pins_no_decode_snapshot_on_the_blocks_it_follows(tmp_path,
     assert outs["d"].num_cached_tokens == 6
 
 
-def test_chats_sharing_an_unaligned_system_prompt_hit_it(tmp_path):
+def test_chats_sharing_an_unaligned_system_prompt_hit_it_and_their_own_turns(tmp_path):
     """Chats whose system prompt ends inside a block: the first chat snapshots only its own
-    boundaries, so the second falls back to no hit. It recomputes the cached system blocks and
-    takes its snapshot at the last of them (the deepest block it matched, cached without one):
-    the third chat hits the system prompt, and so does the second's next turn (its own blocks
-    past the recomputed ones are not cached); the first's and third's next turns hit their
-    generated tokens. Outputs equal the uncached runs."""
+    boundaries, so the second falls back to no hit. It recomputes the cached system blocks, takes
+    its snapshot at the last of them (the deepest block it matched, cached without one), and
+    takes the cached copies in place of its own, so its own blocks enter the cache below them:
+    the third chat hits the system prompt, and every chat's next turn its generated tokens.
+    Outputs equal the uncached runs."""
     write_checkpoint(tmp_path, "qwen3_next", seed=6)
     system = SHARED + [40, 41, 42, 43]  # 22 tokens: whole blocks of 4 up to 20
     users = [[50 + i, 60 + i, 70 + i, 80 + i, 90 - i] for i in range(3)]
@@ -309,7 +309,30 @@ def test_chats_sharing_an_unaligned_system_prompt_hit_it(tmp_path):
         second = [llm.generate([t], PARAMS)[0] for t in turns]
     assert [o.num_cached_tokens for o in first] == [0, 0, 20]
     # 27 prompt tokens + 7 computed generated ones: whole blocks to 32, a decode snapshot there
-    assert [o.num_cached_tokens for o in second] == [32, 20, 32]
+    assert [o.num_cached_tokens for o in second] == [32, 32, 32]
     cold, _ = run(tmp_path, [system + u for u in users] + turns, enable_prefix_cache=False)
     for got, want in zip(first + second, cold):
         assert_same(got, want)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_request_that_computed_cached_blocks_again_takes_the_cached_copies(ahead):
+    """Two requests with one prompt admitted in one step both compute it. Once it is cached, the
+    second's full blocks are the first's (its own go back to the pool, and the ranks' tables
+    follow: ``scheduler_sim.launch`` checks them every batch), and the blocks it generates enter
+    the cache below the shared ones. Nothing is held twice, nothing leaks."""
+    from tests import scheduler_sim as sim
+
+    sched, state = sim.make(Scheduler, 40, hybrid=False, budget=64), {}
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    a, b = (Request(rid, list(range(1, 19)), params) for rid in "ab")  # 18 tokens: 4 full blocks of 4
+    sched.add(a)
+    sched.add(b)
+    sim.step(sched, ahead, state)  # both prompts in one batch
+    assert b.block_ids[:4] == a.block_ids[:4] and b.cache_nodes == a.cache_nodes
+    assert sched.blocks.num_free == 40 - 5 - 1  # a's 5 blocks, and b's fifth
+    while sched.has_unfinished():
+        sim.step(sched, ahead, state)
+    # b decodes other tokens than a (the simulator's depend on the request): 29 computed tokens
+    assert len(sched.cache.match(b.prompt_token_ids + b.output_token_ids)) == 7
+    assert sched.room == 40 and sched.cache.num_evictable == sched.cache.num_nodes

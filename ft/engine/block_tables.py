@@ -24,12 +24,14 @@ class BlockTables:
         self.block_size = block_size
 
     def update(self, seqs) -> None:
-        """Take each sequence's new blocks into its row (``blocks_from`` 0: a new row)."""
+        """Take each sequence's new blocks into its row (``blocks_from`` 0: a new row; below the
+        row's length: the request took cached copies of blocks it held, ``insert_computed``)."""
         for s in seqs:
             row, end = self.rows[s.state_slot], s.blocks_from + len(s.new_blocks)
-            assert s.blocks_from in (0, self.lens[s.state_slot]), (
-                f"request {s.request_id!r}: new blocks from {s.blocks_from}, its slot {s.state_slot} "
-                f"holds {self.lens[s.state_slot]}: a batch was skipped or launched out of order"
+            assert s.blocks_from <= self.lens[s.state_slot] <= end or s.blocks_from == 0, (
+                f"request {s.request_id!r}: new blocks from {s.blocks_from} to {end}, its slot "
+                f"{s.state_slot} holds {self.lens[s.state_slot]}: a batch was skipped or launched "
+                "out of order"
             )
             if s.blocks_from == 0:  # the slot's last request may have held more
                 row[end : self.lens[s.state_slot]] = -1

@@ -4,9 +4,9 @@ admitted request starts, and what of a step enters the cache.
 A newly admitted request starts after the longest cached prefix of its tokens (whole blocks,
 leaving at least one token to compute; on hybrid models only up to a block that has a GDN state
 snapshot); one asking for prompt log-probs computes its whole prompt. After each step the
-request's newly full blocks enter the cache, and the GDN state snapshot its chunk saved is
-attached to the cached block it ends at (the request's own, or the one cached before it under
-another block), or given back when that block is not cached or already has one. A chunk
+request's newly full blocks enter the cache (where the same tokens are cached already, the
+request takes that copy instead of its own), and the GDN state snapshot its chunk saved is
+attached to the block of its path it ends at, or given back when that block has one. A chunk
 snapshots at the deepest block it shares with the cache that lacks a snapshot, else at its last
 block boundary (``shared_point``). A decode step
 that fills a block snapshots the state after it, so a chat's next turn hits the generated tokens
@@ -39,53 +39,44 @@ def take_hit(cache: RadixCache | None, req: Request, block_size: int, hybrid: bo
     return matched
 
 
-def insert_computed(cache: RadixCache, req: Request, seq: ScheduledSeq, block_size: int) -> None:
-    """After ``seq``'s step: enter the request's newly full blocks (and a state snapshot) into the cache."""
+def insert_computed(cache: RadixCache, req: Request, seq: ScheduledSeq, block_size: int) -> list[int]:
+    """After ``seq``'s step: enter the request's newly full blocks (and a state snapshot) into the
+    cache. Returns the blocks it gave up: where the same tokens are cached already (its hit fell
+    back to an earlier snapshot and it computed them again, or it runs behind a twin), it reads
+    that copy from now on (its ranks are sent the table again from there) and its own goes back,
+    so what it computes next enters the cache below the shared blocks, and holds no block twice."""
     bs = block_size
     parent = req.cache_nodes[-1] if req.cache_nodes else cache.root
-    for i in range(len(req.cache_nodes), 0 if req.cache_stopped else req.num_computed_tokens // bs):
-        node = cache.insert(parent, tuple(req.tokens(i * bs, (i + 1) * bs)), req.block_ids[i])
-        if node is None:
-            req.cache_stopped = True
-            break
-        req.cache_nodes.append(node)
-        parent = node
+    given_up = []
+    for i in range(len(req.cache_nodes), req.num_computed_tokens // bs):
+        parent = cache.insert(parent, tuple(req.tokens(i * bs, (i + 1) * bs)), req.block_ids[i])
+        if parent.block != req.block_ids[i]:
+            given_up.append(req.block_ids[i])
+            req.block_ids[i] = parent.block
+            req.blocks_sent = min(req.blocks_sent, i)
+        req.cache_nodes.append(parent)
     if seq.snapshot_to is not None:
         depth = (seq.start + seq.snapshot_len) // bs
-        own = len(req.cache_nodes) >= depth
-        node = req.cache_nodes[depth - 1] if own else cached(cache, req, depth, bs)
-        decode = req.decodes(seq.start, len(seq.token_ids))
-        if decode and not own and node is not None and node.ref > 0:
-            # the blocks of a request ahead of it with the same tokens, which keeps its own latest
-            # decode snapshot alone: one put there would be held by neither rule until it ends
-            node = None
+        node = req.cache_nodes[depth - 1] if len(req.cache_nodes) >= depth else None
         if node is not None and node.snapshot is None:
             cache.attach_snapshot(node, seq.snapshot_to)
-            if decode:  # the request keeps its latest alone
-                keep_latest_decode_snapshot(cache, req, node if own else None)
+            if req.decodes(seq.start, len(seq.token_ids)):  # the request keeps its latest alone
+                keep_latest_decode_snapshot(cache, req, node)
         else:
             cache.give_back_snapshot(seq.snapshot_to)
+    return given_up
 
 
-def keep_latest_decode_snapshot(cache: RadixCache, req: Request, own: Node | None) -> None:
-    """Drop the snapshot ``req``'s previous decode step attached to one of its own blocks, and
-    remember ``own``, the block of its own that took this one (None: a block cached under another
-    request, ``cached``, not held, so it may be evicted and is not tracked). A generation snapshots
-    every block it fills, and the blocks a running request holds are never evicted: without this
-    a long reply would take the snapshot pool from every other prefix."""
+def keep_latest_decode_snapshot(cache: RadixCache, req: Request, node: Node) -> None:
+    """Drop the snapshot ``req``'s previous decode step attached and remember ``node``, the block
+    of its path that took this one (a twin's ahead of it keeps its own latest alone, so one here
+    is ``req``'s to drop). A generation snapshots every block it fills, and the blocks a running
+    request holds are never evicted: without this a long reply would take the snapshot pool from
+    every other prefix."""
     previous = req.decode_snapshot
     if previous is not None and previous.snapshot is not None:
         cache.drop_snapshot(previous)
-    req.decode_snapshot = own
-
-
-def cached(cache: RadixCache, req: Request, depth: int, block_size: int) -> Node | None:
-    """The cached node of ``req``'s first ``depth`` blocks when they are cached under other
-    blocks than its own (its hit fell back to an earlier snapshot, so it recomputed blocks that
-    another request had cached without one): the snapshot it took there belongs to that node,
-    or every later request sharing the prefix falls back the same way."""
-    path = cache.match(req.tokens(0, depth * block_size))
-    return path[depth - 1] if len(path) >= depth else None
+    req.decode_snapshot = node
 
 
 def shared_point(cache: RadixCache, req: Request, start: int, n: int, block_size: int) -> int:
@@ -93,9 +84,7 @@ def shared_point(cache: RadixCache, req: Request, start: int, n: int, block_size
     that the cache holds without a GDN state snapshot (0: none), short of the request's last
     token: a prefix another request cached and this one shares up to there (a system prompt that
     ends inside a block, the chat that cached it having snapshotted its own boundaries only).
-    Until a snapshot sits there every request sharing it falls back to an earlier one, and this
-    one's own snapshot further on would be given back (its blocks past a prefix it recomputed
-    do not enter the cache, ``insert_computed``)."""
+    Until a snapshot sits there every request sharing it falls back to an earlier one."""
     bs = block_size
     held = len(req.cache_nodes)
     end = min(start + n, req.num_tokens - 1) // bs

@@ -112,11 +112,13 @@ class RadixCache:
             path.append(node)
         return path
 
-    def insert(self, parent: Node, key: tuple[int, ...], block: int) -> Node | None:
-        """Add ``block`` as the child of ``parent`` for ``key``, held once by the caller.
-        None when that prefix is already cached under another block."""
-        if key in parent.children:
-            return None
+    def insert(self, parent: Node, key: tuple[int, ...], block: int) -> Node:
+        """Add ``block`` as the child of ``parent`` for ``key``, held once by the caller; when that
+        prefix is cached already (under another block), that node, held once more."""
+        node = parent.children.get(key)
+        if node is not None:
+            self.acquire([node])
+            return node
         node = Node(key, block, parent, parent.depth + 1, ref=1, last_use=next(self._clock))
         parent.children[key] = node
         self._leaves.discard(parent)

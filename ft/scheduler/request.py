@@ -45,10 +45,9 @@ class Request:
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
-    cache_nodes: list = field(default_factory=list)  # prefix-cache nodes held, one per leading block
-    cache_stopped: bool = False  # a later block of this prefix is cached under another request's block
+    cache_nodes: list = field(default_factory=list)  # prefix-cache nodes held, of its leading blocks
     restore_snapshot: int | None = None  # GDN state snapshot to start from after a prefix hit
-    decode_snapshot: Node | None = None  # its own cached block holding its latest decode snapshot
+    decode_snapshot: Node | None = None  # the cached block of its path holding its latest decode snapshot
 
     @property
     def prompt_len(self) -> int:

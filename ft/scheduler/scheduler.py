@@ -297,14 +297,13 @@ class Scheduler:
     def cache_computed(self, req: Request, seq: ScheduledSeq) -> None:
         """After a step: enter the request's newly full blocks (and a state snapshot) into the cache."""
         if self.cache is not None:
-            insert_computed(self.cache, req, seq, self.blocks.block_size)
+            self.blocks.free(insert_computed(self.cache, req, seq, self.blocks.block_size))
 
     def _release(self, req: Request) -> None:
-        held = {n.block for n in req.cache_nodes}
         if self.cache is not None:
-            self.cache.release(req.cache_nodes)
-        self.blocks.free([b for b in req.block_ids if b not in held])
-        req.block_ids, req.cache_nodes, req.cache_stopped, req.restore_snapshot = [], [], False, None
+            self.cache.release(req.cache_nodes)  # its leading blocks: the cache keeps them
+        self.blocks.free(req.block_ids[len(req.cache_nodes) :])
+        req.block_ids, req.cache_nodes, req.restore_snapshot = [], [], None
         req.decode_snapshot = None
         req.blocks_sent, req.penalties_sent = 0, False
         if req.state_slot is not None:
