@@ -268,18 +268,20 @@ def test_state_copies_take_the_same_ops_whatever_the_layer_count(tmp_path, gdn_l
 @pytest.mark.parametrize("ahead", [False, True])
 def test_a_later_twin_pins_no_decode_snapshot_on_the_blocks_it_follows(tmp_path, monkeypatch, ahead):
     """B repeats A's prompt 5 steps later and decodes A's tokens behind it (filling its blocks on
-    the steps A fills none): its blocks are cached under A's, which A holds and whose decode
-    snapshots A's keep-latest rule has dropped. B's must not go there (held while A runs, kept
-    by neither request): the pool's 8 slots stay free for C's prompt, arriving while A and B
-    decode, so D, repeating C, hits it (B once took them all: C got none, D hit 0)."""
+    the steps A fills none): it takes A's copies of its blocks, which A holds and whose decode
+    snapshots A's keep-latest rule has dropped. B's must not go there (held while A runs, and
+    the last outlives B), nor those of E0..E3, twins ending before A, so the pool's 6 slots stay
+    free for C's prompt, arriving while A and B decode, and D, repeating C, hits it (B once took
+    them all; then B and each E kept their latest there: C got none, D hit 0)."""
     from tests import symbolic_runner
 
     write_checkpoint(tmp_path, "qwen3_moe", seed=3)
-    options = dict(block_size=2, num_tokens=256, max_running_requests=3, prefix_snapshot_slots=8)
+    options = dict(block_size=2, num_tokens=256, max_running_requests=3, prefix_snapshot_slots=6)
     eng = symbolic_runner.engine(monkeypatch, str(tmp_path), True, decode_ahead=ahead, **options)
     twin, other = [5, 9, 2, 7, 3], [8, 8, 1, 4, 6, 2, 9]
-    long, short = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (60, 2))
+    long, short, brief = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (60, 2, 6))
     arrivals = {0: [("a", twin, long)], 5: [("b", twin, long)], 40: [("c", other, short)]}
+    arrivals.update({8 + 8 * k: [(f"e{k}", twin, brief)] for k in range(4)})  # end before A and B
     outs, step = {}, 0
     while step < 50 or eng.has_unfinished_requests():
         for rid, prompt, params in arrivals.get(step, []):

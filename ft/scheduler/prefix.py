@@ -58,9 +58,14 @@ def insert_computed(cache: RadixCache, req: Request, seq: ScheduledSeq, block_si
     if seq.snapshot_to is not None:
         depth = (seq.start + seq.snapshot_len) // bs
         node = req.cache_nodes[depth - 1] if len(req.cache_nodes) >= depth else None
+        decode = req.decodes(seq.start, len(seq.token_ids))
+        if decode and node is not None and node.ref > 1:
+            # a twin ahead of it holds the block (and dropped its own decode snapshot there): the
+            # request's latest would outlive it there, held until the twin ends
+            node = None
         if node is not None and node.snapshot is None:
             cache.attach_snapshot(node, seq.snapshot_to)
-            if req.decodes(seq.start, len(seq.token_ids)):  # the request keeps its latest alone
+            if decode:  # the request keeps its latest alone
                 keep_latest_decode_snapshot(cache, req, node)
         else:
             cache.give_back_snapshot(seq.snapshot_to)
@@ -69,10 +74,10 @@ def insert_computed(cache: RadixCache, req: Request, seq: ScheduledSeq, block_si
 
 def keep_latest_decode_snapshot(cache: RadixCache, req: Request, node: Node) -> None:
     """Drop the snapshot ``req``'s previous decode step attached and remember ``node``, the block
-    of its path that took this one (a twin's ahead of it keeps its own latest alone, so one here
-    is ``req``'s to drop). A generation snapshots every block it fills, and the blocks a running
-    request holds are never evicted: without this a long reply would take the snapshot pool from
-    every other prefix."""
+    of its path that took this one (none another request held: a twin ahead of it keeps its own
+    latest, ``insert_computed``). A generation snapshots every block it fills, and the blocks a
+    running request holds are never evicted: without this a long reply would take the snapshot
+    pool from every other prefix."""
     previous = req.decode_snapshot
     if previous is not None and previous.snapshot is not None:
         cache.drop_snapshot(previous)
