@@ -164,3 +164,24 @@ def test_a_refused_heads_prefix_stays_recent():
     assert [n.last_use for n in path] == before  # the check alone changes nothing
     assert sched._still_refused(head, sched.refusal.budget)
     assert all(n.last_use > b for n, b in zip(path, before))
+
+
+def test_a_request_taking_cached_copies_of_the_heads_prefix_brings_a_new_attempt():
+    """A request computing blocks cached unreferenced (prompt log-probs: no hit) takes the cached
+    copies for its own once they are full (``insert_computed``): as much room as before, but the
+    copies were on the refused head's hit, room it could not use, and its own blocks are free
+    now, so the head fits, as a retry finds."""
+    sched, state = make(Scheduler, 9, hybrid=False, budget=24), {}
+    prompt = list(range(1, 17))
+    sched.add(Request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0)))
+    step(sched, False, state)  # 4 blocks cached, unreferenced; 5 free
+    logprobs = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    sched.add(Request("b", prompt + [30], logprobs))  # 5 blocks: none free
+    head = Request("h", prompt + [40, 41], SamplingParams(max_tokens=1, temperature=0.0))
+    sched.add(head)  # hits the 4 cached blocks, needs 1 more: refused
+    step(sched, False, state)
+    assert head.status is Status.WAITING and sched.blocks.num_free == 4  # b's own, for the copies
+    probe = copy.deepcopy(sched)
+    probe.__class__ = AlwaysRetry
+    assert [s.request_id for s in probe.schedule().seqs] == ["b", "h"]
+    assert [s.request_id for s in sched.schedule().seqs] == ["b", "h"]

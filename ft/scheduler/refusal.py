@@ -33,7 +33,8 @@ class Refusal:
         evictable, the budget (so its chunk, so the blocks it needs) did not shrink, and its tokens
         match no further in the cache (nor, on a hybrid model, did a snapshot appear that a hit
         may end at). Others then only take blocks, and a preempted request goes before it, so
-        those tell every way it could fit."""
+        those tell every way it could fit (one taking unreferenced cached copies for its own
+        blocks, which its hit may hold, ends the refusal: ``Scheduler.cache_computed``)."""
         if req is not self.req or room > self.room or budget < self.budget:
             return False
         if self.matched is None:

@@ -297,7 +297,11 @@ class Scheduler:
     def cache_computed(self, req: Request, seq: ScheduledSeq) -> None:
         """After a step: enter the request's newly full blocks (and a state snapshot) into the cache."""
         if self.cache is not None:
+            evictable = self.cache.num_evictable
             self.blocks.free(insert_computed(self.cache, req, seq, self.blocks.block_size))
+            if self.cache.num_evictable < evictable:  # it took unreferenced copies for its own blocks:
+                # as much room, but a refused head's hit may hold them (room it could not use)
+                self.refusal = None
 
     def _release(self, req: Request) -> None:
         if self.cache is not None:
