@@ -338,3 +338,28 @@ def test_a_request_that_computed_cached_blocks_again_takes_the_cached_copies(ahe
     # b decodes other tokens than a (the simulator's depend on the request): 29 computed tokens
     assert len(sched.cache.match(b.prompt_token_ids + b.output_token_ids)) == 7
     assert sched.room == 40 and sched.cache.num_evictable == sched.cache.num_nodes
+
+
+def test_a_prompt_reclaims_a_running_requests_decode_snapshot(tmp_path, monkeypatch):
+    """Decode snapshots take only free slots, but once attached they are held as long as their
+    request runs. With two long replies holding both slots of the pool, a new prompt's snapshot
+    takes one of theirs back (a prompt's is shared more): C's repeat D hits C's prompt."""
+    from tests import symbolic_runner
+
+    write_checkpoint(tmp_path, "qwen3_moe", seed=3)
+    options = dict(block_size=2, num_tokens=256, max_running_requests=3, prefix_snapshot_slots=2)
+    eng = symbolic_runner.engine(monkeypatch, str(tmp_path), True, **options)
+    long, short = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 2))
+    arrivals = {0: [("a", [5, 9], long), ("b", [4, 4], long)], 12: [("c", [8, 8, 1, 4, 6, 2, 9], short)]}
+    outs, step = {}, 0
+    while step < 20 or eng.has_unfinished_requests():
+        for rid, prompt, params in arrivals.get(step, []):
+            eng.add_request(prompt, params, rid)
+        if step == 11:  # both replies hold a decode snapshot, and no slot is free
+            assert eng.scheduler.cache.take_snapshot_slot(evict=False) is None
+        outs.update((o.request_id, o) for o in eng.step())
+        step += 1
+    eng.add_request([8, 8, 1, 4, 6, 2, 9], short, "d")
+    while eng.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in eng.step())
+    assert outs["d"].num_cached_tokens == 6

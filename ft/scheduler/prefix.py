@@ -64,7 +64,7 @@ def insert_computed(cache: RadixCache, req: Request, seq: ScheduledSeq, block_si
             # request's latest would outlive it there, held until the twin ends
             node = None
         if node is not None and node.snapshot is None:
-            cache.attach_snapshot(node, seq.snapshot_to)
+            cache.attach_snapshot(node, seq.snapshot_to, decode)
             if decode:  # the request keeps its latest alone
                 keep_latest_decode_snapshot(cache, req, node)
         else:
@@ -79,7 +79,7 @@ def keep_latest_decode_snapshot(cache: RadixCache, req: Request, node: Node) -> 
     running request holds are never evicted: without this a long reply would take the snapshot
     pool from every other prefix."""
     previous = req.decode_snapshot
-    if previous is not None and previous.snapshot is not None:
+    if previous is not None and previous.decode:  # not since taken back for a prompt's
         cache.drop_snapshot(previous)
     req.decode_snapshot = node
 

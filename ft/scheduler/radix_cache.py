@@ -28,6 +28,7 @@ class Node:
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     ref: int = 0
     snapshot: int | None = None
+    decode: bool = False  # the snapshot is a decode step's (a running request's latest)
     last_use: int = 0
 
 
@@ -151,25 +152,26 @@ class RadixCache:
         return freed
 
     # ---- GDN state snapshots
-    def attach_snapshot(self, node: Node, slot: int) -> None:
-        node.snapshot = slot
+    def attach_snapshot(self, node: Node, slot: int, decode: bool = False) -> None:
+        node.snapshot, node.decode = slot, decode
         self.snapshot_changes += 1
         self._snapshotted.add(node)
 
     def take_snapshot_slot(self, evict: bool = True) -> int | None:
-        """A free snapshot slot, dropping the least recently used unreferenced snapshot if needed
-        (of equally recent ones, the deepest: shorter prefixes are shared more) and ``evict``."""
+        """A free snapshot slot; with ``evict``, if none is free, the one of the least recently
+        used unreferenced snapshot (of equally recent ones, the deepest: shorter prefixes are
+        shared more), else of the least recently used decode snapshot that only its running
+        request holds (a reply's latest block; a prompt's snapshot is shared more)."""
         if not self._free_snapshots:
             if not evict:
                 return None
-            held = [n for n in self._snapshotted if n.ref == 0]
+            # (a decode snapshot another request's hit holds too is restored in this step: kept)
+            held = [n for n in self._snapshotted if n.ref == 0] or [
+                n for n in self._snapshotted if n.decode and n.ref == 1
+            ]
             if not held:
                 return None
-            victim = min(held, key=lambda n: (n.last_use, -n.depth))
-            self.snapshot_changes += 1
-            self._snapshotted.discard(victim)
-            self._free_snapshots.append(victim.snapshot)
-            victim.snapshot = None
+            self.drop_snapshot(min(held, key=lambda n: (n.last_use, -n.depth)))
         return self._free_snapshots.pop()
 
     def drop_snapshot(self, node: Node) -> None:
@@ -177,7 +179,7 @@ class RadixCache:
         self.snapshot_changes += 1
         self._snapshotted.discard(node)
         self._free_snapshots.append(node.snapshot)
-        node.snapshot = None
+        node.snapshot, node.decode = None, False
 
     def give_back_snapshot(self, slot: int) -> None:
         self._free_snapshots.append(slot)
