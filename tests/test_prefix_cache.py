@@ -363,3 +363,35 @@ def test_a_prompt_reclaims_a_running_requests_decode_snapshot(tmp_path, monkeypa
     while eng.has_unfinished_requests():
         outs.update((o.request_id, o) for o in eng.step())
     assert outs["d"].num_cached_tokens == 6
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_long_twin_leaves_the_ended_twins_decode_snapshots_to_prompts(tmp_path, monkeypatch, ahead):
+    """Four twins of one prompt end at different lengths, each leaving its last decode snapshot on
+    the shared path; B, a longer twin behind them, holds that path while it runs. C's prompt takes
+    one of those snapshots back (only B holds their blocks), so D, repeating C, hits it."""
+    from tests import symbolic_runner
+
+    write_checkpoint(tmp_path, "qwen3_moe", seed=3)
+    options = dict(block_size=2, num_tokens=256, max_running_requests=3, prefix_snapshot_slots=6)
+    eng = symbolic_runner.engine(monkeypatch, str(tmp_path), True, decode_ahead=ahead, **options)
+    twin, other = [5, 9, 2, 7, 3], [8, 8, 1, 4, 6, 2, 9]
+    lengths = (2, 6, 10, 14, 18, 60)
+    params = {n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths}
+    arrivals = {
+        0: [("e0", twin, params[6]), ("e1", twin, params[10])],
+        1: [("e2", twin, params[14])],
+        2: [("e3", twin, params[18])],
+        25: [("b", twin, params[60])],
+        45: [("c", other, params[2])],
+    }
+    outs, step = {}, 0
+    while step < 50 or eng.has_unfinished_requests():
+        for rid, prompt, p in arrivals.get(step, []):
+            eng.add_request(prompt, p, rid)
+        outs.update((o.request_id, o) for o in eng.step())
+        step += 1
+    eng.add_request(other, params[2], "d")
+    while eng.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in eng.step())
+    assert outs["d"].num_cached_tokens == 6
