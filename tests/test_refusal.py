@@ -185,3 +185,25 @@ def test_a_request_taking_cached_copies_of_the_heads_prefix_brings_a_new_attempt
     probe.__class__ = AlwaysRetry
     assert [s.request_id for s in probe.schedule().seqs] == ["b", "h"]
     assert [s.request_id for s in sched.schedule().seqs] == ["b", "h"]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_refused_head_leaves_the_decode_snapshots_off_its_path(ahead):
+    """While a head waits refused, a running reply whose blocks are not on the head's prefix still
+    snapshots the blocks it fills (a chat's next turn hits them; under load a head is often
+    refused), and its steps are still scheduled ahead: such a snapshot cannot lengthen the
+    head's hit."""
+    sched, state = make(Scheduler, 14, hybrid=True, budget=64), {}
+    reply = Request("r", list(range(1, 9)), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    sched.add(reply)
+    step(sched, ahead, state)
+    head = Request("h", [9] * 52, SamplingParams(max_tokens=1))  # 13 blocks, 11 or fewer free: refused
+    sched.add(head)
+    decode_snapshots, ahead_steps = 0, 0
+    for _ in range(24):
+        step(sched, ahead, state)
+        assert sched.refusal is not None and sched.refusal.req is head
+        decode_snapshots = max(decode_snapshots, sum(n.decode for n in sched.cache._snapshotted))
+        ahead_steps += "ahead" in state
+    assert decode_snapshots == 1  # the reply's latest
+    assert ahead_steps == (24 if ahead else 0)  # every step, those attaching a snapshot too

@@ -29,6 +29,7 @@ class Node:
     ref: int = 0
     snapshot: int | None = None
     decode: bool = False  # the snapshot is a decode step's (a running request's latest)
+    on_head: bool = False  # on the prefix the refused waiting head matched (``mark_head``)
     last_use: int = 0
 
 
@@ -48,9 +49,11 @@ class RadixCache:
         self._snapshotted: set[Node] = set()  # snapshot is not None
         self.num_nodes = 0
         self.num_evictable = 0  # nodes with ref 0
-        # snapshots attached or dropped so far: on a hybrid model a hit ends at a snapshot, so a
-        # refused request's hit may have grown or shrunk since (``Scheduler.refused_again``)
-        self.snapshot_changes = 0
+        # snapshots attached or dropped so far on the refused head's matched prefix: on a hybrid
+        # model a hit ends at a snapshot, so its hit may have grown or shrunk since
+        # (``Scheduler.refused_again``); elsewhere they cannot change it
+        self.head_changes = 0
+        self._head: Node | None = None  # the last node of the head's matched prefix
 
     def _keys(self, tokens: list[int], num_blocks: int):
         bs = self.block_size
@@ -143,7 +146,7 @@ class RadixCache:
             self.num_evictable -= 1
             freed.append(n.block)
             if n.snapshot is not None:
-                self.snapshot_changes += 1
+                self.head_changes += n.on_head
                 self._snapshotted.discard(n)
                 self._free_snapshots.append(n.snapshot)
             if parent is not self.root and parent.ref == 0 and not parent.children:
@@ -151,10 +154,23 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_use, parent.block, parent))
         return freed
 
+    def mark_head(self, last: Node | None) -> None:
+        """Mark the prefix ending at ``last`` as the refused head's (None: no head is refused), the
+        last head's unmarked: snapshot changes there count in ``head_changes``. A walk of the
+        prefix, once a refusal (its match already walked it)."""
+        node = self._head
+        while node is not None and node.on_head:
+            node.on_head = False
+            node = node.parent
+        self._head = last
+        while last is not None and last is not self.root:
+            last.on_head = True
+            last = last.parent
+
     # ---- GDN state snapshots
     def attach_snapshot(self, node: Node, slot: int, decode: bool = False) -> None:
         node.snapshot, node.decode = slot, decode
-        self.snapshot_changes += 1
+        self.head_changes += node.on_head
         self._snapshotted.add(node)
 
     def take_snapshot_slot(self, evict: bool = True) -> int | None:
@@ -176,7 +192,7 @@ class RadixCache:
 
     def drop_snapshot(self, node: Node) -> None:
         """Free ``node``'s snapshot slot; the node stays cached."""
-        self.snapshot_changes += 1
+        self.head_changes += node.on_head
         self._snapshotted.discard(node)
         self._free_snapshots.append(node.snapshot)
         node.snapshot, node.decode = None, False

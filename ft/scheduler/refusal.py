@@ -21,7 +21,7 @@ class Refusal:
     # the last cached block its tokens matched (the root: none; None: no cache look-up); it may
     # be the whole last block, one past what a hit may take
     matched: Node | None
-    snapshots: int  # the cache's snapshot changes by then (on a hybrid model a hit ends at one)
+    snapshots: int  # the cache's snapshot changes on its prefix by then (a hybrid model's hit ends at one)
     held: int  # blocks of the hit it held until refused
 
     def repeats(
@@ -39,7 +39,7 @@ class Refusal:
             return False
         if self.matched is None:
             return True
-        if cache.snapshot_changes != self.snapshots:
+        if cache.head_changes != self.snapshots:
             return False
         bs = block_size
         limit = (req.num_tokens - 1) // bs

@@ -20,6 +20,7 @@ GDN layers split their delta rule there (``ft.gdn.snapshots``), so a prompt is s
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from ft.scheduler.kv_pool import BlockAllocator
 from ft.scheduler.prefix import insert_computed, shared_point, take_hit
@@ -84,7 +85,7 @@ class Scheduler:
         req.status, req.finish_reason = Status.FINISHED, reason
         del self.requests[req.request_id]
         if self.refusal is not None and self.refusal.req is req:
-            self.refusal = None  # nothing of it kept alive
+            self._refuse(None)  # nothing of it kept alive
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -120,10 +121,9 @@ class Scheduler:
                 held = len(req.cache_nodes)
                 self._release(req)
                 req.num_computed_tokens = 0
-                changes = self.cache.snapshot_changes if self.cache is not None else 0
-                self.refusal = Refusal(req, self.room, budget, matched, changes, held)
+                self._refuse(Refusal(req, self.room, budget, matched, 0, held))
                 break
-            self.refusal = None
+            self._refuse(None)
             if req.num_preemptions == 0:  # a recompute's hit is its own work again (its output too)
                 req.num_cached_tokens = req.num_computed_tokens
                 self.prefix_hit_tokens += req.num_cached_tokens
@@ -156,7 +156,7 @@ class Scheduler:
         admits = refused and not self._still_refused(self.waiting[0], left)  # none at 0
         if admits or len(batch) != len(self.running):
             return None
-        if refused and any(s.snapshot_to is not None for s in batch):
+        if refused and any(s.snapshot_to is not None and self._on_head_path(s) for s in batch):
             return None  # the snapshots ``batch`` attaches may lengthen the head's hit
         for seq, req in zip(batch, self.running):
             if (
@@ -191,6 +191,36 @@ class Scheduler:
             snapshot_to=snapshot,
             snapshot_len=at,
         )
+
+    def _refuse(self, refusal: Refusal | None) -> None:
+        """The waiting head's refusal (None: none), its matched prefix marked in the cache, where
+        a snapshot attached or dropped may change its hit (``RadixCache.head_changes``)."""
+        if self.cache is not None and (refusal is not None or self.refusal is not None):
+            self.cache.mark_head(refusal.matched if refusal is not None else None)
+            if refusal is not None:
+                refusal = replace(refusal, snapshots=self.cache.head_changes)
+        self.refusal = refusal
+
+    def _on_head_path(self, req: Request | ScheduledSeq, end: int | None = None) -> bool:
+        """Whether a decode snapshot of ``req``'s tokens up to ``end`` (a block boundary; a
+        scheduled step: its snapshot point) may lie on the refused head's prefix, where it could
+        lengthen the head's hit: its block's parent is on the head's matched prefix (or is not
+        cached yet: a step scheduled ahead of its last one's fold) and its tokens are the head's."""
+        r = self.refusal
+        if r is None or r.matched is None:
+            return False
+        if isinstance(req, ScheduledSeq):
+            end, req = req.start + req.snapshot_len, self.requests.get(req.request_id)
+            if req is None:
+                return False
+        bs, depth = self.blocks.block_size, end // self.blocks.block_size
+        if depth >= 2:
+            if len(req.cache_nodes) < depth - 1:
+                return True
+            if not req.cache_nodes[depth - 2].on_head:
+                return False
+        head = r.req
+        return head.num_tokens >= end and head.tokens(end - bs, end) == req.tokens(end - bs, end)
 
     def refused_again(self, req: Request, budget: int) -> bool:
         """Whether admitting waiting ``req`` with ``budget`` tokens left would fail as it last did
@@ -265,7 +295,7 @@ class Scheduler:
             # generated tokens. Only from a free slot (a prompt's snapshot, shared more, is never
             # dropped for one), and not while a head waits refused: a snapshot on its prefix could
             # let it in, so no decode could be scheduled ahead of the step that attaches it
-            at = n if (start + n) % bs == 0 and self.refusal is None else 0
+            at = n if (start + n) % bs == 0 and not self._on_head_path(req, start + n) else 0
         else:  # a shared block lacking a snapshot, else the last boundary in (start, start + n]
             # that a later request could hit
             last = min(start + n, req.num_tokens - 1) // bs * bs - start
@@ -301,7 +331,7 @@ class Scheduler:
             self.blocks.free(insert_computed(self.cache, req, seq, self.blocks.block_size))
             if self.cache.num_evictable < evictable:  # it took unreferenced copies for its own blocks:
                 # as much room, but a refused head's hit may hold them (room it could not use)
-                self.refusal = None
+                self._refuse(None)
 
     def _release(self, req: Request) -> None:
         if self.cache is not None:
