@@ -88,6 +88,18 @@ def test_generated_tokens_are_cached_for_the_next_turn(tmp_path, model_type):
     assert held == ([4, 6] if model_type == "qwen3_next" else [])
 
 
+def drive(eng, arrivals: dict, steps: int = 50) -> dict:
+    """Step ``eng`` at least ``steps`` times and until every request ends, adding the requests of
+    ``arrivals`` ({step: [(id, prompt, params)]}) at their steps; the outputs by request id."""
+    outs, step, last = {}, 0, max(arrivals)
+    while step < steps or step <= last or eng.has_unfinished_requests():
+        for rid, prompt, params in arrivals.get(step, []):
+            eng.add_request(prompt, params, rid)
+        outs.update((o.request_id, o) for o in eng.step())
+        step += 1
+    return outs
+
+
 def test_small_pool_evicts_cached_blocks(tmp_path):
     write_checkpoint(tmp_path, "qwen3_next", seed=8)
     prompts = [SHARED, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], SHARED, [40] * 20]
@@ -282,17 +294,9 @@ def test_a_later_twin_pins_no_decode_snapshot_on_the_blocks_it_follows(tmp_path,
     long, short, brief = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (60, 2, 6))
     arrivals = {0: [("a", twin, long)], 5: [("b", twin, long)], 40: [("c", other, short)]}
     arrivals.update({8 + 8 * k: [(f"e{k}", twin, brief)] for k in range(4)})  # end before A and B
-    outs, step = {}, 0
-    while step < 50 or eng.has_unfinished_requests():
-        for rid, prompt, params in arrivals.get(step, []):
-            eng.add_request(prompt, params, rid)
-        outs.update((o.request_id, o) for o in eng.step())
-        step += 1
+    outs = drive(eng, arrivals)
     assert outs["a"].token_ids == outs["b"].token_ids and len(outs["a"].token_ids) == 60
-    eng.add_request(other, short, "d")
-    while eng.has_unfinished_requests():
-        outs.update((o.request_id, o) for o in eng.step())
-    assert outs["d"].num_cached_tokens == 6
+    assert drive(eng, {0: [("d", other, short)]}, steps=0)["d"].num_cached_tokens == 6
 
 
 def test_chats_sharing_an_unaligned_system_prompt_hit_it_and_their_own_turns(tmp_path):
@@ -385,13 +389,5 @@ def test_a_long_twin_leaves_the_ended_twins_decode_snapshots_to_prompts(tmp_path
         25: [("b", twin, params[60])],
         45: [("c", other, params[2])],
     }
-    outs, step = {}, 0
-    while step < 50 or eng.has_unfinished_requests():
-        for rid, prompt, p in arrivals.get(step, []):
-            eng.add_request(prompt, p, rid)
-        outs.update((o.request_id, o) for o in eng.step())
-        step += 1
-    eng.add_request(other, params[2], "d")
-    while eng.has_unfinished_requests():
-        outs.update((o.request_id, o) for o in eng.step())
-    assert outs["d"].num_cached_tokens == 6
+    drive(eng, arrivals)
+    assert drive(eng, {0: [("d", other, params[2])]}, steps=0)["d"].num_cached_tokens == 6
