@@ -8,9 +8,9 @@ request's newly full blocks enter the cache (where the same tokens are cached al
 request takes that copy instead of its own), and the GDN state snapshot its chunk saved is
 attached to the block of its path it ends at, or given back when that block has one. A chunk
 snapshots at the deepest block it shares with the cache that lacks a snapshot, else at its last
-block boundary (``shared_point``). A decode step
-that fills a block snapshots the state after it, so a chat's next turn hits the generated tokens
-too; a request keeps only its latest such snapshot.
+block boundary (``shared_point``). A decode step that fills a block snapshots the state after
+it, so a chat's next turn hits the generated tokens too; a request keeps only its latest such
+snapshot.
 """
 
 from __future__ import annotations

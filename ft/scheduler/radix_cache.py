@@ -60,14 +60,10 @@ class RadixCache:
         return (tuple(tokens[i * bs : (i + 1) * bs]) for i in range(num_blocks))
 
     def match(self, tokens: list[int]) -> list[Node]:
-        """The nodes of the longest cached prefix of ``tokens``, in whole blocks."""
-        path, node, now = [], self.root, next(self._clock)
-        for key in self._keys(tokens, len(tokens) // self.block_size):
-            node = node.children.get(key)
-            if node is None:
-                break
+        """The nodes of the longest cached prefix of ``tokens``, in whole blocks (a use of each)."""
+        path, now = self.descend(self.root, tokens), next(self._clock)
+        for node in path:
             node.last_use = now
-            path.append(node)
         return path
 
     def extends(self, node: Node, key: tuple[int, ...] | None) -> bool:
@@ -146,9 +142,7 @@ class RadixCache:
             self.num_evictable -= 1
             freed.append(n.block)
             if n.snapshot is not None:
-                self.head_changes += n.on_head
-                self._snapshotted.discard(n)
-                self._free_snapshots.append(n.snapshot)
+                self.drop_snapshot(n)
             if parent is not self.root and parent.ref == 0 and not parent.children:
                 self._leaves.add(parent)
                 heapq.heappush(heap, (parent.last_use, parent.block, parent))

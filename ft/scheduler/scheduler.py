@@ -20,7 +20,6 @@ GDN layers split their delta rule there (``ft.gdn.snapshots``), so a prompt is s
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
 
 from ft.scheduler.kv_pool import BlockAllocator
 from ft.scheduler.prefix import insert_computed, shared_point, take_hit
@@ -121,7 +120,8 @@ class Scheduler:
                 held = len(req.cache_nodes)
                 self._release(req)
                 req.num_computed_tokens = 0
-                self._refuse(Refusal(req, self.room, budget, matched, 0, held))
+                changes = self.cache.head_changes if self.cache is not None else 0
+                self._refuse(Refusal(req, self.room, budget, matched, changes, held))
                 break
             self._refuse(None)
             if req.num_preemptions == 0:  # a recompute's hit is its own work again (its output too)
@@ -144,7 +144,7 @@ class Scheduler:
         ``schedule`` would build the same batch; when no request's token in flight is its last by
         length (a step for it would be wasted for sure); when blocks for one more token each
         are free without preempting anyone; and, with a head only its refusal keeps out, when
-        ``batch`` attaches no GDN snapshot (one could lengthen the head's hit). A request that
+        ``batch`` attaches no GDN snapshot on the head's prefix (one could lengthen its hit). A request that
         ``batch`` ends frees its place one step later than without the step ahead.
         Each sequence's token is ``PENDING_TOKEN``: the runner takes it from ``batch``'s samples
         on the device. A request that ``batch`` ends (a stop token) had its step ahead run for
@@ -156,8 +156,6 @@ class Scheduler:
         admits = refused and not self._still_refused(self.waiting[0], left)  # none at 0
         if admits or len(batch) != len(self.running):
             return None
-        if refused and any(s.snapshot_to is not None and self._on_head_path(s) for s in batch):
-            return None  # the snapshots ``batch`` attaches may lengthen the head's hit
         for seq, req in zip(batch, self.running):
             if (
                 seq.request_id != req.request_id
@@ -166,6 +164,8 @@ class Scheduler:
                 or req.num_computed_tokens != seq.start
                 or len(req.output_token_ids) + 2 > req.params.max_tokens
                 or req.num_tokens + 2 > self.max_model_len
+                # a snapshot ``batch`` attaches may lengthen the refused head's hit
+                or (refused and seq.snapshot_to is not None and self._on_head_path(req, seq.start + 1))
             ):
                 return None
         if not all(self._grow(req, req.num_tokens + 1) for req in self.running):
@@ -197,23 +197,18 @@ class Scheduler:
         a snapshot attached or dropped may change its hit (``RadixCache.head_changes``)."""
         if self.cache is not None and (refusal is not None or self.refusal is not None):
             self.cache.mark_head(refusal.matched if refusal is not None else None)
-            if refusal is not None:
-                refusal = replace(refusal, snapshots=self.cache.head_changes)
         self.refusal = refusal
 
-    def _on_head_path(self, req: Request | ScheduledSeq, end: int | None = None) -> bool:
-        """Whether a decode snapshot of ``req``'s tokens up to ``end`` (a block boundary; a
-        scheduled step: its snapshot point) may lie on the refused head's prefix, where it could
-        lengthen the head's hit: its block's parent is on the head's matched prefix (or is not
-        cached yet: a step scheduled ahead of its last one's fold) and its tokens are the head's."""
+    def _on_head_path(self, req: Request, end: int) -> bool:
+        """Whether a decode snapshot of ``req``'s tokens up to ``end`` (a block boundary) may lie
+        on the refused head's prefix, where it could lengthen the head's hit: its block's parent
+        is on the head's matched prefix (or is not cached yet: a step scheduled ahead of its last
+        one's fold) and its tokens are the head's."""
         r = self.refusal
         if r is None or r.matched is None:
             return False
-        if isinstance(req, ScheduledSeq):
-            end, req = req.start + req.snapshot_len, self.requests.get(req.request_id)
-            if req is None:
-                return False
-        bs, depth = self.blocks.block_size, end // self.blocks.block_size
+        bs = self.blocks.block_size
+        depth = end // bs
         if depth >= 2:
             if len(req.cache_nodes) < depth - 1:
                 return True
@@ -293,8 +288,8 @@ class Scheduler:
         decode = req.decodes(start, n)
         if decode:  # the state after its token, if that fills a block: a chat's next turn hits the
             # generated tokens. Only from a free slot (a prompt's snapshot, shared more, is never
-            # dropped for one), and not while a head waits refused: a snapshot on its prefix could
-            # let it in, so no decode could be scheduled ahead of the step that attaches it
+            # dropped for one), and not on a refused head's prefix: a snapshot there could let it
+            # in, so no decode could be scheduled ahead of the step that attaches it
             at = n if (start + n) % bs == 0 and not self._on_head_path(req, start + n) else 0
         else:  # a shared block lacking a snapshot, else the last boundary in (start, start + n]
             # that a later request could hit
