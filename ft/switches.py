@@ -43,7 +43,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("ft.moe.backends.host_prefetch", "DOWN_ONLY", "FT_MOE_HOST_PREFETCH_DOWN"),
     ("ft.moe.backends.host_prefetch", "NVFP4_ROWS", "FT_MOE_HOST_PREFETCH"),  # NVFP4 banks' own
     ("ft.moe.backends.host_prefetch", "NVFP4_DOWN_ONLY", "FT_MOE_HOST_PREFETCH_DOWN"),
-    ("ft.moe.backends.host_prefetch", "AHEAD", "FT_MOE_HOST_PREFETCH_AHEAD"),
     ("ft.moe.backends.pairs", "DEVICE_PAIRS", "FT_MOE_DEVICE_PAIRS"),
     ("ft.moe.backends.pairs", "DIRECT_TERMS", "FT_MOE_DIRECT_TERMS"),
     ("ft.moe.backends.transfer", "MEMCPY", "FT_MOE_MEMCPY"),

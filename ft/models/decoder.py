@@ -19,8 +19,6 @@ loader skips (e.g. multi-token-prediction heads we do not run).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -40,7 +38,6 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
-        self.next_lookahead = None  # the next layer's MLP guess, given this layer's MoE input (DecoderModel)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
@@ -55,8 +52,6 @@ class DecoderLayer(nn.Module):
         if lookahead is not None:  # an MLP that can use its input's guess before the mixer runs
             lookahead(residual, self.post_attention_layernorm)
         a, residual = self.post_attention_layernorm(getattr(self, self.mixer_name)(positions, a), residual)
-        if self.next_lookahead is not None:  # a layer earlier still (``host_prefetch.AHEAD``)
-            self.next_lookahead(residual)
         return self.mlp(a), residual
 
 
@@ -66,14 +61,6 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
-        for layer, after in zip(layers, layers[1:]):
-            # an MLP's guess a layer early, from a layer whose MLP guesses too (after a dense MLP the
-            # layer guesses for itself: no MoE sublayer of the layer before to overlap)
-            guess = getattr(getattr(after, "mlp", None), "lookahead", None)
-            both = isinstance(layer, DecoderLayer) and isinstance(after, DecoderLayer)
-            if both and guess is not None and hasattr(layer.mlp, "lookahead"):
-                norm = after.post_attention_layernorm
-                layer.next_lookahead = functools.partial(guess, norm=norm, early=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

@@ -94,13 +94,13 @@ class SparseMoeBlock(nn.Module):
             else None
         )
 
-    def lookahead(self, residual: torch.Tensor, norm: nn.Module, early: bool = False) -> None:
+    def lookahead(self, residual: torch.Tensor, norm: nn.Module) -> None:
         """Before the layer's mixer: ``norm(residual)`` (the residual stream without the mixer's
         term) is a guess at this block's input, which a backend may route ahead of time
-        (``host_prefetch.py``); ``early``: the layer before asks, with its own MoE input's residual."""
+        (``host_prefetch.py``)."""
         ahead = getattr(self.backend, "lookahead", None)
         if ahead is not None:
-            ahead(self, residual, norm, early)
+            ahead(self, residual, norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # shared_logit [T, 1] when there is a shared expert

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload measurements still owed on a GPU machine, a stage per device call (not run by CI):
 #
-#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|ahead|census|hostreads|hybrid|splits
+#   bash tests/gpu/offload_runs.sh OUT_DIR decode|prefill|prefill16k|bench|row|long|bench8k|ttft|ttftbench|memory|sweep|gluon|gluontiles|nvfp4profile|census|hostreads|hybrid|splits
 #
 #   decode   the 16-layer cut, batch 1: host_reads.FUSED_ROUTE on and off in turn, after the
 #            defaults' row warms the cache (decode_variants.py), bf16 under 40 GiB, then NVFP4
@@ -58,10 +58,6 @@
 #            link and ~62 of resident compute. 2026-12-05 11:10: step 6.78 ms, the prefetch's copy
 #            kernel 2.92 ms and staging's 1.45 a step; from then on also the link's time beside the
 #            compute and the kernels that run while it idles (profiling.link_timeline; ~5 min)
-#   ahead    host prefetch's picks chosen a layer early (host_prefetch.AHEAD, off until timed): its
-#            GPU tests, then issue 8's NVFP4 48 GiB row, batch 1, off / on / off / on from one load
-#            (decode_variants.py). The 2026-12-05 link timeline (H100): the link idled through each
-#            MoE sublayer, ~1.9 ms of a 7.1 ms step (~6 min)
 #   census   the full model with NVFP4 experts resident (issue 5's row) with --census: the kernels
 #            of a batch-1 decode step, what stands between it and its roofline (~2 min)
 #   hostreads  the MoE GEMV with h of its 10 experts read from the host, bf16 then NVFP4
@@ -195,15 +191,6 @@ nvfp4profile)
   QUANT=nvfp4 timeout 400 python3 tests/gpu/profile_offload_decode.py "$next" 48 48GiB "$out/nvfp4profile.log" \
     >"$out/nvfp4profile.out" 2>&1
   grep -vE "^stream [0-9]+: busy" "$out/nvfp4profile.log" | tail -n 45 | cut -c1-200
-  ;;
-ahead)
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:xdist --timeout 150 \
-    tests/offload/test_offload_gpu.py -k "prefetch_in_graphs" >"$out/ahead_tests.log" 2>&1
-  tail -n 3 "$out/ahead_tests.log"
-  a=ft.moe.backends.host_prefetch:AHEAD
-  timeout 330 python3 tests/gpu/decode_variants.py "$next" "$out/ahead.log" --nvfp4 --max-gpu-memory=48GiB \
-    $a $a=0 $a >"$out/ahead.out" 2>&1
-  grep -E "tok/s" "$out/ahead.out" | cut -c1-200
   ;;
 sweep)
   FT_SWEEP_GROUPED_T=8192,16384 timeout 330 python3 tests/gpu/config_sweep.py grouped >"$out/sweep_bf16.log" 2>&1

@@ -103,61 +103,6 @@ def test_host_reads_with_prefetch_equal_resident(ckpt, refs, prefetching, monkey
     assert s.moe_bytes_host_read > 0
 
 
-@pytest.mark.parametrize("staging", [False, True])
-def test_picks_chosen_a_layer_early_equal_resident(ckpt, refs, prefetching, monkeypatch, staging):
-    """``host_prefetch.AHEAD``: each layer but the first has its picks chosen by the layer before,
-    from that layer's MoE input's residual, before that layer's MoE; their copy is issued after
-    that layer stages its own host experts (when it stages), before its MoE kernel. Exactly the
-    resident backend's outputs, picks counted and used."""
-    from ft.moe.backends import host_stage
-    from ft.moe.backends.offload import OffloadBackend
-
-    monkeypatch.setattr(host_prefetch, "AHEAD", True)
-    monkeypatch.setattr(host_prefetch, "DOWN_ONLY", False)
-    monkeypatch.setattr(host_stage, "STAGE", staging)
-    events = []
-
-    def layer(backend) -> int:
-        return backend.reads.backends.index(backend)
-
-    real_start, real_issue, real_stage = host_prefetch.start, host_prefetch.issue, host_stage.stage
-    real_read = OffloadBackend._read_in_place
-
-    def start(pred, real, backend, now=True):
-        events.append(("choose", layer(backend), now))
-        real_start(pred, real, backend, now)
-
-    def issue(backend):
-        if backend.spare.due:
-            events.append(("copy", layer(backend)))
-        real_issue(backend)
-
-    def stage(*args):
-        events.append(("stage",))
-        return real_stage(*args)
-
-    def read(self, *args, **kwargs):
-        events.append(("moe", layer(self)))
-        return real_read(self, *args, **kwargs)
-
-    monkeypatch.setattr(host_prefetch, "start", start)
-    monkeypatch.setattr(host_prefetch, "issue", issue)
-    monkeypatch.setattr(host_stage, "stage", stage)
-    monkeypatch.setattr(OffloadBackend, "_read_in_place", read)
-    outs, s = generate(ckpt, moe_backend="offload", expert_cache_fraction=0.25)
-    assert_same(outs, refs[8192])
-    assert s.moe_prefetched > 0 and 0 < s.moe_prefetch_hits <= s.moe_prefetched
-    # a decode step: layer 0 chooses for itself and copies at once; each layer l then chooses for
-    # l + 1 without copying, and its MoE (stages, then) issues l + 1's copy before its kernel
-    n = 1 + max(e[1] for e in events if e[0] == "moe")
-    want = [("choose", 0, True), ("copy", 0)]
-    for i in range(n):
-        want += [("choose", i + 1, False)] * (i + 1 < n) + [("moe", i)] + [("stage",)] * staging
-        want += [("copy", i + 1)] * (i + 1 < n)
-    steps = [events[i : i + len(want)] for i, e in enumerate(events) if e == ("choose", 0, True)]
-    assert steps and all(step == want for step in steps), events[: 2 * len(want)]
-
-
 def test_prefetch_off_at_the_call_leaves_the_published_route(ckpt, refs, prefetching, monkeypatch):
     """Spare rows sized, the switch off when decoding: no picks, the same outputs."""
     from ft import LLM
@@ -293,20 +238,3 @@ def test_rows_and_what_they_copy_by_bank_format(env, want):
     run = subprocess.run([sys.executable, "-c", code], env=clean | env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[0] == want
-
-
-def test_only_a_moe_layer_chooses_for_the_next_one(tmp_path):
-    """``DecoderModel`` offers layer l + 1's guess (``AHEAD``) to layer l only when both have MoE
-    sublayers: after a dense MLP the layer guesses for itself, as without ``AHEAD``."""
-    import json
-
-    from ft.distributed import TPInfo
-    from ft.engine.build import build_model
-    from ft.models.config_json import load_model_config
-    from tests.checkpoints import write_checkpoint
-
-    write_checkpoint(tmp_path, "qwen3_moe", seed=1, num_hidden_layers=4, mlp_only_layers=[1])
-    assert json.loads((tmp_path / "config.json").read_text())["mlp_only_layers"] == [1]
-    model = build_model(load_model_config(str(tmp_path)), TPInfo(0, 1), "meta", torch.float32)
-    offered = [layer.next_lookahead is not None for layer in model.model.layers]
-    assert offered == [False, False, True, False]  # 0 -> 1 dense, 1 dense -> 2, 2 -> 3, none after 3

@@ -343,24 +343,19 @@ def test_tp2_offload_equals_tp1(tmp_path):
     assert max_logprob_diff(got, want) < 1e-4
 
 
-@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("down_only", [True, False])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_host_reads_with_prefetch_in_graphs_equal_resident(
-    ckpt, tmp_path, monkeypatch, fmt, down_only, ahead
-):
+def test_host_reads_with_prefetch_in_graphs_equal_resident(ckpt, tmp_path, monkeypatch, fmt, down_only):
     """``host_prefetch.rows``: before its mixer each layer picks its predicted host experts and
     copies them into its spare rows on a side stream inside the decode graph; graphed, eager and resident
     give the same tokens, and some picks were used. The choice is held back on the main stream
     (a copy not ordered after it would read the last step's rows to copy) and the copy on the side
     stream (a kernel not waiting for it would read the last step's spare rows), each ~0.5 ms.
     With ``DOWN_ONLY`` the copy moves the picks' down projections, which only the down kernel
-    waits for: a down kernel not joined to it would read the last step's. With ``AHEAD`` each
-    layer's picks are chosen by the layer before and copied after its staging, before its MoE."""
+    waits for: a down kernel not joined to it would read the last step's."""
     from ft.moe.backends import host_prefetch, host_reads
 
     monkeypatch.setattr(host_reads, "ENABLED", True)
-    monkeypatch.setattr(host_prefetch, "AHEAD", ahead)
     for prefix in ("", "NVFP4_"):  # the bank's format picks its own
         monkeypatch.setattr(host_prefetch, f"{prefix}ROWS", 3)
         monkeypatch.setattr(host_prefetch, f"{prefix}DOWN_ONLY", down_only)

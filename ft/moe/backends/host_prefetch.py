@@ -67,17 +67,6 @@ ROWS = int(os.environ.get("FT_MOE_HOST_PREFETCH", "0"))
 DOWN_ONLY = os.environ.get("FT_MOE_HOST_PREFETCH_DOWN", "1") != "0"
 NVFP4_ROWS = int(os.environ.get("FT_MOE_HOST_PREFETCH", "2"))
 NVFP4_DOWN_ONLY = os.environ.get("FT_MOE_HOST_PREFETCH_DOWN", "0") != "0"
-# A layer's picks chosen a layer early (FT_MOE_HOST_PREFETCH_AHEAD=1; off until a GPU times it):
-# layer l asks layer l+1's router for its guess right after l's post-attention norm (from l's MoE
-# input's residual: without l's MoE term and l+1's mixer term), and the copy is issued after
-# layer l stages its own host experts, so it runs beside l's MoE GEMV as well as l+1's mixer.
-# On an H100 (2026-12-05, docs/benchmarks.md) the NVFP4 48 GiB step's link idled through each
-# MoE sublayer (~1.9 ms a step of 7.1) and ran alone, without compute, for 2.8 ms: the copy for
-# the next layer started only at its mixer. The guess is worse a layer earlier (on generated weights
-# the next layer's router on this layer's MoE input finds 52% of the experts it picks against
-# 67%, tests/offload/prefetch_accuracy.py, 2026-12-01); a wrong pick costs link time, never a
-# result. The first host-read layer still guesses for itself.
-AHEAD = os.environ.get("FT_MOE_HOST_PREFETCH_AHEAD", "0") == "1"
 COPY_PROGRAMS = 16  # programs of the copy kernel (each streams its share of every row)
 COPY_BLOCK = 2048  # int64 words a program moves per iteration (16 KB)
 
@@ -110,10 +99,8 @@ class Spare:
         self.picks = picks  # [spare] int32 (a view of the layer's use counts): expert + 1, 0 none
         self.scratch = torch.zeros(cache.map.num_experts, dtype=torch.int32, device=dev)
         self.done = torch.cuda.Event() if dev.type == "cuda" else None
-        self.pending = False  # this forward's picks chosen; the layer's kernel joins their copy
-        self.due = False  # the pending copy not yet issued (``issue``)
+        self.pending = False  # this forward's copy started; the layer's kernel joins it
         self.down_only = False  # what the pending copy moved: the down projections alone
-        self.rows = 0  # the spare rows the pending copy fills
 
 
 def down_offset(layout) -> int:
@@ -128,36 +115,24 @@ def down_payload(layout) -> int:
     return sum(p.nbytes for p in layout.parts if p.offset >= down_offset(layout))
 
 
-def start(pred: torch.Tensor, real: torch.Tensor, backend, now: bool = True) -> None:
+def start(pred: torch.Tensor, real: torch.Tensor, backend) -> None:
     """Pick and copy the layer ``backend``'s predicted host experts (``pred`` [T, k]) into its spare rows:
     the choice on the current stream, the copy on its host reads' stream after it (at once on a
-    CPU), or, with ``now`` false, when ``issue`` is called (at the latest when the layer's kernel
-    joins it); its MoE kernel then reads them there (``routes``)."""
-    sp, fmt = backend.spare, backend.reads.fmt  # the bank's format: how many rows, what they copy
+    CPU); its MoE kernel then reads them there (``routes``)."""
+    sp, fmt, stream = backend.spare, backend.reads.fmt, backend.reads.stream  # the format: rows, parts
     n = min(rows(fmt), len(sp.src))  # the switch's rows, at most the spare rows sized at start
     src, picks = sp.src[:n], sp.picks[:n]  # picks past n stay 0 (the use counts zero every step)
     select_into(pred, real, backend.cache.route, sp.eff, src, picks, sp.scratch, sp.first_row)
-    sp.down_only, sp.rows = down_only(fmt), n
-    sp.pending = sp.due = True
-    if now:
-        issue(backend)
-
-
-def issue(backend) -> None:
-    """Start the copy of the picks ``start`` chose for ``backend``'s layer, if not yet started: on
-    its stream after everything the current stream has queued so far (at once on a CPU)."""
-    sp, stream = backend.spare, backend.reads.stream
-    if sp is None or not sp.due:
-        return
-    sp.due = False
+    sp.down_only = down_only(fmt)
     first = sp.down_from if sp.down_only else 0
     if stream is None:
-        copy_rows(backend.store.block, backend.cache.block, sp.first_row, sp.src[: sp.rows], first)
-        return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))  # after the choice
-    with torch.cuda.stream(stream):
-        copy_rows(backend.store.block, backend.cache.block, sp.first_row, sp.src[: sp.rows], first)
-        sp.done.record(stream)
+        copy_rows(backend.store.block, backend.cache.block, sp.first_row, src, first)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # after the choice
+        with torch.cuda.stream(stream):
+            copy_rows(backend.store.block, backend.cache.block, sp.first_row, src, first)
+            sp.done.record(stream)
+    sp.pending = True
 
 
 def routes(backend) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
@@ -169,7 +144,6 @@ def routes(backend) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | No
     sp = backend.spare
     if sp is None or not sp.pending:
         return backend.cache.route, backend.cache.route, None
-    issue(backend)  # a copy chosen a layer early and not yet started (``AHEAD``) starts now
     sp.pending = False
 
     def join() -> None:

@@ -100,7 +100,6 @@ class HostReads:
         self.credit = np.zeros(len(backends))  # promotions owed to each layer, fractional
         self.bytes_read = 0  # expert bytes kernels read from the host store
         self.taken = False  # a batch took host reads (eagerly or while a graph was captured)
-        self.ahead = None  # the backend whose prefetch ``host_prefetch.AHEAD`` chose, copy not yet issued
         self.tables = Tables([b.cache for b in backends], device)  # every layer's, one copy to publish
         self.payload = np.array([b.store.layout.payload_bytes for b in backends], dtype=np.int64)
         self.payload_down = np.array(  # what a down-only prefetch copies of an expert
@@ -144,10 +143,9 @@ class HostReads:
         """A forward's first host-read layer: no prefetch of an earlier forward is still to be
         read (one that stopped between two layers would route through spare rows a publish has
         since made stale)."""
-        self.ahead = None
         for b in self.backends:
             if b.spare is not None:
-                b.spare.pending = b.spare.due = False
+                b.spare.pending = False
 
     def before_step(self) -> None:
         """Before a step host reads may take (``MoeRuntime.before_step`` asks): every layer's route

@@ -189,24 +189,16 @@ class OffloadBackend:
             down = (route_rows(ids, real, route_down, self.map.null), join)
         elif self.host_staged:  # host rows copied first
             rows, host = host_stage.stage(rows, self.store.block, self.reads.stage), self.reads.stage.tensors
-        if self.reads.ahead is not None:  # the next layer's prefetch, chosen early: after this staging
-            host_prefetch.issue(self.reads.ahead)
-            self.reads.ahead = None
         return bank.run(x, weights, rows, self.cache.tensors, shared, host=host, down=down)
 
-    def lookahead(self, block, residual: torch.Tensor, norm, early: bool = False) -> None:
+    def lookahead(self, block, residual: torch.Tensor, norm) -> None:
         """Before the layer's mixer (``SparseMoeBlock.lookahead``). Streaming ahead: a long batch
         whose first groups the previous layer did not stage (the first MoE layer, or one after a
         layer that did not stream) stages them now, so the link streams through this layer's
         mixer and router as it does through the later layers'. With host reads' prefetch, route
         the guess ``norm(residual)`` through this layer's router and start copying the predicted
-        host experts into the spare rows (``host_prefetch.py``). ``early``: the layer before asks,
-        before its own MoE, with its MoE input's residual (``host_prefetch.AHEAD``; else nothing);
-        the layer's own call then finds the copy started."""
-        if early:
-            if not host_prefetch.AHEAD or self.first:  # the first layer guesses for itself
-                return
-        elif streaming.streams_ahead(self, len(residual), block.gate.top_k):
+        host experts into the spare rows (``host_prefetch.py``)."""
+        if streaming.streams_ahead(self, len(residual), block.gate.top_k):
             staged = self.shared.ahead
             # a decode batch is left to the previous layer: it may find its experts in the cache
             if not decode_only() and not capturing() and (staged is None or staged.backend is not self):
@@ -217,15 +209,10 @@ class OffloadBackend:
             return
         if not reads.takes(block.experts, residual, decode_only()):
             return
-        if self.first:  # (an early call never reaches the first layer)
+        if self.first:
             reads.begin_forward()
-        if self.spare.pending:  # chosen a layer early, by the layer before (``AHEAD``)
-            return
         pred = block.gate(norm(residual))[1]
-        real = real_rows(len(residual), residual.device)
-        host_prefetch.start(pred, real, self, now=not early)
-        if early:  # its copy starts after the layer before stages its own host experts
-            reads.ahead = self
+        host_prefetch.start(pred, real_rows(len(residual), residual.device), self)
 
     def _cached(
         self, bank, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared=None
