@@ -303,6 +303,29 @@ def test_nvfp4_offload_equals_resident(tmp_path, copying_decode):
     assert max_logprob_diff(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_offloaded_prompts_have_the_resident_bits_at_top_4(tmp_path, fmt):
+    """Top-4, so a token's terms sum differently in another order: an offloaded prefill streams the
+    non-resident experts in groups of a few pairs each, and every group's call takes the tiles of
+    the whole batch's call (``mma_path``'s ``batch_tokens``), so each pair's term, and the prompt's
+    log-probs, are the resident backend's bit for bit whatever the cache holds. At a group's own
+    tiles the W4A16 down projection summed its K in another order (the 80B's rows parted within
+    their first tokens, 2026-12-06)."""
+    if fmt == "nvfp4":
+        write_nvfp4_checkpoint(
+            tmp_path, "qwen3_next", seed=8, moe_intermediate_size=64, num_experts_per_tok=4
+        )
+        path = tmp_path / "nvfp4"
+    else:
+        write_checkpoint(tmp_path, "qwen3_next", seed=31, weight_scale=0.8, num_experts_per_tok=4)
+        path = tmp_path
+    want, _ = generate(path, dtype="bfloat16", moe_backend="gpu")
+    for fraction in (0.25, 0.5):
+        got, info = generate(path, dtype="bfloat16", moe_backend="offload", expert_cache_fraction=fraction)
+        assert info["stats"].moe_misses > 0
+        assert max_logprob_diff(got, want, decode=False) == 0.0, fraction
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-route", "fused-route"])
 @pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

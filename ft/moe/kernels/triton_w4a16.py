@@ -175,9 +175,11 @@ def fused_moe_w4a16(
     e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
         return torch.zeros_like(x) if into is None else into.out
-    if GLUON and t > GLUON_MIN_TOKENS:
+    tiles = batch_tokens or t  # the batch's kernel and tiles, so its pairs' terms have its bits
+    if GLUON and tiles > GLUON_MIN_TOKENS:
         from ft.moe.kernels import gluon_w4a16  # Gluon: compiled only where it runs
 
         if gluon_w4a16.supports(w13, w2, x):
-            return mma_path(gluon_w4a16.launch, x, w13, w2, weights, ids, e, inter, into, gluon_w4a16.CONFIGS)
-    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, CONFIGS)
+            configs = gluon_w4a16.CONFIGS
+            return mma_path(gluon_w4a16.launch, x, w13, w2, weights, ids, e, inter, into, configs, tiles)
+    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, CONFIGS, tiles)
