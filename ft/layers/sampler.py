@@ -144,7 +144,10 @@ def keep_threshold(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -
     lse = scaled.masked_fill(scaled < kth, float("-inf")).logsumexp(-1, keepdim=True)
     probs = (values - lse).exp() * (values >= kth)  # [R, W]
     before = F.pad(probs.cumsum(-1)[:, :-1], (1, 0))  # mass sorted ahead of each token
-    kept = (values >= kth) & ((before < p) | (p >= 1.0))  # a prefix, never empty
+    kept = (values >= kth) & ((before < p) | (p >= 1.0))  # a prefix
+    # never empty, as vLLM's: a top_p under float32's least (1e-300) is 0 here, and a row of NaN
+    # (an inf temperature over a banned token's -inf) compares false everywhere
+    kept[:, 0] = True
     # a threshold on values keeps the rest of the last kept token's tied group too
     threshold = values.gather(1, kept.sum(-1, keepdim=True) - 1)
     return threshold.masked_fill(no_cut, float("-inf"))

@@ -477,6 +477,26 @@ def test_prompt_beyond_the_context_says_so(server):
     assert "max_tokens" not in err["message"] and "longer than the model's context of 512" in err["message"]
 
 
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        {"top_p": 1e-300},  # more than 0, as the check asks, but 0 in float32
+        # a float32 inf: a banned eos's -inf over it is NaN, and a row of NaN keeps no token either
+        {"temperature": 1e39, "min_tokens": 6, "top_p": 0.9},
+    ],
+)
+def test_sampling_extremes_keep_the_likeliest_and_the_engine_serving(server, llm, extreme):
+    """top-p keeps at least the likeliest token, as vLLM's: it kept none here, and its threshold
+    read index -1, which failed the step and so stopped the engine and the server."""
+    body = OK | {"prompt": PROMPTS[3], "max_tokens": 6, "temperature": 1.0, "return_token_ids": True}
+    r = server.post(C, body | extreme)
+    assert r.status_code == 200, r.text
+    if "min_tokens" not in extreme:  # only the likeliest kept: greedy's tokens
+        want = llm.generate([PROMPTS[3]], greedy(6))[0]
+        assert r.json()["choices"][0]["token_ids"] == want.token_ids
+    assert server.post(C, OK).status_code == 200
+
+
 def test_models_health_metrics(server):
     assert [m.id for m in server.client().models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
