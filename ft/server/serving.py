@@ -149,6 +149,9 @@ class ServerState:
             message = f"min_tokens ({req.min_tokens}) is more than {limit} ({max_tokens})"
             raise APIError(400, message, param="min_tokens")
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        if self.tokenizer is None and any(req.stop_strings):  # no text to find them in
+            message = "stop strings need a tokenizer and this checkpoint has none: use stop_token_ids"
+            raise APIError(400, message, param="stop")
         vocab = self.info.vocab_size
         outside = [t for t in (req.logit_bias or {}) if int(t) >= vocab]
         if outside:

@@ -9,7 +9,10 @@ import json
 import openai
 import pytest
 
-from tests.server.scripted import EOS, MODEL, client, collect, make_app, raw, run, tokenizer
+from ft.server.app import build_app
+from ft.server.metrics import Metrics
+from ft.server.serving import ServerState
+from tests.server.scripted import EOS, MODEL, ScriptedEngine, client, collect, make_app, raw, run, tokenizer
 
 TOK = tokenizer()
 HI = [{"role": "user", "content": "hi"}]
@@ -190,6 +193,25 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused():
     for e in run(main()):
         assert e["param"] == "stop_token_ids" and "100000" in e["message"] and "5," not in e["message"], e
     assert engine.added == []
+
+
+def test_stop_strings_without_a_tokenizer_are_refused():
+    """A checkpoint without a tokenizer has no text to find a stop string in: the request is
+    refused, as vLLM refuses it without detokenizing (it ran to max_tokens, the stop ignored)."""
+    engine = ScriptedEngine(lambda _prompt: [5, 6, 7, 8])
+    app = build_app(ServerState(engine, None, Metrics(MODEL, lambda: {}), MODEL))
+
+    async def main():
+        async with raw(app) as c:
+            body = {"prompt": [1, 2], "max_tokens": 4}
+            refused = await c.post("/v1/completions", json=body | {"stop": ["x"]})
+            served = await c.post("/v1/completions", json=body | {"stop": "", "stop_token_ids": [7]})
+            return refused, served
+
+    refused, served = run(main())
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop", refused.text
+    assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"] == "stop", served.text
+    assert len(engine.added) == 1
 
 
 def test_a_chat_stream_sends_no_empty_chunks():
