@@ -146,7 +146,7 @@ def keep_threshold(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -
     before = F.pad(probs.cumsum(-1)[:, :-1], (1, 0))  # mass sorted ahead of each token
     kept = (values >= kth) & ((before < p) | (p >= 1.0))  # a prefix
     # never empty, as vLLM's: a top_p under float32's least (1e-300) is 0 here, and a row of NaN
-    # (an inf temperature over a banned token's -inf) compares false everywhere
+    # (a repetition_penalty of 1e-300, 0 in float32, makes a logit inf) compares false everywhere
     kept[:, 0] = True
     # a threshold on values keeps the rest of the last kept token's tied group too
     threshold = values.gather(1, kept.sum(-1, keepdim=True) - 1)
@@ -180,7 +180,9 @@ class Sampler:
     ) -> torch.Tensor:
         """Tokens [R] for rows that are not ``greedy``, left on the device."""
         device, vocab = logits.device, logits.shape[-1]
-        temperature = upload_values([p.temperature for p in params], torch.float32, device)
+        # past float32's range a temperature is its largest: inf would make a banned token's -inf NaN
+        hottest = torch.finfo(torch.float32).max
+        temperature = upload_values([min(p.temperature, hottest) for p in params], torch.float32, device)
         scaled = logits.float() / temperature[:, None]  # [R, V]
         # min-p first, as vLLM: top-p then weighs the mass of the tokens min-p keeps
         if any(p.min_p > 0 for p in params):  # p / p_max >= min_p, in logits: s >= s_max + log(min_p)

@@ -29,6 +29,7 @@ from tests.server.harness import (
     stream_concurrently,
     visible_text,
 )
+from tests.tiny_tokenizer import VOCAB_SIZE
 
 PROMPTS = [[(i * 7 + k * 31) % 280 for i in range(5 + 3 * k)] for k in range(16)]
 
@@ -477,23 +478,28 @@ def test_prompt_beyond_the_context_says_so(server):
     assert "max_tokens" not in err["message"] and "longer than the model's context of 512" in err["message"]
 
 
+BUT_7 = [t for t in range(VOCAB_SIZE) if t != 7]
+
+
 @pytest.mark.parametrize(
     "extreme",
     [
         {"top_p": 1e-300},  # more than 0, as the check asks, but 0 in float32
-        # a float32 inf: a banned eos's -inf over it is NaN, and a row of NaN keeps no token either
-        {"temperature": 1e39, "min_tokens": 6, "top_p": 0.9},
+        # a float32 inf: a banned token's -inf over it was NaN, and a row of NaN kept no token
+        # either; every token but 7 banned until the end (min_tokens)
+        {"temperature": 1e39, "min_tokens": 6, "top_p": 0.9, "stop_token_ids": BUT_7},
     ],
 )
 def test_sampling_extremes_keep_the_likeliest_and_the_engine_serving(server, llm, extreme):
     """top-p keeps at least the likeliest token, as vLLM's: it kept none here, and its threshold
-    read index -1, which failed the step and so stopped the engine and the server."""
+    read index -1, which failed the step and so stopped the engine and the server. A temperature
+    past float32's range divides as its largest: inf made the banned tokens NaN, which argmax took."""
     body = OK | {"prompt": PROMPTS[3], "max_tokens": 6, "temperature": 1.0, "return_token_ids": True}
     r = server.post(C, body | extreme)
     assert r.status_code == 200, r.text
-    if "min_tokens" not in extreme:  # only the likeliest kept: greedy's tokens
-        want = llm.generate([PROMPTS[3]], greedy(6))[0]
-        assert r.json()["choices"][0]["token_ids"] == want.token_ids
+    # only the likeliest kept: greedy's tokens; or the only one not banned
+    want = [7] * 6 if "min_tokens" in extreme else llm.generate([PROMPTS[3]], greedy(6))[0].token_ids
+    assert r.json()["choices"][0]["token_ids"] == want
     assert server.post(C, OK).status_code == 200
 
 
