@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from ft import LLM, SamplingParams
 from ft.distributed import TPInfo, all_reduce, recording_all_reduces
+from ft.engine import executor
 from ft.engine.executor import WorkerError
 from tests.checkpoints import write_checkpoint
 
@@ -82,6 +85,73 @@ def test_checkpoint_error_on_a_rank_is_reported(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(WorkerError, match=r"missing tensor 'model\.layers\.1\.mlp\.gate\.weight'"):
         LLM(model=str(tmp_path), tp_size=2, device="cpu", dtype="float32", progress=False)
+
+
+def _faulty_worker(fault, rank, *args):
+    """The real worker, except that rank ``bad_rank`` raises ``message`` at its ``call``-th launch
+    and takes half a second to exit after reporting it, as a CUDA process tearing down its context
+    does (``fault`` = (bad_rank, call, message))."""
+    import os
+
+    from ft.engine import executor
+    from ft.engine.model_runner import ModelRunner
+
+    bad_rank, call, message = fault
+    if rank == bad_rank:
+        launch, calls, exit_now = ModelRunner.launch, itertools.count(1), os._exit
+
+        def failing(self, *a, **k):
+            if next(calls) == call:
+                raise RuntimeError(message)
+            return launch(self, *a, **k)
+
+        def slow_exit(code):
+            time.sleep(0.5)
+            exit_now(code)
+
+        ModelRunner.launch, os._exit = failing, slow_exit
+    executor._worker_main(rank, *args)
+
+
+def generate_with_fault(tmp_path, monkeypatch, fault, **options) -> str:
+    """The WorkerError a generation on two ranks meets when one raises (``_faulty_worker``)."""
+    write_checkpoint(tmp_path, "qwen3_moe")
+    monkeypatch.setattr(executor, "_worker_main", functools.partial(_faulty_worker, fault))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with (
+        LLM(model=str(tmp_path), tp_size=2, device="cpu", dtype="float32", progress=False, **options) as llm,
+        pytest.raises(WorkerError) as failed,
+    ):
+        llm.generate([[1, 2, 3], [4, 5]], params)
+    return str(failed.value)
+
+
+def test_the_rank_that_raised_is_reported_not_the_others_broken_collective(tmp_path, monkeypatch):
+    """The first rank raises before its forward: the other, in an all-reduce, fails too once it
+    has gone (gloo: connection reset), but what the caller reads is the first rank's error. The
+    caller looks a moment after each wake-up, as on a busy host: the echo was reported then (and
+    about a third of the time without the delay)."""
+    wait = executor.wait
+
+    def busy_wait(*args, **kwargs):
+        ready = wait(*args, **kwargs)
+        time.sleep(0.1)
+        return ready
+
+    monkeypatch.setattr(executor, "wait", busy_wait)
+    why = generate_with_fault(tmp_path, monkeypatch, (0, 2, "injected fault on rank 0"))
+    assert "injected fault on rank 0" in why, why
+
+
+def test_a_rank_raising_a_long_error_in_a_forward_does_not_hang_the_others(tmp_path, monkeypatch):
+    """An error larger than a pipe holds (a compiler's log, say) is read while the first rank
+    waits in the forward's all-reduce: the caller fails at once, not at the collective's timeout."""
+    start = time.monotonic()
+    why = generate_with_fault(
+        tmp_path, monkeypatch, (1, 2, "injected fault " + "x" * (1 << 20)), dist_timeout_s=30
+    )
+    assert "injected fault" in why, why[:500]
+    assert time.monotonic() - start < 20
 
 
 def test_all_reduce_recording_notes_only_real_reduces_and_does_not_nest():

@@ -3,9 +3,9 @@
 - ``InProcessExecutor``: tp_size 1, the runner lives in the caller's process.
 - ``MultiprocExecutor``: one child process per rank (rank 0 included), joined by
   torch.distributed (NCCL on CUDA, gloo on CPU). The caller sends each step to every rank over
-  its pipe and reads rank 0's result. It waits on the result *and* on every child's sentinel, so
-  a rank that dies is noticed at once: the others are killed and the caller gets ``WorkerError``
-  instead of hanging in a collective.
+  its pipe and reads rank 0's result. It waits on *every* rank's pipe and sentinel, so a rank
+  that raises or dies is noticed at once: the others are killed and the caller gets
+  ``WorkerError``, naming the rank that failed first, instead of hanging in a collective.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import collections
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
 from multiprocessing.connection import Connection, wait
 
@@ -118,8 +119,9 @@ def _worker_main(rank: int, cfg: EngineConfig, mc: ModelConfig, init_method: str
     except (EOFError, KeyboardInterrupt):
         pass
     except BaseException as e:  # report, then die: the caller turns this into WorkerError
-        try:
-            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        try:  # when: the caller reports the first error, not its echoes on the other ranks
+            why = f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+            conn.send(("error", (time.time(), why)))
         except Exception:
             pass
         os._exit(1)
@@ -133,6 +135,8 @@ class MultiprocExecutor:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.conns: list[Connection] = []
         self.procs = []
+        self.inbox = [collections.deque() for _ in range(cfg.tp_size)]  # messages read, not yet asked for
+        self.gone: set[int] = set()  # ranks that died or closed their pipe
         for rank in range(cfg.tp_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
@@ -149,37 +153,59 @@ class MultiprocExecutor:
         self.plan = plans[0]
 
     def _recv(self, rank: int, expect: str):
-        conn = self.conns[rank]
-        while True:
-            ready = wait([conn] + [p.sentinel for p in self.procs])
-            self._fail_if_a_rank_died(ready)
-            try:
-                kind, payload = conn.recv()
-            except (EOFError, OSError):  # the rank is going: give its sentinel a moment to say how
-                self.procs[rank].join(timeout=5)
-                self._fail(
-                    f"tensor-parallel rank {rank} closed its pipe (exit code {self.procs[rank].exitcode})"
-                )
-            if kind == "error":
-                # a rank's error is often the echo of another rank's death (a broken collective):
-                # wait a moment for a sentinel, so the dead rank is the one reported
-                others = [p.sentinel for i, p in enumerate(self.procs) if i != rank]
-                self._fail_if_a_rank_died(wait(others, timeout=1.0))
-                self._fail(payload)
-            if kind != expect:
-                self._fail(f"rank {rank} sent {kind!r}, expected {expect!r}")
-            return payload
+        """The next message of ``rank``. Every rank's pipe is read meanwhile, not only ``rank``'s:
+        another rank's error fails the call as it comes (one larger than a pipe holds would block
+        that rank, and the collective waiting for it, until the timeout), as a death does."""
+        while not self.inbox[rank]:
+            if self._read(self._watched()):
+                self._fail(self._cause())
+        kind, payload = self.inbox[rank].popleft()
+        if kind != expect:
+            self._fail(f"rank {rank} sent {kind!r}, expected {expect!r}")
+        return payload
 
-    def _fail_if_a_rank_died(self, ready) -> None:
-        for i, p in enumerate(self.procs):
-            if p.sentinel in ready and not p.is_alive():
-                detail = ""
-                try:  # a dying rank may have left its traceback in the pipe
-                    if self.conns[i].poll():
-                        kind, detail = self.conns[i].recv()
-                except (EOFError, OSError):
-                    pass
-                self._fail(f"tensor-parallel rank {i} died (exit code {p.exitcode}) {detail}".strip())
+    def _watched(self, timeout: float | None = None) -> list:
+        """Those of the live ranks' pipes and sentinels that are ready (``wait``)."""
+        live = [i for i in range(len(self.procs)) if i not in self.gone]
+        return wait([self.conns[i] for i in live] + [self.procs[i].sentinel for i in live], timeout)
+
+    def _read(self, ready: list) -> bool:
+        """Take the messages in ``ready`` into the inboxes (all that an exited rank left); whether
+        a rank has failed: sent an error, closed its pipe or died."""
+        failed = False
+        for i, (conn, p) in enumerate(zip(self.conns, self.procs)):
+            if p.sentinel in ready:
+                self.gone.add(i)
+            if conn not in ready and i not in self.gone:
+                continue
+            try:
+                while conn.poll():
+                    self.inbox[i].append(conn.recv())
+                    failed |= self.inbox[i][-1][0] == "error"
+                    if i not in self.gone:  # one at a time from a live rank
+                        break
+            except (EOFError, OSError):
+                self.gone.add(i)
+        return failed or bool(self.gone)
+
+    def _cause(self) -> str:
+        """What broke the group, once every rank has failed or a second has passed: a rank that
+        died without a word (killed), else the error raised first. The others' errors are mostly
+        its echoes (collectives that lost a peer), raised after it but not always read after it."""
+        deadline = time.monotonic() + 1.0
+        while (left := deadline - time.monotonic()) > 0 and not all(
+            i in self.gone or self._error(i) for i in range(len(self.procs))
+        ):
+            self._read(self._watched(left))
+        for i in sorted(self.gone):
+            if self._error(i) is None:
+                self.procs[i].join(timeout=5)
+                return f"tensor-parallel rank {i} died (exit code {self.procs[i].exitcode})"
+        return min(e for e in map(self._error, range(len(self.procs))) if e is not None)[1]
+
+    def _error(self, rank: int) -> tuple[float, str] | None:
+        """(when, why) of the error ``rank`` sent, if it sent one."""
+        return next((payload for kind, payload in self.inbox[rank] if kind == "error"), None)
 
     def _fail(self, why: str):
         self.shutdown(graceful=False)
