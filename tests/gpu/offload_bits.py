@@ -8,10 +8,11 @@ differed. The offload paths claim the resident arithmetic: decode reads each exp
 they lie (a slot, the host store, the staging block) into the same kernels, and a streamed
 prefill writes each (token, k) term and sums them in k order. Here, on the tests' tiny models
 (bf16, and NVFP4 experts), every path against the resident backend: the largest difference of the
-prompt's log-probs, of the decode's, and whether the greedy tokens agree, top-2 and top-4 (two
-terms sum alike in either order), the cache at a quarter of the experts, host reads on and off, and the same offloaded
-engine's second pass over the prompts (its cache warmed by the first). 0.0 everywhere is what the
-design says; a row that is not names the path whose sums follow the cache.
+prompt's log-probs, of the decode's, and whether the greedy tokens agree, at top-2 and top-4 (two
+terms sum alike in either order), the cache at a quarter of the experts, host reads on and off,
+and the same offloaded engine's second pass over the prompts (its cache warmed by the first). 0.0
+everywhere is what the design says; a row that is not names the path whose sums follow the cache.
+2026-12-06 (an H100, after 3053d11): 0.0 and the same tokens in every row.
 """
 
 from __future__ import annotations
