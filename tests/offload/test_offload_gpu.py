@@ -4,8 +4,10 @@ segmented CUDA graphs, against the resident backend.
 - fp32: exactly the resident outputs (torch kernels, top-2, so the sums are order-free), through
   the real asynchronous paths (side stream, events, pinned copies, double-buffered staging).
 - bf16: the cache path runs the same Triton kernel on slot rows, so decode equals the resident
-  backend's; prefill streams pairs one expert each, summed in fp32, which may round differently
-  in the last place; CUDA-graph decode with misses equals eager decode.
+  backend's; prefill streams pairs in groups, each call at the whole batch's tiles, their terms
+  summed in k order as the resident kernels sum them, so a prompt's log-probs are the resident
+  ones bit for bit (top-4 test; the older tests keep their bf16 tolerances); CUDA-graph decode
+  with misses equals eager decode.
 - hybrid: the CPU computes misses in bf16 with torch, which rounds differently from Triton, so it
   is held to the bf16 format's own error against the fp32 reference.
 """
