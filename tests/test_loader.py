@@ -86,6 +86,28 @@ def test_misshaped_tensor_is_named(tmp_path, ckpt, name):
         load(path)
 
 
+@pytest.mark.parametrize("edit", ["shape", "dtype"])
+def test_a_bad_tensor_is_named_before_any_tensor_is_read(tmp_path, ckpt, monkeypatch, edit):
+    """Every loader checks its tensor's header (shape, dtype, the rank's slice) before the load
+    reads any data: a bad tensor late in a checkpoint does not cost minutes of reading first."""
+    from ft.models.checkpoint import CheckpointTensor
+
+    def spoil(t):
+        w = t["model.norm.weight"]
+        t["model.norm.weight"] = w[:-1].contiguous() if edit == "shape" else w.to(torch.int32)
+
+    path = edited(tmp_path, ckpt, spoil)
+    reads = []
+    for method in ("narrow", "read"):
+        real = getattr(CheckpointTensor, method)
+        monkeypatch.setattr(
+            CheckpointTensor, method, lambda self, *a, real=real: reads.append(self.name) or real(self, *a)
+        )
+    with pytest.raises(CheckpointError, match=rf"'model\.norm\.weight' in .*model\.safetensors: {edit}"):
+        load(path)
+    assert reads == []
+
+
 def test_sharded_checkpoint_with_index(tmp_path):
     hf = write_checkpoint(tmp_path / "one", "qwen3_next", seed=5)
     hf.save_pretrained(str(tmp_path / "many"), max_shard_size="20KB")

@@ -59,6 +59,22 @@ class CheckpointTensor:
         return self._slice[tuple(slice(None) for _ in self.shape)] if self.shape else self._slice[()]
 
 
+class Unread(Exception):
+    """Raised by a ``HeaderTensor`` where a weight loader would read data: its checks have passed."""
+
+
+class HeaderTensor(CheckpointTensor):
+    """A ``CheckpointTensor`` whose data is never read: a weight loader handed one runs its checks
+    (shape, dtype, the rank's slice) and stops at its first read with ``Unread``."""
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        self.check_range(dim, start, length)
+        raise Unread(self.name)
+
+    def read(self) -> torch.Tensor:
+        raise Unread(self.name)
+
+
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,

@@ -1,8 +1,9 @@
 """Strict safetensors loading: every checkpoint tensor maps to a parameter part, every parameter
 part to a checkpoint tensor, and each rank reads only its slice.
 
-The check runs on the file headers before any tensor data is read, so a wrong checkpoint fails
-in seconds with the name of the first offending tensor and its file.
+The checks run on the file headers before any tensor data is read (the names here, each tensor's
+shape, dtype and slice by its own weight loader handed a ``HeaderTensor``), so a wrong checkpoint
+fails in seconds with the name of the first offending tensor and its file.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ft.models.checkpoint import CheckpointError, CheckpointTensor, open_file
+from ft.models.checkpoint import CheckpointError, CheckpointTensor, HeaderTensor, Unread, open_file
 from ft.quant import dequantized
 from ft.quant.dequantized import Dequantize
 
@@ -141,37 +142,48 @@ def load_weights(model: nn.Module, path: str, progress: bool = True) -> int:
     expected, dequantize = check_names(model, where, path)
     as_float = {f"{m}.weight": (m, how) for m, how in dequantize.items()}
     todo = [n for n in where if n in expected]
-    bar = tqdm(total=len(todo), desc="loading weights", unit="tensor", disable=not progress)
+
+    def load(name: str, tensor) -> None:
+        target, ckpt = expected[name], tensor(name)
+        if name in as_float:  # the layer loads it as a float tensor
+            device = dequantize_device(target.param)
+            ckpt = dequantized.open_dequantized(ckpt, *as_float[name], where, tensor, device=device)
+        target.param.weight_loader(target.param, ckpt, target.shard_id)
+
     with OpenFiles(where) as opened:
+        for name in todo:  # every tensor's checks first: a bad one late in the files costs no reading
+            try:
+                load(name, opened.header)
+            except Unread:
+                pass
+        bar = tqdm(total=len(todo), desc="loading weights", unit="tensor", disable=not progress)
         for file in files:
             for name in (n for n in todo if where[n] == file):
-                target, ckpt = expected[name], opened.tensor(name)
-                if name in as_float:  # the layer loads it as a float tensor
-                    device = dequantize_device(target.param)
-                    ckpt = dequantized.open_dequantized(
-                        ckpt, *as_float[name], where, opened.tensor, device=device
-                    )
-                target.param.weight_loader(target.param, ckpt, target.shard_id)
+                load(name, opened.tensor)
                 bar.update()
             opened.close(file)
-    bar.close()
+        bar.close()
     return len(todo)
 
 
 class OpenFiles:
-    """The checkpoint's files, each opened once while it loads and whenever a tensor loading from
-    another file needs one of its tensors (a dequantised weight's scales): an open parses the
-    file's whole header, tens of milliseconds for a shard of a 512-expert model, so one per
-    dequantised tensor added minutes to a block-FP8 load."""
+    """The checkpoint's files, each opened once by the header checks and kept until it has loaded,
+    and again whenever a tensor loading from another file needs one of its tensors (a dequantised
+    weight's scales): an open parses the file's whole header, tens of milliseconds for a shard of
+    a 512-expert model, so one per dequantised tensor added minutes to a block-FP8 load."""
 
     def __init__(self, where: dict[str, str]) -> None:
         self.where, self.handles = where, {}
 
-    def tensor(self, name: str) -> CheckpointTensor:
+    def tensor(self, name: str, kind: type[CheckpointTensor] = CheckpointTensor) -> CheckpointTensor:
         file = self.where[name]
         if file not in self.handles:
             self.handles[file] = open_file(file).__enter__()
-        return CheckpointTensor(name, file, self.handles[file])
+        return kind(name, file, self.handles[file])
+
+    def header(self, name: str) -> HeaderTensor:
+        """``name`` as a ``HeaderTensor``: its checks, none of its data."""
+        return self.tensor(name, HeaderTensor)
 
     def close(self, file: str) -> None:
         handle = self.handles.pop(file, None)
