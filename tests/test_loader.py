@@ -142,6 +142,14 @@ def test_truncated_file_is_named(tmp_path, ckpt, keep):
         load(path)
 
 
+def test_an_unreadable_file_is_named(tmp_path, ckpt):
+    """safetensors' own OSError for a file it cannot map names no file ('No such device')."""
+    path = edited(tmp_path, ckpt, lambda t: None)
+    os.mkdir(os.path.join(path, "extra.safetensors"))
+    with pytest.raises(CheckpointError, match=r"extra\.safetensors: not a readable safetensors file"):
+        load(path)
+
+
 def sharded(tmp_path, edit_index) -> str:
     """A sharded copy of a tiny checkpoint with its index passed through ``edit_index``."""
     hf = write_checkpoint(tmp_path / "one", "qwen3_moe")

@@ -17,11 +17,11 @@ class CheckpointError(ValueError):
 
 
 def open_file(file: str):
-    """``safe_open`` of ``file``; a truncated or corrupt one raises an error naming it (safetensors'
-    own names no file)."""
+    """``safe_open`` of ``file``; a truncated, corrupt or unreadable one raises an error naming it
+    (safetensors' own names no file)."""
     try:
         return safe_open(file, "pt")
-    except SafetensorError as e:
+    except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
 
 
