@@ -157,9 +157,12 @@ def _checkpoint_tensor_shape(path: str | None, name: str) -> tuple[int, ...] | N
 
 
 QWEN4_EXP_REQUIRED = (
-    "layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-    "linear_value_head_dim", "linear_conv_kernel_dim", "qsa_block_size", "qsa_topk_blocks",
-    "qsa_local_blocks", "qsa_index_heads", "qsa_index_head_dim",
+    "layer_types", "qsa_block_size", "qsa_topk_blocks", "qsa_local_blocks", "qsa_index_heads",
+    "qsa_index_head_dim",
+)  # fmt: skip
+QWEN4_EXP_GDN = (
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim",
 )  # fmt: skip
 QWEN4_EXP_OPTIONAL = dict(
     shared_expert_intermediate_size=512, hc_mult=1, hc_sinkhorn_iters=1, hc_eps=1e-6, ple_heads=0,
@@ -169,7 +172,9 @@ QWEN4_EXP_OPTIONAL = dict(
 # the spec says where it is silent: a missing partial_rotary_factor rotates a quarter of each head.
 QWEN4_EXP_QWEN3_NEXT_DEFAULTS = dict(
     num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, num_experts=512,
-    num_experts_per_tok=10, moe_intermediate_size=512,
+    num_experts_per_tok=10, moe_intermediate_size=512, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
 )  # fmt: skip
 
 
@@ -178,7 +183,7 @@ def _qwen4_exp(raw: dict[str, Any]) -> ModelConfig:
     for name in QWEN4_EXP_REQUIRED:
         if name not in raw:
             raise ValueError(f"config field {name}: required for qwen4_exp")
-    fields = {k: raw[k] for k in QWEN4_EXP_REQUIRED} | {
+    fields = {k: raw[k] for k in QWEN4_EXP_REQUIRED + QWEN4_EXP_GDN} | {
         k: raw.get(k, v) for k, v in QWEN4_EXP_OPTIONAL.items()
     }
     ple_layers = tuple(raw.get("ple_layers") or ())

@@ -46,3 +46,20 @@ def test_absent_fields_take_qwen3_next_defaults(field, attr):
     assert getattr(mc, attr) == expected
     if field == "num_experts":
         assert set(mc.mlp_types) == {"moe"}  # every qwen4_exp layer has an MoE sublayer (section 3)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+    ],
+)
+def test_absent_gdn_fields_take_qwen3_next_defaults(field):
+    """Section 1 lists the GDN sizes without a default and without "(required)", as it lists
+    head_dim: absent, each is Qwen3-Next's."""
+    mc = parsed_without(field, linear_num_value_heads=32)  # 32: a multiple of Qwen3-Next's 16 key heads
+    assert getattr(mc, field) == getattr(NEXT, field)
