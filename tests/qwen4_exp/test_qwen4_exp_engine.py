@@ -79,3 +79,33 @@ def test_batched_equals_alone(tiny):
     options = dict(enable_prefix_cache=False, max_num_batched_tokens=29)
     alone = [generate(path, [p], params, **options)[0] for p in PROMPTS]
     assert max_logprob_gap(generate(path, PROMPTS, params, **options), alone) < 1e-5
+
+
+def test_longest_ngram_after_a_prefix_hit_in_small_chunks_matches_the_oracle(tmp_path):
+    """PLE's widest context (order 9 reads the 8 tokens the engine carries before a chunk), a
+    ple_pad_id that is not 0 and a PLE layer that is a QSA layer: a prompt resumed after a
+    prefix-cache hit (its 9-grams straddle the hit) in chunks of 3, then decoded, gives the
+    oracle's tokens and log-probs."""
+    from ft import LLM
+    from tests.reference.qwen4_exp_ckpt import tiny_qwen4_exp_config, write_qwen4_exp_checkpoint
+    from tests.reference.qwen4_exp_ref import load_checkpoint
+
+    config = tiny_qwen4_exp_config(ple_pad_id=77, ple_ngram_orders=[1, 9], ple_layers=[1, 2])
+    write_qwen4_exp_checkpoint(tmp_path, config, seed=4)
+    weights, config = load_checkpoint(tmp_path)
+    shared = PROMPTS[2][:30]
+    params = greedy(4, logprobs=0)
+    options = dict(device="cpu", dtype="float32", progress=False, block_size=4, max_num_batched_tokens=3)
+    with LLM(model=str(tmp_path), **options) as llm:
+        llm.generate([shared], params)
+        llm.generate([shared], params)  # a second sight of the prefix saves its GDN state
+        prompt = shared + [9, 9, 1]
+        out = llm.generate([prompt], params)[0]
+    assert out.num_cached_tokens == 28
+    ref = torch.log_softmax(reference_logits(weights, config, prompt + out.token_ids), dim=-1)
+    assert out.token_ids == ref[len(prompt) - 1 : -1].argmax(-1).tolist()
+    gaps = [
+        abs(d[t] - float(ref[len(prompt) - 1 + i, t]))
+        for i, (d, t) in enumerate(zip(out.logprobs, out.token_ids))
+    ]
+    assert max(gaps) < 1e-4
