@@ -97,8 +97,7 @@ def test_longest_ngram_after_a_prefix_hit_in_small_chunks_matches_the_oracle(tmp
     params = greedy(4, logprobs=0)
     options = dict(device="cpu", dtype="float32", progress=False, block_size=4, max_num_batched_tokens=3)
     with LLM(model=str(tmp_path), **options) as llm:
-        llm.generate([shared], params)
-        llm.generate([shared], params)  # a second sight of the prefix saves its GDN state
+        llm.generate([shared], params)  # caches the prefix and its GDN state at token 28
         prompt = shared + [9, 9, 1]
         out = llm.generate([prompt], params)[0]
     assert out.num_cached_tokens == 28
