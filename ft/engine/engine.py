@@ -230,6 +230,10 @@ class LLMEngine:
                 self.scheduler.discard(seq)
             self._ahead = None
 
+    def check_workers(self) -> None:
+        """Raise ``WorkerError`` if a tensor-parallel rank has died (``MultiprocExecutor.check``)."""
+        self.executor.check()
+
     def idle(self) -> None:
         """The caller has nothing for the engine to run now (the serving loop before it waits for
         requests, ``LLM.generate`` before it returns): an offloading engine pre-stages experts for

@@ -57,6 +57,9 @@ class InProcessExecutor:
     def moe_idle(self) -> None:
         self.runner.moe.idle()
 
+    def check(self) -> None:
+        """Nothing to watch: the model runs in this process."""
+
     def set_moe_variant(self, policy: str | None, routing_skew: float | None) -> None:
         self.runner.set_moe_variant(policy, routing_skew)
 
@@ -259,6 +262,13 @@ class MultiprocExecutor:
     def profile(self, action: str, calls: list | None = None) -> dict | float | None:
         """``ModelRunner.profile`` on every rank; the first rank's result."""
         return self._every_rank("profile", (action, calls))[0]
+
+    def check(self) -> None:
+        """Raise ``WorkerError`` if a rank has died or sent an error since the last call, without
+        waiting: an idle server asks every second, so a rank killed while no request runs stops it
+        then (its supervisor restarts it) instead of failing the next request."""
+        if self.procs and self._read(self._watched(0)):
+            self._fail(self._cause())
 
     def _every_rank(self, cmd: str, payload) -> list:
         for conn in self.conns:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ft.config import EngineConfig
 from ft.sampling_params import Logprobs, RequestOutput
 
-IDLE_POLL_S = 1.0  # how often an idle engine checks that the HTTP process is still there
+IDLE_POLL_S = 1.0  # how often an idle engine checks that the HTTP process and its ranks are still there
 MOE_LOG_S = 30.0  # how often the server log gets the offload figures (residency, hit rate, PCIe)
 STALL_WAIT_S = 0.01  # how long a step that ran nothing waits for a command before trying again
 
@@ -131,6 +131,7 @@ class EngineLoop:
                 if parent is not None and not parent.is_alive():
                     return  # the HTTP process is gone: nobody to serve
                 if not busy:
+                    self.engine.check_workers()  # a rank that died meanwhile ends the loop (fatal)
                     continue
                 commands = []
             for cmd in commands:

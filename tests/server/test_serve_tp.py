@@ -3,6 +3,7 @@ and not, and SIGTERM stops the server, its engine process and both rank workers.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -73,3 +74,33 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_rank_killed_while_idle_stops_the_server(model_dir, tmp_path):
+    """A rank that dies while no request runs: the idle engine notices within its poll and the
+    server exits 1 naming the rank, so a supervisor restarts it (before, it kept answering /health
+    and failed the next request)."""
+    s = start_server(model_dir, tmp_path / "serve.log", "--tp-size", "2")
+    try:
+        ranks = [pid for pid in s.descendants() if _is_rank(pid)]
+        assert len(ranks) == 2, (ranks, s.output())
+        os.kill(ranks[1], signal.SIGKILL)
+        s.proc.wait(timeout=30)
+        assert s.proc.returncode == 1, s.output()
+        assert "died" in s.output() and "rank" in s.output(), s.output()
+    finally:
+        s.stop(signal.SIGTERM)
+
+
+def _is_rank(pid: int) -> bool:
+    """A tensor-parallel worker: a spawned child of the engine process (not its resource tracker)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().decode(errors="replace")
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            parent_cmd = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return "spawn_main" in cmd and "spawn_main" in parent_cmd
