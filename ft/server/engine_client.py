@@ -74,7 +74,7 @@ class EngineClient:
             if msg[0] == "fatal":
                 raise EngineDeadError(msg[1])
             if msg[0] == "ready":
-                self.info = msg[1]
+                self.info, self.stats = msg[1], msg[2]
                 return self.info
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:

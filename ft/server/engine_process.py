@@ -5,7 +5,7 @@ that the engine may start its own tensor-parallel workers) and talks to it with 
 
     to the engine     ("add", batch, [(request_id, prompt_token_ids, SamplingParams), ...])
                       ("abort", [request_id, ...])      ("shutdown",)
-    from the engine   ("ready", EngineInfo)    ("ack", batch, error message or None)
+    from the engine   ("ready", EngineInfo, stats)    ("ack", batch, error message or None)
                       ("step", [Delta, ...], stats)     ("stats", stats)    ("fatal", message)
 
 The loop blocks on its queue only while it has nothing to run; otherwise it takes whatever has
@@ -82,8 +82,10 @@ def engine_main(cfg: EngineConfig, in_q, out_q) -> None:
         out_q.put(("fatal", f"the engine failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
     try:
-        out_q.put(("ready", _info(engine, cfg)))
-        EngineLoop(engine, in_q, out_q).run()
+        loop = EngineLoop(engine, in_q, out_q)
+        # with the first stats: /metrics has the pool and the experts' placement before any request
+        out_q.put(("ready", _info(engine, cfg), loop._stats()))
+        loop.run()
     except Exception as e:
         out_q.put(("fatal", f"the engine stopped: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:

@@ -19,6 +19,7 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     flags = ["--moe-backend", "offload", "--expert-cache-fraction", "0.25", "--num-tokens", "256"]
     s = start_server(model_dir, tmp_path_factory.mktemp("log") / "serve.log", *flags)
+    s.at_start = s.metrics()  # before any request
     yield s
     assert s.stop() == 0, s.output()
 
@@ -43,3 +44,14 @@ def test_offload_serves_and_reports_residency(server, model_dir):
     assert m["ft_moe_bytes_streamed_total"] > 0 and m["ft_moe_bytes_per_token"] > 0
     assert m["ft_moe_bytes_host_read_total"] > 0  # its decode read missed experts in place
     assert "moe offload (lru, prefetch on): 4 layers x 2/8 experts resident" in server.output()
+
+
+def test_metrics_before_the_first_request_say_where_the_experts_are(server):
+    """A scrape before any request has the start-up placement and the pool, not zeros and the
+    default backend (the engine's first stats came with its first step)."""
+    m = server.at_start
+    assert m['ft_moe_backend_info{backend="offload"}'] == 1 and 'ft_moe_backend_info{backend="gpu"}' not in m
+    assert m["ft_moe_cache_slots_per_layer"] == 2 and m["ft_moe_resident_experts"] == 4 * 2
+    assert m["ft_moe_expert_residency"] == 0.25 and m["ft_moe_expert_hit_rate"] == 1  # no use yet
+    assert m["ft_kv_cache_free_tokens"] == 256 and m["ft_kv_cache_used_tokens"] == 0
+    assert m["ft_moe_expert_hits_total"] == m["ft_moe_expert_misses_total"] == 0
