@@ -76,3 +76,20 @@ def test_info_says_which_quantised_modules_load_dequantised(tmp_path):
     nvfp4 = format_info(dataclasses.replace(mc, expert_format="nvfp4"), [1])  # --quantize-experts nvfp4
     assert f"{projections:,} expert projections fp8_block -> NVFP4" in nvfp4
     assert "dequantised" not in format_info(load_model_config(str(tmp_path / "dequant")), [1])
+
+
+def test_the_nvfp4_experts_line_is_what_a_rank_holds_in_nvfp4(tmp_path):
+    """`experts per rank: nvfp4` is what one rank's experts take stored as NVFP4: the experts of
+    the model --quantize-experts nvfp4 builds (no activation scales: quantised at load), and a
+    ModelOpt checkpoint's own (its input_scale too). It counted a ModelOpt bank for both, so the
+    80B's line read 40.782 GiB under its rank's 40.781."""
+    from ft.models.info import expert_bytes
+    from tests.nvfp4.modelopt_ckpt import write_nvfp4_checkpoint
+
+    mc = dataclasses.replace(load_model_config(NEXT), expert_format="nvfp4")
+    for tp in (1, 2, 4, 8):
+        assert expert_bytes(mc, tp, "nvfp4") == footprint(mc, tp).bytes["experts"]
+    write_nvfp4_checkpoint(tmp_path, "qwen3_next", seed=1)
+    modelopt = load_model_config(str(tmp_path / "nvfp4"))
+    assert modelopt.expert_format == "nvfp4"
+    assert expert_bytes(modelopt, 1, "nvfp4") == footprint(modelopt, 1).bytes["experts"]

@@ -61,14 +61,19 @@ def footprint(
 
 
 def expert_bytes(mc: ModelConfig, tp_size: int, fmt: str) -> int:
-    """One rank's routed-expert bytes over all MoE layers if stored as ``fmt`` (one bank on meta)."""
+    """One rank's routed-expert bytes over all MoE layers if stored as ``fmt`` (one bank on meta):
+    loaded from the checkpoint's own format if it is ``fmt`` (a ModelOpt bank keeps its activation
+    scales), else quantised at load from bf16 (none)."""
     from ft.moe.block import BANKS
 
+    first = mc.mlp_types.index("moe") if "moe" in mc.mlp_types else 0
+    stored = mc.quantization.format_of(f"model.layers.{first}.mlp.experts.0.gate_proj")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # a bf16 bank's dtype
     try:
         with tp_context(TPInfo(0, tp_size)), torch.device("meta"):
-            bank = BANKS[fmt](mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, fmt)
+            source = fmt if stored == fmt else "bf16"
+            bank = BANKS[fmt](mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, source)
     finally:
         torch.set_default_dtype(previous)
     return bank.weight_bytes() * mc.mlp_types.count("moe")
