@@ -4,6 +4,7 @@ roofline counts the bytes a decode step must move."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -76,6 +77,13 @@ def test_bench_offline_census(tmp_path, capsys):
     assert "aten::linear" not in [row[0] for row in decode["top"]]  # leaves only: no double counting
     assert decode["allreduce_ms_per_step"] == 0  # one rank: nothing to reduce
     assert decode["allreduce_in_step"] == [] and "all-reduce" not in printed
+    # each costliest kernel's line reads calls x time a call = its time a step
+    name, count, us = next(row for row in decode["top"] if row[1] > 1)
+    line = next(x for x in printed.splitlines() if x.endswith(f"  {name[:100]}"))
+    got = re.fullmatch(r"\s*([\d.]+) x\s+([\d.,]+) us = \s*([\d.,]+) us a step  .*", line).groups()
+    calls, each, step = (float(v.replace(",", "")) for v in got)
+    assert calls == pytest.approx(count, abs=0.05) and step == pytest.approx(us, abs=0.05)
+    assert each == pytest.approx(us / count, abs=0.05)
 
 
 def test_bench_offline_census_at_tp2_counts_the_all_reduces(tmp_path, capsys):

@@ -294,5 +294,6 @@ def format_census(rows: list[Census]) -> list[str]:
         counted = c.allreduce_in_step[0].batch if c.allreduce_in_step else 0
         lines += [format_in_step(s, counted) for s in c.allreduce_in_step]
         for name, count, us in c.top:
-            lines.append(f"  {count:7.1f} x {us:10.1f} us  {name[:100]}")
+            # calls x time a call = time a step (``top`` holds the step's)
+            lines.append(f"  {count:7.1f} x {us / count:8.1f} us = {us:10.1f} us a step  {name[:100]}")
     return lines
