@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -176,3 +177,23 @@ def test_bench_variants_are_checked_before_the_model_loads(tiny_config, argv, wh
             "8", "--output-len", "4", "--prefill-lens", "", *argv]  # fmt: skip
     with pytest.raises(SystemExit, match=rf"^ft bench: .*{why}"):
         main(argv)
+
+
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["--port", "70000"], r"--port 70000: expected 0 to 65535"),
+        (["--port", "-1"], r"--port -1: expected 0 to 65535"),
+        (["--max-request-bytes", "0"], r"--max-request-bytes must be at least 1"),
+        (["--max-request-bytes", "-5"], r"--max-request-bytes must be at least 1"),
+    ],
+)
+def test_serve_refuses_bad_server_numbers_before_binding(tiny_config, capsys, monkeypatch, argv, why):
+    """A port past 65535 was taken modulo 65536 (70000 listened on 4464); a body limit of 0 meant
+    the default and a negative one refused every request."""
+    from ft.cli import main
+    from ft.server import cli
+
+    monkeypatch.setattr(cli, "_bind", lambda host, port: pytest.fail(f"bound {host}:{port}"))
+    assert main(["serve", "--config", tiny_config, "--load-format", "dummy", "--device", "cpu", *argv]) == 2
+    assert re.search(rf"^ft serve: {why}", capsys.readouterr().err)

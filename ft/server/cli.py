@@ -51,8 +51,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not (args.model or args.config_file):
         print("ft serve: give --model DIR (or --config FILE --load-format dummy)", file=sys.stderr)
         return 2
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        print("ft serve: --max-waiting-requests must be at least 1", file=sys.stderr)
+    why = _bad_server_option(args)
+    if why:
+        print(f"ft serve: {why}", file=sys.stderr)
         return 2
     from ft.config import EngineConfig
     from ft.engine.build import model_config_of
@@ -132,6 +133,18 @@ def _serve(args: argparse.Namespace, cfg, client, sock: socket.socket, defaults:
     print(f"ft serve: ready at http://{shown}:{port}  (OpenAI API under /v1; Ctrl-C stops)", flush=True)
     server.run(sockets=[sock])
     return 1 if client.dead is not None else 0
+
+
+def _bad_server_option(args: argparse.Namespace) -> str | None:
+    """What is wrong with the HTTP side's numbers, if anything (the engine's are EngineConfig's).
+    A port past 65535 would be taken modulo 65536 by getaddrinfo: 70000 listens on 4464."""
+    if not 0 <= args.port <= 65535:
+        return f"--port {args.port}: expected 0 to 65535 (0 picks a free port)"
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        return "--max-waiting-requests must be at least 1"
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        return "--max-request-bytes must be at least 1"
+    return None
 
 
 def _interrupt(signum, frame) -> None:
