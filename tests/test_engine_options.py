@@ -87,3 +87,35 @@ def test_a_model_refused_whatever_the_split_is_not_blamed_on_tp_size(monkeypatch
             build.tp_refusal(None, size)
     monkeypatch.setattr(build, "build_model", refuses(split_only=True))
     assert build.tp_refusal(None, 2) == "the layers refuse" and build.tp_refusal(None, 1) is None
+
+
+@pytest.mark.parametrize(
+    "family,options,why",
+    [
+        ("qwen3_next", dict(ple_backend="pinned"), r"ple_backend=.pinned.: the model has no PLE"),
+        ("qwen3_moe", dict(ple_backend="pinned"), r"ple_backend=.pinned.: the model has no PLE"),
+        ("dense", dict(moe_backend="offload"), r"moe_backend='offload': the model has no routed experts"),
+        ("dense", dict(moe_backend="cpu"), r"moe_backend='cpu': the model has no routed experts"),
+        ("dense", dict(quantize_experts="nvfp4"), r"quantize_experts='nvfp4': the model has no routed"),
+        ("dense", dict(expert_cache_fraction=0.5), r"expert_cache_fraction=0\.5: the model has no routed"),
+        ("dense", dict(static_experts=1), r"static_experts=1: the model has no routed experts"),
+    ],
+)
+def test_an_option_for_a_part_the_model_lacks_is_refused(family, options, why):
+    """--ple-backend pinned on a model without PLE, or an expert placement or format on one without
+    routed experts, was parsed and then ignored; it is refused by name before ranks start."""
+    from dataclasses import replace
+
+    from ft.engine.build import check_fits
+    from ft.models.config_json import config_from_dict
+    from tests.checkpoints import QWEN3_MOE_BASE, QWEN3_NEXT_BASE
+
+    base = QWEN3_NEXT_BASE if family == "qwen3_next" else QWEN3_MOE_BASE
+    raw = base | dict(model_type="qwen3_next" if family == "qwen3_next" else "qwen3_moe")
+    if family == "dense":
+        raw |= dict(mlp_only_layers=list(range(raw["num_hidden_layers"])))
+    mc = config_from_dict(raw)
+    cfg = EngineConfig(**DUMMY, device="cpu", **options)
+    with pytest.raises(ValueError, match=rf"^EngineConfig\.{why}"):
+        check_fits(cfg, mc)
+    check_fits(replace(cfg, **{k: getattr(EngineConfig, k) for k in options}), mc)  # the defaults fit

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from ft.config import EngineConfig
+from ft.config import OFFLOAD_OPTIONS, EngineConfig
 from ft.distributed import TPInfo, tp_context
 from ft.models.config import ModelConfig
 from ft.models.config_json import load_model_config
@@ -41,8 +41,9 @@ def model_config_of(cfg: EngineConfig, mc: ModelConfig | None = None) -> ModelCo
 
 def check_fits(cfg: EngineConfig, mc: ModelConfig) -> None:
     """Refuse options the model cannot take, in the caller's process before any rank starts: a
-    --max-model-len beyond its positions, or a --tp-size its layers cannot shard. ``mc``: the
-    effective config (``effective_model_config``)."""
+    --max-model-len beyond its positions, a --tp-size its layers cannot shard, or an option for a
+    part it lacks (a PLE table, routed experts), which would be ignored. ``mc``: the effective
+    config (``effective_model_config``)."""
     if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
         raise ValueError(
             f"EngineConfig.max_model_len={cfg.max_model_len} is beyond the model's "
@@ -51,6 +52,19 @@ def check_fits(cfg: EngineConfig, mc: ModelConfig) -> None:
     why = tp_refusal(mc, cfg.tp_size, cfg.torch_dtype(mc.dtype))
     if why:
         raise ValueError(f"EngineConfig.tp_size={cfg.tp_size} does not fit the model: {why}")
+    if cfg.ple_backend != "device" and not mc.ple_layers:
+        raise ValueError(
+            f"EngineConfig.ple_backend={cfg.ple_backend!r}: the model has no PLE n-gram table "
+            "(config.json's ple_layers) to place; leave --ple-backend out"
+        )
+    if "moe" not in mc.mlp_types:
+        given = [(n, getattr(cfg, n)) for n in ("quantize_experts", *OFFLOAD_OPTIONS) if getattr(cfg, n)]
+        given += [("moe_backend", cfg.moe_backend)] if cfg.moe_backend not in ("auto", "gpu") else []
+        if given:
+            raise ValueError(
+                f"EngineConfig.{given[0][0]}={given[0][1]!r}: the model has no routed experts (every "
+                "layer's MLP is dense), so there are none to place or quantise; leave the option out"
+            )
 
 
 def tp_refusal(mc: ModelConfig, tp_size: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
