@@ -121,6 +121,11 @@ class EngineConfig:
             size = parse_size(getattr(self, name), f"EngineConfig.{name}")
             if size is not None and size <= 0:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be positive")
+        if self.max_gpu_memory is not None and self.resolved_device.type == "cpu":
+            raise ValueError(
+                f"EngineConfig.max_gpu_memory={self.max_gpu_memory!r} caps a GPU's memory, and this engine "
+                "runs on cpu (--device): leave --max-gpu-memory out"
+            )
         cache_options = [f"{n}={getattr(self, n)!r}" for n in OFFLOAD_OPTIONS if getattr(self, n) is not None]
         if self.moe_backend == "gpu" and cache_options:
             raise ValueError(

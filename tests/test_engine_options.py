@@ -119,3 +119,10 @@ def test_an_option_for_a_part_the_model_lacks_is_refused(family, options, why):
     with pytest.raises(ValueError, match=rf"^EngineConfig\.{why}"):
         check_fits(cfg, mc)
     check_fits(replace(cfg, **{k: getattr(EngineConfig, k) for k in options}), mc)  # the defaults fit
+
+
+def test_max_gpu_memory_on_the_cpu_is_refused():
+    """--max-gpu-memory caps a GPU's allocator and plan; on the CPU it was accepted and ignored."""
+    with pytest.raises(ValueError, match=r"max_gpu_memory='48GiB' caps a GPU's memory.*runs on cpu"):
+        EngineConfig(**DUMMY, device="cpu", max_gpu_memory="48GiB")
+    assert EngineConfig(**DUMMY, device="cuda", max_gpu_memory="48GiB").max_gpu_memory_bytes == 48 << 30

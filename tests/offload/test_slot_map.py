@@ -215,7 +215,7 @@ def test_sizes_and_config_checks():
     for bare in ("48", "48ib", " 1.5 "):  # no unit: not taken as bytes
         with pytest.raises(ValueError, match="with a unit"):
             parse_size(bare)
-    cfg = EngineConfig(config_file="x", load_format="dummy", max_gpu_memory="48GiB")
+    cfg = EngineConfig(config_file="x", load_format="dummy", device="cuda", max_gpu_memory="48GiB")
     assert cfg.max_gpu_memory_bytes == 48 << 30
     bad_options = (
         dict(moe_backend="disk"),
