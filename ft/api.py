@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ft.config import EngineConfig
+from ft.config import TOKENIZER_FILES, EngineConfig
 from ft.engine.engine import LLMEngine
 from ft.generation_config import describe, sampling_defaults
 from ft.sampling_params import RequestOutput, SamplingParams
@@ -21,10 +21,7 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 def load_tokenizer(path: str | None):
     """The checkpoint's tokenizer, or None when the directory has no tokenizer files."""
-    if path is None or not any(
-        os.path.exists(os.path.join(path, f))
-        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-    ):
+    if path is None or not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 

@@ -17,6 +17,8 @@ MOE_BACKENDS = ("auto", "gpu", "offload", "hybrid", "cpu")
 CACHE_POLICIES = ("lru", "lfu")
 # options that size an expert cache: given, the auto backend offloads (``MoeRuntime._choose``)
 OFFLOAD_OPTIONS = ("expert_cache_fraction", "static_experts")
+# a directory holding one of these has a tokenizer (``ft.api.load_tokenizer``)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
@@ -92,6 +94,15 @@ class EngineConfig:
             )
         if self.model is not None and not os.path.isdir(self.model):
             raise ValueError(f"EngineConfig.model: {self.model!r} is not a directory")
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ValueError(f"EngineConfig.tokenizer: {self.tokenizer!r} is not a directory")
+        if self.tokenizer is not None and not any(
+            os.path.exists(os.path.join(self.tokenizer, f)) for f in TOKENIZER_FILES
+        ):
+            raise ValueError(
+                f"EngineConfig.tokenizer: {self.tokenizer!r} has no tokenizer files "
+                f"({', '.join(TOKENIZER_FILES)})"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"EngineConfig.load_format: {self.load_format!r} (known: auto, dummy)")
         if self.model is None and self.load_format != "dummy":

@@ -126,3 +126,14 @@ def test_max_gpu_memory_on_the_cpu_is_refused():
     with pytest.raises(ValueError, match=r"max_gpu_memory='48GiB' caps a GPU's memory.*runs on cpu"):
         EngineConfig(**DUMMY, device="cpu", max_gpu_memory="48GiB")
     assert EngineConfig(**DUMMY, device="cuda", max_gpu_memory="48GiB").max_gpu_memory_bytes == 48 << 30
+
+
+def test_a_tokenizer_option_without_a_tokenizer_is_refused(tmp_path):
+    """--tokenizer naming a missing directory, or one without tokenizer files, served token ids only
+    (as a checkpoint without a tokenizer does), saying nothing of the option."""
+    with pytest.raises(ValueError, match=r"EngineConfig\.tokenizer: '/no/such/dir' is not a directory"):
+        EngineConfig(**DUMMY, tokenizer="/no/such/dir")
+    with pytest.raises(ValueError, match=r"EngineConfig\.tokenizer: .* has no tokenizer files \(tokenizer"):
+        EngineConfig(**DUMMY, tokenizer=str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert EngineConfig(**DUMMY, tokenizer=str(tmp_path)).tokenizer == str(tmp_path)
