@@ -137,6 +137,12 @@ class EngineConfig:
                 f"EngineConfig.max_gpu_memory={self.max_gpu_memory!r} caps a GPU's memory, and this engine "
                 "runs on cpu (--device): leave --max-gpu-memory out"
             )
+        paged = self.block_size >= 16 and self.block_size & (self.block_size - 1) == 0
+        if not paged and self.attention_backend != "torch" and self.resolved_device.type == "cuda":
+            raise ValueError(
+                f"EngineConfig.block_size={self.block_size}: the CUDA attention kernels (Triton) page "
+                "the KV cache in blocks of a power of two >= 16; --block-size 16 is the default"
+            )
         cache_options = [f"{n}={getattr(self, n)!r}" for n in OFFLOAD_OPTIONS if getattr(self, n) is not None]
         if self.moe_backend == "gpu" and cache_options:
             raise ValueError(

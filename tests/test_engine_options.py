@@ -137,3 +137,14 @@ def test_a_tokenizer_option_without_a_tokenizer_is_refused(tmp_path):
         EngineConfig(**DUMMY, tokenizer=str(tmp_path))
     (tmp_path / "tokenizer.json").write_text("{}")
     assert EngineConfig(**DUMMY, tokenizer=str(tmp_path)).tokenizer == str(tmp_path)
+
+
+@pytest.mark.parametrize("size", [1, 8, 24])
+def test_a_block_size_the_cuda_kernels_cannot_page_is_refused(size):
+    """On CUDA the Triton attention kernels take blocks of a power of two >= 16 (``triton_paged``);
+    another --block-size passed, and failed their assertion once the weights had loaded."""
+    with pytest.raises(ValueError, match=rf"EngineConfig\.block_size={size}: .* a power of two >= 16"):
+        EngineConfig(**DUMMY, device="cuda", block_size=size)
+    assert EngineConfig(**DUMMY, device="cpu", block_size=size).block_size == size  # the torch reference's
+    assert EngineConfig(**DUMMY, device="cuda", attention_backend="torch", block_size=size).block_size == size
+    assert EngineConfig(**DUMMY, device="cuda", block_size=32).block_size == 32
