@@ -179,9 +179,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ft import LLM, SamplingParams
 
     options = engine_options(args)
-    engine_config("generate", options)
+    prompt = generate_prompt(args, engine_config("generate", options))
     with LLM(**options) as llm:
-        prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -193,6 +192,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate([prompt], params)[0]
         print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
     return 0
+
+
+def generate_prompt(args: argparse.Namespace, cfg) -> str | list[int]:
+    """``--prompt`` as the engine takes it, or an exit naming it, before the model loads."""
+    import os
+
+    from ft.config import TOKENIZER_FILES
+
+    if args.token_ids:
+        try:
+            return [int(t) for t in args.prompt.split(",")]
+        except ValueError:
+            raise SystemExit(
+                f"ft generate: --prompt {args.prompt!r}: expected comma-separated token ids, e.g. 1,2,3"
+            ) from None
+    where = cfg.tokenizer or cfg.model
+    if where is None or not any(os.path.exists(os.path.join(where, f)) for f in TOKENIZER_FILES):
+        raise SystemExit(
+            f"ft generate: --prompt {args.prompt!r} is text, and {where or cfg.config_file!r} has no "
+            "tokenizer files: give token ids with --token-ids"
+        )
+    return args.prompt
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -197,3 +197,25 @@ def test_serve_refuses_bad_server_numbers_before_binding(tiny_config, capsys, mo
     monkeypatch.setattr(cli, "_bind", lambda host, port: pytest.fail(f"bound {host}:{port}"))
     assert main(["serve", "--config", tiny_config, "--load-format", "dummy", "--device", "cpu", *argv]) == 2
     assert re.search(rf"^ft serve: {why}", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["--prompt", "1,x", "--token-ids"], r"--prompt '1,x': expected comma-separated token ids"),
+        (["--prompt", "", "--token-ids"], r"--prompt '': expected comma-separated token ids"),
+        (["--prompt", "Hello"], r"--prompt 'Hello' is text, and .* has no tokenizer files: .*--token-ids"),
+    ],
+)
+def test_generate_refuses_a_prompt_it_cannot_read_before_loading(tiny_config, monkeypatch, argv, why):
+    """A bad --token-ids prompt, or text for a checkpoint without a tokenizer, was found once the
+    model had loaded, as a traceback."""
+    import os
+
+    import ft
+    from ft.cli import main
+
+    monkeypatch.setattr(ft, "LLM", lambda **options: pytest.fail("the model was loaded"))
+    argv = ["generate", "--model", os.path.dirname(tiny_config), "--device", "cpu", *argv]
+    with pytest.raises(SystemExit, match=rf"^ft generate: {why}"):
+        main(argv)
