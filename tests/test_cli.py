@@ -165,6 +165,10 @@ def test_info_names_a_config_it_cannot_read(tmp_path):
         (["--load-format", "dummy", "--batch-sizes", "0"], r"--batch-sizes '0': expected"),
         (["--load-format", "dummy", "--prefill-lens", "16,0"], r"--prefill-lens '16,0': expected"),
         (["--load-format", "dummy", "--dummy-routing-skews", "0,x"], r"-skews '0,x': expected numbers"),
+        (["--input-len", "0"], r"--input-len must be at least 1, got 0"),
+        (["--output-len", "-3"], r"--output-len must be at least 1, got -3"),
+        (["--census-batch", "0"], r"--census-batch must be at least 1, got 0"),
+        (["--prefill-runs", "0"], r"--prefill-runs must be at least 1, got 0"),
     ],
 )
 def test_bench_variants_are_checked_before_the_model_loads(tiny_config, argv, why):

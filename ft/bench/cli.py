@@ -137,10 +137,10 @@ def cmd_offline(args) -> int:
     skews = skews or [args.dummy_routing_skew]
     policies = [s for s in (args.expert_cache_policies or "").split(",") if s] or [args.expert_cache_policy]
     variants = [(skew, policy) for skew in skews for policy in policies]
-    if args.census_batch < 1:
-        raise SystemExit(f"--census-batch must be at least 1, got {args.census_batch}")
-    if args.prefill_runs < 1:
-        raise SystemExit(f"--prefill-runs must be at least 1, got {args.prefill_runs}")
+    for flag in ("--input-len", "--output-len", "--census-batch", "--prefill-runs"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 1:
+            raise SystemExit(f"ft bench: {flag} must be at least 1, got {value}")
     # not given: 64 running requests, as every row before 2026-12-05 ran (not the engine's default,
     # fewer when the experts stream), so rows stay comparable
     given = args.max_running_requests or DEFAULT_RUNNING
