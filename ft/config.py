@@ -19,6 +19,11 @@ CACHE_POLICIES = ("lru", "lfu")
 OFFLOAD_OPTIONS = ("expert_cache_fraction", "static_experts")
 # a directory holding one of these has a tokenizer (``ft.api.load_tokenizer``)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+# the offloading backends' options at their defaults: another value means nothing to the gpu backend
+STREAM_DEFAULTS = dict(
+    moe_prefill_hit_d2d=False, moe_staging_experts=None, moe_stream_ahead=True, moe_prefetch=True,
+    expert_cache_policy="lru", max_host_memory=None,
+)  # fmt: skip
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
@@ -148,6 +153,17 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.{cache_options[0]} sizes an expert cache, and the gpu MoE backend keeps every "
                 "expert resident: use --moe-backend offload (or hybrid), or leave the backend to choose"
+            )
+        streaming = [
+            f"{n}={getattr(self, n)!r}"
+            for n, default in STREAM_DEFAULTS.items()
+            if getattr(self, n) != default
+        ]
+        if self.moe_backend == "gpu" and streaming:
+            raise ValueError(
+                f"EngineConfig.{streaming[0]} changes how experts stream from the host, and the gpu MoE "
+                "backend keeps every expert resident: use --moe-backend offload (or hybrid), or leave the "
+                "backend to choose"
             )
         if self.dummy_routing_skew and self.load_format != "dummy":
             raise ValueError(

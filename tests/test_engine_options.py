@@ -148,3 +148,23 @@ def test_a_block_size_the_cuda_kernels_cannot_page_is_refused(size):
     assert EngineConfig(**DUMMY, device="cpu", block_size=size).block_size == size  # the torch reference's
     assert EngineConfig(**DUMMY, device="cuda", attention_backend="torch", block_size=size).block_size == size
     assert EngineConfig(**DUMMY, device="cuda", block_size=32).block_size == 32
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(moe_prefill_hit_d2d=True),
+        dict(moe_staging_experts=4),
+        dict(moe_stream_ahead=False),
+        dict(moe_prefetch=False),
+        dict(expert_cache_policy="lfu"),
+        dict(max_host_memory="8GiB"),
+    ],
+)
+def test_a_streaming_option_beside_the_gpu_backend_is_refused(option):
+    """With every expert resident nothing streams: these options of the offloading backends were
+    parsed and ignored beside an explicit --moe-backend gpu (auto may still choose to offload)."""
+    ((name, value),) = option.items()
+    with pytest.raises(ValueError, match=rf"EngineConfig\.{name}={value!r} .* the gpu MoE backend keeps"):
+        EngineConfig(**DUMMY, moe_backend="gpu", **option)
+    assert getattr(EngineConfig(**DUMMY, **option), name) == value
