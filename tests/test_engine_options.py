@@ -92,8 +92,6 @@ def test_a_model_refused_whatever_the_split_is_not_blamed_on_tp_size(monkeypatch
 @pytest.mark.parametrize(
     "family,options,why",
     [
-        ("qwen3_next", dict(ple_backend="pinned"), r"ple_backend=.pinned.: the model has no PLE"),
-        ("qwen3_moe", dict(ple_backend="pinned"), r"ple_backend=.pinned.: the model has no PLE"),
         ("dense", dict(moe_backend="offload"), r"moe_backend='offload': the model has no routed experts"),
         ("dense", dict(moe_backend="cpu"), r"moe_backend='cpu': the model has no routed experts"),
         ("dense", dict(quantize_experts="nvfp4"), r"quantize_experts='nvfp4': the model has no routed"),
@@ -102,8 +100,8 @@ def test_a_model_refused_whatever_the_split_is_not_blamed_on_tp_size(monkeypatch
     ],
 )
 def test_an_option_for_a_part_the_model_lacks_is_refused(family, options, why):
-    """--ple-backend pinned on a model without PLE, or an expert placement or format on one without
-    routed experts, was parsed and then ignored; it is refused by name before ranks start."""
+    """An expert placement or format on a model without routed experts was parsed and then ignored;
+    it is refused by name before ranks start."""
     from dataclasses import replace
 
     from ft.engine.build import check_fits
@@ -119,6 +117,22 @@ def test_an_option_for_a_part_the_model_lacks_is_refused(family, options, why):
     with pytest.raises(ValueError, match=rf"^EngineConfig\.{why}"):
         check_fits(cfg, mc)
     check_fits(replace(cfg, **{k: getattr(EngineConfig, k) for k in options}), mc)  # the defaults fit
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_moe"])
+def test_a_ple_backend_on_a_model_without_ple_is_noted_not_refused(family, capsys):
+    """The mission's command line (``--ple-backend pinned``) serves Qwen3-Next too: on a model
+    without a PLE table the option starts the engine as without it, and says so."""
+    from ft.engine.build import check_fits
+    from ft.models.config_json import config_from_dict
+    from tests.checkpoints import QWEN3_MOE_BASE, QWEN3_NEXT_BASE
+
+    base = QWEN3_NEXT_BASE if family == "qwen3_next" else QWEN3_MOE_BASE
+    mc = config_from_dict(base | dict(model_type=family))
+    check_fits(EngineConfig(**DUMMY, device="cpu", ple_backend="pinned"), mc)
+    assert "--ple-backend pinned: the model has no PLE n-gram table" in capsys.readouterr().err
+    check_fits(EngineConfig(**DUMMY, device="cpu"), mc)
+    assert capsys.readouterr().err == ""
 
 
 def test_max_gpu_memory_on_the_cpu_is_refused():

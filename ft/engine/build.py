@@ -9,6 +9,7 @@ checkpoint builds (``ft.models.registry``), where the expert banks' experts live
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import torch
@@ -41,9 +42,10 @@ def model_config_of(cfg: EngineConfig, mc: ModelConfig | None = None) -> ModelCo
 
 def check_fits(cfg: EngineConfig, mc: ModelConfig) -> None:
     """Refuse options the model cannot take, in the caller's process before any rank starts: a
-    --max-model-len beyond its positions, a --tp-size its layers cannot shard, or an option for a
-    part it lacks (a PLE table, routed experts), which would be ignored. ``mc``: the effective
-    config (``effective_model_config``)."""
+    --max-model-len beyond its positions, a --tp-size its layers cannot shard, or an expert option
+    on a model without routed experts, which would be ignored. ``--ple-backend`` on a model without
+    a PLE table is only noted: the mission's one command line (``--ple-backend pinned``) serves
+    Qwen3-Next as well as qwen4_exp. ``mc``: the effective config (``effective_model_config``)."""
     if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
         raise ValueError(
             f"EngineConfig.max_model_len={cfg.max_model_len} is beyond the model's "
@@ -53,9 +55,11 @@ def check_fits(cfg: EngineConfig, mc: ModelConfig) -> None:
     if why:
         raise ValueError(f"EngineConfig.tp_size={cfg.tp_size} does not fit the model: {why}")
     if cfg.ple_backend != "device" and not mc.ple_layers:
-        raise ValueError(
-            f"EngineConfig.ple_backend={cfg.ple_backend!r}: the model has no PLE n-gram table "
-            "(config.json's ple_layers) to place; leave --ple-backend out"
+        print(
+            f"ft: --ple-backend {cfg.ple_backend}: the model has no PLE n-gram table (config.json's "
+            "ple_layers), so there is nothing to place",
+            file=sys.stderr,
+            flush=True,
         )
     if "moe" not in mc.mlp_types:
         given = [(n, getattr(cfg, n)) for n in ("quantize_experts", *OFFLOAD_OPTIONS) if getattr(cfg, n)]
