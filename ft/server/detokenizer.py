@@ -4,7 +4,11 @@
 can end in the middle of a UTF-8 character; the decoded text then ends in U+FFFD, and the delta
 is held back until a later token completes the character (or the request ends). Each call
 decodes only a short window, [prefix_offset, end), whose start is a point where earlier text was
-released whole, so the deltas always add up to ``decode(all tokens)``.
+released whole, so the deltas always add up to ``decode(all tokens)``. Output that keeps ending in
+U+FFFD (invalid UTF-8, which a client can force with ``logit_bias``) would grow that window without
+end, each token decoding all of it again; past ``HOLD_TOKENS`` held tokens the text before the last
+``HOLD_TOKENS`` is released once it is final (a character is at most 4 bytes, a token at least 1),
+so each call decodes a bounded window.
 
 ``TextStream`` sits on top and applies stop strings: text that might be the start of a stop
 string is held back until it is known not to be one; when a stop string appears the text is cut
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from ft.server.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
+HOLD_TOKENS = 4  # the tokens a character cut at their start can still be waiting for (UTF-8: 3)
 
 
 def held_back(text: str, tags: Sequence[str]) -> int:
@@ -40,6 +45,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.prefix_offset = 0  # start of the decode window: released whole up to here...
         self.read_offset = 0  # ...and up to here; text from here on is not released yet
+        self.special = tokenizer.special_ids  # tokens that decode to nothing when skipped
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
@@ -57,10 +63,25 @@ class IncrementalDetokenizer:
         skip = self.skip_special_tokens
         prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip)
         text = self.tokenizer.decode(ids[self.prefix_offset :], skip)
-        if not final and (len(text) <= len(prefix) or text.endswith(REPLACEMENT)):
-            return ""  # nothing new, or the last character is not complete yet
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-        return text[len(prefix) :]
+        if final or (len(text) > len(prefix) and not text.endswith(REPLACEMENT)):
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            return text[len(prefix) :]
+        return self._release_head(prefix, text)  # nothing new, or the last character is not whole
+
+    def _release_head(self, prefix: str, text: str) -> str:
+        """With more than 2 x ``HOLD_TOKENS`` tokens held, the text before the last ``HOLD_TOKENS``
+        when it is final: no skipped special token, which adds no byte, is among the last ones (so
+        no character they would complete is cut there), and what the window decodes to up to
+        there begins ``text`` (a tokenizer's clean-up of spaces may differ across the cut)."""
+        ids, skip = self.token_ids, self.skip_special_tokens
+        cut = len(ids) - HOLD_TOKENS
+        if cut - self.read_offset < HOLD_TOKENS or (skip and self.special.intersection(ids[cut:])):
+            return ""
+        head = self.tokenizer.decode(ids[self.prefix_offset : cut], skip)
+        if len(head) <= len(prefix) or not text.startswith(head):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, cut
+        return head[len(prefix) :]
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,10 @@ class Tokenizer:
         return self.hf.eos_token_id
 
     @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.hf.all_special_ids)
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 

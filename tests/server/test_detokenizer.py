@@ -50,6 +50,75 @@ def test_held_back_character_is_released_at_the_end(tok):
     assert detok.flush() == "\ufffd"
 
 
+def byte_token(tok, b: int) -> int:
+    """The id of the tiny tokenizer's token for the single byte ``b``."""
+    from ft.server.tokenizer import _BYTE_DECODER
+
+    return tok.hf.convert_tokens_to_ids(next(c for c, v in _BYTE_DECODER.items() if v == b))
+
+
+class Counting:
+    """A tokenizer whose decodes count the tokens they read."""
+
+    def __init__(self, tok):
+        self.tok, self.read = tok, 0
+        self.special_ids = tok.special_ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.read += len(ids)
+        return self.tok.decode(ids, skip_special_tokens)
+
+
+def test_invalid_utf8_is_decoded_in_bounded_windows(tok):
+    """Output that keeps ending in U+FFFD (continuation bytes with no lead, which ``logit_bias``
+    can force) held every token since the last release, and each new token decoded all of them
+    again: quadratic, on the server's event loop (4,000 tokens took 2.4 s). The tokens read stay
+    linear in the output, and the deltas still add up to the full decode."""
+    ids = [byte_token(tok, 0x80)] * 3000
+    counting = Counting(tok)
+    _, all_parts = feed(IncrementalDetokenizer(counting), ids)
+    assert "".join(all_parts) == tok.decode(ids)
+    assert counting.read < 20 * len(ids), counting.read
+
+
+def test_held_windows_release_only_final_text(tok):
+    """Runs of invalid bytes mixed with characters split into single bytes (a character's last
+    byte may come just after a long invalid run), special tokens among them, skipped or not: the
+    windows released early add up with the rest to the full decode (a half character released as
+    U+FFFD, or text released twice, would not)."""
+    rng = random.Random(1)
+    special = sorted(tok.special_ids)
+    for _ in range(300):
+        ids = []
+        while len(ids) < 60:
+            kind = rng.random()
+            if kind < 0.4:
+                ids += [byte_token(tok, rng.choice([0x80, 0xBF, 0xFF]))] * rng.randrange(1, 12)
+            elif kind < 0.8:
+                ids += [byte_token(tok, b) for b in rng.choice(["中", "😀", "é", "a"]).encode()]
+            elif kind < 0.9:
+                ids.append(rng.choice(special))
+            else:
+                ids += [byte_token(tok, rng.choice([0xE4, 0xF0]))]  # a lead byte left alone
+        for skip in (True, False):
+            _, all_parts = feed(IncrementalDetokenizer(tok, skip), ids)
+            assert "".join(all_parts) == tok.decode(ids, skip)
+
+
+def test_a_character_around_skipped_special_tokens_is_not_cut(tok):
+    """A skipped special token adds no byte, so the tokens after a cut may not yet hold the rest
+    of a character begun before it: 中 (E4 B8 AD) with special tokens between its bytes, after a
+    long invalid run, comes out whole when they are skipped."""
+    invalid, special = byte_token(tok, 0x80), sorted(tok.special_ids)[0]
+    lead, rest = byte_token(tok, 0xE4), [byte_token(tok, 0xB8), byte_token(tok, 0xAD)]
+    for k in range(8):
+        ids = [invalid] * 12 + [lead] + [special] * k + rest + [invalid] * 12
+        for skip in (True, False):
+            _, all_parts = feed(IncrementalDetokenizer(tok, skip), ids)
+            assert "".join(all_parts) == tok.decode(ids, skip), (k, skip)
+        assert "中" in tok.decode(ids)
+
+
 def stream(tok, text, stop, final=True):
     s = TextStream(tok, TextOptions(tuple(stop)))
     ids = tok.encode(text, add_special_tokens=False)
