@@ -41,7 +41,7 @@ def _call(body: str) -> ToolCall | None:
         obj = json.loads(body)
     except (ValueError, RecursionError):  # nested too deep for json: not a call either
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _utf8(obj["name"]):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
@@ -51,7 +51,20 @@ def _call(body: str) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+    text = json.dumps(args, ensure_ascii=False)
+    if not _utf8(text):  # half a character the model escaped ("\ud83d") stays escaped: UTF-8 has none
+        text = json.dumps(args)
+    return ToolCall(obj["name"], text, f"call_{uuid.uuid4().hex[:24]}")
+
+
+def _utf8(text: str) -> bool:
+    """Whether the answer, sent as UTF-8, can carry ``text``: json reads an escaped lone surrogate
+    (``"\\udc00"``) into a string that it cannot."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class ToolCallStream:

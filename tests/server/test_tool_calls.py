@@ -136,3 +136,18 @@ def test_the_writer_streams_each_call_whole_once():
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "weather"), (1, "time")]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+
+
+def test_a_call_with_half_a_character_escaped_can_be_sent():
+    # json reads "\ud83d" (half of an emoji's UTF-16 pair) as a lone surrogate, which UTF-8 cannot
+    # carry: the answer's encoding failed (a 500, or a stream cut off)
+    text = '<tool_call>{"name": "weather", "arguments": {"city": "\\ud83d Paris"}}</tool_call>'
+    w = writer(text)
+    assert w.body()["choices"][0]["finish_reason"] == "tool_calls"
+    json.dumps(w.body(), ensure_ascii=False).encode()
+    for event in asyncio.run(_events(w)):
+        json.dumps(event, ensure_ascii=False).encode()
+    (call,) = parse_tool_calls(text)[1]
+    assert json.loads(call.arguments) == {"city": "\ud83d Paris"}  # the same value, escaped
+    named = '<tool_call>{"name": "w\\udc00", "arguments": {}}</tool_call>'  # no function is named so
+    assert parse_tool_calls(named) == (named, [])
