@@ -57,7 +57,8 @@ class _Writer:
         # each choice's reasoning and calls as its text streams (``events``)
         indices = [c.index for c in gen.choices]
         self.reasoning = {i: ReasoningStream(thinking) for i in indices} if thinking is not None else {}
-        self.calls = {i: ToolCallStream() for i in indices} if req.calls_tools else {}
+        self.most_calls = 1 if req.parallel_tool_calls is False else None
+        self.calls = {i: ToolCallStream(self.most_calls) for i in indices} if req.calls_tools else {}
         self._held: dict[int, tuple[list[int], list[Logprobs]]] = {}  # a stream's tokens of no chunk yet
 
     def _header(self, obj: str) -> dict:
@@ -76,7 +77,7 @@ class _Writer:
             if self.thinking is not None:
                 reasoning, text = split_reasoning(text, self.thinking)
             if self.req.calls_tools:
-                text, calls = parse_tool_calls(text)
+                text, calls = parse_tool_calls(text, self.most_calls)
             message = {"role": "assistant", "content": text if text or reasoning is None else None}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning

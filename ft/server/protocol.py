@@ -202,7 +202,7 @@ class _ChatTemplate(_Strict):
     # "auto" (the default with tools): the model may call them; "none": the template is not shown
     # them and the output is not parsed for calls
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # accepted; the model decides how many it makes
+    parallel_tool_calls: bool | None = None  # false: the first call is answered, later ones dropped
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -8,7 +8,8 @@
 the start of a tag; ``parse_tool_calls`` does the same for a finished text. A block whose body is
 not a JSON object with a string ``name`` (and ``arguments`` an object, or a string) stays in the
 content as the model wrote it, as does a block the output ends inside. Whitespace around calls (the
-template's newlines) is dropped. Not here: other models' call formats, constraining the output to
+template's newlines) is dropped. With ``most`` (``parallel_tool_calls: false``: 1) the calls after
+that many are dropped, as vLLM does. Not here: other models' call formats, constraining the output to
 a call (``tool_choice: "required"`` or a named function).
 """
 
@@ -71,7 +72,8 @@ class ToolCallStream:
     """Content and calls from text fed in pieces: ``feed`` returns what can be released now,
     ``finish`` what was held back when the output ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, most: int | None = None) -> None:
+        self.most = most  # calls released at most; later ones are dropped
         self.calls = 0  # calls released so far
         self._text = ""  # not yet released: a partial tag, a block being read, whitespace
         self._inside = False
@@ -90,7 +92,7 @@ class ToolCallStream:
                 call = _call(body)
                 if call is None:  # not a call after all: the model's own text
                     content += self._gap + OPEN + body + CLOSE
-                else:
+                elif self.most is None or self.calls < self.most:
                     calls.append(call)
                     self.calls += 1
                 continue
@@ -115,9 +117,9 @@ class ToolCallStream:
         return "" if self.calls and not rest.strip() else rest
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, most: int | None = None) -> tuple[str | None, list[ToolCall]]:
     """A finished output -> (its content, None when it is only calls; its calls in order)."""
-    stream = ToolCallStream()
+    stream = ToolCallStream(most)
     content, calls = stream.feed(text)
     content += stream.finish()
     return (content or None, calls) if calls else (text, [])

@@ -80,14 +80,14 @@ def test_no_partial_tag_is_released():
     assert stream.feed("\n") == ("", []) and stream.finish() == ""  # the template's newline after it
 
 
-def writer(text: str, finish: str = "stop", tools: bool = True, thinking: bool | None = None):
+def writer(text: str, finish: str = "stop", tools: bool = True, thinking: bool | None = None, **fields):
     """The chat writer over one finished choice whose output is ``text`` (``thinking``: as the
-    chat endpoint passes it with a reasoning parser, None without)."""
+    chat endpoint passes it with a reasoning parser, None without; ``fields``: more of the request)."""
     from ft.server.chat import _Writer
     from ft.server.generation import Update
     from ft.server.protocol import ChatCompletionRequest
 
-    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True} | fields
     if tools:
         body["tools"] = [{"type": "function", "function": {"name": "weather"}}]
     req = ChatCompletionRequest.model_validate(body)
@@ -136,6 +136,18 @@ def test_the_writer_streams_each_call_whole_once():
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "weather"), (1, "time")]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+
+
+def test_parallel_tool_calls_false_answers_the_first_call_only():
+    # as OpenAI and vLLM: the calls after the first are dropped, whole and streamed
+    w = writer(TWO, parallel_tool_calls=False)
+    message = w.body()["choices"][0]
+    assert [c["function"]["name"] for c in message["message"]["tool_calls"]] == ["weather"]
+    assert message["message"]["content"] == "Let me look." and message["finish_reason"] == "tool_calls"
+    deltas = [e["choices"][0]["delta"] for e in asyncio.run(_events(w))[1:]]
+    calls = [(c["index"], c["function"]["name"]) for d in deltas for c in d.get("tool_calls", [])]
+    assert calls == [(0, "weather")] and "".join(d.get("content", "") for d in deltas) == "Let me look."
+    assert len(writer(TWO, parallel_tool_calls=True).body()["choices"][0]["message"]["tool_calls"]) == 2
 
 
 def test_a_call_with_half_a_character_escaped_can_be_sent():
