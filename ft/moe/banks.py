@@ -136,7 +136,7 @@ class ExpertBank(nn.Module):
         w13, w2 = self.kernel_weights(tensors)
         if shared is None and host is None:
             assert down is None, "other down rows are a host read's"
-            return self.kernel(x, w13, w2, weights, ids)
+            return self.kernel(x, w13, w2, weights, ids, batch_experts=self.num_experts)  # a cache's too
         if host is not None and not x.is_cuda:  # no GPU to read it: both sides as one bank (tests)
             from ft.moe.backends.host_reads import as_one_bank
 

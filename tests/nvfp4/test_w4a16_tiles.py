@@ -89,9 +89,10 @@ def test_the_gluon_kernel_takes_the_banks_its_copies_fit():
 @pytest.mark.parametrize("w4a16", [False, True])
 def test_a_call_on_part_of_a_batch_takes_the_batchs_tiles(monkeypatch, w4a16):
     """A call over some of a batch's pairs (the offload backend's streamed groups: ``batch_tokens``)
-    runs at the tiles of the whole batch's call. A tile's K step orders each row's sums, so at
-    other tiles a pair's term lost the bits the resident call gives it, and an offloaded prompt's
-    log-probs followed what the expert cache held (the 80B's rows parted, 2026-12-06)."""
+    from a bank of other rows (a staging buffer of 3: ``batch_experts``, the model's 512) runs at
+    the tiles of the whole batch's call. A tile's K step orders each row's sums, so at other tiles
+    a pair's term lost the bits the resident call gives it, and an offloaded prompt's log-probs
+    followed what the expert cache held (the 80B's rows parted, 2026-12-06)."""
     pytest.importorskip("triton")
     import torch
 
@@ -104,13 +105,14 @@ def test_a_call_on_part_of_a_batch_takes_the_batchs_tiles(monkeypatch, w4a16):
     def launch(*args, **kwargs):
         taken.append(args[12])  # the tiles
 
-    e, inter, h, batch = 512, 64, 32, 4096
+    e, inter, h, batch = 3, 64, 32, 200
     x = torch.zeros(batch, h, dtype=torch.bfloat16)
     ids = torch.tensor([[3], [7], [7]])  # three pairs of the batch, k = 1 each
     weights = torch.ones(3, 1)
     terms = torch.zeros(3 * batch, h, dtype=torch.bfloat16)
     into = Into(torch.tensor([0, 5, 9]), terms, torch.tensor([0, 1, 2]))
     configs = triton_w4a16.CONFIGS if w4a16 else triton_moe.CONFIGS
-    triton_moe.mma_path(launch, x, None, None, weights, ids, e, inter, into, configs, batch_tokens=batch)
-    assert taken == list(triton_moe.pick_config(batch, e, configs))
-    assert taken != list(triton_moe.pick_config(len(ids), e, configs))  # the call's own would differ
+    triton_moe.mma_path(launch, x, None, None, weights, ids, e, inter, into, configs, batch, 512)
+    assert taken == list(triton_moe.pick_config(batch, 512, configs))
+    assert taken != list(triton_moe.pick_config(len(ids), 512, configs))  # the call's own count's
+    assert taken != list(triton_moe.pick_config(batch, e, configs))  # the rows' own (the E128 table)

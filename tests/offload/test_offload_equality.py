@@ -147,16 +147,19 @@ def test_hits_after_the_first_group_staged_ahead(ckpt, refs, d2d, after, monkeyp
 
 def test_streamed_pairs_take_their_batchs_kernel_path(ckpt):
     """Every kernel call of a streamed batch is told the batch's size (``batch_tokens``), so a GPU
-    kernel that picks GEMV or MMA by size picks for the pairs what it picks for the batch."""
+    kernel that picks GEMV or MMA by size picks for the pairs what it picks for the batch; and
+    every call, on the cache's slots or a staging buffer, the model's experts (``batch_experts``),
+    by which the GPU kernels pick their tile table as the resident call does."""
     from ft.moe.backends.runtime import moe_blocks
 
     with engine(ckpt, moe_backend="offload", expert_cache_fraction=0.25, moe_staging_experts=2) as llm:
-        calls = []
+        calls, experts = [], []
         for block in moe_blocks(llm.engine.executor.runner.model):
             bank, real = block.experts, block.experts.kernel
 
             def spy(x, *args, batch_tokens=None, real=real, **kw):  # into: the call's rows of x
                 calls.append((len(kw["into"].tokens) if kw.get("into") else len(x), batch_tokens))
+                experts.append(kw.get("batch_experts"))
                 return real(x, *args, batch_tokens=batch_tokens, **kw)
 
             bank.kernel = spy
@@ -164,6 +167,7 @@ def test_streamed_pairs_take_their_batchs_kernel_path(ckpt):
     streamed = [c for c in calls if c[1] is not None]
     assert streamed and all(tokens == 24 for _, tokens in streamed)
     assert any(rows < 24 for rows, _ in streamed)  # parts of the batch, told its size
+    assert set(experts) == {bank.num_experts}, experts  # staging buffers hold fewer rows
 
 
 def test_a_streamed_layer_uploads_its_pairs_once(ckpt, refs, monkeypatch):
@@ -570,6 +574,7 @@ def test_terms_into_their_rows_beside_a_shared_slot(monkeypatch):
 
     class Bank:
         kernel = staticmethod(fused_moe_ref)
+        num_experts = 4
 
         def kernel_weights(self, tensors):
             return tensors["w13"], tensors["w2"]

@@ -54,6 +54,7 @@ class CpuKernel:
 
     def __init__(self, bank) -> None:
         self.kernel, self.kernel_weights = cpu_kernel(bank.format), bank.kernel_weights
+        self.num_experts = bank.num_experts
 
 
 class CpuBackend:

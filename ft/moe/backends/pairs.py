@@ -124,8 +124,12 @@ def pair_terms(bank, tensors, x, tok: torch.Tensor, pair_w: torch.Tensor, rows: 
     each (on x's device: ``upload_pairs``), each term rounded once as a whole batch's call rounds it.
 
     Each expert sees the same tokens, in the same order, as in one call over the whole batch, and
-    the kernel takes the batch's path (``batch_tokens``), so its rows are that call's terms."""
-    return bank.kernel(x[tok], *bank.kernel_weights(tensors), pair_w, rows.unsqueeze(1), batch_tokens=len(x))
+    the kernel takes the batch's path and tiles (``batch_tokens``, ``batch_experts``), so its rows
+    are that call's terms."""
+    return bank.kernel(
+        x[tok], *bank.kernel_weights(tensors), pair_w, rows.unsqueeze(1), batch_tokens=len(x),
+        batch_experts=bank.num_experts,
+    )  # fmt: skip
 
 
 class Terms:
@@ -159,7 +163,13 @@ class Terms:
         if DIRECT_TERMS and not bank.takes_gemv(len(x)):
             into = Into(tok, self.buf.view(-1, self.buf.shape[-1]), self.rows(pair))
             bank.kernel(
-                x, *bank.kernel_weights(tensors), pair_w, rows.unsqueeze(1), batch_tokens=len(x), into=into
+                x,
+                *bank.kernel_weights(tensors),
+                pair_w,
+                rows.unsqueeze(1),
+                batch_tokens=len(x),
+                into=into,
+                batch_experts=bank.num_experts,
             )
             return
         self.put(pair, pair_terms(bank, tensors, x, tok, pair_w, rows))

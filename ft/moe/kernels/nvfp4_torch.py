@@ -23,10 +23,12 @@ def fused_moe_nvfp4_ref(
     ids: torch.Tensor,
     batch_tokens: int | None = None,
     into: Into | None = None,
+    batch_experts: int | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 codes [E, 2I, H/2], scales [E, 2I, H/16], globals [E, 2I]; w2 codes
     [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H].
-    One path at every size, so ``batch_tokens`` changes nothing. ``into``: ``fused_moe_ref``'s."""
+    One path and one order at every size, so ``batch_tokens`` and ``batch_experts`` change nothing.
+    ``into``: ``fused_moe_ref``'s."""
     e, two_i, half_h = w13.weight.shape
     assert half_h * 2 == x.shape[-1], f"w13 codes {tuple(w13.weight.shape)} do not fit x {tuple(x.shape)}"
     assert w2.weight.shape == (e, x.shape[-1], two_i // 4), (

@@ -3,9 +3,11 @@
 ``select_moe_kernel(fmt, device, tp_size, dtype=...)`` is called once at start-up (by the expert
 bank). When nothing fits, ``KernelSelectionError`` lists every candidate with the reason it was
 refused, so a missing wheel or an old GPU reads as such instead of as a wrong answer later.
-Kernels share the signature ``kernel(x, w13, w2, weights, ids, batch_tokens=None) -> [T, H]``
-of ``torch_ref.fused_moe_ref`` (``batch_tokens``: when x is part of a batch, as the offload
-backend's streamed pairs are, the kernel takes the path, GEMV or MMA, it takes for that batch);
+Kernels share the signature ``kernel(x, w13, w2, weights, ids, batch_tokens=None, into=None,
+batch_experts=None) -> [T, H]`` of ``torch_ref.fused_moe_ref`` (``batch_tokens``: when x is part
+of a batch, as the offload backend's streamed pairs are, the kernel takes the path, GEMV or MMA,
+and the tiles it takes for that batch; ``batch_experts``: the model's experts, when the bank's
+rows are others, a cache's slots or a staging buffer);
 for NVFP4 banks ``w13``/``w2`` are ``ft.quant.nvfp4.NVFP4Tensor`` stacks (codes, scales, per-row
 globals).
 This module does not load weights or decide where they live (that is the bank and the backend).

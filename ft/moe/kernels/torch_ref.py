@@ -16,10 +16,12 @@ def fused_moe_ref(
     ids: torch.Tensor,
     batch_tokens: int | None = None,
     into: Into | None = None,
+    batch_experts: int | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H].
-    One path at every size, so ``batch_tokens`` changes nothing. ``into``: the call's tokens are
-    rows of x, its terms go into rows of ``into.out`` (``Into``; gathered and scattered here)."""
+    One path and one order at every size, so ``batch_tokens`` and ``batch_experts`` change nothing.
+    ``into``: the call's tokens are rows of x, its terms go into rows of ``into.out`` (``Into``;
+    gathered and scattered here)."""
     if into is not None:
         into.check(x, ids, False)
         return into.scatter(fused_moe_ref(into.gather(x), w13, w2, weights, ids))

@@ -173,10 +173,13 @@ def fused_moe_triton(
     ids: torch.Tensor,
     batch_tokens: int | None = None,
     into: Into | None = None,
+    batch_experts: int | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] -> [T, H].
-    ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it. ``into``:
-    the call's tokens are rows of x and its terms go into rows of another tensor (``Into``)."""
+    ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it, and
+    ``batch_experts`` its model's experts when w13 holds other rows (a cache's slots, a staging
+    buffer): the tiles are that batch's (``mma_path``). ``into``: the call's tokens are rows of x
+    and its terms go into rows of another tensor (``Into``)."""
     if into is not None:
         into.check(x, ids, takes_gemv(batch_tokens or len(ids), w2.shape[-1]))
     t = len(ids)
@@ -188,24 +191,26 @@ def fused_moe_triton(
     e, inter, topk = check_operands(x, w13, w2, weights, ids, tokens=t)
     if t == 0:
         return torch.zeros_like(x) if into is None else into.out
-    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, batch_tokens=batch_tokens)
+    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, None, batch_tokens, batch_experts)
 
 
 def mma_path(
     launch, x, w13, w2, weights, ids, e: int, inter: int, into: Into | None, configs: dict | None = None,
-    batch_tokens: int | None = None,
+    batch_tokens: int | None = None, batch_experts: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """A fused MoE call's MMA path (bf16 and W4A16 alike, ``launch`` the kernel's launcher, its
     tiles from ``configs``, ``CONFIGS`` unless given): the pairs sorted by expert and padded,
     gate/up with SwiGLU into act [T*k, I], down weighted into y [T*k, H] (or ``into``'s rows,
     returned), the top-k sum. The tiles are the batch's (``batch_tokens``, when the call's pairs
-    are part of one): a tile's K step sets the order of each row's sums (the W4A16 table decode
-    reads a step's K in its own order), so a pair's term has the bits the whole batch's call gives
-    it only at the tiles that call takes; the offload backend's streamed calls of a few pairs each
-    took smaller ones, and a prompt's last bits then followed what the expert cache held."""
+    are part of one; ``batch_experts``, its model's experts, when the bank holds other rows): a
+    tile's K step sets the order of each row's sums (the W4A16 table decode reads a step's K in
+    its own order), so a pair's term has the bits the whole batch's call gives it only at the
+    tiles that call takes; the offload backend's streamed calls of a few pairs each took smaller
+    ones, and from a staging buffer of up to 128 rows the table of 128-expert models, and a
+    prompt's last bits then followed what the expert cache held."""
     t, h, topk = len(ids), x.shape[1], ids.shape[1]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    up_cfg, down_cfg = pick_config(batch_tokens or t, e, configs)
+    up_cfg, down_cfg = pick_config(batch_tokens or t, batch_experts or e, configs)
     topk_w = weights.reshape(-1).float().contiguous()  # [T*k]
     pairs = t * topk
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]

@@ -157,11 +157,13 @@ def fused_moe_w4a16(
     ids: torch.Tensor,
     batch_tokens: int | None = None,
     into: Into | None = None,
+    batch_experts: int | None = None,
 ) -> torch.Tensor:
     """x [T, H] bf16; w13 codes [E, 2I, H/2], scales [E, 2I, H/16], globals [E, 2I] (gate rows then
     up rows); w2 codes [E, H, I/2], scales [E, H, I/16], globals [E, H]; weights/ids [T, k] -> [T, H].
-    ``batch_tokens``: the batch whose path to take (GEMV or MMA) when x is a part of it. ``into``:
-    the call's tokens are rows of x and its terms go into rows of another tensor (``Into``)."""
+    ``batch_tokens``, ``batch_experts``: ``triton_moe.fused_moe_triton``'s (the batch's path and
+    tiles when x is part of it or the bank holds other rows). ``into``: the call's tokens are rows
+    of x and its terms go into rows of another tensor (``Into``)."""
     if into is not None:
         into.check(x, ids, takes_gemv(batch_tokens or len(ids), w2.weight.shape[-1] * 2))
     t = len(ids)
@@ -181,5 +183,7 @@ def fused_moe_w4a16(
 
         if gluon_w4a16.supports(w13, w2, x):
             configs = gluon_w4a16.CONFIGS
-            return mma_path(gluon_w4a16.launch, x, w13, w2, weights, ids, e, inter, into, configs, tiles)
-    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, CONFIGS, tiles)
+            return mma_path(
+                gluon_w4a16.launch, x, w13, w2, weights, ids, e, inter, into, configs, tiles, batch_experts
+            )
+    return mma_path(_launch, x, w13, w2, weights, ids, e, inter, into, CONFIGS, tiles, batch_experts)
