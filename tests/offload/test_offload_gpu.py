@@ -328,6 +328,33 @@ def test_offloaded_prompts_have_the_resident_bits_at_top_4(tmp_path, fmt):
         assert max_logprob_diff(got, want, decode=False) == 0.0, fraction
 
 
+def test_offloaded_long_prompts_have_the_resident_bits_beyond_128_experts(tmp_path):
+    """More than 128 experts and a chunk of more than 2,048 tokens: the resident call takes the
+    default tile table's last row, and a streamed group's call, on a staging buffer of fewer
+    rows, must take it too (``batch_experts``), not the 128-expert models' table, whose W4A16
+    gate/up row steps K by 64 where the default's steps by 128."""
+    write_nvfp4_checkpoint(
+        tmp_path,
+        "qwen3_next",
+        seed=8,
+        moe_intermediate_size=64,
+        num_experts=160,
+        num_experts_per_tok=4,
+        max_position_embeddings=4096,
+    )
+    path, prompt = tmp_path / "nvfp4", [(i * 7919 + 13) % 96 for i in range(2304)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+
+    def run(**options):
+        with LLM(model=str(path), progress=False, device="cuda", dtype="bfloat16", **options) as llm:
+            return llm.generate([prompt], params), llm.engine.stats()
+
+    want, _ = run(moe_backend="gpu")
+    got, stats = run(moe_backend="offload", expert_cache_fraction=0.25, moe_staging_experts=8)
+    assert stats.moe_misses > 0
+    assert max_logprob_diff(got, want, decode=False) == 0.0
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-route", "fused-route"])
 @pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
