@@ -160,12 +160,17 @@ class MultiprocExecutor:
         another rank's error fails the call as it comes (one larger than a pipe holds would block
         that rank, and the collective waiting for it, until the timeout), as a death does."""
         while not self.inbox[rank]:
-            if self._read(self._watched()):
-                self._fail(self._cause())
+            self._check(None)
         kind, payload = self.inbox[rank].popleft()
         if kind != expect:
             self._fail(f"rank {rank} sent {kind!r}, expected {expect!r}")
         return payload
+
+    def _check(self, timeout: float | None) -> None:
+        """Read what the ranks sent within ``timeout`` (None: until something comes); fail the
+        group (``WorkerError``) if a rank has failed."""
+        if self._read(self._watched(timeout)):
+            self._fail(self._cause())
 
     def _watched(self, timeout: float | None = None) -> list:
         """Those of the live ranks' pipes and sentinels that are ready (``wait``)."""
@@ -267,8 +272,8 @@ class MultiprocExecutor:
         """Raise ``WorkerError`` if a rank has died or sent an error since the last call, without
         waiting: an idle server asks every second, so a rank killed while no request runs stops it
         then (its supervisor restarts it) instead of failing the next request."""
-        if self.procs and self._read(self._watched(0)):
-            self._fail(self._cause())
+        if self.procs:
+            self._check(0)
 
     def _every_rank(self, cmd: str, payload) -> list:
         for conn in self.conns:

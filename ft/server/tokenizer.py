@@ -37,6 +37,7 @@ class Tokenizer:
     def __init__(self, hf_tokenizer) -> None:
         self.hf = hf_tokenizer
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+        self.special_ids = frozenset(hf_tokenizer.all_special_ids)  # read by every request's detokenizer
 
     @classmethod
     def load(cls, path: str | None) -> Tokenizer | None:
@@ -48,10 +49,6 @@ class Tokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        return frozenset(self.hf.all_special_ids)
 
     @property
     def has_chat_template(self) -> bool:
